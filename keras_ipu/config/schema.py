@@ -1,0 +1,610 @@
+"""The IPUConfig schema, as data, and the IPUConfig class it defines.
+
+Every option of the reference's `IPUConfig` (SDK 3.4) is declared here with
+its type, default and meaning, and with an `effect` note saying what it does
+on keras_ipu's device model. Most options tune the Poplar compiler and have no
+counterpart in JAX: they are accepted and validated so ported code runs, and
+documented as having no effect.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple, Union
+
+from keras_ipu.config import attributes
+from keras_ipu.config.attributes import (
+    Category,
+    Option,
+    at_least,
+    between,
+    distinct,
+    each,
+    mapping_entry,
+    one_of,
+)
+from keras_ipu.config.enums import (
+    DeviceConnectionType,
+    MergeRemoteBuffersBehaviour,
+    SchedulingAlgorithm,
+    SelectionOrder,
+)
+
+NO_EFFECT = "no effect on the device model (accepted and validated)."
+IPU_VERSIONS = ("ipu1", "ipu2", "ipu21")
+
+# The type the reference gives both IPU selection options.
+IPUSelection = Union[int, List[int], Tuple[int, ...]]
+
+
+def _fraction(value: object) -> bool:
+    # Poplar takes option values as strings ("0.6"), so accept those as well
+    # as numbers; bools are neither.
+    if isinstance(value, bool):
+        return False
+    try:
+        return 0.0 <= float(value) <= 1.0
+    except (TypeError, ValueError):
+        return False
+
+
+_AVAILABLE_MEMORY_PROPORTION = mapping_entry(
+    "availableMemoryProportion",
+    attributes.Check("must be a number in [0, 1] (a float or a string such as '0.6')", _fraction),
+)
+
+
+def _ignored(name, type_, default, doc, checks=()) -> Option:
+    return Option(name, type_, default, doc, effect=NO_EFFECT, checks=checks)
+
+
+def _poplar_options(doc: str, checks=()) -> Option:
+    return _ignored("poplar_options", dict, {}, doc, checks)
+
+
+_CONVOLUTIONS = Category(
+    "convolutions",
+    "Sub-category containing configuration options that affect convolutions.",
+    (
+        _poplar_options(
+            "Set the PopLibs convolution options for the session. Must be a dictionary of "
+            "valid PopLibs convolution options (see createWeights in the PopLibs API "
+            "reference); they are applied to all convolution operations. Of note is "
+            '"availableMemoryProportion", the proportion of tile memory made available as '
+            "temporary memory for convolutions (a float between 0 and 1.0).",
+            (_AVAILABLE_MEMORY_PROPORTION,),
+        ),
+    ),
+)
+
+_DEVICE_CONNECTION = Category(
+    "device_connection",
+    "Sub-category containing configuration options to control when to attach to IPU devices.",
+    (
+        Option(
+            "type",
+            DeviceConnectionType,
+            DeviceConnectionType.ALWAYS,
+            "Configure when to attach to the device. For example, you can use this to compile "
+            "and cache a program without attaching to an IPU, and then later run on a real "
+            "IPU device without recompiling. Setting the connection type doesn't impact the "
+            "ability to profile a model. For possible values, see DeviceConnectionType.",
+            effect="ALWAYS and ON_DEMAND run programs on the JAX devices; with NEVER and "
+            "PRE_COMPILE programs are compiled and measured but not executed.",
+        ),
+        Option(
+            "version",
+            str,
+            "",
+            'Version of the IPU hardware to use (string). Must be one of "ipu1", "ipu2", '
+            '"ipu21" or "" (default). Only required if the connection type is '
+            "DeviceConnectionType.PRE_COMPILE or DeviceConnectionType.NEVER.",
+            effect="validated only; the device model models ipu_model.version, whatever "
+            "the connection type.",
+            checks=(one_of("", *IPU_VERSIONS),),
+        ),
+        _ignored(
+            "enable_remote_buffers",
+            bool,
+            False,
+            "When the connection type is PRE_COMPILE, NEVER or ON_DEMAND, whether remote "
+            "buffers are enabled and supported on the system which will eventually execute "
+            "the compiled programs. Ignored with ALWAYS, where the device can be queried.",
+        ),
+    ),
+)
+
+_MULTI_REPLICA_DISTRIBUTION = Category(
+    "multi_replica_distribution",
+    "Sub-category containing configuration options controlling multi replica distribution. "
+    "This uses the Poplar runtime replica subset feature to let multiple processes "
+    "collaborate on executing the same Poplar program by executing a subset of the global "
+    "replicas each. The total global replication factor will be equal to the local "
+    "replication factor multiplied by the process_count.",
+    (
+        _ignored(
+            "process_index",
+            int,
+            0,
+            "The index of the current process being configured.",
+            (at_least(0),),
+        ),
+        _ignored(
+            "process_count",
+            int,
+            0,
+            "The total number of processes. When set to 0 (default), multi-replica "
+            "distribution will not be used.",
+            (at_least(0),),
+        ),
+    ),
+)
+
+_EXPERIMENTAL = Category(
+    "experimental",
+    "Sub-category containing experimental configuration options that may be changed or "
+    "removed with short or no notice.",
+    (
+        _ignored(
+            "always_rearrange_copies_on_the_host",
+            bool,
+            False,
+            "Data streamed to/from the device might be stored in different layouts on the "
+            "device and on the host; if so it is rearranged on the device by default. When "
+            "enabled, the rearrangement is performed on the host at the expense of latency.",
+        ),
+        _ignored(
+            "enable_remote_buffer_embedding",
+            bool,
+            False,
+            "When set to true, HostEmbedding will make use of Poplar remote buffers.",
+        ),
+        _MULTI_REPLICA_DISTRIBUTION,
+    ),
+)
+
+_FLOATING_POINT_NO_EFFECT = (
+    "no effect on the device model: JAX follows the host device's IEEE 754 arithmetic "
+    "(no floating point exceptions, round to nearest)."
+)
+
+
+def _floating_point(name: str, doc: str) -> Option:
+    return Option(name, bool, False, doc, effect=_FLOATING_POINT_NO_EFFECT)
+
+
+_FLOATING_POINT_BEHAVIOUR = Category(
+    "floating_point_behaviour",
+    "Sub-category containing configuration options that affect the floating point "
+    "behaviour of the IPU devices, including stochastic rounding and behaviour when an "
+    "overflow is encountered during execution.",
+    (
+        _floating_point(
+            "inv",
+            "If True, a floating point invalid operation (defined by IEEE 754) will cause an "
+            "exception.",
+        ),
+        _floating_point(
+            "div0", "If True, a floating point divide by zero operation will cause an exception."
+        ),
+        _floating_point("oflo", "If True, a floating point overflow will cause an exception."),
+        _floating_point("esr", "If True, stochastic rounding will be enabled."),
+        _floating_point("nanoo", "If True, Not-a-Number (NaN) on overflow mode will be enabled."),
+        _floating_point(
+            "set_all",
+            "If True, unconditionally enables all floating point behaviour options (inv, "
+            "div0, oflo, esr, nanoo) when the IPUConfig is configured.",
+        ),
+    ),
+)
+
+_IO_TILES = Category(
+    "io_tiles",
+    "Sub-category containing configuration options that affect parallel I/O on a subset of "
+    "tiles.",
+    (
+        _ignored("num_io_tiles", int, 0, "Number of tiles to reserve for I/O.", (at_least(0),)),
+        _ignored(
+            "place_ops_on_io_tiles",
+            bool,
+            False,
+            "Whether to place TensorFlow I/O operations on the I/O tiles.",
+        ),
+        _ignored(
+            "available_memory_proportion",
+            float,
+            0.9,
+            "Proportion of I/O tiles' memory which can be used to store data in, with the "
+            "remaining memory assumed to be used by code. If the data to be stored on I/O "
+            "tiles exceeds the I/O tiles' memory times this proportion, a warning is given "
+            "and the operations are not placed on I/O tiles.",
+            (between(0, 1),),
+        ),
+    ),
+)
+
+_IPU_MODEL = Category(
+    "ipu_model",
+    "Sub-category containing configuration options related to the IPU model. In the "
+    "reference these only had an effect when running with the IPU model enabled "
+    "(TF_POPLAR_FLAGS=--use_ipu_model); keras_ipu always runs its device model, so they "
+    "always apply.",
+    (
+        _ignored(
+            "compile_ipu_code", bool, True, "Whether or not to compile IPU code for modelling."
+        ),
+        Option(
+            "tiles_per_ipu",
+            int,
+            0,
+            "The number of tiles per IPU Model device. When set to 0 (the default), the "
+            "standard number of tiles for the chosen version is used.",
+            effect="tiles of every virtual IPU, which scales its memory and compute; 0 uses "
+            "--ipu_model_tiles from the flags if given, else the version's standard count.",
+            checks=(at_least(0),),
+        ),
+        Option(
+            "version",
+            str,
+            "ipu2",
+            'Specify the IPU version to be used by the IPU Model. Options are "ipu1", "ipu2" '
+            '(default) or "ipu21".',
+            effect="the IPU hardware every virtual IPU models (tiles, memory per tile, clock, "
+            "flops) for memory and cycle accounting.",
+            checks=(one_of(*IPU_VERSIONS),),
+        ),
+    ),
+)
+
+_MATMULS = Category(
+    "matmuls",
+    "Sub-category containing configuration options that affect matmuls.",
+    (
+        _ignored(
+            "clear_pass_type",
+            bool,
+            False,
+            'Controls whether or not the "Pass" type of the MatMul is passed to PopLibs. When '
+            "set to True, PopLibs will not be told about the type of the MatMuls in the "
+            "graph. This can save memory in some circumstances.",
+        ),
+        _poplar_options(
+            "Set the PopLibs matrix multiplication options for the session. Must be a "
+            "dictionary of valid PopLibs matrix multiplication options (see matMul in the "
+            "PopLibs API reference); they are applied to all matmul operations. Of note is "
+            '"availableMemoryProportion", the proportion of tile memory made available as '
+            "temporary memory for matrix multiplications (a float between 0 and 1.0).",
+            (_AVAILABLE_MEMORY_PROPORTION,),
+        ),
+    ),
+)
+
+_NORMS = Category(
+    "norms",
+    "Sub-category containing configuration options that affect normalizations. They apply "
+    "to all normalisation operations (Fused Batch Norm, IPU Specific Group Norm, IPU "
+    "Specific Layer Norm and IPU Specific Instance Norm).",
+    (
+        _ignored(
+            "use_stable_statistics",
+            bool,
+            False,
+            "If True, computes the mean minus the activations first before computing the "
+            "variance. The implementation with this flag set to True is slower than when set "
+            "to False.",
+        ),
+        Category(
+            "experimental",
+            "Sub-category containing experimental configuration options for normalizations "
+            "that may be changed or removed with short or no notice.",
+            (
+                _ignored(
+                    "distributed_batch_norm_replica_group_size",
+                    int,
+                    1,
+                    "When executing fused batch-norms for training, how many replicas to "
+                    "aggregate the batch statistics across: with four replicas and a value "
+                    "of two, replicas 0 and 1 form one group and replicas 2 and 3 another. "
+                    "Should not be used with model parallelism (pipelining) and is not "
+                    "supported with I/O tiles.",
+                    (at_least(1),),
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def _buffer_size(name: str, doc: str, default: int = 0) -> Option:
+    return _ignored(name, int, default, doc, (at_least(0),))
+
+
+_OPTIMIZATIONS = Category(
+    "optimizations",
+    "Sub-category containing configuration options that control a variety of optimizations "
+    "made when lowering the TensorFlow graph to Poplar.",
+    (
+        _ignored(
+            "prefetch_data_streams",
+            bool,
+            True,
+            "If True (default), prefetching of data for data streams on the host will be "
+            "overlapped with execution on the IPU.",
+        ),
+        _ignored(
+            "combine_embedding_lookups",
+            bool,
+            False,
+            "If True, fuse embedding lookups which are on the same tensor. This might "
+            "improve performance but increase memory usage.",
+        ),
+        _ignored(
+            "combine_matmuls",
+            bool,
+            False,
+            "If True, fuse matmul operations if they share the same weights or the same input.",
+        ),
+        _ignored(
+            "enable_graph_outlining",
+            bool,
+            True,
+            "If True (default), operations in the graph which are the same but with different "
+            "input tensors may be outlined: the same code is re-used to execute them, saving "
+            "program memory at the cost of exchanging their inputs.",
+        ),
+        _ignored(
+            "merge_infeed_io_copies",
+            bool,
+            False,
+            "If True, merge the streamed host to device input copies into one larger copy. "
+            "This may reduce the time to copy data from the host, at the expense of "
+            "increasing the live tensor memory on the device.",
+        ),
+        _buffer_size(
+            "maximum_cross_replica_sum_buffer_size",
+            "The maximum number of bytes that can be waiting before a cross replica sum op is "
+            "scheduled. 0 (default) means that they are scheduled immediately.",
+        ),
+        _buffer_size(
+            "maximum_reduce_scatter_buffer_size",
+            "The maximum number of bytes that can be waiting before a reduce scatter op is "
+            "scheduled.",
+        ),
+        _buffer_size(
+            "maximum_inter_ipu_copies_buffer_size",
+            "The maximum number of bytes that can be waiting before an inter IPU copy between "
+            "IPUs is scheduled.",
+        ),
+        _buffer_size(
+            "maximum_send_recv_cluster_size",
+            "The maximum number of bytes that can be waiting before a cluster of send/recv "
+            "instructions to/from the host is scheduled.",
+        ),
+        _buffer_size(
+            "minimum_remote_tensor_size",
+            "The minimum size (in bytes) a tensor must be in order to be considered for being "
+            "stored in remote memory.",
+            default=128,
+        ),
+        _ignored(
+            "merge_remote_buffers",
+            MergeRemoteBuffersBehaviour,
+            MergeRemoteBuffersBehaviour.IF_BENEFICIAL,
+            "Whether to merge compatible remote buffers. Merging of remote buffers can allow "
+            "for more code re-use if the only difference between computations are the remote "
+            "buffers being accessed. Must be a MergeRemoteBuffersBehaviour.",
+        ),
+        _ignored(
+            "enable_gather_simplifier",
+            bool,
+            True,
+            "If True (default), more aggressive optimizations will be done on embedding "
+            "lookups.",
+        ),
+        _buffer_size(
+            "triangular_solve_expander_block_size",
+            "Defines the block size for the triangular solver expander. A value of 0 "
+            "(default) selects an implementation defined default.",
+        ),
+        _buffer_size(
+            "cholesky_block_size",
+            "Defines the block size for the Cholesky factoriser. A value of 0 (default) "
+            "selects an implementation defined default.",
+        ),
+        _ignored(
+            "enable_fast_math",
+            bool,
+            False,
+            "Enables optimizations which allow arbitrary reassociations and transformations "
+            "of mathematical operations with no accuracy guarantees.",
+        ),
+    ),
+)
+
+_POOLING = Category(
+    "pooling",
+    "Sub-category containing configuration options that affect pooling operations.",
+    (
+        _poplar_options(
+            "Set the PopLibs pooling compilation options for the session. Must be a "
+            "dictionary of valid PopLibs pooling options (see pool in the PopLibs API "
+            "reference); they are applied to all pooling operations.",
+        ),
+    ),
+)
+
+_SCHEDULING = Category(
+    "scheduling",
+    "Sub-category containing configuration options that affect the scheduling of "
+    "operations in the graph during compilation.",
+    (
+        _ignored(
+            "algorithm",
+            SchedulingAlgorithm,
+            SchedulingAlgorithm.CHOOSE_BEST,
+            "A SchedulingAlgorithm. If SchedulingAlgorithm.CHOOSE_BEST (default), several "
+            "schedules will be created and the one with the lowest predicted liveness chosen. "
+            "Setting this to a specific scheduling algorithm forces the compiler to use it.",
+        ),
+        # A depth or search space of 0 would leave LOOK_AHEAD nothing to
+        # search, so both must be at least 1.
+        _ignored(
+            "maximum_scheduler_lookahead_depth",
+            int,
+            5,
+            "Controls how far the LOOK_AHEAD scheduling algorithm can look beyond a given "
+            "scheduling decision to understand the max-liveness implications. Only for "
+            "SchedulingAlgorithm.LOOK_AHEAD.",
+            (at_least(1),),
+        ),
+        _ignored(
+            "maximum_scheduler_search_space_size",
+            int,
+            64,
+            "The upper-limit to the size of the LOOK_AHEAD scheduling algorithm's search space "
+            "to guarantee that it will terminate in a reasonable amount of time. Only for "
+            "SchedulingAlgorithm.LOOK_AHEAD.",
+            (at_least(1),),
+        ),
+    ),
+)
+
+IPU_CONFIG_SCHEMA = Category(
+    "",
+    "Configuration of an IPU system.",
+    (
+        Option(
+            "allow_recompute",
+            bool,
+            False,
+            "Whether or not to recompute instructions during training. If enabled, "
+            "instructions/pipeline stages of the forward pass are recomputed in the backward "
+            "pass instead of preserving their activations, reducing memory at the expense of "
+            "extra computation. Stateful operations cannot be recomputed.",
+            effect="recomputes pipeline stage activations in the backward pass (pipelining).",
+        ),
+        Option(
+            "selection_order",
+            SelectionOrder,
+            SelectionOrder.AUTO,
+            "The order in which IPUs are selected and mapped to physical IPU devices when "
+            "using multi-IPU devices. Must be one of SelectionOrder.",
+            effect="the order in which virtual IPUs are mapped onto JAX devices: AUTO and "
+            "ZIGZAG keep the natural order; SNAKE (0, 1, 3, 2, 4, 5, 7, 6, ...) and HOOF "
+            "(0, 2, 4, ..., 5, 3, 1) generalise the reference's 16-IPU orders to any count.",
+        ),
+        _ignored(
+            "serialization_output_folder",
+            str,
+            "",
+            "Specifies the directory in which serialized Poplar executables will be saved. The "
+            'default ("") disables executable serialization.',
+        ),
+        _ignored(
+            "compilation_poplar_options",
+            dict,
+            {},
+            "Set the Poplar compilation options for the session. Must be a dictionary of valid "
+            "Poplar compilation flags (see the Engine class in the Poplar API reference).",
+        ),
+        _ignored(
+            "gcl_poplar_options",
+            dict,
+            {},
+            "Set the IPU options for the Graphcore Communication Library. Must be a dictionary "
+            "of valid GCL options (see allReduce in the GCL API reference); they are applied "
+            "to all applicable GCL collective operations.",
+        ),
+        Option(
+            "auto_select_ipus",
+            IPUSelection,
+            [],
+            "Configure the IPUs to be used by the session: a system of TensorFlow devices "
+            "labeled /device:IPU:0, /device:IPU:1 and so on, each controlling the given "
+            "number of IPUs. `1` creates one device with one IPU; `[2, 2]` two devices with "
+            "two IPUs each; `[1, 2]` one device with one IPU and one with two. The empty "
+            "default means not set.",
+            effect="the number of virtual IPUs of each device; every virtual IPU is mapped "
+            "onto one JAX device.",
+            checks=(each(at_least(1)),),
+        ),
+        Option(
+            "select_ipus",
+            IPUSelection,
+            [],
+            "Configure the IPUs to be used by the session by device configuration index (as "
+            "listed by `gc-info -l`): a system of TensorFlow devices labeled /device:IPU:0, "
+            "/device:IPU:1 and so on, one per index. `0` creates one device using "
+            "configuration 0; `[0, 1]` two devices. The empty default means not set.",
+            effect="each index means one device with one virtual IPU; the index values "
+            "only have to be distinct, as the device model has no gc-info listing.",
+            checks=(each(at_least(0)), distinct()),
+        ),
+        _CONVOLUTIONS,
+        _DEVICE_CONNECTION,
+        _EXPERIMENTAL,
+        _FLOATING_POINT_BEHAVIOUR,
+        _IO_TILES,
+        _IPU_MODEL,
+        _MATMULS,
+        _NORMS,
+        _OPTIMIZATIONS,
+        _POOLING,
+        _SCHEDULING,
+    ),
+)
+
+
+class IPUConfig(attributes.Config):
+    """Configuration of an IPU system, set attribute by attribute.
+
+    Every attribute below exists with the type and default the reference
+    documents. Assignments are checked at once: an unknown name raises
+    `AttributeError` naming the closest valid one, a value of the wrong type
+    raises `TypeError`, a value out of range raises `ValueError`, and the
+    stored value is then unchanged. Sub-categories are reached by attribute
+    access (`config.ipu_model.tiles_per_ipu = 8`) and cannot be assigned.
+
+    Each attribute's "keras_ipu" note says what it does on the device model;
+    most options tune Poplar and have no effect there.
+
+    Example:
+
+    ```python
+    config = IPUConfig()
+    config.auto_select_ipus = 2
+    config.ipu_model.tiles_per_ipu = 8
+    config.configure_ipu_system()
+    ```
+    """
+
+    _schema = IPU_CONFIG_SCHEMA
+
+    def configure_ipu_system(self, device: str = "cpu") -> None:
+        """Configure the IPU system with this config.
+
+        Same as `keras_ipu.config.configure_ipu_system(self, device)`.
+
+        Args:
+            device: The CPU device which is local to the IPU hardware: a
+                string such as `"cpu"` or `"/device:CPU:0"`. No other effect.
+
+        Raises:
+            ValueError: When neither or both of `auto_select_ipus` and
+                `select_ipus` are set, or `device` is not a CPU device.
+            RuntimeError: When the JAX devices cannot hold the IPUs.
+        """
+        # Imported here: the system module imports this one.
+        from keras_ipu.config import system
+
+        system.configure_ipu_system(self, device)
+
+
+# Generated from the schema so the documentation cannot drift from it
+# (skipped under `python -OO`, which strips docstrings).
+if IPUConfig.__doc__:
+    IPUConfig.__doc__ = (
+        IPUConfig.__doc__.rstrip()
+        + "\n\n    "
+        + attributes.describe(IPU_CONFIG_SCHEMA, width=75).replace("\n", "\n    ")
+        + "\n    "
+    )

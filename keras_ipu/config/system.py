@@ -1,0 +1,204 @@
+"""Configuring the IPU system from an IPUConfig, and forgetting it again.
+
+The device layer (`keras_ipu.device`) does the work: these functions check the
+config, read the environment's flags, and translate both into the device
+layer's terms. The device layer is imported on first use, so importing
+`keras_ipu.config` stays light and does not start JAX.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from keras_ipu.config.flags import PoplarFlags, read_flags
+from keras_ipu.config.schema import IPUConfig
+
+# TensorFlow spellings of a host CPU device, compared in lower case.
+_CPU_DEVICE_PREFIXES = ("cpu", "/cpu", "/device:cpu")
+
+_HOW_TO_CONFIGURE = (
+    "    config = keras_ipu.config.IPUConfig()\n"
+    "    config.auto_select_ipus = 1\n"
+    "    config.configure_ipu_system()\n"
+)
+
+# The configured IPUConfig (a private copy), or None.
+_configured: IPUConfig | None = None
+
+
+def configure_ipu_system(
+    config: IPUConfig, device: str = "cpu", reset_configuration: bool = True
+) -> None:
+    """Configure an IPU system with an IPUConfig instance.
+
+    Creates one TensorFlow-style device (`/device:IPU:0`, `/device:IPU:1`,
+    ...) per entry of `config.auto_select_ipus` with that many virtual IPUs,
+    or one per index of `config.select_ipus` with one virtual IPU each (the
+    device model has no `gc-info` listing, so an index stands for one IPU).
+    Virtual IPUs are mapped onto JAX devices in `config.selection_order`; each
+    models the hardware `config.ipu_model.version` with
+    `config.ipu_model.tiles_per_ipu` tiles (0: `--ipu_model_tiles` from the
+    flags, else the version's standard count). The flags in
+    `TF_POPLAR_FLAGS` and `KERAS_IPU_FLAGS` are read now.
+
+    Args:
+        config: An `IPUConfig` instance. The reference also took an
+            `IpuOptions` protobuf; keras_ipu has none.
+        device: The TensorFlow virtual CPU device which is local to the IPU
+            hardware, e.g. `"cpu"` or `"/device:CPU:0"`. No other effect.
+        reset_configuration: Whether to reset any existing IPU configuration.
+            When False and a system is already configured, raises.
+
+    Returns:
+        None
+
+    Raises:
+        TypeError: When `config` is not an `IPUConfig`.
+        ValueError: When neither or both of `auto_select_ipus` and
+            `select_ipus` are set, `device` is not a CPU device, or a value
+            changed in place (a list or dict read back and edited) is invalid.
+        RuntimeError: When a system is configured and `reset_configuration`
+            is False, or when the JAX devices cannot hold the IPUs (from the
+            device layer, unchanged).
+
+    Example:
+
+    ```python
+    config = IPUConfig()
+    config.auto_select_ipus = [1, 2]   # /device:IPU:0 with 1 IPU, :1 with 2
+    configure_ipu_system(config)
+    ```
+    """
+    global _configured
+    if not isinstance(config, IPUConfig):
+        raise TypeError(
+            f"configure_ipu_system expects an IPUConfig, got {config!r} of type "
+            f"{type(config).__name__}. Create one with keras_ipu.config.IPUConfig()."
+        )
+    _check_device(device)
+    config._validate()
+    device_sizes = _device_sizes(config)
+    flags = read_flags()
+
+    from keras_ipu.device import hardware, system
+
+    if not reset_configuration and (_configured is not None or system.current() is not None):
+        raise RuntimeError(
+            "An IPU system is already configured. Call "
+            "keras_ipu.config.reset_ipu_configuration() first, or pass "
+            "reset_configuration=True."
+        )
+    reset_ipu_configuration()
+    tiles = int(config.ipu_model.tiles_per_ipu or flags.ipu_model_tiles or 0)
+    system.configure(
+        device_sizes,
+        hardware.hardware_for(config.ipu_model.version, tiles),
+        selection_order=config.selection_order.name,
+        options=_runtime_options(config, flags),
+    )
+    _configured = copy.deepcopy(config)
+
+
+def reset_ipu_configuration() -> None:
+    """Reset the IPU configuration in preparation for it to be reconfigured.
+
+    Forgets the configured system and its IPUConfig. The device model runs
+    programs synchronously, so nothing is left executing to wait for.
+
+    Returns:
+        None
+
+    Example:
+
+    ```python
+    reset_ipu_configuration()
+    config.configure_ipu_system()
+    ```
+    """
+    global _configured
+    from keras_ipu.device import system
+
+    system.reset()
+    _configured = None
+
+
+def get_ipu_config(session: Any = None) -> IPUConfig:
+    """Get the configuration of the IPU system.
+
+    The reference returned a list of `IpuOptions` protobufs, one per
+    PoplarExecutor; keras_ipu returns the `IPUConfig` the system was
+    configured with.
+
+    Args:
+        session: Accepted for compatibility with TensorFlow 1 code; ignored.
+
+    Returns:
+        A copy of the configured `IPUConfig`; changing it changes nothing
+        until it is configured again.
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    ```python
+    config.auto_select_ipus = 2
+    config.configure_ipu_system()
+    get_ipu_config().auto_select_ipus   # 2
+    ```
+    """
+    del session  # No sessions in keras_ipu.
+    if _configured is None:
+        raise RuntimeError(
+            "No IPU system is configured. Configure one first, e.g.:\n\n" + _HOW_TO_CONFIGURE
+        )
+    return copy.deepcopy(_configured)
+
+
+def _check_device(device: Any) -> None:
+    if not (isinstance(device, str) and device.lower().startswith(_CPU_DEVICE_PREFIXES)):
+        raise ValueError(
+            f"device must name the host CPU device, such as 'cpu' or '/device:CPU:0', "
+            f"got {device!r}."
+        )
+
+
+def _is_set(selection: Any) -> bool:
+    # An int is set even when it is 0 (select_ipus = 0 picks index 0); a list
+    # or tuple is set when it is not empty.
+    return not isinstance(selection, (list, tuple)) or len(selection) > 0
+
+
+def _device_sizes(config: IPUConfig) -> tuple[int, ...]:
+    auto, select = config.auto_select_ipus, config.select_ipus
+    if _is_set(auto) and _is_set(select):
+        raise ValueError(
+            f"Only one of auto_select_ipus and select_ipus may be set, got "
+            f"auto_select_ipus={auto!r} and select_ipus={select!r}. Reset one of them "
+            f"to [] (not set)."
+        )
+    if _is_set(auto):
+        return tuple(int(n) for n in _as_list(auto))
+    if _is_set(select):
+        return (1,) * len(_as_list(select))
+    raise ValueError(
+        "No IPUs requested: set `auto_select_ipus` (or `select_ipus`) before "
+        "configuring the system, e.g. `config.auto_select_ipus = 1`."
+    )
+
+
+def _as_list(selection: Any) -> list:
+    return list(selection) if isinstance(selection, (list, tuple)) else [selection]
+
+
+def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
+    # What the device layer's runtime reads; everything else in the config
+    # has no effect on the device model.
+    return {
+        "allow_recompute": config.allow_recompute,
+        "device_connection_type": config.device_connection.type.name,
+        "use_synthetic_data": flags.use_synthetic_data,
+        "synthetic_data_initializer": flags.synthetic_data_initializer,
+        "executable_cache_path": flags.executable_cache_path,
+    }

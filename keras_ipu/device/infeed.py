@@ -1,0 +1,103 @@
+"""The infeed: a host thread that moves the next executions' data onto the device.
+
+While the device runs execution k, the thread prepares the host data of
+execution k+1 and copies it to the IPU's device, so the host work and the
+transfer overlap with the device's work.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+
+_DONE = object()
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class Infeed:
+    """Iterates `source` on a background thread, `depth` items ahead.
+
+    Args:
+        source: An iterable of items; it is iterated on the thread.
+        place: Applied to each item on the thread, e.g. a copy to a device.
+        depth: Items prepared ahead of the consumer, at most.
+
+    An exception raised by `source` or `place` is re-raised to the consumer
+    at the item where it happened.
+
+    Example:
+
+    >>> with Infeed(batches, lambda b: jax.device_put(b, device)) as infeed:
+    ...     for batch in infeed:
+    ...         state, outfeed = program(state, batch)
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        place: Callable[[Any], Any] = lambda item: item,
+        depth: int = 2,
+    ):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, args=(source, place), name="keras_ipu-infeed", daemon=True
+        )
+        self._thread.start()
+
+    def _produce(self, source: Iterable[Any], place: Callable[[Any], Any]) -> None:
+        try:
+            for item in source:
+                if self._stop.is_set():
+                    return
+                self._put((True, place(item)))
+        except BaseException as error:  # handed to the consumer
+            self._put((False, error))
+            return
+        self._put((True, _DONE))
+
+    def _put(self, entry: tuple[bool, Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        ok, item = self._queue.get()
+        if not ok:
+            raise item
+        if item is _DONE:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stops the thread and drops what it prepared."""
+        self._stop.set()
+        # A source blocked inside its own iteration cannot be interrupted;
+        # the daemon thread is then left to finish on its own.
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+
+    def __enter__(self) -> "Infeed":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def to_device(device: jax.Device) -> Callable[[Any], Any]:
+    """A `place` function that copies an item's arrays to `device`."""
+    return lambda tree: jax.device_put(tree, device)

@@ -1,0 +1,184 @@
+"""Device programs: one execution = one compiled on-device loop over steps.
+
+An execution takes the program state (weights, optimizer slots, metric
+state, ...) and the stacked batches of `steps` steps (the infeed), runs the
+step function `steps` times in a `lax.scan` on the IPU's device without
+returning to Python, and gives back the new state and the stacked per-step
+outputs (the outfeed). Each distinct input signature is compiled once,
+measured, and checked against the IPU's memory before it first runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from keras_ipu.device import accounting
+from keras_ipu.device.hardware import IPUHardware
+from keras_ipu.device.report import ExecutionReport, IPUReport
+from keras_ipu.device.system import VirtualIPU
+from keras_ipu.errors import IPUOutOfMemoryError
+
+State = Any
+Batch = Any
+Outputs = Any
+StepFn = Callable[[State, Batch], tuple[Outputs, State]]
+
+# XLA:CPU can deadlock with many multi-device executions queued; an IPU runs
+# one execution at a time anyway. A few in flight keep the device busy.
+DEFAULT_MAX_IN_FLIGHT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Executable:
+    compiled: Any
+    report: ExecutionReport
+
+
+class ExecutionProgram:
+    """Runs `steps` steps of a step function per call, on one IPU.
+
+    Args:
+        step_fn: A pure function `(state, batch) -> (outputs, new_state)`.
+        mode: The program's name in reports and errors (`"fit"`, ...).
+        ipu: The virtual IPU that runs the program and holds its state.
+        hardware: The hardware description used for the accounting.
+        half_precision: Whether the step computes in 16-bit floats (the
+            cycle estimate then uses the 16-bit peak rate).
+        max_in_flight: Executions dispatched but not finished, at most.
+
+    Example:
+
+    >>> program = ExecutionProgram(step, mode="fit", ipu=system.ipus[0],
+    ...                            hardware=system.hardware)
+    >>> state, outfeed = program(state, stacked_batches)  # one execution
+    >>> program.report.ipus[0].memory_bytes
+    """
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        *,
+        mode: str,
+        ipu: VirtualIPU,
+        hardware: IPUHardware,
+        half_precision: bool = False,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    ):
+        self._step_fn = step_fn
+        self.mode = mode
+        self.ipu = ipu
+        self.hardware = hardware
+        self.half_precision = half_precision
+        self._jitted = jax.jit(self._execution, donate_argnums=0)
+        self._executables: dict[Any, _Executable] = {}
+        self._in_flight: collections.deque = collections.deque()
+        self._max_in_flight = max_in_flight
+        self.report: ExecutionReport | None = None
+
+    @property
+    def device(self) -> jax.Device:
+        """The JAX device the program runs on."""
+        return self.ipu.device
+
+    def _execution(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+        def body(carry, batch):
+            outputs, carry = self._step_fn(carry, batch)
+            return carry, outputs
+
+        return jax.lax.scan(body, state, batches)
+
+    def prepare(self, state: State, batches: Batch) -> ExecutionReport:
+        """Compiles and measures the program for these inputs (cached).
+
+        Returns:
+            The `ExecutionReport` for this input signature.
+
+        Raises:
+            IPUOutOfMemoryError: When the program does not fit the IPU.
+        """
+        return self._executable(state, batches).report
+
+    def __call__(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+        """Runs one execution (asynchronously) and returns state and outfeed."""
+        executable = self._executable(state, batches)
+        self.report = executable.report
+        new_state, outfeed = executable.compiled(state, batches)
+        self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else new_state)
+        return new_state, outfeed
+
+    def wait(self) -> None:
+        """Blocks until every dispatched execution has finished."""
+        while self._in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
+
+    def _bound_in_flight(self, marker: Any) -> None:
+        self._in_flight.append(jax.tree_util.tree_leaves(marker)[0])
+        while len(self._in_flight) > self._max_in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
+
+    def _executable(self, state: State, batches: Batch) -> _Executable:
+        key = _signature((state, batches))
+        executable = self._executables.get(key)
+        if executable is None:
+            executable = self._compile(state, batches)
+            self._executables[key] = executable
+        return executable
+
+    def _compile(self, state: State, batches: Batch) -> _Executable:
+        started = time.perf_counter()
+        lowered = self._jitted.lower(state, batches)
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - started
+        steps = jax.tree_util.tree_leaves(batches)[0].shape[0]
+        outfeed_shapes = compiled.out_info[1]
+        step_io = (_one_step(batches), _one_step(outfeed_shapes))
+        memory = accounting.memory_use(compiled, state, step_io)
+        cost = accounting.step_cost(compiled)
+        cycles = cost.cycles(self.hardware, self.half_precision) * steps
+        report = ExecutionReport(
+            mode=self.mode,
+            hardware=f"{self.hardware.name} ({self.hardware.version})",
+            clock_hz=self.hardware.clock_hz,
+            steps_per_execution=steps,
+            ipus=(
+                IPUReport(
+                    index=self.ipu.index,
+                    memory_bytes=memory.total_bytes,
+                    memory_capacity_bytes=self.hardware.memory_capacity_bytes,
+                    estimated_cycles=int(round(cycles)),
+                    state_bytes=memory.state_bytes,
+                    temporary_bytes=memory.temporary_bytes + memory.code_bytes,
+                    io_bytes=memory.io_bytes,
+                    device=str(self.device),
+                ),
+            ),
+            flops_per_step=cost.flops,
+            compile_seconds=seconds,
+        )
+        check_memory(report)
+        return _Executable(compiled, report)
+
+
+def check_memory(report: ExecutionReport) -> None:
+    """Raises `IPUOutOfMemoryError` for the first IPU over its capacity."""
+    for ipu in report.ipus:
+        if ipu.memory_bytes > ipu.memory_capacity_bytes:
+            raise IPUOutOfMemoryError(
+                ipu.index, ipu.memory_bytes, ipu.memory_capacity_bytes, report.mode
+            )
+
+
+def _one_step(stacked: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), stacked
+    )
+
+
+def _signature(tree: Any) -> Sequence[Any]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))

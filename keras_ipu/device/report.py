@@ -1,0 +1,126 @@
+"""The execution report: what one compiled execution costs on each IPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class IPUReport:
+    """One IPU's share of an execution.
+
+    Args:
+        index: The IPU's index in the system.
+        memory_bytes: Bytes the program needs on this IPU.
+        memory_capacity_bytes: Bytes the IPU has (tiles × bytes per tile).
+        estimated_cycles: Estimated cycles of one execution on this IPU.
+        state_bytes: Of `memory_bytes`: weights, optimizer and metric state.
+        temporary_bytes: Of `memory_bytes`: activations and workspace.
+        io_bytes: Of `memory_bytes`: one step's infeed and outfeed buffers.
+        device: The JAX device the IPU runs on.
+    """
+
+    index: int
+    memory_bytes: int
+    memory_capacity_bytes: int
+    estimated_cycles: int
+    state_bytes: int = 0
+    temporary_bytes: int = 0
+    io_bytes: int = 0
+    device: str = ""
+
+    @property
+    def memory_fraction(self) -> float:
+        """Memory used over capacity."""
+        return self.memory_bytes / self.memory_capacity_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionReport:
+    """The device model's account of one compiled execution.
+
+    Args:
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        hardware: The modelled IPU (for example `"Mk2 GC200 (ipu2)"`).
+        clock_hz: The modelled clock frequency.
+        steps_per_execution: Steps the execution runs on the device.
+        ipus: One `IPUReport` per IPU the execution uses.
+        flops_per_step: Floating point operations of one step.
+        compile_seconds: Host time spent compiling the program.
+
+    Example:
+
+    >>> report = keras_ipu.utils.execution_report(model, mode="fit")
+    >>> report.ipus[0].memory_bytes <= report.ipus[0].memory_capacity_bytes
+    True
+    >>> print(report)  # a table, one row per IPU
+    """
+
+    mode: str
+    hardware: str
+    clock_hz: float
+    steps_per_execution: int
+    ipus: tuple[IPUReport, ...]
+    flops_per_step: float = 0.0
+    compile_seconds: float = 0.0
+
+    @property
+    def estimated_cycles(self) -> int:
+        """Cycles of one execution: the slowest IPU's."""
+        return max(ipu.estimated_cycles for ipu in self.ipus)
+
+    @property
+    def estimated_seconds(self) -> float:
+        """Estimated device time of one execution on real IPUs."""
+        return self.estimated_cycles / self.clock_hz
+
+    @property
+    def estimated_steps_per_second(self) -> float:
+        """Estimated steps per second on real IPUs."""
+        return self.steps_per_execution / self.estimated_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (JSON-serialisable)."""
+        return {
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ipus"},
+            "estimated_cycles": self.estimated_cycles,
+            "estimated_seconds": self.estimated_seconds,
+            "ipus": [dataclasses.asdict(ipu) for ipu in self.ipus],
+        }
+
+    def __str__(self) -> str:
+        header = (
+            f"Execution report: {self.mode}, {self.steps_per_execution} step(s) per "
+            f"execution on {self.hardware} at {self.clock_hz / 1e9:.2f} GHz"
+        )
+        columns = ("IPU", "device", "memory", "capacity", "used", "state", "temporary",
+                   "io", "est. cycles")
+        rows = [
+            (
+                str(ipu.index),
+                ipu.device,
+                _mib(ipu.memory_bytes),
+                _mib(ipu.memory_capacity_bytes),
+                f"{100 * ipu.memory_fraction:.2f}%",
+                _mib(ipu.state_bytes),
+                _mib(ipu.temporary_bytes),
+                _mib(ipu.io_bytes),
+                f"{ipu.estimated_cycles:,}",
+            )
+            for ipu in self.ipus
+        ]
+        widths = [max(len(r[i]) for r in (columns, *rows)) for i in range(len(columns))]
+        lines = [header, "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        lines.append(
+            f"Estimated {self.estimated_seconds * 1e3:.3f} ms per execution "
+            f"({self.estimated_steps_per_second:,.0f} steps/s); "
+            f"{self.flops_per_step:,.0f} flops per step; compiled in "
+            f"{self.compile_seconds:.2f} s."
+        )
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"

@@ -1,0 +1,46 @@
+"""Errors raised by keras_ipu that have no built-in Python equivalent."""
+
+from __future__ import annotations
+
+
+class IPUOutOfMemoryError(RuntimeError):
+    """A program needs more memory than an IPU has.
+
+    Raised before the program runs, so no weights change.
+
+    Args:
+        ipu: Index of the IPU that ran out of memory.
+        required_bytes: Bytes the program needs on that IPU.
+        capacity_bytes: Bytes the IPU has.
+        program: Name of the program (for example `"fit"`).
+
+    Example:
+
+    >>> err = IPUOutOfMemoryError(0, 2_000_000, 1_000_000, "fit")
+    >>> err.required_bytes
+    2000000
+    """
+
+    def __init__(
+        self, ipu: int, required_bytes: int, capacity_bytes: int, program: str = "program"
+    ):
+        self.ipu = ipu
+        self.required_bytes = required_bytes
+        self.capacity_bytes = capacity_bytes
+        self.program = program
+        super().__init__(
+            f"Out of memory on IPU {ipu}: the {program} program needs "
+            f"{required_bytes:,} bytes, but the IPU has {capacity_bytes:,} bytes "
+            f"({required_bytes / capacity_bytes:.1f}x its capacity). Usual "
+            f"remedies: pipeline the model over more IPUs "
+            f"(`set_pipeline_stage_assignment` and `set_pipelining_options`), "
+            f"enable recomputation (`IPUConfig.allow_recompute = True`), or use "
+            f"a smaller batch size (with gradient accumulation to keep the "
+            f"effective batch size)."
+        )
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.ipu, self.required_bytes, self.capacity_bytes, self.program),
+        )

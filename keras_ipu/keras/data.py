@@ -1,0 +1,396 @@
+"""Data handling for IPU executions: validation, batching, per-execution chunks.
+
+The rules follow IPU Keras: no partial batches; `steps_per_execution` is
+truncated to the steps of an epoch (with a warning) and must divide them;
+the size of the data must be known or `steps` given; everything is checked
+when the feed is made, before any weight changes. A feed then yields, per
+execution, the host data of `steps_per_execution` batches stacked on a new
+leading axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from keras.src import backend
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+logger = logging.getLogger("keras_ipu")
+
+DEFAULT_BATCH_SIZE = 32
+
+# One execution's host data: (first step, last step, stacked batches).
+Execution = tuple[int, int, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedPlan:
+    """What the checks decided for a run.
+
+    Args:
+        steps: Batches per epoch.
+        steps_per_execution: Batches per execution (after truncation).
+        num_batches: Batches in the data, or `None` when unknown.
+    """
+
+    steps: int
+    steps_per_execution: int
+    num_batches: int | None
+
+    @property
+    def executions_per_epoch(self) -> int:
+        """Executions per epoch."""
+        return self.steps // self.steps_per_execution
+
+
+def make_feed(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    shuffle: bool | str = False,
+    class_weight: dict | None = None,
+    steps_per_execution: int = 1,
+    epochs: int = 1,
+) -> "ArrayFeed | AdapterFeed":
+    """Checks the data of a run and returns the feed that batches it.
+
+    Args:
+        x, y, sample_weight: The data, as `keras.Model.fit` takes it.
+        batch_size: Batch size for array data (default 32).
+        steps: Batches per epoch (`steps_per_epoch` / `steps`), or `None`
+            for the size of the data.
+        shuffle: Shuffle array data each pass (`True` or `"batch"`).
+        class_weight: Class weights, turned into sample weights.
+        steps_per_execution: The model's steps per execution.
+        epochs: Epochs the run consumes (for the enough-data check).
+
+    Returns:
+        An `ArrayFeed` for arrays, an `AdapterFeed` for anything else Keras
+        takes (PyDataset, generators, tf.data, ...).
+
+    Raises:
+        ValueError: For a partial batch, unknown size without `steps`, too
+            little data, or a `steps_per_execution` that does not divide
+            the steps.
+    """
+    _check_positive("steps_per_execution", steps_per_execution)
+    if steps is not None and steps != -1:
+        _check_positive("steps", steps)
+    if class_weight is not None and sample_weight is not None:
+        raise ValueError(
+            "`sample_weight` and `class_weight` cannot both be given. "
+            f"Received: class_weight={class_weight}."
+        )
+    arrays = _as_arrays((x, y, sample_weight))
+    if arrays is not None:
+        return ArrayFeed(
+            arrays,
+            batch_size=batch_size or DEFAULT_BATCH_SIZE,
+            steps=steps,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            steps_per_execution=steps_per_execution,
+            epochs=epochs,
+        )
+    if batch_size is not None and not isinstance(x, data_adapters.DataAdapter):
+        logger.info("`batch_size` is ignored for %s input.", type(x).__name__)
+    adapter = data_adapters.get_data_adapter(
+        x,
+        y,
+        sample_weight=sample_weight,
+        steps_per_epoch=None if steps == -1 else steps,
+        shuffle=shuffle,
+        class_weight=class_weight,
+    )
+    return AdapterFeed(adapter, steps=steps, steps_per_execution=steps_per_execution,
+                       epochs=epochs)
+
+
+def plan_steps(
+    num_batches: int | None,
+    steps: int | None,
+    steps_per_execution: int,
+    epochs: int,
+) -> FeedPlan:
+    """Applies the step rules to the size of the data.
+
+    Raises:
+        ValueError: As `make_feed`.
+    """
+    if steps is None or steps == -1:
+        if num_batches is None:
+            raise ValueError(
+                "Could not infer the size of the data. You must specify the "
+                "number of steps to run (`steps_per_epoch` in `fit`, `steps` "
+                "in `evaluate` and `predict`)."
+            )
+        steps = num_batches
+    # An epoch that begins inside a pass must end inside it: the device
+    # cannot run the part-execution a shortfall would leave.
+    if num_batches is not None and num_batches % steps and steps * epochs > num_batches:
+        raise ValueError(
+            f"Your input does not have enough data. Make sure that your dataset "
+            f"or generator can generate at least {steps * epochs} batches "
+            f"(currently it can only generate {num_batches} batches), or choose "
+            f"`steps_per_epoch` dividing {num_batches}."
+        )
+    if steps_per_execution > steps:
+        warnings.warn(
+            f"`steps_per_execution` has been set to {steps_per_execution} but the "
+            f"dataset provided only contains {steps} batches. Using {steps} as "
+            f"`steps_per_execution`.",
+            stacklevel=3,
+        )
+        steps_per_execution = steps
+    if steps % steps_per_execution:
+        divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+        raise ValueError(
+            f"`steps_per_execution` ({steps_per_execution}) must be a divisor of the "
+            f"number of batches ({steps}) in the dataset provided. Divisors of "
+            f"{steps}: {_short_list(divisors)}."
+        )
+    return FeedPlan(steps, steps_per_execution, num_batches)
+
+
+class ArrayFeed:
+    """Batches NumPy/JAX arrays (nested structures too) per execution.
+
+    One execution takes `steps_per_execution × batch_size` rows at once: a
+    slice of the arrays (or of a shuffled index) reshaped to
+    `[steps_per_execution, batch_size, ...]`.
+    """
+
+    def __init__(
+        self,
+        arrays: Any,
+        *,
+        batch_size: int,
+        steps: int | None,
+        shuffle: bool | str,
+        class_weight: dict | None,
+        steps_per_execution: int,
+        epochs: int,
+    ):
+        _check_positive("batch_size", batch_size)
+        x, y, sample_weight = arrays
+        if class_weight is not None:
+            sample_weight = data_adapter_utils.class_weight_to_sample_weights(
+                _single_target(y), class_weight
+            )
+        data = tuple(part for part in (x, y, sample_weight) if part is not None)
+        self._data = jax.tree_util.tree_map(_host_array, data)
+        rows = _common_length(self._data)
+        if rows % batch_size:
+            raise ValueError(
+                f"The provided set of data has a partial batch, which could result "
+                f"in data being dropped. Either adjust the `batch_size` of your "
+                f"model (currently set to {batch_size}) or pad your dataset to "
+                f"ensure there are no partial batches ({rows} samples is not a "
+                f"multiple of {batch_size})."
+            )
+        self.batch_size = batch_size
+        self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs)
+        self._shuffle = shuffle
+        self._rng = np.random.default_rng()
+        self._order: np.ndarray | None = None
+        self._offset = self.plan.num_batches  # start a new pass first
+
+    def first_batch(self) -> Any:
+        """One batch (host arrays), for building the model."""
+        return jax.tree_util.tree_map(lambda a: a[: self.batch_size], self._data)
+
+    def executions(self) -> Iterator[Execution]:
+        """One epoch's executions."""
+        plan, batch = self.plan, self.batch_size
+        for begin in range(0, plan.steps, plan.steps_per_execution):
+            if self._offset >= plan.num_batches:
+                self._new_pass()
+            rows = self._rows(self._offset * batch, plan.steps_per_execution * batch)
+            self._offset += plan.steps_per_execution
+            chunk = jax.tree_util.tree_map(
+                lambda a: a[rows].reshape(plan.steps_per_execution, batch, *a.shape[1:]),
+                self._data,
+            )
+            yield begin, begin + plan.steps_per_execution - 1, chunk
+
+    def _new_pass(self) -> None:
+        self._offset = 0
+        num_batches = self.plan.num_batches
+        if self._shuffle == "batch":
+            batches = self._rng.permutation(num_batches)
+            self._order = (batches[:, None] * self.batch_size + np.arange(self.batch_size)).ravel()
+        elif self._shuffle:
+            self._order = self._rng.permutation(num_batches * self.batch_size)
+
+    def _rows(self, start: int, count: int) -> slice | np.ndarray:
+        if self._order is None:
+            return slice(start, start + count)
+        return self._order[start : start + count]
+
+    def close(self) -> None:
+        """Nothing to release for arrays."""
+
+
+class AdapterFeed:
+    """Batches any input a Keras data adapter takes, per execution.
+
+    Batches are pulled from the adapter's NumPy iterator; every batch must
+    have the shapes of the first (no partial batches).
+    """
+
+    def __init__(self, adapter: Any, *, steps: int | None, steps_per_execution: int,
+                 epochs: int):
+        self._adapter = adapter
+        if _has_partial_batch(adapter):
+            raise ValueError(
+                f"The provided set of data has a partial batch of "
+                f"{adapter.partial_batch_size} samples, which could result in "
+                f"data being dropped. Pad your dataset, or drop the remainder when "
+                f"batching, to ensure there are no partial batches."
+            )
+        self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs)
+        self._iterator: Iterator | None = None
+        self._pending: list[Any] = []
+        self._seen = 0
+        self._shapes: Any = None
+        self.ran_out_of_data = False
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size (from the first batch)."""
+        return jax.tree_util.tree_leaves(self.first_batch())[0].shape[0]
+
+    def first_batch(self) -> Any:
+        """The first batch (kept for the first execution)."""
+        if not self._pending:
+            self._pending.append(self._next_batch())
+        return self._pending[0]
+
+    def executions(self) -> Iterator[Execution]:
+        """One epoch's executions; stops early, with a warning, if data runs out."""
+        plan = self.plan
+        self._adapter.on_epoch_begin()
+        for begin in range(0, plan.steps, plan.steps_per_execution):
+            try:
+                batches = [self._next_batch() for _ in range(plan.steps_per_execution)]
+            except StopIteration:
+                self._iterator = None
+                self.ran_out_of_data = True
+                warnings.warn(
+                    "Your input ran out of data; interrupting the epoch. Make sure "
+                    "that your dataset or generator can generate at least "
+                    "`steps_per_epoch * epochs` batches (a last incomplete "
+                    "execution is dropped).",
+                    stacklevel=2,
+                )
+                return
+            yield begin, begin + plan.steps_per_execution - 1, _stack(batches)
+        if plan.num_batches is not None and self._seen >= plan.num_batches:
+            self._iterator = None
+            self._seen = 0
+        self._adapter.on_epoch_end()
+
+    def _next_batch(self) -> Any:
+        if self._pending:
+            return self._pending.pop(0)
+        if self._iterator is None:
+            self._iterator = iter(self._adapter.get_numpy_iterator())
+        batch = jax.tree_util.tree_map(_host_array, _as_tuple(next(self._iterator)))
+        self._seen += 1
+        self._check_shapes(batch)
+        return batch
+
+    def _check_shapes(self, batch: Any) -> None:
+        shapes = jax.tree_util.tree_map(np.shape, batch)
+        if self._shapes is None:
+            self._shapes = shapes
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"The provided set of data contains a batch with shapes {shapes}, "
+                f"but the first batch had shapes {self._shapes}. Executing on IPU "
+                f"requires all batches to have the same fully defined shapes (no "
+                f"partial batches): drop or pad the remainder."
+            )
+
+    def close(self) -> None:
+        """Releases the adapter's workers."""
+        self._adapter.on_epoch_end()
+
+
+def validation_split(x: Any, y: Any, sample_weight: Any, split: float):
+    """Splits array data into training and validation parts, as Keras does."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.train_validation_split((x, y, sample_weight), validation_split=split)
+
+
+def _has_partial_batch(adapter: Any) -> bool:
+    try:
+        return bool(adapter.has_partial_batch)
+    except NotImplementedError:  # unknown until the data is seen
+        return False
+
+
+def _stack(batches: list[Any]) -> Any:
+    return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *batches)
+
+
+def _as_tuple(batch: Any) -> tuple:
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _as_arrays(data: Any) -> Any | None:
+    leaves = jax.tree_util.tree_leaves(data)
+    if leaves and all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves):
+        return data
+    return None
+
+
+def _host_array(value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if backend.is_float_dtype(array.dtype) and str(array.dtype) != backend.floatx():
+        return array.astype(backend.floatx())
+    if array.dtype in (np.int64, np.uint64):
+        # JAX runs 32-bit integers unless x64 is enabled.
+        return array.astype(np.int32 if array.dtype == np.int64 else np.uint32)
+    return array
+
+
+def _common_length(data: Any) -> int:
+    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree_util.tree_leaves(data)}
+    if None in lengths or len(lengths) != 1:
+        sizes = [leaf.shape[:1] for leaf in jax.tree_util.tree_leaves(data)]
+        raise ValueError(
+            f"All arrays (inputs, targets and sample weights) must have the same "
+            f"number of samples in their first dimension; got first dimensions {sizes}."
+        )
+    return lengths.pop()
+
+
+def _single_target(y: Any) -> Any:
+    leaves = jax.tree_util.tree_leaves(y)
+    if len(leaves) != 1:
+        raise ValueError(
+            f"`class_weight` needs a single target array; got {len(leaves)} targets. "
+            f"Use `sample_weight` for models with several outputs."
+        )
+    return leaves[0]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def _short_list(values: list[int], limit: int = 12) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (", ..." if len(values) > limit else "")

@@ -1,0 +1,38 @@
+"""The execution report of a model's compiled IPU programs."""
+
+from __future__ import annotations
+
+from keras_ipu.device.report import ExecutionReport
+from keras_ipu.keras import trainer
+
+
+def execution_report(model, mode: str = "fit") -> ExecutionReport:
+    """The device model's report of a model's last compiled execution.
+
+    Args:
+        model: A model created in an `IPUStrategy` scope.
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+
+    Returns:
+        An `ExecutionReport`: `.ipus` has one entry per IPU (`index`,
+        `memory_bytes`, `memory_capacity_bytes`, `estimated_cycles`);
+        `.to_dict()` gives plain data and `str()` a table.
+
+    Raises:
+        ValueError: For an unknown mode, or a mode the model has not
+            compiled yet.
+
+    Example:
+
+    >>> model.fit(x, y, batch_size=32)
+    >>> print(keras_ipu.utils.execution_report(model, mode="fit"))
+    """
+    if mode not in trainer.MODES:
+        raise ValueError(f"Unknown mode {mode!r}; valid modes are {list(trainer.MODES)}.")
+    program = trainer.program_for(model, mode)
+    if program is None or program.report is None:
+        raise ValueError(
+            f"The model {getattr(model, 'name', model)!r} has no compiled {mode!r} "
+            f"program yet: call `model.{mode}(...)` inside the IPU system first."
+        )
+    return program.report

@@ -1,0 +1,48 @@
+"""Shared fixtures: a configured IPU system, models built the same way twice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+
+def configure(num_ipus: int = 1, **ipu_model) -> None:
+    """Configures `num_ipus` IPUs, with `ipu_model` attributes (e.g. tiles_per_ipu)."""
+    from keras_ipu.device import hardware, system
+    system.configure((num_ipus,), hardware.hardware_for(ipu_model.get("version", "ipu2"), ipu_model.get("tiles_per_ipu", 0)))
+
+
+@pytest.fixture(autouse=True)
+def ipu_system():
+    """Every test starts with one configured IPU and leaves one behind."""
+    configure(1)
+    yield
+    configure(1)
+
+
+@pytest.fixture
+def strategy():
+    return ipu.ipu_strategy.IPUStrategy()
+
+
+def assert_weights_close(expected, actual, atol=1e-6, rtol=0.0):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, atol=atol, rtol=rtol)
+
+
+def assert_history_close(expected, actual, atol=1e-6):
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        np.testing.assert_allclose(actual[key], expected[key], atol=atol, err_msg=key)
+
+
+def assert_trees_close(expected, actual, atol=1e-6):
+    """Same structure (dicts, lists) and values within `atol`."""
+    import keras
+
+    keras.tree.assert_same_structure(expected, actual)
+    for e, a in zip(keras.tree.flatten(expected), keras.tree.flatten(actual)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=atol)

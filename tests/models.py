@@ -1,0 +1,101 @@
+"""Tiny models and data for the tests, built identically inside and outside a strategy."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+
+class SubclassedMLP(keras.Model):
+    """A subclassed model with two Dense layers and a BatchNormalization."""
+
+    def __init__(self, units: int = 8, outputs: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.outputs_ = outputs
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.norm = keras.layers.BatchNormalization()
+        self.head = keras.layers.Dense(outputs)
+
+    def call(self, inputs, training=False):
+        return self.head(self.norm(self.hidden(inputs), training=training))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "outputs": self.outputs_}
+
+
+def sequential(features: int = 6, units: int = 8, outputs: int = 3) -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(units, activation="relu"),
+            keras.layers.Dense(outputs),
+        ]
+    )
+
+
+def functional_two_in_two_out() -> keras.Model:
+    a = keras.Input((5,), name="a")
+    b = keras.Input((3,), name="b")
+    h = keras.layers.Concatenate()([a, b])
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    out_a = keras.layers.Dense(2, name="out_a")(h)
+    out_b = keras.layers.Dense(1, name="out_b")(h)
+    return keras.Model({"a": a, "b": b}, {"out_a": out_a, "out_b": out_b})
+
+
+def subclassed(features: int = 6) -> keras.Model:
+    model = SubclassedMLP()
+    model(np.zeros((1, features), "float32"))  # creates the weights
+    return model
+
+
+BUILDERS = {
+    "sequential": sequential,
+    "functional": functional_two_in_two_out,
+    "subclassed": subclassed,
+}
+
+
+def data_for(kind: str, samples: int = 64, seed: int = 0):
+    """(x, y) for a model kind: dicts for the two-input, two-output model."""
+    rng = np.random.default_rng(seed)
+    if kind == "functional":
+        x = {"a": rng.normal(size=(samples, 5)), "b": rng.normal(size=(samples, 3))}
+        y = {"out_a": rng.normal(size=(samples, 2)), "out_b": rng.normal(size=(samples, 1))}
+        return (
+            {k: v.astype("float32") for k, v in x.items()},
+            {k: v.astype("float32") for k, v in y.items()},
+        )
+    x = rng.normal(size=(samples, 6)).astype("float32")
+    y = rng.normal(size=(samples, 3)).astype("float32")
+    return x, y
+
+
+def compile_args(kind: str, steps_per_execution: int = 1, optimizer: str = "adam") -> dict:
+    optimizers = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    }
+    loss = {"out_a": "mse", "out_b": "mae"} if kind == "functional" else "mse"
+    metrics = {"out_a": ["mae"], "out_b": ["mse"]} if kind == "functional" else ["mae"]
+    return dict(
+        optimizer=optimizers[optimizer](),
+        loss=loss,
+        metrics=metrics,
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def twin(kind: str, strategy, steps_per_execution: int = 1, optimizer: str = "adam",
+         **compile_overrides):
+    """A plain Keras model and an IPU model with the same initial weights, both compiled."""
+    keras.utils.set_random_seed(0)
+    plain = BUILDERS[kind]()
+    with strategy.scope():
+        on_ipu = BUILDERS[kind]()
+    on_ipu.set_weights(plain.get_weights())
+    for model in (plain, on_ipu):
+        model.compile(**{**compile_args(kind, steps_per_execution, optimizer),
+                         **compile_overrides})
+    return plain, on_ipu

@@ -1,0 +1,168 @@
+"""Data handling rules: every violation raises before any weight changes."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_weights_close
+from models import data_for, twin
+
+
+def _weights_unchanged(model, call):
+    before = [w.copy() for w in model.get_weights()]
+    call()
+    assert_weights_close(before, model.get_weights(), atol=0)
+
+
+def test_partial_batch_raises_naming_the_batch_size(strategy):
+    _, model = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=30)
+    with pytest.raises(ValueError, match=r"partial batch.*currently set to 8.*30 samples"):
+        _weights_unchanged(model, lambda: model.fit(x, y, batch_size=8, verbose=0))
+    with pytest.raises(ValueError, match="partial batch"):
+        model.predict(x, batch_size=8, verbose=0)
+    assert_weights_close(model.get_weights(), model.get_weights())
+    model.fit(x[:24], y[:24], batch_size=8, verbose=0)  # still usable
+
+
+def test_steps_per_execution_must_divide_the_steps(strategy):
+    _, model = twin("sequential", strategy, steps_per_execution=3)
+    x, y = data_for("sequential", samples=32)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"`steps_per_execution` \(3\) must be a divisor of "
+                                         r"the number of batches \(4\)"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"divisor"):
+        model.evaluate(x, y, batch_size=8, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+
+
+def test_steps_per_execution_larger_than_the_epoch_is_truncated(strategy):
+    plain, model = twin("sequential", strategy, steps_per_execution=16)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=4)
+    x, y = data_for("sequential", samples=32)
+    with pytest.warns(UserWarning, match=r"set to 16 but the dataset provided only "
+                                         r"contains 4 batches\. Using 4"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
+def test_steps_per_epoch_continues_the_data_across_epochs(strategy):
+    plain, model = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)  # 8 batches of 8
+    args = dict(batch_size=8, epochs=4, steps_per_epoch=4, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, **args)
+    actual = model.fit(x, y, **args)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
+def test_not_enough_data_raises_before_training(strategy):
+    _, model = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=40)  # 5 batches
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"at least 12 batches \(currently it can only "
+                                         r"generate 5 batches\)"):
+        model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=6, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+
+
+def test_bad_steps_per_execution_and_batch_size(strategy):
+    _, model = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(ValueError, match=r"`batch_size` must be a positive integer, got -8"):
+        model.fit(x, y, batch_size=-8, verbose=0)
+    with pytest.raises(ValueError, match=r"`steps` must be a positive integer, got 0"):
+        model.evaluate(x, y, batch_size=8, steps=0, verbose=0)
+
+
+def test_mismatched_sample_counts_raise(strategy):
+    _, model = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(ValueError, match="same number of samples"):
+        model.fit(x, y[:16], batch_size=8, verbose=0)
+
+
+def _generator(x, y, batch, forever=False):
+    while True:
+        for i in range(0, len(x), batch):
+            yield x[i : i + batch], y[i : i + batch]
+        if not forever:
+            return
+
+
+def test_unknown_size_needs_steps(strategy):
+    _, model = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(ValueError, match="Could not infer the size of the data"):
+        model.fit(_generator(x, y, 8), verbose=0)
+
+
+def test_infinite_generator_with_steps_matches_plain_keras(strategy):
+    plain, model = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    args = dict(epochs=2, steps_per_epoch=4, verbose=0)
+    expected = plain.fit(_generator(x, y, 8, forever=True), **args)
+    actual = model.fit(_generator(x, y, 8, forever=True), **args)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
+def test_generator_with_a_partial_batch_raises(strategy):
+    _, model = twin("sequential", strategy, steps_per_execution=1)
+    x, y = data_for("sequential", samples=28)
+    with pytest.raises(ValueError, match="same fully defined shapes"):
+        model.fit(_generator(x, y, 8), steps_per_epoch=4, verbose=0)
+    model.fit(_generator(x, y, 4), steps_per_epoch=7, verbose=0)  # still usable
+
+
+class _Sequence(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return len(self.x) // self.batch
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+
+
+def test_py_dataset_matches_plain_keras(strategy):
+    plain, model = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    expected = plain.fit(_Sequence(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    actual = model.fit(_Sequence(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+    np.testing.assert_allclose(
+        model.evaluate(_Sequence(x, y, 8), verbose=0),
+        plain.evaluate(_Sequence(x, y, 8), verbose=0),
+        atol=1e-6,
+    )
+
+
+def test_shuffled_fit_sees_every_sample_once_per_epoch(strategy):
+    _, model = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=32)
+    x[:, 0] = np.arange(32)
+    seen = []
+    from keras_ipu.keras import data
+
+    feed = data.make_feed(x, y, batch_size=8, shuffle=True, steps_per_execution=4)
+    for _ in range(2):
+        epoch = [chunk[0][..., 0].ravel() for _, _, chunk in feed.executions()]
+        seen.append(np.sort(np.concatenate(epoch)))
+    for order in seen:
+        np.testing.assert_array_equal(order, np.arange(32))
+
+
+def test_evaluate_and_predict_reject_run_eagerly(strategy):
+    _, model = twin("sequential", strategy, run_eagerly=True)
+    x, y = data_for("sequential", samples=16)
+    with pytest.raises(RuntimeError, match="cannot run eagerly"):
+        model.fit(x, y, batch_size=8, verbose=0)

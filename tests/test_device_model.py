@@ -1,0 +1,133 @@
+"""The device model: per-IPU memory, out-of-memory errors, cycles, the report."""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_weights_close, configure
+
+import keras_ipu as ipu
+from keras_ipu.device import hardware
+
+
+def _wide_model(units: int = 512):
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(units, activation="relu"),
+            keras.layers.Dense(units, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+
+
+def _data(samples=64):
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(samples, 64)).astype("float32"),
+        rng.normal(size=(samples, 4)).astype("float32"),
+    )
+
+
+def test_hardware_descriptions():
+    mk2 = hardware.hardware_for("ipu2")
+    assert (mk2.tiles, mk2.bytes_per_tile) == (1472, 624 * 1024)
+    assert mk2.memory_capacity_bytes == 1472 * 624 * 1024
+    assert mk2.clock_hz == pytest.approx(1.33e9)
+    assert hardware.hardware_for("ipu21").clock_hz == pytest.approx(1.85e9)
+    assert hardware.hardware_for("ipu2", tiles_per_ipu=8).memory_capacity_bytes == 8 * 624 * 1024
+    with pytest.raises(ValueError, match=r"Unknown IPU version 'ipu9'.*'ipu2'"):
+        hardware.hardware_for("ipu9")
+
+
+def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strategy):
+    configure(1, tiles_per_ipu=2)
+    with strategy.scope():
+        model = _wide_model()
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+    x, y = _data()
+    model.build((None, 64))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
+        model.fit(x, y, batch_size=16, verbose=0)
+    error = info.value
+    assert isinstance(error, RuntimeError)
+    assert error.ipu == 0 and error.capacity_bytes == 2 * 624 * 1024
+    assert error.required_bytes > error.capacity_bytes
+    message = str(error)
+    assert "IPU 0" in message and f"{error.required_bytes:,}" in message
+    assert "pipelin" in message and "recomputation" in message and "batch size" in message
+    assert_weights_close(before, model.get_weights(), atol=0)
+    assert model.optimizer.iterations.numpy() == 0
+
+    configure(1)  # the default tile count: the same model trains
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0]
+    report = ipu.utils.execution_report(model, "fit")
+    assert report.ipus[0].memory_bytes == pytest.approx(error.required_bytes, rel=0.05)
+
+
+def test_report_grows_with_the_model(strategy):
+    x, y = _data()
+    reports = {}
+    for units in (32, 256):
+        with strategy.scope():
+            model = _wide_model(units)
+            model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+        model.fit(x, y, batch_size=16, verbose=0)
+        reports[units] = ipu.utils.execution_report(model, mode="fit")
+    small, large = reports[32].ipus[0], reports[256].ipus[0]
+    assert large.memory_bytes > small.memory_bytes
+    assert large.state_bytes > small.state_bytes
+    assert large.estimated_cycles > small.estimated_cycles
+    assert small.memory_capacity_bytes == 1472 * 624 * 1024
+    # Weights, gradients' optimizer slots (Adam: 2) and metric state are state.
+    params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert large.state_bytes >= 3 * 4 * params
+
+
+def test_report_modes_table_and_dict(strategy):
+    with strategy.scope():
+        model = _wide_model(16)
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = _data(32)
+    with pytest.raises(ValueError, match=r"no compiled 'fit' program"):
+        ipu.utils.execution_report(model, mode="fit")
+    with pytest.raises(ValueError, match=r"Unknown mode 'train'"):
+        ipu.utils.execution_report(model, mode="train")
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.predict(x, batch_size=8, verbose=0)
+    fit_report = ipu.utils.execution_report(model, mode="fit")
+    predict_report = ipu.utils.execution_report(model, mode="predict")
+    with pytest.raises(ValueError, match="evaluate"):
+        ipu.utils.execution_report(model, mode="evaluate")
+    assert fit_report.mode == "fit" and predict_report.mode == "predict"
+    assert fit_report.steps_per_execution == 2
+    # Training needs gradients and optimizer state that inference does not.
+    assert fit_report.ipus[0].memory_bytes > predict_report.ipus[0].memory_bytes
+    as_dict = json.loads(json.dumps(fit_report.to_dict()))
+    assert as_dict["ipus"][0]["index"] == 0
+    assert set(as_dict["ipus"][0]) >= {
+        "index", "memory_bytes", "memory_capacity_bytes", "estimated_cycles"
+    }
+    table = str(fit_report)
+    assert "IPU" in table and "est. cycles" in table and f"{fit_report.estimated_cycles:,}" in table
+
+
+def test_cycles_follow_the_hardware(strategy):
+    x, y = _data(32)
+    cycles = {}
+    for version in ("ipu2", "ipu21"):
+        configure(1, version=version)
+        with strategy.scope():
+            model = _wide_model(64)
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        model.fit(x, y, batch_size=8, verbose=0)
+        report = ipu.utils.execution_report(model, "fit")
+        cycles[version] = (report.estimated_cycles, report.estimated_seconds)
+    # Same chip, faster clock: same cycles, less time.
+    assert cycles["ipu2"][0] == cycles["ipu21"][0]
+    assert cycles["ipu21"][1] < cycles["ipu2"][1]

@@ -1,0 +1,131 @@
+"""fit/evaluate/predict on one IPU equal plain Keras 3 on the same data and weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_history_close, assert_trees_close, assert_weights_close
+from models import data_for, twin
+
+import keras_ipu as ipu
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 8])
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_fit_matches_plain_keras(kind, steps_per_execution, strategy):
+    plain, on_ipu = twin(kind, strategy, steps_per_execution)
+    x, y = data_for(kind)
+    args = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    expected = plain.fit(x, y, **args)
+    actual = on_ipu.fit(x, y, **args)
+
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+    assert_history_close(expected.history, actual.history)
+    np.testing.assert_allclose(
+        on_ipu.evaluate(x, y, batch_size=8, verbose=0),
+        plain.evaluate(x, y, batch_size=8, verbose=0),
+        atol=1e-6,
+    )
+    expected_pred = plain.predict(x, batch_size=8, verbose=0)
+    actual_pred = on_ipu.predict(x, batch_size=8, verbose=0)
+    assert_trees_close(expected_pred, actual_pred)
+
+
+def test_fit_runs_one_program_per_execution(strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+    seen = []
+
+    class Recorder(ipu_callback := __import__("keras").callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((batch, round(float(logs["loss"]), 6)))
+
+    history = on_ipu.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                         callbacks=[Recorder()])
+    # 8 batches, 4 per execution: callbacks once per execution, at its last step.
+    assert [batch for batch, _ in seen] == [3, 7]
+    report = ipu.utils.execution_report(on_ipu, mode="fit")
+    assert report.steps_per_execution == 4
+    assert history.history["loss"][0] == pytest.approx(seen[-1][1], abs=1e-5)
+    del ipu_callback
+
+
+def test_validation_data_and_split_match_plain_keras(strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=80)
+    args = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(x[:64], y[:64], validation_data=(x[64:], y[64:]), **args)
+    actual = on_ipu.fit(x[:64], y[:64], validation_data=(x[64:], y[64:]), **args)
+    assert "val_loss" in actual.history
+    assert_history_close(expected.history, actual.history)
+
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    expected = plain.fit(x, y, validation_split=0.2, **args)
+    actual = on_ipu.fit(x, y, validation_split=0.2, **args)
+    assert_history_close(expected.history, actual.history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+
+
+def test_sample_and_class_weights_match_plain_keras(strategy):
+    x, _ = data_for("sequential", samples=64)
+    rng = np.random.default_rng(3)
+    weights = rng.uniform(0.1, 2.0, size=64).astype("float32")
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=4)
+    y = rng.normal(size=(64, 3)).astype("float32")
+    args = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y, sample_weight=weights, **args)
+    on_ipu.fit(x, y, sample_weight=weights, **args)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+
+    import keras
+
+    labels = rng.integers(0, 3, size=64).astype("int32")
+    plain, on_ipu = twin(
+        "sequential", strategy, steps_per_execution=4, optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[],
+    )
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    plain.fit(x, labels, class_weight=class_weight, **args)
+    on_ipu.fit(x, labels, class_weight=class_weight, **args)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+
+
+def test_uint8_and_float64_inputs_match_plain_keras(strategy):
+    rng = np.random.default_rng(1)
+    x8 = rng.integers(0, 255, size=(32, 6)).astype("uint8")
+    x64 = rng.normal(size=(32, 6))  # float64
+    y = rng.normal(size=(32, 3))
+    for x in (x8, x64):
+        plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+        args = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+        plain.fit(x, y, **args)
+        on_ipu.fit(x, y, **args)
+        assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)
+
+
+def test_evaluate_before_fit_and_predict_without_compile(strategy):
+    import keras
+
+    from models import sequential
+
+    keras.utils.set_random_seed(0)
+    plain = sequential()
+    with strategy.scope():
+        on_ipu = sequential()
+    on_ipu.set_weights(plain.get_weights())
+    x, y = data_for("sequential", samples=32)
+    np.testing.assert_allclose(
+        on_ipu.predict(x, batch_size=8, verbose=0), plain.predict(x, batch_size=8, verbose=0),
+        atol=1e-6,
+    )
+    plain.compile(loss="mse", metrics=["mae"], steps_per_execution=4)
+    on_ipu.compile(loss="mse", metrics=["mae"], steps_per_execution=4)
+    np.testing.assert_allclose(
+        on_ipu.evaluate(x, y, batch_size=8, verbose=0),
+        plain.evaluate(x, y, batch_size=8, verbose=0),
+        atol=1e-6,
+    )
+    assert on_ipu.evaluate(x, y, batch_size=8, verbose=0, return_dict=True).keys() == {
+        "loss", "mae"
+    }

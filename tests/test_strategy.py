@@ -1,0 +1,172 @@
+"""IPUStrategy: which models gain extensions, and that Keras' model life cycle still works."""
+
+from __future__ import annotations
+
+import pickle
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_weights_close
+from models import SubclassedMLP, data_for, functional_two_in_two_out, sequential
+
+import keras_ipu as ipu
+from keras_ipu.device import system
+from keras_ipu.keras import extensions
+
+EXT = ipu.keras.extensions
+
+
+class _FunctionalSubclass(keras.Model):
+    def __init__(self, **kwargs):
+        inputs = keras.Input((4,))
+        super().__init__(inputs, keras.layers.Dense(2)(inputs), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "build, extension",
+    [
+        (sequential, EXT.SequentialExtension),
+        (functional_two_in_two_out, EXT.FunctionalExtension),
+        (lambda: SubclassedMLP(), EXT.ModelExtension),
+        (_FunctionalSubclass, EXT.FunctionalExtension),
+    ],
+)
+def test_models_created_in_scope_gain_their_extension(build, extension, strategy):
+    with strategy.scope():
+        model = build()
+    assert isinstance(model, extension)
+    others = {EXT.SequentialExtension, EXT.FunctionalExtension, EXT.ModelExtension} - {extension}
+    assert not any(isinstance(model, other) for other in others)
+    # Keras sees the user's class (serialization records it).
+    assert model.__class__ is type(model)._ipu_base_class
+    outside = build()
+    assert not isinstance(outside, extensions.ExtensionBase)
+
+
+def test_public_names():
+    assert ipu.IPUStrategy is ipu.ipu_strategy.IPUStrategy
+    assert ipu.ipu_strategy.IPUStrategyV1 is ipu.ipu_strategy.IPUStrategy
+    assert ipu.IPUStrategy().num_replicas_in_sync == 1
+    with pytest.raises(ValueError, match="/device:IPU:0"):
+        ipu.IPUStrategy(ipu_device="/device:GPU:0")
+
+
+def test_nested_models_are_extended_too(strategy):
+    with strategy.scope():
+        inner = sequential(6, 8, 4)
+        inputs = keras.Input((6,))
+        outer = keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)))
+    assert isinstance(inner, EXT.SequentialExtension)
+    assert isinstance(outer, EXT.FunctionalExtension)
+
+
+def test_extensions_can_be_disabled():
+    with ipu.IPUStrategy(enable_keras_extensions=False).scope():
+        model = sequential()
+    assert not isinstance(model, extensions.ExtensionBase)
+
+
+def test_compiled_and_fitted_outside_the_scope_still_runs_on_ipu(strategy):
+    with strategy.scope():
+        model = sequential()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert ipu.utils.execution_report(model, "fit").steps_per_execution == 2
+
+
+def test_fit_before_configuring_says_what_to_call(strategy):
+    with strategy.scope():
+        model = sequential()
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = data_for("sequential", samples=16)
+    ipu.config.reset_ipu_configuration()
+    assert system.current() is None
+    with pytest.raises(RuntimeError, match=r"(?s)No IPU system is configured.*configure_ipu_system"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(RuntimeError, match="configure_ipu_system"):
+        model.predict(x, batch_size=8, verbose=0)
+
+
+def test_save_and_load_keeps_weights_and_extension(strategy, tmp_path):
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = sequential()
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+        model.fit(x, y, batch_size=8, verbose=0)
+        path = tmp_path / "model.keras"
+        model.save(path)
+        loaded_inside = keras.models.load_model(path)
+    loaded_outside = keras.models.load_model(path)
+    assert isinstance(loaded_inside, EXT.SequentialExtension)
+    assert not isinstance(loaded_outside, extensions.ExtensionBase)
+    assert_weights_close(model.get_weights(), loaded_inside.get_weights(), atol=0)
+    np.testing.assert_allclose(
+        loaded_inside.predict(x, batch_size=8, verbose=0),
+        loaded_outside.predict(x, batch_size=8, verbose=0),
+        atol=1e-6,
+    )
+    assert loaded_inside.get_config() == loaded_outside.get_config()
+    serialized = keras.saving.serialize_keras_object(model)
+    assert (serialized["module"], serialized["class_name"]) == ("keras", "Sequential")
+
+
+def test_registered_subclass_saves_under_its_registered_name(strategy, tmp_path):
+    @keras.saving.register_keras_serializable(package="keras_ipu_tests")
+    class Registered(SubclassedMLP):
+        pass
+
+    with strategy.scope():
+        model = Registered()
+        model(np.zeros((1, 6), "float32"))
+        model.save(tmp_path / "sub.keras")
+        loaded = keras.models.load_model(tmp_path / "sub.keras")
+    assert isinstance(loaded, EXT.ModelExtension) and isinstance(loaded, Registered)
+    assert_weights_close(model.get_weights(), loaded.get_weights(), atol=0)
+
+
+def test_clone_and_pickle(strategy):
+    with strategy.scope():
+        model = sequential()
+        clone = keras.models.clone_model(model)
+    assert isinstance(clone, EXT.SequentialExtension)
+    model.compile(optimizer="sgd", loss="mse")
+    restored = pickle.loads(pickle.dumps(model))
+    assert isinstance(restored, EXT.SequentialExtension)
+    assert_weights_close(model.get_weights(), restored.get_weights(), atol=0)
+    x, y = data_for("sequential", samples=16)
+    restored.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_make_train_function_override_is_refused(strategy):
+    class Custom(keras.Sequential):
+        def make_train_function(self, force=False):
+            return super().make_train_function(force)
+
+    with strategy.scope():
+        model = Custom([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = data_for("sequential", samples=16)
+    with pytest.raises(RuntimeError, match=r"`make_train_function` for the model .* overridden"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_custom_stateless_train_step_runs_on_device(strategy):
+    class HalfLoss(keras.Sequential):
+        def train_step(self, state, data):
+            logs, state = super().train_step(state, data)
+            return {**logs, "half_loss": logs["loss"] / 2}, state
+
+    with strategy.scope():
+        model = HalfLoss([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = data_for("sequential", samples=16)
+    seen = {}
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.update(logs)
+
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[Spy()])
+    assert float(seen["half_loss"]) == pytest.approx(float(seen["loss"]) / 2, rel=1e-6)
