@@ -21,8 +21,10 @@ import enum
 import logging
 import numbers
 import textwrap
+import types
 import typing
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, Union
 
 _LOG = logging.getLogger("keras_ipu.config")
 
@@ -189,9 +191,10 @@ _SCALAR_TYPES: dict[type, Callable[[Any], bool]] = {
 def type_matches(hint: Any, value: Any) -> bool:
     """Whether `value` satisfies the type hint `hint`.
 
-    Understands plain classes, `typing.Union`, `typing.List[X]` and
-    `typing.Tuple[X, ...]`; `bool` values never count as `int` or `float`,
-    and `int` values count as `float`.
+    Understands plain classes, unions (`typing.Union` or `X | Y`), lists
+    (`list[X]`, `typing.List[X]`) and homogeneous tuples (`tuple[X, ...]`);
+    `bool` values never count as `int` or `float`, and `int` values count as
+    `float`.
 
     Args:
         hint: A class or a type hint.
@@ -202,13 +205,13 @@ def type_matches(hint: Any, value: Any) -> bool:
 
     Example:
 
-    >>> type_matches(typing.Union[int, typing.List[int]], [1, 2])
+    >>> type_matches(int | list[int], [1, 2])
     True
     >>> type_matches(int, True)
     False
     """
     origin = typing.get_origin(hint)
-    if origin is Union:
+    if origin in (Union, types.UnionType):
         return any(type_matches(arg, value) for arg in typing.get_args(hint))
     if origin in (list, tuple):
         # List[X] and Tuple[X, ...] both name their entry type first.
@@ -467,6 +470,13 @@ def validate(path: str, option: Option, value: Any) -> None:
     Raises:
         TypeError: For a value of the wrong type, naming the expected type.
         ValueError: For a value its checks reject, naming the valid values.
+
+    Example:
+
+    >>> validate("tiles", Option("tiles", int, 0, "", checks=(at_least(0),)), -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: tiles must be >= 0, got -1.
     """
     _check_type(path, option, value)
     _check_value(path, option, value)
@@ -613,8 +623,7 @@ class _Scope:
         config, node, prefix = self._scope()
         if not isinstance(values, Mapping):
             raise TypeError(
-                f"Values for {prefix or type(config).__name__!r} must be a mapping, "
-                f"got {values!r}."
+                f"Values for {prefix or type(config).__name__!r} must be a mapping, got {values!r}."
             )
         for name, value in values.items():
             member = node.member(name)
@@ -657,6 +666,13 @@ class CategoryView(_Scope):
         config: The config the values live in.
         node: The category's schema node.
         path: The category's full name.
+
+    Example:
+
+    ```python
+    model = config.ipu_model       # a CategoryView
+    model.tiles_per_ipu = 8        # same as config.ipu_model.tiles_per_ipu = 8
+    ```
     """
 
     def __init__(self, config: Config, node: Category, path: str):

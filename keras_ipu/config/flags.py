@@ -13,7 +13,7 @@ import dataclasses
 import os
 import shlex
 import warnings
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 # Read in this order; a later variable wins on conflicts.
 FLAG_VARIABLES = ("TF_POPLAR_FLAGS", "KERAS_IPU_FLAGS")

@@ -9,7 +9,10 @@ documented as having no effect.
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+# typing.List / typing.Tuple / typing.Union on purpose: the type hint's
+# string is what AttributeMetadata.type reports, and the reference reports it
+# in this spelling.
+from typing import List, Tuple, Union  # noqa: UP035
 
 from keras_ipu.config import attributes
 from keras_ipu.config.attributes import (
@@ -33,7 +36,7 @@ NO_EFFECT = "no effect on the device model (accepted and validated)."
 IPU_VERSIONS = ("ipu1", "ipu2", "ipu21")
 
 # The type the reference gives both IPU selection options.
-IPUSelection = Union[int, List[int], Tuple[int, ...]]
+IPUSelection = Union[int, List[int], Tuple[int, ...]]  # noqa: UP006, UP007
 
 
 def _fraction(value: object) -> bool:
@@ -199,8 +202,7 @@ _FLOATING_POINT_BEHAVIOUR = Category(
 
 _IO_TILES = Category(
     "io_tiles",
-    "Sub-category containing configuration options that affect parallel I/O on a subset of "
-    "tiles.",
+    "Sub-category containing configuration options that affect parallel I/O on a subset of tiles.",
     (
         _ignored("num_io_tiles", int, 0, "Number of tiles to reserve for I/O.", (at_least(0),)),
         _ignored(
@@ -397,8 +399,7 @@ _OPTIMIZATIONS = Category(
             "enable_gather_simplifier",
             bool,
             True,
-            "If True (default), more aggressive optimizations will be done on embedding "
-            "lookups.",
+            "If True (default), more aggressive optimizations will be done on embedding lookups.",
         ),
         _buffer_size(
             "triangular_solve_expander_block_size",

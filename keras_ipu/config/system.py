@@ -138,7 +138,8 @@ def get_ipu_config(session: Any = None) -> IPUConfig:
         until it is configured again.
 
     Raises:
-        RuntimeError: When no IPU system is configured.
+        RuntimeError: When no IPU system is configured (or it was reset,
+            also through the device layer).
 
     Example:
 
@@ -148,7 +149,13 @@ def get_ipu_config(session: Any = None) -> IPUConfig:
     get_ipu_config().auto_select_ipus   # 2
     ```
     """
+    global _configured
     del session  # No sessions in keras_ipu.
+    from keras_ipu.device import system
+
+    # The device layer can also be reset directly; its state is the truth.
+    if system.current() is None:
+        _configured = None
     if _configured is None:
         raise RuntimeError(
             "No IPU system is configured. Configure one first, e.g.:\n\n" + _HOW_TO_CONFIGURE

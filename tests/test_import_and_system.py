@@ -1,0 +1,116 @@
+"""Import-time backend selection and the IPU system, in fresh processes where it matters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from keras_ipu.device import hardware, system
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str, env_overrides: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter without the test suite's JAX set-up."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env.update(env_overrides or {})
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+
+
+def test_import_selects_jax_and_stays_light():
+    result = _run(
+        """
+        import os, sys
+        import keras_ipu
+        assert os.environ["KERAS_BACKEND"] == "jax"
+        assert "keras" not in sys.modules and "jax" not in sys.modules, sorted(sys.modules)
+        import keras
+        assert keras.config.backend() == "jax"
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_import_after_keras_with_another_backend_raises():
+    result = _run("import keras\nimport keras_ipu", {"KERAS_BACKEND": "numpy"})
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr and "'numpy'" in result.stderr
+    assert "Import keras_ipu before keras" in result.stderr
+
+
+def test_import_with_another_backend_requested_raises():
+    result = _run("import keras_ipu", {"KERAS_BACKEND": "torch"})
+    assert result.returncode != 0
+    assert "KERAS_BACKEND is 'torch'" in result.stderr
+
+
+def test_fresh_process_configures_1_2_4_8_ipus_without_environment():
+    result = _run(
+        """
+        import keras_ipu as ipu
+        for n in (1, 2, 4, 8):
+            config = ipu.config.IPUConfig()
+            config.auto_select_ipus = n
+            config.configure_ipu_system()
+            devices = [i.device for i in ipu.device.system.current().ipus]
+            assert len(set(devices)) == n, devices
+        print("configured")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "configured"
+
+
+def test_too_few_devices_after_jax_started_says_what_to_do():
+    result = _run(
+        """
+        import keras_ipu
+        import jax, jax.numpy as jnp
+        jnp.ones(2).block_until_ready()   # JAX starts with its default single CPU device
+        from keras_ipu.device import system, hardware
+        system.configure((4,), hardware.hardware_for("ipu2"))
+        """,
+        {"JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode != 0
+    assert "RuntimeError" in result.stderr
+    assert "Configure the IPU system before any JAX computation" in result.stderr
+    assert "xla_force_host_platform_device_count=4" in result.stderr
+
+
+def test_each_ipu_gets_its_own_device():
+    configured = system.configure((2, 2), hardware.hardware_for("ipu2"))
+    assert configured.num_ipus == 4
+    assert configured.device_names == ("/device:IPU:0", "/device:IPU:1")
+    assert [i.index for i in configured.ipus_of_device("/device:IPU:1")] == [2, 3]
+    assert len({i.device for i in configured.ipus}) == 4
+    assert all(i.device in jax.devices() for i in configured.ipus)
+    with pytest.raises(ValueError, match="Unknown IPU device"):
+        configured.ipus_of_device("/device:IPU:7")
+
+
+def test_selection_orders():
+    assert system.selection_permutation("ZIGZAG", 4) == [0, 1, 2, 3]
+    assert system.selection_permutation("SNAKE", 16) == [
+        0, 1, 3, 2, 4, 5, 7, 6, 8, 9, 11, 10, 12, 13, 15, 14
+    ]
+    assert system.selection_permutation("HOOF", 16) == [
+        0, 2, 4, 6, 8, 10, 12, 14, 15, 13, 11, 9, 7, 5, 3, 1
+    ]
+    snake = system.configure((4,), hardware.hardware_for("ipu2"), selection_order="SNAKE")
+    assert [i.device.id for i in snake.ipus] == [0, 1, 3, 2]
+    with pytest.raises(ValueError, match="Unknown selection order"):
+        system.configure((1,), hardware.hardware_for("ipu2"), selection_order="SPIRAL")
+    with pytest.raises(ValueError, match="positive integers"):
+        system.configure((0,), hardware.hardware_for("ipu2"))

@@ -1,0 +1,123 @@
+"""Contracts of the Keras private APIs keras_ipu relies on (keras pinned to 3.15.x).
+
+Each test pins one private API: if a Keras upgrade changes it, the test that
+names it fails, and the code that uses it is the place to look.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import keras
+import numpy as np
+from keras.src.backend.jax.trainer import JAXTrainer
+
+
+def _params(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_keras_version_is_the_pinned_minor():
+    assert keras.__version__.startswith("3.15.")
+
+
+def test_model_new_is_the_seam_for_every_model_kind():
+    # keras_ipu.keras.injection replaces Model.__new__.
+    from keras.src.models.model import Model
+
+    assert "__new__" in Model.__dict__
+    assert _params(Model.__dict__["__new__"].__func__) == ["cls", "args", "kwargs"]
+    for kind in (keras.Sequential, keras.Model):
+        assert kind.__new__ is Model.__new__ or issubclass(kind, Model)
+
+
+def test_functional_init_arguments():
+    from keras.src.models.model import functional_init_arguments
+
+    inputs = keras.Input((2,))
+    assert functional_init_arguments((inputs, inputs), {})
+    assert not functional_init_arguments((), {})
+
+
+def test_stateless_steps_take_state_and_data():
+    # The on-device loop calls these inside lax.scan.
+    for name in ("train_step", "test_step", "predict_step"):
+        assert _params(getattr(JAXTrainer, name)) == ["self", "state", "data"]
+
+
+def test_jax_state_helpers():
+    assert _params(JAXTrainer._get_jax_state) == [
+        "self",
+        "trainable_variables",
+        "non_trainable_variables",
+        "optimizer_variables",
+        "metrics_variables",
+        "purge_model_variables",
+    ]
+    assert _params(JAXTrainer.jax_state_sync) == ["self"]
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model._jax_state = {"trainable_variables": [np.ones((2, 1)), np.zeros((1,))]}
+    model._jax_state_synced = False
+    model.jax_state_sync()
+    np.testing.assert_array_equal(model.get_weights()[0], np.ones((2, 1)))
+    assert model._jax_state_synced
+
+
+def test_trainer_helpers_used_by_the_ipu_loop():
+    from keras.src.trainers.trainer import Trainer
+
+    assert _params(Trainer._symbolic_build) == ["self", "iterator", "data_batch"]
+    assert _params(Trainer._assert_compile_called) == ["self", "method_name"]
+    assert _params(Trainer._get_metrics_result_or_logs) == ["self", "logs"]
+    assert _params(Trainer._flatten_metrics_in_order) == ["self", "logs"]
+    assert _params(Trainer._should_eval) == ["self", "epoch", "validation_freq"]
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert model._initial_epoch is None
+    assert model.steps_per_execution == 1
+    for name in ("make_train_function", "make_test_function", "make_predict_function"):
+        assert hasattr(JAXTrainer, name)
+
+
+def test_data_adapter_functions():
+    from keras.src.trainers.data_adapters import (
+        array_slicing,
+        data_adapter_utils,
+        get_data_adapter,
+    )
+
+    assert _params(get_data_adapter) == [
+        "x", "y", "sample_weight", "batch_size", "steps_per_epoch", "shuffle", "class_weight"
+    ]
+    weights = data_adapter_utils.class_weight_to_sample_weights(np.array([0, 1, 1]), {1: 2.0})
+    np.testing.assert_array_equal(weights, [1.0, 2.0, 2.0])
+    assert data_adapter_utils.unpack_x_y_sample_weight((1, 2)) == (1, 2, None)
+    (train, validation) = array_slicing.train_validation_split(
+        (np.arange(10), np.arange(10), None), validation_split=0.2
+    )
+    assert len(train[0]) == 8 and len(validation[0]) == 2
+
+
+def test_callback_list_and_logs():
+    from keras.src.utils.python_utils import pythonify_logs
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    callbacks = keras.callbacks.CallbackList(
+        None, add_history=True, add_progbar=True, verbose=0, epochs=2, steps=5, model=model
+    )
+    assert callbacks.params == {"verbose": 0, "epochs": 2, "steps": 5}
+    assert any(isinstance(c, keras.callbacks.History) for c in callbacks.callbacks)
+    assert pythonify_logs({"a": np.float32(1.5)}) == {"a": 1.5}
+
+
+def test_pickling_and_saving_helpers():
+    import keras.src.saving.saving_lib as saving_lib
+
+    assert _params(saving_lib._save_model_to_fileobj) == ["model", "fileobj", "weights_format"]
+    assert hasattr(keras.Model, "_unpickle_model")
+
+
+def test_backend_floatx_helpers():
+    from keras.src import backend
+
+    assert backend.is_float_dtype("float64") and not backend.is_float_dtype("int32")
+    assert backend.floatx() == "float32"
