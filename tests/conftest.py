@@ -10,8 +10,11 @@ import keras_ipu as ipu
 
 def configure(num_ipus: int = 1, **ipu_model) -> None:
     """Configures `num_ipus` IPUs, with `ipu_model` attributes (e.g. tiles_per_ipu)."""
-    from keras_ipu.device import hardware, system
-    system.configure((num_ipus,), hardware.hardware_for(ipu_model.get("version", "ipu2"), ipu_model.get("tiles_per_ipu", 0)))
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = num_ipus
+    for name, value in ipu_model.items():
+        setattr(config.ipu_model, name, value)
+    config.configure_ipu_system()
 
 
 @pytest.fixture(autouse=True)

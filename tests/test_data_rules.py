@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+
 from conftest import assert_weights_close
 from models import data_for, twin
 

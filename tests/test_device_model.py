@@ -7,10 +7,11 @@ import json
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close, configure
 
 import keras_ipu as ipu
 from keras_ipu.device import hardware
+
+from conftest import assert_weights_close, configure
 
 
 def _wide_model(units: int = 512):

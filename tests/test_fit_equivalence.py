@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
-from conftest import assert_history_close, assert_trees_close, assert_weights_close
-from models import data_for, twin
 
 import keras_ipu as ipu
+
+from conftest import assert_history_close, assert_trees_close, assert_weights_close
+from models import data_for, twin
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 8])
@@ -37,7 +39,7 @@ def test_fit_runs_one_program_per_execution(strategy):
     x, y = data_for("sequential", samples=64)
     seen = []
 
-    class Recorder(ipu_callback := __import__("keras").callbacks.Callback):
+    class Recorder(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             seen.append((batch, round(float(logs["loss"]), 6)))
 
@@ -48,7 +50,6 @@ def test_fit_runs_one_program_per_execution(strategy):
     report = ipu.utils.execution_report(on_ipu, mode="fit")
     assert report.steps_per_execution == 4
     assert history.history["loss"][0] == pytest.approx(seen[-1][1], abs=1e-5)
-    del ipu_callback
 
 
 def test_validation_data_and_split_match_plain_keras(strategy):
@@ -78,7 +79,6 @@ def test_sample_and_class_weights_match_plain_keras(strategy):
     on_ipu.fit(x, y, sample_weight=weights, **args)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights())
 
-    import keras
 
     labels = rng.integers(0, 3, size=64).astype("int32")
     plain, on_ipu = twin(
@@ -105,7 +105,6 @@ def test_uint8_and_float64_inputs_match_plain_keras(strategy):
 
 
 def test_evaluate_before_fit_and_predict_without_compile(strategy):
-    import keras
 
     from models import sequential
 

@@ -7,12 +7,13 @@ import pickle
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close
-from models import SubclassedMLP, data_for, functional_two_in_two_out, sequential
 
 import keras_ipu as ipu
 from keras_ipu.device import system
 from keras_ipu.keras import extensions
+
+from conftest import assert_weights_close
+from models import SubclassedMLP, data_for, functional_two_in_two_out, sequential
 
 EXT = ipu.keras.extensions
 
@@ -83,7 +84,8 @@ def test_fit_before_configuring_says_what_to_call(strategy):
     x, y = data_for("sequential", samples=16)
     ipu.config.reset_ipu_configuration()
     assert system.current() is None
-    with pytest.raises(RuntimeError, match=r"(?s)No IPU system is configured.*configure_ipu_system"):
+    expected = r"(?s)No IPU system is configured.*configure_ipu_system"
+    with pytest.raises(RuntimeError, match=expected):
         model.fit(x, y, batch_size=8, verbose=0)
     with pytest.raises(RuntimeError, match="configure_ipu_system"):
         model.predict(x, batch_size=8, verbose=0)

@@ -83,7 +83,7 @@ def configure_ipu_system(
 
     from keras_ipu.device import hardware, system
 
-    if not reset_configuration and (_configured is not None or system.current() is not None):
+    if not reset_configuration and system.current() is not None:
         raise RuntimeError(
             "An IPU system is already configured. Call "
             "keras_ipu.config.reset_ipu_configuration() first, or pass "
@@ -103,8 +103,9 @@ def configure_ipu_system(
 def reset_ipu_configuration() -> None:
     """Reset the IPU configuration in preparation for it to be reconfigured.
 
-    Forgets the configured system and its IPUConfig. The device model runs
-    programs synchronously, so nothing is left executing to wait for.
+    Forgets the configured system (through the device layer's
+    `keras_ipu.device.system.reset()`) and the IPUConfig it was configured
+    with; the next model run needs `configure_ipu_system` again.
 
     Returns:
         None

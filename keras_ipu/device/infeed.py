@@ -10,7 +10,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 
@@ -91,7 +92,7 @@ class Infeed:
             except queue.Empty:
                 pass
 
-    def __enter__(self) -> "Infeed":
+    def __enter__(self) -> Infeed:
         return self
 
     def __exit__(self, *exc_info) -> None:

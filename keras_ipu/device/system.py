@@ -11,7 +11,8 @@ import dataclasses
 import os
 import re
 import types
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 

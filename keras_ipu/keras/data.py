@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -60,7 +61,7 @@ def make_feed(
     class_weight: dict | None = None,
     steps_per_execution: int = 1,
     epochs: int = 1,
-) -> "ArrayFeed | AdapterFeed":
+) -> ArrayFeed | AdapterFeed:
     """Checks the data of a run and returns the feed that batches it.
 
     Args:
@@ -217,7 +218,9 @@ class ArrayFeed:
             rows = self._rows(self._offset * batch, plan.steps_per_execution * batch)
             self._offset += plan.steps_per_execution
             chunk = jax.tree_util.tree_map(
-                lambda a: a[rows].reshape(plan.steps_per_execution, batch, *a.shape[1:]),
+                lambda a, rows=rows: a[rows].reshape(
+                    plan.steps_per_execution, batch, *a.shape[1:]
+                ),
                 self._data,
             )
             yield begin, begin + plan.steps_per_execution - 1, chunk

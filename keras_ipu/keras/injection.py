@@ -15,8 +15,7 @@ from typing import Any
 
 from keras.src.models import model as keras_model_module
 from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.models.model import Model
+from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
 from keras_ipu.keras import extensions

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from collections.abc import Iterator
 
-_active: contextvars.ContextVar[tuple["IPUStrategy", ...]] = contextvars.ContextVar(
+_active: contextvars.ContextVar[tuple[IPUStrategy, ...]] = contextvars.ContextVar(
     "keras_ipu_strategy_stack", default=()
 )
 
@@ -67,7 +67,7 @@ class IPUStrategy:
         return 1
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["IPUStrategy"]:
+    def scope(self) -> Iterator[IPUStrategy]:
         """A context in which created Keras models run on the IPU system."""
         token = _active.set(_active.get() + (self,))
         try:

@@ -260,7 +260,8 @@ def _run_epoch(model, program, feed, mode, on_begin, on_end, stop_flag, last_ste
     device = program.device
     logs: Any = {}
     model._jax_state_synced = True
-    with Infeed(feed.executions(), place=lambda e: (e[0], e[1], jax.device_put(e[2], device))) as infeed:
+    place = lambda e: (e[0], e[1], jax.device_put(e[2], device))  # noqa: E731
+    with Infeed(feed.executions(), place=place) as infeed:
         for begin, end, batches in infeed:
             on_begin(begin)
             if model._jax_state_synced:
