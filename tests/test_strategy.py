@@ -172,3 +172,33 @@ def test_custom_stateless_train_step_runs_on_device(strategy):
 
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[Spy()])
     assert float(seen["half_loss"]) == pytest.approx(float(seen["loss"]) / 2, rel=1e-6)
+
+
+def test_strategy_runs_on_the_named_logical_device():
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = [1, 1]
+    config.configure_ipu_system()
+    with ipu.IPUStrategy(ipu_device="/device:IPU:1").scope():
+        model = sequential()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = data_for("sequential", samples=16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    report = ipu.utils.execution_report(model, "fit")
+    second = system.current().ipus[1]
+    assert report.ipus[0].index == 1 and report.ipus[0].device == str(second.device)
+    assert all(v.value.devices() == {second.device} for v in model.trainable_variables)
+
+
+def test_synthetic_data_flag_moves_no_data(strategy, monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--use_synthetic_data")
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.configure_ipu_system()
+    with strategy.scope():
+        model = sequential()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = data_for("sequential", samples=16)
+    x[:] = np.nan  # never reaches the device
+    history = model.fit(x, y, batch_size=8, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert history.history["loss"] == [0.0]

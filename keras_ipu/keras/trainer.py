@@ -257,24 +257,49 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
 def _run_epoch(model, program, feed, mode, on_begin, on_end, stop_flag, last_step_logs=True):
     """Runs one epoch of executions; returns the last logs."""
     parts = _STATE_PARTS[mode]
-    device = program.device
+    synthetic = bool(ipu_system.require().option("use_synthetic_data"))
+    place = _synthetic_placer(program.device) if synthetic else _placer(program.device)
     logs: Any = {}
     model._jax_state_synced = True
-    place = lambda e: (e[0], e[1], jax.device_put(e[2], device))  # noqa: E731
     with Infeed(feed.executions(), place=place) as infeed:
         for begin, end, batches in infeed:
             on_begin(begin)
             if model._jax_state_synced:
                 # First execution, or a callback synced the variables.
-                state = _get_state(model, parts, device, purge=True)
+                state = _get_state(model, parts, program.device, purge=True)
                 model._jax_state_synced = False
             state, outfeed = program(state, batches)
+            if synthetic:  # --use_synthetic_data: nothing comes back to the host
+                outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
             model._jax_state = dict(zip(parts, state))
             logs = tree.map_structure(lambda a: a[-1], outfeed) if last_step_logs else outfeed
             on_end(end, logs)
             if getattr(model, stop_flag, False):
                 break
     return logs
+
+
+def _placer(device):
+    """Copies an execution's batches to the IPU's device (on the infeed thread)."""
+    return lambda execution: (*execution[:2], jax.device_put(execution[2], device))
+
+
+def _synthetic_placer(device):
+    """`--use_synthetic_data`: no host data moves; the device gets zeros."""
+    zeros: dict = {}
+
+    def place(execution):
+        batches = execution[2]
+        key = jax.tree_util.tree_structure(batches), tuple(
+            (a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batches)
+        )
+        if key not in zeros:
+            zeros[key] = jax.device_put(
+                tree.map_structure(lambda a: np.zeros(a.shape, a.dtype), batches), device
+            )
+        return (*execution[:2], zeros[key])
+
+    return place
 
 
 def _prepare(model, mode: str, ipu, feed) -> ExecutionProgram:

@@ -1,0 +1,75 @@
+"""Device programs: one compiled on-device loop per execution, bounded in flight."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from models import data_for, twin
+
+from keras_ipu.device import hardware, program, system
+from keras_ipu.keras import trainer
+
+
+def _sgd_step(w, x):
+    loss = jnp.mean((x @ w) ** 2)
+    return loss, w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+
+def _program(max_in_flight=2):
+    configured = system.current()
+    return program.ExecutionProgram(
+        _sgd_step, mode="fit", ipu=configured.ipus[0], hardware=configured.hardware,
+        max_in_flight=max_in_flight,
+    )
+
+
+def test_an_execution_runs_all_its_steps_in_one_call():
+    run = _program()
+    w = jnp.eye(3)
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4, 3)), jnp.float32)
+    w_device, losses = run(w, xs)
+    expected_w, expected_losses = jnp.eye(3), []
+    for x in xs:
+        loss, expected_w = _sgd_step(expected_w, x)
+        expected_losses.append(loss)
+    np.testing.assert_allclose(w_device, expected_w, rtol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)  # the outfeed: every step
+    assert run.report.steps_per_execution == 5
+
+
+def test_executions_in_flight_are_bounded():
+    run = _program(max_in_flight=2)
+    w, xs = jnp.eye(3), jnp.ones((2, 4, 3))
+    for _ in range(10):
+        w, _ = run(w, xs)
+        assert len(run._in_flight) <= 2
+    run.wait()
+    assert not run._in_flight
+
+
+def test_programs_run_on_their_ipus_device():
+    configured = system.configure((2,), hardware.hardware_for("ipu2"))
+    second = configured.ipus[1]
+    run = program.ExecutionProgram(_sgd_step, mode="fit", ipu=second, hardware=configured.hardware)
+    w = jax.device_put(jnp.eye(3), second.device)
+    w, losses = run(w, jax.device_put(jnp.ones((2, 4, 3)), second.device))
+    assert w.devices() == {second.device} and losses.devices() == {second.device}
+    assert run.report.ipus[0].index == 1
+
+
+def test_fit_compiles_once_and_calls_the_device_once_per_execution(strategy, monkeypatch):
+    _, model = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)  # 8 batches: 2 executions per epoch
+    calls = []
+    original = program.ExecutionProgram.__call__
+
+    def counting_call(self, state, batches):
+        calls.append(jax.tree_util.tree_leaves(batches)[0].shape[0])
+        return original(self, state, batches)
+
+    monkeypatch.setattr(program.ExecutionProgram, "__call__", counting_call)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert calls == [4] * 8
+    assert len(trainer.program_for(model, "fit")._executables) == 1
