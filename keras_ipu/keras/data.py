@@ -352,7 +352,11 @@ def _as_tuple(batch: Any) -> tuple:
 
 
 def _as_arrays(data: Any) -> Any | None:
-    leaves = jax.tree_util.tree_leaves(data)
+    # Only containers are walked: a generator or dataset is one leaf.
+    leaves = jax.tree_util.tree_leaves(
+        data, is_leaf=lambda v: not isinstance(v, (tuple, list, dict))
+    )
+    leaves = [leaf for leaf in leaves if leaf is not None]
     if leaves and all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves):
         return data
     return None
