@@ -8,6 +8,7 @@ import numpy as np
 from models import data_for, twin
 
 from keras_ipu.device import hardware, program, system
+from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import trainer
 
 
@@ -19,8 +20,8 @@ def _sgd_step(w, x):
 def _program(max_in_flight=2):
     configured = system.current()
     return program.ExecutionProgram(
-        _sgd_step, mode="fit", ipu=configured.ipus[0], hardware=configured.hardware,
-        max_in_flight=max_in_flight,
+        _sgd_step, mode="fit", replicas=Replicas(configured.ipus[:1]),
+        hardware=configured.hardware, max_in_flight=max_in_flight,
     )
 
 
@@ -51,7 +52,9 @@ def test_executions_in_flight_are_bounded():
 def test_programs_run_on_their_ipus_device():
     configured = system.configure((2,), hardware.hardware_for("ipu2"))
     second = configured.ipus[1]
-    run = program.ExecutionProgram(_sgd_step, mode="fit", ipu=second, hardware=configured.hardware)
+    run = program.ExecutionProgram(
+        _sgd_step, mode="fit", replicas=Replicas((second,)), hardware=configured.hardware
+    )
     w = jax.device_put(jnp.eye(3), second.device)
     w, losses = run(w, jax.device_put(jnp.ones((2, 4, 3)), second.device))
     assert w.devices() == {second.device} and losses.devices() == {second.device}

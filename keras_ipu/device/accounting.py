@@ -75,21 +75,22 @@ def tree_bytes(tree: Any) -> int:
     )
 
 
-def memory_use(compiled: Any, state: Any, step_io: Any) -> MemoryUse:
-    """The memory a compiled execution needs on its IPU.
+def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int) -> MemoryUse:
+    """The memory a compiled execution needs on one of its IPUs.
 
     Args:
-        compiled: A `jax.stages.Compiled` execution program.
-        state: The program's state argument (arrays or shape structs).
-        step_io: One step's infeed and outfeed (arrays or shape structs).
+        compiled: A `jax.stages.Compiled` execution program. XLA's memory
+            analysis of a replicated program is per device already.
+        state_bytes: One IPU's state (its replica's weights, slots, metrics).
+        io_bytes: One IPU's infeed and outfeed buffers for one batch.
     """
     analysis = compiled.memory_analysis()
     temporary = getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0
     code = getattr(analysis, "generated_code_size_in_bytes", 0) if analysis else 0
     return MemoryUse(
-        state_bytes=tree_bytes(state),
+        state_bytes=int(state_bytes),
         temporary_bytes=int(temporary),
-        io_bytes=tree_bytes(step_io),
+        io_bytes=int(io_bytes),
         code_bytes=int(code),
     )
 

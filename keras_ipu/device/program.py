@@ -20,6 +20,7 @@ import jax
 
 from keras_ipu.device import accounting
 from keras_ipu.device.hardware import IPUHardware
+from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
 from keras_ipu.device.system import VirtualIPU
 from keras_ipu.errors import IPUOutOfMemoryError
@@ -41,20 +42,28 @@ class _Executable:
 
 
 class ExecutionProgram:
-    """Runs `steps` steps of a step function per call, on one IPU.
+    """Runs `steps` steps of a step function per call, on each replica's IPU.
 
     Args:
-        step_fn: A pure function `(state, batch) -> (outputs, new_state)`.
+        step_fn: A pure function `(state, batch) -> (outputs, new_state)`,
+            per replica; it may use `replicas.sum` for cross-replica sums.
         mode: The program's name in reports and errors (`"fit"`, ...).
-        ipu: The virtual IPU that runs the program and holds its state.
+        replicas: The IPUs that run the program, one replica each. With one
+            replica, state and batches have no replica axis; with more, the
+            state has a leading replica axis and the batches
+            `[steps, replicas, ...]` (see `Replicas`).
         hardware: The hardware description used for the accounting.
         half_precision: Whether the step computes in 16-bit floats (the
             cycle estimate then uses the 16-bit peak rate).
+        exchange_bytes_per_step: Bytes each replica all-reduces per step
+            (gradients), for the cycle estimate.
+        micro_batches_per_step: Batches one step consumes (gradient
+            accumulation); the report counts steps in batches.
         max_in_flight: Executions dispatched but not finished, at most.
 
     Example:
 
-    >>> program = ExecutionProgram(step, mode="fit", ipu=system.ipus[0],
+    >>> program = ExecutionProgram(step, mode="fit", replicas=Replicas(system.ipus[:1]),
     ...                            hardware=system.hardware)
     >>> state, outfeed = program(state, stacked_batches)  # one execution
     >>> program.report.ipus[0].memory_bytes
@@ -65,28 +74,37 @@ class ExecutionProgram:
         step_fn: StepFn,
         *,
         mode: str,
-        ipu: VirtualIPU,
+        replicas: Replicas,
         hardware: IPUHardware,
         half_precision: bool = False,
+        exchange_bytes_per_step: float = 0.0,
+        micro_batches_per_step: int = 1,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ):
         self._step_fn = step_fn
         self.mode = mode
-        self.ipu = ipu
+        self.replicas = replicas
         self.hardware = hardware
         self.half_precision = half_precision
-        self._jitted = jax.jit(self._execution, donate_argnums=0)
+        self.exchange_bytes_per_step = exchange_bytes_per_step
+        self.micro_batches_per_step = micro_batches_per_step
+        self._jitted = jax.jit(replicas.map(self._loop), donate_argnums=0)
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
         self._max_in_flight = max_in_flight
         self.report: ExecutionReport | None = None
 
     @property
+    def ipu(self) -> VirtualIPU:
+        """The first replica's IPU."""
+        return self.replicas.ipus[0]
+
+    @property
     def device(self) -> jax.Device:
-        """The JAX device the program runs on."""
+        """The first replica's JAX device."""
         return self.ipu.device
 
-    def _execution(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+    def _loop(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         def body(carry, batch):
             outputs, carry = self._step_fn(carry, batch)
             return carry, outputs
@@ -100,7 +118,7 @@ class ExecutionProgram:
             The `ExecutionReport` for this input signature.
 
         Raises:
-            IPUOutOfMemoryError: When the program does not fit the IPU.
+            IPUOutOfMemoryError: When the program does not fit an IPU.
         """
         return self._executable(state, batches).report
 
@@ -132,34 +150,45 @@ class ExecutionProgram:
 
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()
-        lowered = self._jitted.lower(state, batches)
-        compiled = lowered.compile()
+        compiled = self._jitted.lower(state, batches).compile()
         seconds = time.perf_counter() - started
-        steps = jax.tree_util.tree_leaves(batches)[0].shape[0]
+        count = self.replicas.count
+        # XLA counts a loop body once: one step's cost stands for each batch.
+        steps = jax.tree_util.tree_leaves(batches)[0].shape[0] * self.micro_batches_per_step
         outfeed_shapes = compiled.out_info[1]
+        # Per IPU: its replica's share of the state and of one step's io.
         step_io = (_one_step(batches), _one_step(outfeed_shapes))
-        memory = accounting.memory_use(compiled, state, step_io)
+        memory = accounting.memory_use(
+            compiled,
+            state_bytes=accounting.tree_bytes(state) // count,
+            io_bytes=accounting.tree_bytes(step_io) // (count * self.micro_batches_per_step),
+        )
         cost = accounting.step_cost(compiled)
-        cycles = cost.cycles(self.hardware, self.half_precision) * steps
+        step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
+            self.exchange_bytes_per_step, count, self.hardware
+        )
+        cycles = int(round(step_cycles * steps))
         report = ExecutionReport(
             mode=self.mode,
             hardware=f"{self.hardware.name} ({self.hardware.version})",
             clock_hz=self.hardware.clock_hz,
             steps_per_execution=steps,
-            ipus=(
+            ipus=tuple(
                 IPUReport(
-                    index=self.ipu.index,
+                    index=ipu.index,
                     memory_bytes=memory.total_bytes,
                     memory_capacity_bytes=self.hardware.memory_capacity_bytes,
-                    estimated_cycles=int(round(cycles)),
+                    estimated_cycles=cycles,
                     state_bytes=memory.state_bytes,
                     temporary_bytes=memory.temporary_bytes + memory.code_bytes,
                     io_bytes=memory.io_bytes,
-                    device=str(self.device),
-                ),
+                    device=str(ipu.device),
+                )
+                for ipu in self.replicas.ipus
             ),
             flops_per_step=cost.flops,
             compile_seconds=seconds,
+            replicas=count,
         )
         check_memory(report)
         return _Executable(compiled, report)

@@ -46,8 +46,9 @@ class ExecutionReport:
         clock_hz: The modelled clock frequency.
         steps_per_execution: Steps the execution runs on the device.
         ipus: One `IPUReport` per IPU the execution uses.
-        flops_per_step: Floating point operations of one step.
+        flops_per_step: Floating point operations of one step (per IPU).
         compile_seconds: Host time spent compiling the program.
+        replicas: The replication factor.
 
     Example:
 
@@ -64,6 +65,7 @@ class ExecutionReport:
     ipus: tuple[IPUReport, ...]
     flops_per_step: float = 0.0
     compile_seconds: float = 0.0
+    replicas: int = 1
 
     @property
     def estimated_cycles(self) -> int:
@@ -92,7 +94,8 @@ class ExecutionReport:
     def __str__(self) -> str:
         header = (
             f"Execution report: {self.mode}, {self.steps_per_execution} step(s) per "
-            f"execution on {self.hardware} at {self.clock_hz / 1e9:.2f} GHz"
+            f"execution on {self.hardware} at {self.clock_hz / 1e9:.2f} GHz, "
+            f"{self.replicas} replica(s)"
         )
         columns = ("IPU", "device", "memory", "capacity", "used", "state", "temporary",
                    "io", "est. cycles")

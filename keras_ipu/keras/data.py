@@ -35,14 +35,23 @@ class FeedPlan:
     """What the checks decided for a run.
 
     Args:
-        steps: Batches per epoch.
-        steps_per_execution: Batches per execution (after truncation).
+        steps: Batches per epoch and replica.
+        steps_per_execution: Batches per execution and replica (after
+            truncation).
         num_batches: Batches in the data, or `None` when unknown.
+        replicas: The replication factor; an execution takes
+            `steps_per_execution × replicas` batches from the data.
     """
 
     steps: int
     steps_per_execution: int
     num_batches: int | None
+    replicas: int = 1
+
+    @property
+    def batches_per_execution(self) -> int:
+        """Batches of the data one execution consumes (all replicas)."""
+        return self.steps_per_execution * self.replicas
 
     @property
     def executions_per_epoch(self) -> int:
@@ -61,18 +70,20 @@ def make_feed(
     class_weight: dict | None = None,
     steps_per_execution: int = 1,
     epochs: int = 1,
+    replicas: int = 1,
 ) -> ArrayFeed | AdapterFeed:
     """Checks the data of a run and returns the feed that batches it.
 
     Args:
         x, y, sample_weight: The data, as `keras.Model.fit` takes it.
         batch_size: Batch size for array data (default 32).
-        steps: Batches per epoch (`steps_per_epoch` / `steps`), or `None`
-            for the size of the data.
+        steps: Batches per epoch, for all replicas together
+            (`steps_per_epoch` / `steps`), or `None` for the size of the data.
         shuffle: Shuffle array data each pass (`True` or `"batch"`).
         class_weight: Class weights, turned into sample weights.
         steps_per_execution: The model's steps per execution.
         epochs: Epochs the run consumes (for the enough-data check).
+        replicas: The replication factor: batch `i` goes to replica `i % R`.
 
     Returns:
         An `ArrayFeed` for arrays, an `AdapterFeed` for anything else Keras
@@ -101,6 +112,7 @@ def make_feed(
             class_weight=class_weight,
             steps_per_execution=steps_per_execution,
             epochs=epochs,
+            replicas=replicas,
         )
     if batch_size is not None and not isinstance(x, data_adapters.DataAdapter):
         logger.info("`batch_size` is ignored for %s input.", type(x).__name__)
@@ -112,8 +124,13 @@ def make_feed(
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    return AdapterFeed(adapter, steps=steps, steps_per_execution=steps_per_execution,
-                       epochs=epochs)
+    return AdapterFeed(
+        adapter,
+        steps=steps,
+        steps_per_execution=steps_per_execution,
+        epochs=epochs,
+        replicas=replicas,
+    )
 
 
 def plan_steps(
@@ -121,13 +138,15 @@ def plan_steps(
     steps: int | None,
     steps_per_execution: int,
     epochs: int,
+    replicas: int = 1,
 ) -> FeedPlan:
     """Applies the step rules to the size of the data.
 
     Raises:
         ValueError: As `make_feed`.
     """
-    if steps is None or steps == -1:
+    continues = steps is not None and steps != -1  # epochs continue through the data
+    if not continues:
         if num_batches is None:
             raise ValueError(
                 "Could not infer the size of the data. You must specify the "
@@ -135,31 +154,53 @@ def plan_steps(
                 "in `evaluate` and `predict`)."
             )
         steps = num_batches
-    # An epoch that begins inside a pass must end inside it: the device
-    # cannot run the part-execution a shortfall would leave.
-    if num_batches is not None and num_batches % steps and steps * epochs > num_batches:
+    per_replica, dropped = divmod(steps, replicas)
+    if per_replica == 0:
+        raise ValueError(
+            f"The provided dataset contains {steps} items, but all {replicas} replicas "
+            f"are requested to run 1 steps each. Make sure the dataset contains at "
+            f"least {replicas} items."
+        )
+    if dropped:
+        warnings.warn(
+            f"Dataset of length {steps} is being evenly distributed between {replicas} "
+            f"replicas. The remaining {dropped} batch{'es' if dropped > 1 else ''} "
+            f"will be dropped.",
+            stacklevel=3,
+        )
+    consumed = per_replica * replicas
+    # When epochs continue through the data, an epoch that begins inside a
+    # pass must end inside it: the device cannot run the part-execution a
+    # shortfall would leave. (Without `steps`, each epoch is a new pass.)
+    if (
+        continues
+        and num_batches is not None
+        and (consumed > num_batches or num_batches % consumed)
+        and consumed * epochs > num_batches
+    ):
         raise ValueError(
             f"Your input does not have enough data. Make sure that your dataset "
-            f"or generator can generate at least {steps * epochs} batches "
+            f"or generator can generate at least {consumed * epochs} batches "
             f"(currently it can only generate {num_batches} batches), or choose "
             f"`steps_per_epoch` dividing {num_batches}."
         )
-    if steps_per_execution > steps:
+    to_this_replica = " to this replica" if replicas > 1 else ""
+    if steps_per_execution > per_replica:
         warnings.warn(
             f"`steps_per_execution` has been set to {steps_per_execution} but the "
-            f"dataset provided only contains {steps} batches. Using {steps} as "
-            f"`steps_per_execution`.",
+            f"dataset provided{to_this_replica} only contains {per_replica} batches. "
+            f"Using {per_replica} as `steps_per_execution`.",
             stacklevel=3,
         )
-        steps_per_execution = steps
-    if steps % steps_per_execution:
-        divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+        steps_per_execution = per_replica
+    if per_replica % steps_per_execution:
+        divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
         raise ValueError(
             f"`steps_per_execution` ({steps_per_execution}) must be a divisor of the "
-            f"number of batches ({steps}) in the dataset provided. Divisors of "
-            f"{steps}: {_short_list(divisors)}."
+            f"number of batches ({per_replica}) in the dataset provided{to_this_replica}. "
+            f"Divisors of {per_replica}: {_short_list(divisors)}."
         )
-    return FeedPlan(steps, steps_per_execution, num_batches)
+    return FeedPlan(per_replica, steps_per_execution, num_batches, replicas)
 
 
 class ArrayFeed:
@@ -180,6 +221,7 @@ class ArrayFeed:
         class_weight: dict | None,
         steps_per_execution: int,
         epochs: int,
+        replicas: int,
     ):
         _check_positive("batch_size", batch_size)
         x, y, sample_weight = arrays
@@ -199,7 +241,7 @@ class ArrayFeed:
                 f"multiple of {batch_size})."
             )
         self.batch_size = batch_size
-        self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs)
+        self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs, replicas)
         self._shuffle = shuffle
         self._rng = np.random.default_rng()
         self._order: np.ndarray | None = None
@@ -210,17 +252,16 @@ class ArrayFeed:
         return jax.tree_util.tree_map(lambda a: a[: self.batch_size], self._data)
 
     def executions(self) -> Iterator[Execution]:
-        """One epoch's executions."""
+        """One epoch's executions: `[steps, (replicas,) batch, ...]` each."""
         plan, batch = self.plan, self.batch_size
+        shape = _execution_shape(plan)
         for begin in range(0, plan.steps, plan.steps_per_execution):
-            if self._offset >= plan.num_batches:
+            if self._offset + plan.batches_per_execution > plan.num_batches:
                 self._new_pass()
-            rows = self._rows(self._offset * batch, plan.steps_per_execution * batch)
-            self._offset += plan.steps_per_execution
+            rows = self._rows(self._offset * batch, plan.batches_per_execution * batch)
+            self._offset += plan.batches_per_execution
             chunk = jax.tree_util.tree_map(
-                lambda a, rows=rows: a[rows].reshape(
-                    plan.steps_per_execution, batch, *a.shape[1:]
-                ),
+                lambda a, rows=rows: a[rows].reshape(*shape, batch, *a.shape[1:]),
                 self._data,
             )
             yield begin, begin + plan.steps_per_execution - 1, chunk
@@ -250,8 +291,15 @@ class AdapterFeed:
     have the shapes of the first (no partial batches).
     """
 
-    def __init__(self, adapter: Any, *, steps: int | None, steps_per_execution: int,
-                 epochs: int):
+    def __init__(
+        self,
+        adapter: Any,
+        *,
+        steps: int | None,
+        steps_per_execution: int,
+        epochs: int,
+        replicas: int,
+    ):
         self._adapter = adapter
         if _has_partial_batch(adapter):
             raise ValueError(
@@ -260,7 +308,7 @@ class AdapterFeed:
                 f"data being dropped. Pad your dataset, or drop the remainder when "
                 f"batching, to ensure there are no partial batches."
             )
-        self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs)
+        self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs, replicas)
         self._iterator: Iterator | None = None
         self._pending: list[Any] = []
         self._seen = 0
@@ -281,10 +329,11 @@ class AdapterFeed:
     def executions(self) -> Iterator[Execution]:
         """One epoch's executions; stops early, with a warning, if data runs out."""
         plan = self.plan
+        shape = _execution_shape(plan)
         self._adapter.on_epoch_begin()
         for begin in range(0, plan.steps, plan.steps_per_execution):
             try:
-                batches = [self._next_batch() for _ in range(plan.steps_per_execution)]
+                batches = [self._next_batch() for _ in range(plan.batches_per_execution)]
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True
@@ -296,8 +345,13 @@ class AdapterFeed:
                     stacklevel=2,
                 )
                 return
-            yield begin, begin + plan.steps_per_execution - 1, _stack(batches)
-        if plan.num_batches is not None and self._seen >= plan.num_batches:
+            stacked = jax.tree_util.tree_map(
+                lambda a: a.reshape(*shape, *a.shape[1:]), _stack(batches)
+            )
+            yield begin, begin + plan.steps_per_execution - 1, stacked
+        if plan.num_batches is not None and self._seen + plan.steps * plan.replicas > (
+            plan.num_batches
+        ):
             self._iterator = None
             self._seen = 0
         self._adapter.on_epoch_end()
@@ -334,6 +388,13 @@ def validation_split(x: Any, y: Any, sample_weight: Any, split: float):
     from keras.src.trainers.data_adapters import array_slicing
 
     return array_slicing.train_validation_split((x, y, sample_weight), validation_split=split)
+
+
+def _execution_shape(plan: FeedPlan) -> tuple[int, ...]:
+    """The leading axes of an execution's data: steps, then replicas if several."""
+    if plan.replicas == 1:
+        return (plan.steps_per_execution,)
+    return (plan.steps_per_execution, plan.replicas)
 
 
 def _has_partial_batch(adapter: Any) -> bool:

@@ -10,8 +10,12 @@ instance of the right one.
 from __future__ import annotations
 
 import io
+import json
+import os
 
-from keras_ipu.keras import trainer
+from keras_ipu.keras import options, trainer
+
+_ASSET_FILE = "ipu_options.json"
 
 
 class ExtensionBase:
@@ -20,6 +24,100 @@ class ExtensionBase:
     def compile(self, *args, **kwargs):
         trainer.forget_programs(self)
         return super().compile(*args, **kwargs)
+
+    def set_gradient_accumulation_options(
+        self,
+        gradient_accumulation_steps_per_replica=None,
+        gradient_accumulation_reduction_method="sum",
+        use_v2_gradient_accumulation_optimizer=False,
+        **gradient_accumulation_optimizer_kwargs,
+    ):
+        """Sets gradient accumulation for training (non-pipelined models).
+
+        Each replica runs `gradient_accumulation_steps_per_replica`
+        micro-batches per weight update inside the on-device loop; the
+        optimizer (its iteration count, learning-rate schedule, weight decay
+        and clipping) runs once per update, on the reduced gradients.
+        Non-trainable state such as BatchNormalization statistics still
+        updates every micro-batch. `evaluate` and `predict` ignore it.
+
+        Args:
+            gradient_accumulation_steps_per_replica: Micro-batches per weight
+                update on each replica; `steps_per_execution` must be
+                divisible by it. `None` keeps the current value. Saved with
+                the model.
+            gradient_accumulation_reduction_method: `"sum"` (default),
+                `"mean"` or `"running_mean"` (any case), or a
+                `keras_ipu.gradient_accumulation.GradientAccumulationReductionMethod`.
+                Every call sets it (to SUM when omitted). Saved with the model.
+            use_v2_gradient_accumulation_optimizer: Accepted for
+                compatibility; there is one accumulation implementation.
+            **gradient_accumulation_optimizer_kwargs: `dtype`: the
+                accumulator dtype (`"float32"` by default, `"float16"` or
+                `"bfloat16"`). `offload_weight_update_variables`,
+                `replicated_optimizer_state_sharding` and `name` are accepted
+                and have no effect on the device model. Not saved.
+
+        Raises:
+            ValueError: For a step count that is not a positive integer, an
+                unknown reduction method, the refused keys `opt`,
+                `num_mini_batches` and `experimental_normalize_gradients`, an
+                unknown key or dtype.
+            TypeError: When the kwargs are not a mapping.
+
+        Example:
+
+        >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+        >>> model.set_gradient_accumulation_options(
+        ...     gradient_accumulation_steps_per_replica=4,
+        ...     gradient_accumulation_reduction_method="mean")
+        """
+        new = options.gradient_accumulation_options(
+            options.options_of(self),
+            gradient_accumulation_steps_per_replica,
+            gradient_accumulation_reduction_method,
+            use_v2_gradient_accumulation_optimizer,
+            gradient_accumulation_optimizer_kwargs,
+        )
+        options.set_options(self, new)
+        trainer.forget_programs(self)
+
+    def set_replication_options(self, replicated_metric_reduction_method="NONE"):
+        """Sets how the loss and metrics of the replicas are returned.
+
+        Args:
+            replicated_metric_reduction_method: `"NONE"` (the last replica's
+                values), `"LIST"`, `"SUM"` or `"MEAN"` (any case), or a
+                `keras_ipu.keras.ReplicatedMetricReductionMethod`.
+                Predictions are never reduced. Saved with the model.
+
+        Raises:
+            ValueError: For an unknown method, listing the valid ones.
+
+        Example:
+
+        >>> model.set_replication_options("mean")
+        """
+        options.set_options(
+            self, options.replication_options(options.options_of(self),
+                                              replicated_metric_reduction_method)
+        )
+
+    def jax_state_sync(self):
+        trainer.sync_pending_state(self)
+        return super().jax_state_sync()
+
+    def save_assets(self, dir_path):
+        """Saves the IPU options into the `.keras` file (Keras saving hook)."""
+        with open(os.path.join(dir_path, _ASSET_FILE), "w") as f:
+            json.dump(options.options_of(self).to_config(), f)
+
+    def load_assets(self, dir_path):
+        """Restores the IPU options saved by `save_assets` (Keras loading hook)."""
+        path = os.path.join(dir_path, _ASSET_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                options.set_options(self, options.IPUOptions.from_config(json.load(f)))
 
     def fit(
         self,

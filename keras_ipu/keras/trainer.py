@@ -1,14 +1,18 @@
-"""The IPU trainer: `fit`, `evaluate` and `predict` as executions on an IPU.
+"""The IPU trainer: `fit`, `evaluate` and `predict` as executions on the IPU system.
 
-Data flow: the data feed checks and batches the data (`data.py`); the
-infeed thread moves each execution's stacked batches to the IPU's device;
-the execution program runs `steps_per_execution` Keras steps in one
-compiled on-device loop and returns the per-step logs (the outfeed);
-callbacks run once per execution with the last step's logs.
+Data flow: the data feed checks and batches the data, dealing batch `i` to
+replica `i % R` (`data.py`); the infeed thread regroups each execution's
+batches for the program and moves them to the replicas' devices; the
+execution program runs `steps_per_execution` steps per replica in one
+compiled on-device loop (gradient accumulation and the cross-replica
+gradient sum inside) and returns the per-step logs (the outfeed); callbacks
+run once per execution with the last step's logs, replicas reduced as
+`set_replication_options` says.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -22,7 +26,10 @@ from keras.src.utils.python_utils import pythonify_logs
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.program import ExecutionProgram
-from keras_ipu.keras import data
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import data, replication, steps
+from keras_ipu.keras.options import IPUOptions, options_of
+from keras_ipu.keras.replication import Layout
 
 logger = logging.getLogger("keras_ipu")
 
@@ -47,6 +54,19 @@ _FUNCTIONS_USED_BY_KERAS_ONLY = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one fit/evaluate/predict call runs: program, layout, reduction."""
+
+    program: ExecutionProgram
+    layout: Layout
+    options: IPUOptions
+
+    @property
+    def replicas(self) -> Replicas:
+        return self.program.replicas
+
+
 def fit(
     model,
     *,
@@ -69,7 +89,9 @@ def fit(
 ):
     """Keras `fit` on the IPU system (see `ExtensionBase.fit`)."""
     model._assert_compile_called("fit")
-    ipu = _check_runnable(model, "fit")
+    replicas = _check_runnable(model, "fit")
+    options = options_of(model)
+    _check_train_step(model, options, replicas)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
             x, y, sample_weight, validation_split
@@ -85,7 +107,9 @@ def fit(
         class_weight=class_weight,
         steps_per_execution=model.steps_per_execution,
         epochs=max(epochs - initial_epoch, 1),
+        replicas=replicas.count,
     )
+    _check_accumulation(model, feed.plan, options)
     val_feed = None
     if validation_data is not None:
         val_x, val_y, val_sw = _unpack(validation_data)
@@ -96,12 +120,12 @@ def fit(
             batch_size=validation_batch_size or batch_size,
             steps=validation_steps,
             steps_per_execution=model.steps_per_execution,
+            replicas=replicas.count,
         )
-    _log_steps(model, feed.plan)
+    _log_plan(model, feed, options)
     model._symbolic_build(data_batch=feed.first_batch())
-    program = _prepare(model, "fit", ipu, feed)
-    if val_feed is not None:
-        _prepare(model, "evaluate", ipu, val_feed)
+    run = _prepare(model, "fit", replicas, feed, options)
+    val_run = _prepare(model, "evaluate", replicas, val_feed, options) if val_feed else None
 
     if not isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks_module.CallbackList(
@@ -122,13 +146,13 @@ def fit(
             model.reset_metrics()
             callbacks.on_epoch_begin(epoch)
             logs = _run_epoch(
-                model, program, feed, "fit", callbacks.on_train_batch_begin,
+                model, run, feed, "fit", callbacks.on_train_batch_begin,
                 callbacks.on_train_batch_end, "stop_training",
             )
             model.jax_state_sync()
-            epoch_logs = dict(model._get_metrics_result_or_logs(logs))
-            if val_feed is not None and model._should_eval(epoch, validation_freq):
-                val_logs = _evaluate_feed(model, val_feed, callbacks)
+            epoch_logs = _epoch_logs(model, run, logs)
+            if val_run is not None and model._should_eval(epoch, validation_freq):
+                val_logs = _evaluate_feed(model, val_run, val_feed, callbacks)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callbacks.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
@@ -142,7 +166,7 @@ def fit(
             model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
             callbacks.on_train_end(logs=training_logs)
-        model._jax_state = None
+        _forget_state(model)
     return model.history
 
 
@@ -163,7 +187,7 @@ def evaluate(
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     model._assert_compile_called("evaluate")
-    ipu = _check_runnable(model, "evaluate")
+    replicas = _check_runnable(model, "evaluate")
     feed = data.make_feed(
         x,
         y,
@@ -171,9 +195,10 @@ def evaluate(
         batch_size=batch_size,
         steps=steps,
         steps_per_execution=model.steps_per_execution,
+        replicas=replicas.count,
     )
     model._symbolic_build(data_batch=feed.first_batch())
-    _prepare(model, "evaluate", ipu, feed)
+    run = _prepare(model, "evaluate", replicas, feed, options_of(model))
     if not isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks_module.CallbackList(
             callbacks,
@@ -184,7 +209,7 @@ def evaluate(
             model=model,
         )
     try:
-        logs = _evaluate_feed(model, feed, callbacks)
+        logs = _evaluate_feed(model, run, feed, callbacks)
     finally:
         feed.close()
     if return_dict:
@@ -192,32 +217,35 @@ def evaluate(
     return model._flatten_metrics_in_order(logs)
 
 
-def _evaluate_feed(model, feed, callbacks) -> dict:
-    program = _programs(model)["evaluate"]
+def _evaluate_feed(model, run: _Run, feed, callbacks) -> dict:
     model.stop_evaluating = False
     callbacks.on_test_begin()
     model.reset_metrics()
     try:
         logs = _run_epoch(
-            model, program, feed, "evaluate", callbacks.on_test_batch_begin,
+            model, run, feed, "evaluate", callbacks.on_test_batch_begin,
             callbacks.on_test_batch_end, "stop_evaluating",
         )
     finally:
         model.jax_state_sync()
-    logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
+    logs = _epoch_logs(model, run, logs)
     callbacks.on_test_end(logs)
-    model._jax_state = None
+    _forget_state(model)
     return logs
 
 
 def predict(model, x, *, batch_size, verbose, steps, callbacks):
     """Keras `predict` on the IPU system (see `ExtensionBase.predict`)."""
-    ipu = _check_runnable(model, "predict")
+    replicas = _check_runnable(model, "predict")
     feed = data.make_feed(
-        x, batch_size=batch_size, steps=steps, steps_per_execution=model.steps_per_execution
+        x,
+        batch_size=batch_size,
+        steps=steps,
+        steps_per_execution=model.steps_per_execution,
+        replicas=replicas.count,
     )
     _build_for_predict(model, feed.first_batch())
-    program = _prepare(model, "predict", ipu, feed)
+    run = _prepare(model, "predict", replicas, feed, options_of(model))
     if not isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks_module.CallbackList(
             callbacks,
@@ -232,21 +260,21 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     outputs: list = []
 
     def on_batch_end(end_step, outfeed):
-        # [steps, batch, ...] -> [steps * batch, ...]: input order.
-        merged = tree.map_structure(lambda a: a.reshape(-1, *a.shape[2:]), outfeed)
-        outputs.append(merged)
-        callbacks.on_predict_batch_end(end_step, {"outputs": merged})
+        # Predictions are never reduced over replicas: back in input order.
+        predictions = run.layout.predictions(outfeed)
+        outputs.append(predictions)
+        callbacks.on_predict_batch_end(end_step, {"outputs": predictions})
 
     try:
         _run_epoch(
-            model, program, feed, "predict", callbacks.on_predict_batch_begin,
+            model, run, feed, "predict", callbacks.on_predict_batch_begin,
             on_batch_end, "stop_predicting", last_step_logs=False,
         )
     finally:
         model.jax_state_sync()
         feed.close()
     callbacks.on_predict_end()
-    model._jax_state = None
+    _forget_state(model)
     if not outputs:
         raise ValueError("Expect x to be a non-empty array or dataset.")
     return tree.map_structure_up_to(
@@ -254,11 +282,13 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     )
 
 
-def _run_epoch(model, program, feed, mode, on_begin, on_end, stop_flag, last_step_logs=True):
+def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag, last_step_logs=True):
     """Runs one epoch of executions; returns the last logs."""
     parts = _STATE_PARTS[mode]
+    replicas, layout = run.replicas, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
-    place = _synthetic_placer(program.device) if synthetic else _placer(program.device)
+    place = _synthetic_placer(replicas, layout) if synthetic else _placer(replicas, layout)
+    reduction = run.options.replicated_metric_reduction_method
     logs: Any = {}
     model._jax_state_synced = True
     with Infeed(feed.executions(), place=place) as infeed:
@@ -266,118 +296,194 @@ def _run_epoch(model, program, feed, mode, on_begin, on_end, stop_flag, last_ste
             on_begin(begin)
             if model._jax_state_synced:
                 # First execution, or a callback synced the variables.
-                state = _get_state(model, parts, program.device, purge=True)
+                state = replicas.replicate(
+                    model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=True)
+                )
                 model._jax_state_synced = False
-            state, outfeed = program(state, batches)
+            state, outfeed = run.program(state, batches)
+            _keep_state(model, parts, state, replicas)
             if synthetic:  # --use_synthetic_data: nothing comes back to the host
                 outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
-            model._jax_state = dict(zip(parts, state))
-            logs = tree.map_structure(lambda a: a[-1], outfeed) if last_step_logs else outfeed
+            logs = layout.last_logs(outfeed, reduction) if last_step_logs else outfeed
             on_end(end, logs)
             if getattr(model, stop_flag, False):
                 break
     return logs
 
 
-def _placer(device):
-    """Copies an execution's batches to the IPU's device (on the infeed thread)."""
-    return lambda execution: (*execution[:2], jax.device_put(execution[2], device))
+def _epoch_logs(model, run: _Run, logs) -> dict:
+    if run.replicas.count == 1:
+        return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
+    # Keras' metric variables hold one replica's state: use the reduced logs.
+    return dict(pythonify_logs(logs))
 
 
-def _synthetic_placer(device):
-    """`--use_synthetic_data`: no host data moves; the device gets zeros."""
-    zeros: dict = {}
+def _keep_state(model, parts, state, replicas: Replicas) -> None:
+    """Records the latest device state; variables get it on `jax_state_sync`."""
+    vars(model)["_ipu_pending_state"] = (parts, state, replicas)
+
+
+def sync_pending_state(model) -> None:
+    """Hands the latest device state to Keras' state sync (replica 0's weights,
+    the last replica's metrics, so `get_metrics_result` agrees with `NONE`)."""
+    pending = vars(model).pop("_ipu_pending_state", None)
+    if pending is None:
+        return
+    parts, state, replicas = pending
+    last = replicas.count - 1
+    model._jax_state = {
+        part: replicas.unreplicate(values, last if part == "metrics_variables" else 0)
+        for part, values in zip(parts, state)
+    }
+
+
+def _forget_state(model) -> None:
+    vars(model).pop("_ipu_pending_state", None)
+    model._jax_state = None
+
+
+def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) -> _Run:
+    """Compiles and measures the mode's program before any state changes.
+
+    Raises:
+        IPUOutOfMemoryError: When the program does not fit an IPU.
+    """
+    hardware = ipu_system.require().hardware
+    micro = options.gradient_accumulation_steps if mode == "fit" else None
+    layout = Layout(replicas.count, micro)
+    custom = mode == "fit" and _overrides(model, "train_step")
+    key = (mode, replicas, hardware, micro, custom,
+           options.gradient_accumulation_reduction_method, options.accumulator_dtype)
+    programs = _programs(model)
+    known_key, program = programs.get(mode, (None, None))
+    if known_key != key:
+        program = ExecutionProgram(
+            _step_function(model, mode, options, replicas, custom),
+            mode=mode,
+            replicas=replicas,
+            hardware=hardware,
+            half_precision=_is_half_precision(model),
+            exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
+            micro_batches_per_step=micro or 1,
+        )
+        programs[mode] = (key, program)
+    state = replicas.replicate(
+        model._get_jax_state(**dict.fromkeys(_STATE_PARTS[mode], True),
+                             purge_model_variables=False)
+    )
+    spe = feed.plan.steps_per_execution
+    host_shape = (spe, replicas.count) if replicas.count > 1 else (spe,)
+    batches = jax.tree_util.tree_map(
+        lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
+    )
+    batches = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.to_program(batches)
+    )
+    program.report = program.prepare(state, batches)
+    return _Run(program, layout, options)
+
+
+def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
+    if mode == "evaluate":
+        return steps.test_step(model)
+    if mode == "predict":
+        return steps.predict_step(model)
+    if custom:
+        return steps.keras_train_step(model)
+    return steps.train_step(
+        model,
+        micro_batches=options.gradient_accumulation_steps,
+        reduction=options.gradient_accumulation_reduction_method,
+        accumulator_dtype=options.accumulator_dtype,
+        replicas=replicas,
+    )
+
+
+def _placer(replicas: Replicas, layout: Layout):
+    """Regroups an execution's batches and copies them to the replicas (infeed thread)."""
 
     def place(execution):
-        batches = execution[2]
-        key = jax.tree_util.tree_structure(batches), tuple(
-            (a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batches)
-        )
-        if key not in zeros:
-            zeros[key] = jax.device_put(
-                tree.map_structure(lambda a: np.zeros(a.shape, a.dtype), batches), device
-            )
-        return (*execution[:2], zeros[key])
+        begin, end, batches = execution
+        return begin, end, replicas.place_batches(layout.to_program(batches))
 
     return place
 
 
-def _prepare(model, mode: str, ipu, feed) -> ExecutionProgram:
-    """Compiles and measures the mode's program before any state changes.
+def _synthetic_placer(replicas: Replicas, layout: Layout):
+    """`--use_synthetic_data`: no host data moves; the devices get zeros."""
+    zeros: dict = {}
 
-    Raises:
-        IPUOutOfMemoryError: When the program does not fit the IPU.
-    """
-    programs = _programs(model)
-    program = programs.get(mode)
-    hardware = ipu_system.require().hardware
-    if program is None or program.ipu != ipu or program.hardware != hardware:
-        program = ExecutionProgram(
-            _step_function(model, mode),
-            mode=mode,
-            ipu=ipu,
-            hardware=hardware,
-            half_precision=_is_half_precision(model),
+    def place(execution):
+        begin, end, batches = execution
+        batches = layout.to_program(batches)
+        key = jax.tree_util.tree_structure(batches), tuple(
+            (a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batches)
         )
-        programs[mode] = program
-    state = _get_state(model, _STATE_PARTS[mode], ipu.device, purge=False)
-    spe = feed.plan.steps_per_execution
-    batches = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct((spe, *np.shape(a)), a.dtype), feed.first_batch()
-    )
-    program.report = program.prepare(state, batches)
-    return program
+        if key not in zeros:
+            zeros[key] = replicas.place_batches(
+                tree.map_structure(lambda a: np.zeros(a.shape, a.dtype), batches)
+            )
+        return begin, end, zeros[key]
+
+    return place
 
 
-def _step_function(model, mode: str):
-    if mode == "fit":
-        return lambda state, batch: model.train_step(state, batch)
-    if mode == "evaluate":
-        return lambda state, batch: model.test_step(state, batch)
-
-    def predict_step(state, batch):
-        outputs, non_trainable = model.predict_step(state, batch)
-        return outputs, (state[0], non_trainable)
-
-    return predict_step
-
-
-def _get_state(model, parts, device, *, purge: bool):
-    state = model._get_jax_state(**{part: True for part in parts}, purge_model_variables=purge)
-    return jax.device_put(state, device)
-
-
-def _check_runnable(model, mode: str):
-    """The IPU the model runs on, after the checks every mode shares.
+def _check_runnable(model, mode: str) -> Replicas:
+    """The model's replicas, after the checks every mode shares.
 
     Raises:
         RuntimeError: No system configured, eager mode, or an override of a
             function keras_ipu does not call.
     """
-    system = ipu_system.require()
+    replicas = replication.replicas_for(model)
     if getattr(model, "_run_eagerly", False) or getattr(model, "run_eagerly", False):
         raise RuntimeError(
             "Keras models cannot run eagerly when using `IPUStrategy`. Set "
             "`run_eagerly=False` when calling `compile`."
         )
     name = _FUNCTIONS_USED_BY_KERAS_ONLY[mode]
-    base = type(model)._ipu_base_class
-    if _overrides(base, name):
+    if _overrides(model, name):
         raise RuntimeError(
             f"The function `{name}` for the model {model.name} has been overridden. "
             f"This is not supported when using Keras within an IPUStrategy. Either "
             f"remove the override from your model definition or set "
             f"`enable_keras_extensions=False` when creating the IPUStrategy."
         )
-    strategy = vars(model).get("_ipu_strategy")
-    device = strategy.ipu_device if strategy is not None else 0
-    return system.ipus_of_device(device)[0]
+    return replicas
 
 
-def _overrides(cls: type, name: str) -> bool:
+def _check_train_step(model, options: IPUOptions, replicas: Replicas) -> None:
+    if _overrides(model, "train_step") and (
+        options.gradient_accumulation_steps > 1 or replicas.count > 1
+    ):
+        raise RuntimeError(
+            f"The function `train_step` for the model {model.name} has been overridden. "
+            f"Gradient accumulation and replication reduce the gradients between the "
+            f"forward/backward pass and the optimizer, inside keras_ipu's own train step. "
+            f"Remove the override, or train without gradient accumulation on 1 replica."
+        )
+
+
+def _check_accumulation(model, plan, options: IPUOptions) -> None:
+    accumulation = options.gradient_accumulation_steps
+    if plan.steps_per_execution % accumulation:
+        raise RuntimeError(
+            f"The model has been configured to use gradient accumulation for training, "
+            f"however the current `steps_per_execution` value (set to "
+            f"{plan.steps_per_execution}) is not divisible by "
+            f"`gradient_accumulation_steps_per_replica` ({accumulation}). You need to "
+            f"adjust either `steps_per_execution` or "
+            f"`gradient_accumulation_steps_per_replica` to make sure that "
+            f"`steps_per_execution` is divisible by "
+            f"`gradient_accumulation_steps_per_replica`."
+        )
+
+
+def _overrides(model, name: str) -> bool:
     from keras.src.backend.jax.trainer import JAXTrainer
 
-    return getattr(cls, name) is not getattr(JAXTrainer, name)
+    base = type(model)._ipu_base_class
+    return getattr(base, name) is not getattr(JAXTrainer, name)
 
 
 def _build_for_predict(model, batch) -> None:
@@ -400,13 +506,28 @@ def _is_half_precision(model) -> bool:
     return getattr(model.dtype_policy, "compute_dtype", "float32") in ("float16", "bfloat16")
 
 
-def _log_steps(model, plan) -> None:
+def _gradient_bytes(model) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+               for v in model.trainable_variables)
+
+
+def _log_plan(model, feed, options: IPUOptions) -> None:
+    plan, accumulation = feed.plan, options.gradient_accumulation_steps
     if plan.steps_per_execution == 1 and plan.steps > 1:
         logger.info(
             "The model `%s` has been configured with only 1 steps per execution. "
             "Consider increasing the value for the `steps_per_execution` argument "
             "passed to the `compile()` method to improve performance.",
             model.name,
+        )
+    if accumulation > 1 or plan.replicas > 1:
+        logger.info(
+            "Training is%s distributed%s%s, your effective batch size is %d.",
+            "" if plan.replicas > 1 else " not",
+            f" and accumulating {accumulation} batches per optimizer step"
+            if accumulation > 1 else "",
+            f" across {plan.replicas} replicas" if plan.replicas > 1 else "",
+            feed.batch_size * accumulation * plan.replicas,
         )
 
 
@@ -416,10 +537,10 @@ def _programs(model) -> dict:
 
 
 def forget_programs(model) -> None:
-    """Drops the model's compiled programs (after `compile`)."""
+    """Drops the model's compiled programs (after `compile` or an option change)."""
     vars(model).pop("_ipu_programs", None)
 
 
 def program_for(model, mode: str) -> ExecutionProgram | None:
     """The model's program for a mode, if it was compiled."""
-    return _programs(model).get(mode)
+    return _programs(model).get(mode, (None, None))[1]

@@ -1,0 +1,145 @@
+"""Replicas: one copy of a program per IPU, and the collectives between them.
+
+A replicated program's state carries a leading replica axis that is sharded
+over the replicas' IPUs, so each replica's weights live on its own IPU. An
+execution's batches carry the replica axis second (`[steps, replicas, ...]`):
+batch `i` of the input stream is step `i // R` of replica `i % R`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keras_ipu.device.system import VirtualIPU
+
+REPLICA_AXIS = "replica"
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """The IPUs of a replicated program, one replica each.
+
+    Args:
+        ipus: One virtual IPU per replica.
+
+    Example:
+
+    >>> replicas = Replicas(tuple(system.ipus))
+    >>> state = replicas.replicate(state)          # one copy per IPU
+    >>> grads = replicas.sum(grads)                # inside a step: all-reduce
+    """
+
+    ipus: tuple[VirtualIPU, ...]
+
+    def __post_init__(self):
+        if not self.ipus:
+            raise ValueError("Replicas need at least one IPU.")
+
+    @property
+    def count(self) -> int:
+        """The replication factor."""
+        return len(self.ipus)
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The replicas' JAX devices, in replica order."""
+        return [ipu.device for ipu in self.ipus]
+
+    @functools.cached_property
+    def mesh(self) -> Mesh:
+        """A one-axis mesh (`"replica"`) over the replicas' devices."""
+        return Mesh(np.array(self.devices), (REPLICA_AXIS,))
+
+    def sum(self, tree: Any) -> Any:
+        """Sums over replicas (inside a replicated step); identity for one."""
+        if self.count == 1:
+            return tree
+        return jax.lax.psum(tree, REPLICA_AXIS)
+
+    def replicate(self, tree: Any) -> Any:
+        """One copy of every leaf per replica, on the replica's device.
+
+        With one replica the leaves are moved to its device unchanged; with
+        more they gain a leading replica axis.
+        """
+        if self.count == 1:
+            return jax.device_put(tree, self.devices[0])
+        sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
+
+        def copies(leaf):
+            shards = [jax.device_put(leaf[None], device) for device in self.devices]
+            return jax.make_array_from_single_device_arrays(
+                (self.count, *leaf.shape), sharding, shards
+            )
+
+        return jax.tree_util.tree_map(copies, tree)
+
+    def unreplicate(self, tree: Any, replica: int = 0) -> Any:
+        """One replica's copy of a replicated tree (no cross-device traffic)."""
+        if self.count == 1:
+            return tree
+        return jax.tree_util.tree_map(lambda leaf: _shard_of(leaf, replica)[0], tree)
+
+    def replica_slices(self, tree: Any) -> list[Any]:
+        """Every replica's copy of a replicated tree, as a list."""
+        return [self.unreplicate(tree, r) for r in range(self.count)]
+
+    def place_batches(self, batches: Any) -> Any:
+        """Moves an execution's `[steps, replicas, ...]` batches to the replicas."""
+        if self.count == 1:
+            return jax.device_put(batches, self.devices[0])
+        return jax.device_put(batches, NamedSharding(self.mesh, P(None, REPLICA_AXIS)))
+
+    def map(self, per_replica: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
+        """Runs `per_replica(state, batches)` on every replica (SPMD).
+
+        `per_replica` sees its replica's state without the replica axis and
+        batches as `[steps, ...]`, and returns `(state, outfeed)`; the result
+        has the replica axis back: state leading, outfeed second.
+        """
+        if self.count == 1:
+            return per_replica
+
+        def body(state, batches):
+            local_state = jax.tree_util.tree_map(lambda a: a[0], state)
+            local_batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
+            new_state, outfeed = per_replica(local_state, local_batches)
+            return (
+                jax.tree_util.tree_map(lambda a: a[None], new_state),
+                jax.tree_util.tree_map(lambda a: a[:, None], outfeed),
+            )
+
+        # check_vma is off: collectives appear only on gradients after
+        # differentiation, never inside a differentiated function.
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(P(REPLICA_AXIS), P(None, REPLICA_AXIS)),
+            out_specs=(P(REPLICA_AXIS), P(None, REPLICA_AXIS)),
+            check_vma=False,
+        )
+
+
+def _shard_of(leaf: jax.Array, replica: int) -> jax.Array:
+    for shard in leaf.addressable_shards:
+        if shard.index[0].start == replica:
+            return shard.data
+    raise ValueError(f"Replica {replica} has no shard on this host.")
+
+
+def all_reduce_cycles(bytes_per_replica: float, replicas: int, hardware: Any) -> float:
+    """Cycles a ring all-reduce of `bytes_per_replica` takes over IPU-Links."""
+    if replicas <= 1 or not bytes_per_replica:
+        return 0.0
+    moved = 2.0 * bytes_per_replica * (replicas - 1) / replicas
+    return moved / hardware.link_bytes_per_second * hardware.clock_hz
+
+
+__all__: Sequence[str] = ["REPLICA_AXIS", "Replicas", "all_reduce_cycles"]

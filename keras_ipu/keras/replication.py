@@ -1,0 +1,103 @@
+"""Replication on the Keras side: the replicas a model runs on, data layouts, metric reduction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_ipu.device import system as ipu_system
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
+
+# The returned value of one log entry from its per-replica values `[R]`.
+_REDUCE = {
+    Reduction.NONE: lambda values: values[-1],
+    Reduction.LIST: lambda values: values,
+    Reduction.SUM: lambda values: jnp.sum(values),
+    Reduction.MEAN: lambda values: jnp.mean(values),
+}
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two ≥ n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def replicas_for(model: Any, ipus_per_replica: int = 1) -> Replicas:
+    """The replicas a model runs on: `R = num_ipus // next_pow2(ipus_per_replica)`.
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+        ValueError: When the model needs more IPUs than its device has.
+    """
+    system = ipu_system.require()
+    strategy = vars(model).get("_ipu_strategy")
+    ipus = system.ipus_of_device(strategy.ipu_device if strategy is not None else 0)
+    per_replica = next_power_of_two(ipus_per_replica)
+    if per_replica > len(ipus):
+        raise ValueError(
+            f"Current device has {len(ipus)} IPUs attached, however the current model "
+            f"requires a multiple of {per_replica} IPUs."
+        )
+    count = len(ipus) // per_replica
+    return Replicas(tuple(ipus[i * per_replica] for i in range(count)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How an execution's data and outfeed are arranged for its program.
+
+    The feed gives `[steps, (replicas,) batch, ...]`. With gradient
+    accumulation (`micro_batches`), the program takes
+    `[steps / micro_batches, (replicas,) micro_batches, batch, ...]`: a
+    program step is a weight update. Outfeeds come back in the same shape
+    and are turned into per-batch values, `[steps, (replicas,) ...]`.
+
+    Args:
+        replicas: The replication factor.
+        micro_batches: Batches per program step, or `None` when a program
+            step is one batch without a micro-batch axis (evaluate, predict).
+    """
+
+    replicas: int
+    micro_batches: int | None = None
+
+    def to_program(self, batches: Any) -> Any:
+        """Host data of an execution, regrouped for the program (NumPy)."""
+        if self.micro_batches is None:
+            return batches
+        return jax.tree_util.tree_map(self._group, batches)
+
+    def _group(self, a: np.ndarray) -> np.ndarray:
+        steps = a.shape[0] // self.micro_batches
+        if self.replicas == 1:
+            return a.reshape(steps, self.micro_batches, *a.shape[1:])
+        grouped = a.reshape(steps, self.micro_batches, *a.shape[1:])
+        return np.swapaxes(grouped, 1, 2)  # [updates, replicas, micro, ...]
+
+    def per_batch(self, outfeed: Any) -> Any:
+        """The outfeed as one entry per batch: `[steps, (replicas,) ...]`."""
+        if self.micro_batches is None:
+            return outfeed
+        return jax.tree_util.tree_map(self._ungroup, outfeed)
+
+    def _ungroup(self, a: jax.Array) -> jax.Array:
+        if self.replicas > 1:
+            a = jnp.swapaxes(a, 1, 2)  # [updates, micro, replicas, ...]
+        return a.reshape(-1, *a.shape[2:])
+
+    def last_logs(self, outfeed: Any, reduction: Reduction) -> Any:
+        """The last batch's logs, replicas reduced by `reduction`."""
+        last = jax.tree_util.tree_map(lambda a: a[-1], self.per_batch(outfeed))
+        if self.replicas == 1:
+            return last
+        return jax.tree_util.tree_map(_REDUCE[reduction], last)
+
+    def predictions(self, outfeed: Any) -> Any:
+        """Predictions in input order: `[steps × replicas × batch, ...]`."""
+        lead = 3 if self.replicas > 1 else 2
+        return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[lead:]), outfeed)

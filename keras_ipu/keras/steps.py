@@ -1,0 +1,114 @@
+"""Step functions of the IPU programs, built from the model's stateless Keras steps.
+
+A training step is one weight update: it runs the model on the step's
+micro-batches (gradient accumulation) in an inner on-device loop, reduces
+their gradients, sums them over replicas, and applies the optimizer once.
+Non-trainable state and metrics update every micro-batch, as in Keras.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+
+Step = Callable[[Any, Any], tuple[Any, Any]]
+
+# acc <- accumulate(acc, grad, n, count) for the n-th (0-based) of `count`
+# micro-batches; the reference's accumulation scales, as data.
+_ACCUMULATE = {
+    Reduction.SUM: lambda acc, grad, n, count: acc + grad,
+    Reduction.MEAN: lambda acc, grad, n, count: acc + grad / count,
+    Reduction.RUNNING_MEAN: lambda acc, grad, n, count: acc * (n / (n + 1)) + grad / (n + 1),
+}
+
+
+def train_step(
+    model: Any,
+    *,
+    micro_batches: int,
+    reduction: Reduction,
+    accumulator_dtype: str,
+    replicas: Replicas,
+) -> Step:
+    """One weight update over `micro_batches` stacked micro-batches.
+
+    Args:
+        model: The Keras model (its stateless `compute_loss_and_updates`,
+            metrics update and optimizer are used, as Keras' own train step).
+        micro_batches: Micro-batches per update (the leading axis of a step's data).
+        reduction: How their gradients are combined.
+        accumulator_dtype: The dtype gradients accumulate in.
+        replicas: Gradients are summed over these replicas before the update.
+
+    Returns:
+        `step(state, data) -> (logs, state)`, with logs per micro-batch.
+    """
+    accumulate = _ACCUMULATE[reduction]
+
+    def step(state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+
+        def micro_step(carry, batch):
+            non_trainable, metrics_vars, acc, n = carry
+            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
+                trainable,
+                non_trainable,
+                metrics_vars,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_vars,
+            )
+            unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+            logs, metrics_vars = model._update_metrics_variables(
+                metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
+            )
+            acc = jax.tree_util.tree_map(
+                lambda a, g: accumulate(a, g.astype(a.dtype), n, micro_batches), acc, grads
+            )
+            return (non_trainable, metrics_vars, acc, n + 1), logs
+
+        zeros = [jnp.zeros(v.shape, accumulator_dtype) for v in trainable]
+        (non_trainable, metrics_vars, acc, _), logs = jax.lax.scan(
+            micro_step, (non_trainable, metrics_vars, zeros, jnp.float32(0)), data
+        )
+        grads = [g.astype(v.dtype) for g, v in zip(replicas.sum(acc), trainable)]
+        trainable, optimizer_vars = model.optimizer.stateless_apply(
+            optimizer_vars, grads, trainable
+        )
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    return step
+
+
+def keras_train_step(model: Any) -> Step:
+    """The model's own (possibly overridden) Keras train step, one batch per step."""
+
+    def step(state, data):
+        logs, state = model.train_step(state, jax.tree_util.tree_map(lambda a: a[0], data))
+        return jax.tree_util.tree_map(lambda a: a[None], logs), state
+
+    return step
+
+
+def test_step(model: Any) -> Step:
+    """The model's Keras test step."""
+    return lambda state, data: model.test_step(state, data)
+
+
+def predict_step(model: Any) -> Step:
+    """The model's Keras predict step, keeping the trainable state."""
+
+    def step(state, data):
+        outputs, non_trainable = model.predict_step(state, data)
+        return outputs, (state[0], non_trainable)
+
+    return step
