@@ -21,15 +21,20 @@ Small model ("latency-bound"), for steps_per_execution S in {1, 10, 100}:
             donated, with the data of one execution pre-stacked on the device
             ([S, 32, 64] arrays reused by every call); called repeatedly.
 
-    plain and ipu are timed as one `fit(..., epochs=E, shuffle=False,
-    verbose=0)` call over a fixed data set of `--batches-per-epoch` batches;
-    E is calibrated per variant (after the warm-up) so that one measurement
-    lasts about `--target-seconds`. limit is timed as the same number of steps
-    in calls of S steps. After every measurement the weights are waited for
+    plain and ipu are timed as one `fit(x, y, batch_size=32, epochs=E,
+    shuffle=False, verbose=0)` call over a fixed data set of
+    `--batches-per-epoch` batches (default 1000 = 32000 samples, so an epoch
+    is 1000 steps); E is calibrated per variant after the warm-up so that one
+    measurement lasts about `--target-seconds` (or fixed with `--steps`).
+    limit is timed as a whole number of such 1000-step blocks, in calls of S
+    steps. After every measurement the weights are waited for
     (`block_until_ready`), so asynchronous dispatch cannot hide work.
+    steps/s = steps of the measurement / its wall time (so per-fit and
+    per-epoch overheads count, as they do for a user).
 
 Compute-bound model: Input(1024) -> Dense(1024, relu) x2 -> Dense(1024),
-    batch 256, SGD, MSE, S = `--compute-spe` (default 10): plain vs ipu.
+    batch 256, SGD, MSE, S = `--compute-spe` (default 10): plain vs ipu,
+    each measurement one `fit` epoch of `--compute-batches` (default 40) steps.
 
 Compile time of keras_ipu, for S in {1, 1000}:
     compile time(S) = wall time of the first `fit` of ONE execution (S
@@ -104,14 +109,16 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None,
                         help="fixed steps per small-model measurement (a multiple of "
                              "--batches-per-epoch) instead of calibrating")
-    parser.add_argument("--batches-per-epoch", type=int, default=200,
-                        help="batches in the small model's data set (multiple of 100)")
+    parser.add_argument("--batches-per-epoch", type=int, default=None,
+                        help="batches in the small model's data set, i.e. steps per "
+                             "epoch (multiple of 100; default 1000; quick 200)")
     parser.add_argument("--compile-repeats", type=int, default=None,
                         help="fresh models per S in the compile-time test (default 3; quick 1)")
     parser.add_argument("--compute-spe", type=int, default=10,
                         help="steps_per_execution of the compute-bound case")
     parser.add_argument("--compute-batches", type=int, default=None,
-                        help="batches per compute-bound measurement (default 30; quick 10)")
+                        help="batches per compute-bound measurement, one epoch "
+                             "(default 40; quick 10)")
     parser.add_argument("--output", default=os.path.join(
         _REPO, "benchmarks", "results", "bench_single_ipu.json"))
     parser.add_argument("--skip", default="", help="comma list of parts to skip: "
@@ -125,7 +132,9 @@ def parse_args(argv=None):
     if args.compile_repeats is None:
         args.compile_repeats = 1 if quick else 3
     if args.compute_batches is None:
-        args.compute_batches = 10 if quick else 30
+        args.compute_batches = 10 if quick else 40
+    if args.batches_per_epoch is None:
+        args.batches_per_epoch = 200 if quick else 1000
     if args.batches_per_epoch % max(SPES):
         parser.error(f"--batches-per-epoch must be a multiple of {max(SPES)}")
     if args.compute_batches % args.compute_spe:
@@ -256,16 +265,15 @@ class LimitRunner:
 # Parts
 
 
-def calibrate_epochs(runner, target_s, per_unit_steps):
-    """Units (epochs, or steps for the limit) so one run lasts ~target_s."""
-    units = 1
+def calibrate(run, target_s, limit=10_000):
+    """The count n (epochs, or blocks of steps) for which run(n) lasts ~target_s."""
+    n = 1
     while True:
-        elapsed = runner.run(units)
-        if elapsed >= target_s * 0.5 or units >= 10_000:
+        elapsed = run(n)
+        if elapsed >= target_s * 0.5 or n >= limit:
             break
-        units *= 2
-    per_unit = elapsed / units
-    return max(1, int(round(target_s / per_unit))), per_unit_steps
+        n *= 2
+    return max(1, int(round(target_s * n / elapsed)))
 
 
 def bench_small(args, keras, jax, jnp, np, log):
@@ -294,22 +302,13 @@ def bench_small(args, keras, jax, jnp, np, log):
         for name in VARIANTS:
             runner = runners[spe][name]
             if args.steps is not None:
-                units[(spe, name)] = (args.steps // bpe if name != "limit" else args.steps)
-                continue
-            if name == "limit":
+                units[(spe, name)] = args.steps if name == "limit" else args.steps // bpe
+            elif name == "limit":
                 # The limit's unit is a block of `bpe` steps, like an epoch.
-                class _Blocks:
-                    def __init__(self, r):
-                        self.r = r
-
-                    def run(self, n):
-                        return self.r.run(n * bpe)
-
-                n, _ = calibrate_epochs(_Blocks(runner), args.target_seconds, bpe)
-                units[(spe, name)] = n * bpe
+                blocks = calibrate(lambda n, r=runner: r.run(n * bpe), args.target_seconds)
+                units[(spe, name)] = blocks * bpe
             else:
-                n, _ = calibrate_epochs(runner, args.target_seconds, bpe)
-                units[(spe, name)] = n
+                units[(spe, name)] = calibrate(runner.run, args.target_seconds)
         log(f"  S={spe}: warmed up and calibrated in {time.perf_counter() - t0:.1f} s "
             f"(steps per measurement: "
             + ", ".join(f"{n}={_steps_of(units[(spe, n)], n, bpe)}" for n in VARIANTS) + ")")
@@ -471,6 +470,13 @@ def print_report(results, verdicts):
         out(f"  [{v['verdict']:>7}] {v['description']:<48} measured {value}{rel}")
 
 
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
@@ -503,6 +509,7 @@ def main(argv=None):
             "compile_time_definition": "wall time of the first fit of one execution on a "
                                        "fresh model minus the median warm time of that fit",
             "statistic": "median over interleaved repeats",
+            "loadavg_start": _loadavg(),
         }
     }
     if "small" not in args.skip:
@@ -517,11 +524,13 @@ def main(argv=None):
     verdicts = check_targets(results)
     results["targets"] = verdicts
     results["meta"]["total_seconds"] = time.perf_counter() - started
+    results["meta"]["loadavg_end"] = _loadavg()
     print_report(results, verdicts)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
-    log(f"wrote {args.output}")
+    log(f"wrote {args.output} (load average at start {results['meta']['loadavg_start']}, "
+        f"at end {results['meta']['loadavg_end']})")
     return 0
 
 

@@ -56,6 +56,7 @@ _SUBMODULES = (
     "config",
     "device",
     "errors",
+    "gradient_accumulation",
     "ipu_strategy",
     "keras",
     "utils",

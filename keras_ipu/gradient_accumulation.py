@@ -26,7 +26,7 @@ class GradientAccumulationReductionMethod(enum.Enum):
     RUNNING_MEAN = 2
 
     @classmethod
-    def parse(cls, value: Any) -> "GradientAccumulationReductionMethod":
+    def parse(cls, value: Any) -> GradientAccumulationReductionMethod:
         """A member from itself or its name in any case.
 
         Raises:

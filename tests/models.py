@@ -9,19 +9,24 @@ import numpy as np
 class SubclassedMLP(keras.Model):
     """A subclassed model with two Dense layers and a BatchNormalization."""
 
-    def __init__(self, units: int = 8, outputs: int = 3, **kwargs):
+    def __init__(self, units: int = 8, outputs: int = 3, norm: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.units = units
         self.outputs_ = outputs
+        self.use_norm = norm
         self.hidden = keras.layers.Dense(units, activation="relu")
-        self.norm = keras.layers.BatchNormalization()
+        self.norm = keras.layers.BatchNormalization() if norm else None
         self.head = keras.layers.Dense(outputs)
 
     def call(self, inputs, training=False):
-        return self.head(self.norm(self.hidden(inputs), training=training))
+        hidden = self.hidden(inputs)
+        if self.norm is not None:
+            hidden = self.norm(hidden, training=training)
+        return self.head(hidden)
 
     def get_config(self):
-        return {**super().get_config(), "units": self.units, "outputs": self.outputs_}
+        return {**super().get_config(), "units": self.units, "outputs": self.outputs_,
+                "norm": self.use_norm}
 
 
 def sequential(features: int = 6, units: int = 8, outputs: int = 3) -> keras.Model:
@@ -44,8 +49,8 @@ def functional_two_in_two_out() -> keras.Model:
     return keras.Model({"a": a, "b": b}, {"out_a": out_a, "out_b": out_b})
 
 
-def subclassed(features: int = 6) -> keras.Model:
-    model = SubclassedMLP()
+def subclassed(features: int = 6, norm: bool = True) -> keras.Model:
+    model = SubclassedMLP(norm=norm)
     model(np.zeros((1, features), "float32"))  # creates the weights
     return model
 
@@ -54,6 +59,8 @@ BUILDERS = {
     "sequential": sequential,
     "functional": functional_two_in_two_out,
     "subclassed": subclassed,
+    # Batch statistics depend on the batch size: no big-batch equivalence.
+    "subclassed_no_norm": lambda: subclassed(norm=False),
 }
 
 
@@ -67,15 +74,17 @@ def data_for(kind: str, samples: int = 64, seed: int = 0):
             {k: v.astype("float32") for k, v in x.items()},
             {k: v.astype("float32") for k, v in y.items()},
         )
-    x = rng.normal(size=(samples, 6)).astype("float32")
+    x = rng.normal(size=(samples, 6)).astype("float32")  # every single-input kind
     y = rng.normal(size=(samples, 3)).astype("float32")
     return x, y
 
 
-def compile_args(kind: str, steps_per_execution: int = 1, optimizer: str = "adam") -> dict:
+def compile_args(
+    kind: str, steps_per_execution: int = 1, optimizer: str = "adam", learning_rate=None
+) -> dict:
     optimizers = {
-        "adam": lambda: keras.optimizers.Adam(0.01),
-        "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(learning_rate or 0.01),
+        "sgd": lambda: keras.optimizers.SGD(learning_rate or 0.05, momentum=0.9),
     }
     loss = {"out_a": "mse", "out_b": "mae"} if kind == "functional" else "mse"
     metrics = {"out_a": ["mae"], "out_b": ["mse"]} if kind == "functional" else ["mae"]
@@ -87,14 +96,20 @@ def compile_args(kind: str, steps_per_execution: int = 1, optimizer: str = "adam
     )
 
 
-def twin(kind: str, strategy, steps_per_execution: int = 1, optimizer: str = "adam",
-         **compile_overrides):
-    """A plain Keras model and an IPU model with the same initial weights, both compiled."""
+def pair(kind: str, strategy):
+    """A plain Keras model and an IPU model with the same initial weights (not compiled)."""
     keras.utils.set_random_seed(0)
     plain = BUILDERS[kind]()
     with strategy.scope():
         on_ipu = BUILDERS[kind]()
     on_ipu.set_weights(plain.get_weights())
+    return plain, on_ipu
+
+
+def twin(kind: str, strategy, steps_per_execution: int = 1, optimizer: str = "adam",
+         **compile_overrides):
+    """A plain Keras model and an IPU model with the same initial weights, both compiled."""
+    plain, on_ipu = pair(kind, strategy)
     for model in (plain, on_ipu):
         model.compile(**{**compile_args(kind, steps_per_execution, optimizer),
                          **compile_overrides})

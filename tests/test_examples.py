@@ -15,6 +15,8 @@ EXAMPLES = os.path.join(ROOT, "examples")
 RUNNABLE = [
     "example_19_1_single_ipu.py",
     "example_19_2_steps_per_execution.py",
+    "example_19_3_gradient_accumulation.py",
+    "example_19_5_replication.py",
 ]
 
 

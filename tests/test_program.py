@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from models import data_for, twin
 
 from keras_ipu.device import hardware, program, system
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import trainer
+
+from models import data_for, twin
 
 
 def _sgd_step(w, x):

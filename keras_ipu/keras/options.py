@@ -38,7 +38,7 @@ class ReplicatedMetricReductionMethod(enum.Enum):
     MEAN = 4
 
     @classmethod
-    def parse(cls, value: Any) -> "ReplicatedMetricReductionMethod":
+    def parse(cls, value: Any) -> ReplicatedMetricReductionMethod:
         """A member from itself or its name in any case.
 
         Raises:
@@ -129,7 +129,7 @@ class IPUOptions:
         }
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "IPUOptions":
+    def from_config(cls, config: Mapping[str, Any]) -> IPUOptions:
         """Options from their saved form (unknown keys are ignored)."""
         return cls(
             gradient_accumulation_steps_per_replica=config.get(

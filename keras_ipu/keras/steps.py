@@ -8,7 +8,8 @@ Non-trainable state and metrics update every micro-batch, as in Keras.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

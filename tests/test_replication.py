@@ -1,0 +1,195 @@
+"""Replication: data parallelism over the configured IPUs, one replica per IPU."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.keras import options
+
+from conftest import assert_trees_close, assert_weights_close, configure
+from models import compile_args, data_for, pair
+
+BATCH, GLOBAL_ACCUMULATION = 4, 4  # plain Keras: batch 16
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed_no_norm"])
+def test_replicas_with_scaled_learning_rate_equal_the_big_batch(kind, replicas, strategy):
+    configure(replicas)
+    plain, on_ipu = pair(kind, strategy)
+    lr = 0.05
+    plain.compile(**compile_args(kind, 1, "sgd", lr))
+    on_ipu.compile(**compile_args(kind, 4, "sgd", lr / replicas))
+    on_ipu.set_gradient_accumulation_options(GLOBAL_ACCUMULATION // replicas, "mean")
+    x, y = data_for(kind, samples=128)
+    plain.fit(x, y, batch_size=BATCH * GLOBAL_ACCUMULATION, epochs=2, shuffle=False, verbose=0)
+    history = on_ipu.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)
+    assert len(history.history["loss"]) == 2
+    report = ipu.utils.execution_report(on_ipu, "fit")
+    assert report.replicas == replicas and len(report.ipus) == replicas
+    assert [r.index for r in report.ipus] == list(range(replicas))
+
+
+def test_replica_weights_are_bit_identical_and_live_on_their_ipus(strategy):
+    configure(4)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    snapshots = []
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            parts, state, replicas = vars(self._model)["_ipu_pending_state"]
+            snapshots.append((state, replicas))
+
+    callback = Snapshot()
+    callback._model = model
+    x, y = data_for("sequential", samples=64)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[callback])
+    state, replicas = snapshots[-1]
+    trainable = state[0]
+    devices = [ipu.device for ipu in replicas.ipus]
+    for leaf in trainable:
+        assert leaf.shape[0] == 4
+        assert [s.device for s in sorted(leaf.addressable_shards,
+                                         key=lambda s: s.index[0].start)] == devices
+    per_replica = replicas.replica_slices(trainable)
+    for other in per_replica[1:]:
+        for a, b in zip(per_replica[0], other):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Batch statistics are per replica: each saw different batches.
+    moving = replicas.replica_slices(state[1])
+    assert not np.array_equal(np.asarray(moving[0][0]), np.asarray(moving[1][0]))
+
+
+def test_replicated_predict_equals_plain_predict_row_for_row(strategy):
+    configure(4)
+    plain, on_ipu = pair("functional", strategy)
+    for model in (plain, on_ipu):
+        model.compile(**compile_args("functional", 2))
+    x, _ = data_for("functional", samples=64)
+    expected = plain.predict(x, batch_size=4, verbose=0)
+    actual = on_ipu.predict(x, batch_size=4, verbose=0)
+    assert actual["out_a"].shape == (64, 2)
+    assert_trees_close(expected, actual, atol=1e-6)
+    np.testing.assert_allclose(on_ipu.evaluate(x, {"out_a": expected["out_a"],
+                                                   "out_b": expected["out_b"]},
+                                               batch_size=4, verbose=0)[0], 0.0, atol=1e-6)
+
+
+def _zero_model():
+    return keras.Sequential(
+        [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+    )
+
+
+@pytest.mark.parametrize(
+    "method, expected",
+    [
+        ("NONE", [3, 10]),
+        ("list", [[2, 3], [5, 10]]),
+        (ipu.keras.ReplicatedMetricReductionMethod.SUM, [5, 15]),
+        ("Mean", [2.5, 7.5]),
+    ],
+)
+def test_metric_reduction_gives_the_reference_numbers(method, expected, strategy):
+    configure(2)
+    with strategy.scope():
+        model = _zero_model()
+    model.compile(loss="mae", metrics=["mse"], steps_per_execution=2)
+    model.set_replication_options(method)
+    x = np.zeros((4, 1), "float32")
+    y = np.array([[1], [2], [3], [4]], "float32")
+    result = model.evaluate(x, y, batch_size=1, verbose=0)
+    np.testing.assert_allclose(np.array(result, dtype=float), np.array(expected, dtype=float))
+
+
+def test_fit_history_follows_the_reduction(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _zero_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mae", steps_per_execution=2)
+    model.set_replication_options("MEAN")
+    x, y = np.zeros((4, 1), "float32"), np.array([[1], [2], [3], [4]], "float32")
+    history = model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert history.history["loss"] == [pytest.approx(2.5)]
+
+
+def test_bad_reduction_method(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.set_replication_options("sum")
+    with pytest.raises(ValueError, match=r"Cannot parse 'AVERAGE' as a "
+                                         r"ReplicatedMetricReductionMethod\. Valid values are: "
+                                         r"NONE, LIST, SUM, MEAN\."):
+        model.set_replication_options("AVERAGE")
+    assert options.options_of(model).replicated_metric_reduction_method.name == "SUM"
+
+
+def test_steps_count_global_batches_and_drop_the_remainder(strategy):
+    configure(4)
+    _, on_ipu = pair("sequential", strategy)
+    on_ipu.compile(**compile_args("sequential", 1))
+    x, y = data_for("sequential", samples=28)  # 7 batches of 4: 1 step per replica
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    with pytest.warns(UserWarning, match=r"Dataset of length 7 is being evenly distributed "
+                                         r"between 4 replicas\. The remaining 3 batches"):
+        on_ipu.fit(x, y, batch_size=4, verbose=0, callbacks=[Count()])
+    assert seen == [0]
+
+
+def test_too_little_data_for_all_replicas(strategy):
+    configure(4)
+    _, on_ipu = pair("sequential", strategy)
+    on_ipu.compile(**compile_args("sequential", 1))
+    x, y = data_for("sequential", samples=12)  # 3 batches for 4 replicas
+    before = [w.copy() for w in on_ipu.get_weights()]
+    with pytest.raises(ValueError, match=r"contains 3 items, but all 4 replicas are requested "
+                                         r"to run 1 steps each\. Make sure the dataset contains "
+                                         r"at least 4 items"):
+        on_ipu.fit(x, y, batch_size=4, verbose=0)
+    assert_weights_close(before, on_ipu.get_weights(), atol=0)
+
+
+def test_effective_batch_size_is_logged(strategy, caplog):
+    configure(2)
+    _, on_ipu = pair("sequential", strategy)
+    on_ipu.compile(**compile_args("sequential", 4))
+    on_ipu.set_gradient_accumulation_options(2)
+    x, y = data_for("sequential", samples=64)
+    with caplog.at_level(logging.INFO, logger="keras_ipu"):
+        on_ipu.fit(x, y, batch_size=4, verbose=0)
+    assert ("Training is distributed and accumulating 2 batches per optimizer step across "
+            "2 replicas, your effective batch size is 16.") in caplog.text
+
+
+def test_options_survive_save_and_load_inside_the_scope(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.set_gradient_accumulation_options(4, "running_mean", dtype="bfloat16")
+        model.set_replication_options("list")
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    restored = options.options_of(loaded)
+    assert restored.gradient_accumulation_steps_per_replica == 4
+    assert restored.gradient_accumulation_reduction_method.name == "RUNNING_MEAN"
+    assert restored.replicated_metric_reduction_method.name == "LIST"
+    assert restored.gradient_accumulation_optimizer_kwargs == {}  # kwargs are not saved
+    config = restored.to_config()
+    assert config["gradient_accumulation_reduction_method"] == 2
+    assert config["replicated_metric_reduction_method"] == 2
+    plain = keras.models.load_model(tmp_path / "m.keras")  # outside: a plain model
+    assert not isinstance(plain, ipu.keras.extensions.SequentialExtension)
