@@ -82,47 +82,98 @@ VARIANTS = ("plain", "ipu", "limit")
 
 TARGETS = (
     # (name, description, threshold, function of results -> measured ratio)
-    ("ipu_vs_limit_S100", "keras_ipu >= 0.9x limit at S=100", 0.9,
-     lambda r: r["small"]["100"]["ratio_ipu_limit"]),
-    ("ipu_vs_plain_S100", "keras_ipu >= 1.3x plain Keras at S=100", 1.3,
-     lambda r: r["small"]["100"]["ratio_ipu_plain"]),
-    ("ipu_vs_plain_S1", "keras_ipu >= 1.0x plain Keras at S=1", 1.0,
-     lambda r: r["small"]["1"]["ratio_ipu_plain"]),
-    ("ipu_vs_plain_S10", "keras_ipu >= 1.0x plain Keras at S=10", 1.0,
-     lambda r: r["small"]["10"]["ratio_ipu_plain"]),
-    ("compile_S1000_vs_S1", "compile(S=1000) <= 1.5x compile(S=1)", 1.5,
-     lambda r: r["compile"]["ratio_1000_1"]),
-    ("compute_ipu_vs_plain", "compute-bound: keras_ipu >= 0.95x plain Keras", 0.95,
-     lambda r: r["compute"]["ratio_ipu_plain"]),
+    (
+        "ipu_vs_limit_S100",
+        "keras_ipu >= 0.9x limit at S=100",
+        0.9,
+        lambda r: r["small"]["100"]["ratio_ipu_limit"],
+    ),
+    (
+        "ipu_vs_plain_S100",
+        "keras_ipu >= 1.3x plain Keras at S=100",
+        1.3,
+        lambda r: r["small"]["100"]["ratio_ipu_plain"],
+    ),
+    (
+        "ipu_vs_plain_S1",
+        "keras_ipu >= 1.0x plain Keras at S=1",
+        1.0,
+        lambda r: r["small"]["1"]["ratio_ipu_plain"],
+    ),
+    (
+        "ipu_vs_plain_S10",
+        "keras_ipu >= 1.0x plain Keras at S=10",
+        1.0,
+        lambda r: r["small"]["10"]["ratio_ipu_plain"],
+    ),
+    (
+        "compile_S1000_vs_S1",
+        "compile(S=1000) <= 1.5x compile(S=1)",
+        1.5,
+        lambda r: r["compile"]["ratio_1000_1"],
+    ),
+    (
+        "compute_ipu_vs_plain",
+        "compute-bound: keras_ipu >= 0.95x plain Keras",
+        0.95,
+        lambda r: r["compute"]["ratio_ipu_plain"],
+    ),
 )
 _UPPER_BOUND_TARGETS = {"compile_S1000_vs_S1"}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: few repeats, short measurements (<30 s)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved rounds per measurement (default 7; quick 2)")
-    parser.add_argument("--target-seconds", type=float, default=None,
-                        help="duration of one timed measurement (default 0.6; quick 0.1)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="fixed steps per small-model measurement (a multiple of "
-                             "--batches-per-epoch) instead of calibrating")
-    parser.add_argument("--batches-per-epoch", type=int, default=None,
-                        help="batches in the small model's data set, i.e. steps per "
-                             "epoch (multiple of 100; default 1000; quick 200)")
-    parser.add_argument("--compile-repeats", type=int, default=None,
-                        help="fresh models per S in the compile-time test (default 3; quick 1)")
-    parser.add_argument("--compute-spe", type=int, default=10,
-                        help="steps_per_execution of the compute-bound case")
-    parser.add_argument("--compute-batches", type=int, default=None,
-                        help="batches per compute-bound measurement, one epoch "
-                             "(default 40; quick 10)")
-    parser.add_argument("--output", default=os.path.join(
-        _REPO, "benchmarks", "results", "bench_single_ipu.json"))
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: "
-                        "small,compile,compute")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: few repeats, short measurements (<30 s)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved rounds per measurement (default 7; quick 2)",
+    )
+    parser.add_argument(
+        "--target-seconds",
+        type=float,
+        default=None,
+        help="duration of one timed measurement (default 0.6; quick 0.1)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="fixed steps per small-model measurement (a multiple of "
+        "--batches-per-epoch) instead of calibrating",
+    )
+    parser.add_argument(
+        "--batches-per-epoch",
+        type=int,
+        default=None,
+        help="batches in the small model's data set, i.e. steps per "
+        "epoch (multiple of 100; default 1000; quick 200)",
+    )
+    parser.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=None,
+        help="fresh models per S in the compile-time test (default 3; quick 1)",
+    )
+    parser.add_argument(
+        "--compute-spe", type=int, default=10, help="steps_per_execution of the compute-bound case"
+    )
+    parser.add_argument(
+        "--compute-batches",
+        type=int,
+        default=None,
+        help="batches per compute-bound measurement, one epoch (default 40; quick 10)",
+    )
+    parser.add_argument(
+        "--output", default=os.path.join(_REPO, "benchmarks", "results", "bench_single_ipu.json")
+    )
+    parser.add_argument(
+        "--skip", default="", help="comma list of parts to skip: small,compile,compute"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     if args.repeats is None:
@@ -164,12 +215,14 @@ def configure_ipu():
 
 def make_model(units, keras, *, inside_ipu_scope, spe, seed=0, weights=None):
     def build():
-        return keras.Sequential([
-            keras.Input((units,)),
-            keras.layers.Dense(units, activation="relu"),
-            keras.layers.Dense(units, activation="relu"),
-            keras.layers.Dense(units),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((units,)),
+                keras.layers.Dense(units, activation="relu"),
+                keras.layers.Dense(units, activation="relu"),
+                keras.layers.Dense(units),
+            ]
+        )
 
     keras.utils.set_random_seed(seed)
     if inside_ipu_scope:
@@ -179,8 +232,9 @@ def make_model(units, keras, *, inside_ipu_scope, spe, seed=0, weights=None):
         model = build()
     if weights is not None:
         model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01), loss="mse",
-                  steps_per_execution=spe)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.01), loss="mse", steps_per_execution=spe
+    )
     return model
 
 
@@ -189,6 +243,16 @@ def make_data(np, rows, units, seed):
     x = rng.standard_normal((rows, units), dtype=np.float32)
     y = rng.standard_normal((rows, units), dtype=np.float32)
     return x, y
+
+
+def _ipu0_device(jax):
+    """The JAX device of IPU 0 (where keras_ipu runs), else JAX's default device."""
+    try:
+        from keras_ipu.device import system
+
+        return system.current().ipus[0].device
+    except Exception:  # the library's internals may move; the default is the same device
+        return jax.devices()[0]
 
 
 def wait_for(model, jax):
@@ -204,8 +268,9 @@ class FitRunner:
 
     def run(self, epochs):
         started = time.perf_counter()
-        self.model.fit(self.x, self.y, batch_size=self.batch, epochs=epochs,
-                       shuffle=False, verbose=0)
+        self.model.fit(
+            self.x, self.y, batch_size=self.batch, epochs=epochs, shuffle=False, verbose=0
+        )
         wait_for(self.model, self.jax)
         return time.perf_counter() - started
 
@@ -220,16 +285,18 @@ class LimitRunner:
         self.jax = jax
         self.spe = spe
         # Build the optimizer (and metric) state exactly as Keras would.
-        model.fit(x[: spe * batch], y[: spe * batch], batch_size=batch, epochs=1,
-                  shuffle=False, verbose=0)
+        model.fit(
+            x[: spe * batch], y[: spe * batch], batch_size=batch, epochs=1, shuffle=False, verbose=0
+        )
         self.state = (
             [v.value for v in model.trainable_variables],
             [v.value for v in model.non_trainable_variables],
             [v.value for v in model.optimizer.variables],
             [v.value for v in model.metrics_variables],
         )
-        device = jax.devices()[0]
-        self.state = jax.device_put(self.state, device)
+        device = _ipu0_device(jax)
+        # Private copies: the donated state must not be the model's own buffers.
+        self.state = jax.tree_util.tree_map(jnp.copy, jax.device_put(self.state, device))
         shape = (spe, batch, x.shape[1])
         self.data = (
             jax.device_put(jnp.asarray(x[: spe * batch].reshape(shape)), device),
@@ -254,8 +321,8 @@ class LimitRunner:
         self.jax.block_until_ready(state)
         self.state = state
 
-    def run(self, epochs_equiv_steps):
-        calls = epochs_equiv_steps // self.spe
+    def run(self, steps):
+        calls = steps // self.spe
         started = time.perf_counter()
         self.run_calls(calls)
         return time.perf_counter() - started
@@ -286,10 +353,10 @@ def bench_small(args, keras, jax, jnp, np, log):
     for spe in SPES:
         t0 = time.perf_counter()
         plain = make_model(SMALL_UNITS, keras, inside_ipu_scope=False, spe=spe, weights=weights)
-        ipu_model = make_model(SMALL_UNITS, keras, inside_ipu_scope=True, spe=spe,
-                               weights=weights)
-        limit_model = make_model(SMALL_UNITS, keras, inside_ipu_scope=False, spe=spe,
-                                 weights=weights)
+        ipu_model = make_model(SMALL_UNITS, keras, inside_ipu_scope=True, spe=spe, weights=weights)
+        limit_model = make_model(
+            SMALL_UNITS, keras, inside_ipu_scope=False, spe=spe, weights=weights
+        )
         runners[spe] = {
             "plain": FitRunner(plain, x, y, SMALL_BATCH, jax),
             "ipu": FitRunner(ipu_model, x, y, SMALL_BATCH, jax),
@@ -309,9 +376,12 @@ def bench_small(args, keras, jax, jnp, np, log):
                 units[(spe, name)] = blocks * bpe
             else:
                 units[(spe, name)] = calibrate(runner.run, args.target_seconds)
-        log(f"  S={spe}: warmed up and calibrated in {time.perf_counter() - t0:.1f} s "
+        log(
+            f"  S={spe}: warmed up and calibrated in {time.perf_counter() - t0:.1f} s "
             f"(steps per measurement: "
-            + ", ".join(f"{n}={_steps_of(units[(spe, n)], n, bpe)}" for n in VARIANTS) + ")")
+            + ", ".join(f"{n}={_steps_of(units[(spe, n)], n, bpe)}" for n in VARIANTS)
+            + ")"
+        )
 
     samples = {(spe, n): [] for spe in SPES for n in VARIANTS}
     for rep in range(args.repeats):
@@ -354,8 +424,7 @@ def bench_compile(args, keras, jax, np, log):
     for rep in range(args.compile_repeats):
         for spe in COMPILE_SPES:
             x, y = data[spe]
-            model = make_model(SMALL_UNITS, keras, inside_ipu_scope=True, spe=spe,
-                               seed=100 + rep)
+            model = make_model(SMALL_UNITS, keras, inside_ipu_scope=True, spe=spe, seed=100 + rep)
             runner = FitRunner(model, x, y, SMALL_BATCH, jax)
             first[spe].append(runner.run(1))
             program = getattr(ipu_trainer, "program_for", lambda *a: None)(model, "fit")
@@ -387,22 +456,28 @@ def bench_compute(args, keras, jax, np, log):
     plain = make_model(BIG_UNITS, keras, inside_ipu_scope=False, spe=spe)
     weights = plain.get_weights()
     ipu_model = make_model(BIG_UNITS, keras, inside_ipu_scope=True, spe=spe, weights=weights)
-    runners = {"plain": FitRunner(plain, x, y, BIG_BATCH, jax),
-               "ipu": FitRunner(ipu_model, x, y, BIG_BATCH, jax)}
+    runners = {
+        "plain": FitRunner(plain, x, y, BIG_BATCH, jax),
+        "ipu": FitRunner(ipu_model, x, y, BIG_BATCH, jax),
+    }
     for runner in runners.values():
         runner.run(1)
     samples = {n: [] for n in runners}
-    for rep in range(args.repeats):
+    for _ in range(args.repeats):
         for name, runner in runners.items():
             samples[name].append(runner.steps(1) / runner.run(1))
     log(f"  compute-bound: {args.repeats} rounds done")
-    result = {"steps_per_execution": spe, "batch": BIG_BATCH, "units": BIG_UNITS,
-              "steps_per_measurement": args.compute_batches}
+    result = {
+        "steps_per_execution": spe,
+        "batch": BIG_BATCH,
+        "units": BIG_UNITS,
+        "steps_per_measurement": args.compute_batches,
+    }
     for name, values in samples.items():
-        result[name] = {"steps_per_s_median": statistics.median(values),
-                        "steps_per_s_all": values}
-    result["ratio_ipu_plain"] = (result["ipu"]["steps_per_s_median"]
-                                 / result["plain"]["steps_per_s_median"])
+        result[name] = {"steps_per_s_median": statistics.median(values), "steps_per_s_all": values}
+    result["ratio_ipu_plain"] = (
+        result["ipu"]["steps_per_s_median"] / result["plain"]["steps_per_s_median"]
+    )
     return result
 
 
@@ -416,12 +491,26 @@ def check_targets(results):
         try:
             value = get(results)
         except (KeyError, TypeError):
-            verdicts.append({"target": key, "description": text, "threshold": threshold,
-                             "value": None, "verdict": "SKIPPED"})
+            verdicts.append(
+                {
+                    "target": key,
+                    "description": text,
+                    "threshold": threshold,
+                    "value": None,
+                    "verdict": "SKIPPED",
+                }
+            )
             continue
         ok = value <= threshold if key in _UPPER_BOUND_TARGETS else value >= threshold
-        verdicts.append({"target": key, "description": text, "threshold": threshold,
-                         "value": value, "verdict": "PASS" if ok else "MISS"})
+        verdicts.append(
+            {
+                "target": key,
+                "description": text,
+                "threshold": threshold,
+                "value": value,
+                "verdict": "PASS" if ok else "MISS",
+            }
+        )
     return verdicts
 
 
@@ -430,37 +519,51 @@ def print_report(results, verdicts):
     small = results.get("small")
     if small:
         out("\nSmall model (3 x Dense(64), batch 32, SGD, MSE): training steps/s, median")
-        out(f"{'S':>5} | {'plain Keras':>12} | {'keras_ipu':>12} | {'limit':>12} | "
-            f"{'ipu/limit':>9} | {'ipu/plain':>9} | {'plain/limit':>11}")
+        out(
+            f"{'S':>5} | {'plain Keras':>12} | {'keras_ipu':>12} | {'limit':>12} | "
+            f"{'ipu/limit':>9} | {'ipu/plain':>9} | {'plain/limit':>11}"
+        )
         out("-" * 88)
         for spe in SPES:
             e = small[str(spe)]
-            out(f"{spe:>5} | {e['plain']['steps_per_s_median']:>12.0f} | "
+            out(
+                f"{spe:>5} | {e['plain']['steps_per_s_median']:>12.0f} | "
                 f"{e['ipu']['steps_per_s_median']:>12.0f} | "
                 f"{e['limit']['steps_per_s_median']:>12.0f} | "
                 f"{e['ratio_ipu_limit']:>9.2f} | {e['ratio_ipu_plain']:>9.2f} | "
-                f"{e['ratio_plain_limit']:>11.2f}")
+                f"{e['ratio_plain_limit']:>11.2f}"
+            )
     comp = results.get("compile")
     if comp:
-        out("\nkeras_ipu compile time (first fit of 1 execution on a fresh model "
-            "minus the warm fit), median")
-        out(f"{'S':>5} | {'first fit s':>11} | {'warm fit s':>10} | {'compile s':>9} | "
-            f"{'lib compile_seconds':>19}")
+        out(
+            "\nkeras_ipu compile time (first fit of 1 execution on a fresh model "
+            "minus the warm fit), median"
+        )
+        out(
+            f"{'S':>5} | {'first fit s':>11} | {'warm fit s':>10} | {'compile s':>9} | "
+            f"{'lib compile_seconds':>19}"
+        )
         out("-" * 66)
         for spe in COMPILE_SPES:
             e = comp[str(spe)]
             libc = e["library_compile_seconds_median"]
-            out(f"{spe:>5} | {e['first_fit_s_median']:>11.3f} | "
+            out(
+                f"{spe:>5} | {e['first_fit_s_median']:>11.3f} | "
                 f"{e['steady_fit_s_median']:>10.4f} | {e['compile_s']:>9.3f} | "
-                f"{(f'{libc:.3f}' if libc is not None else 'n/a'):>19}")
+                f"{(f'{libc:.3f}' if libc is not None else 'n/a'):>19}"
+            )
         out(f"compile(S=1000) / compile(S=1) = {comp['ratio_1000_1']:.2f}")
     compute = results.get("compute")
     if compute:
-        out(f"\nCompute-bound (3 x Dense(1024), batch 256, SGD, MSE, "
-            f"S={compute['steps_per_execution']}): steps/s, median")
-        out(f"  plain Keras {compute['plain']['steps_per_s_median']:.2f}   "
+        out(
+            f"\nCompute-bound (3 x Dense(1024), batch 256, SGD, MSE, "
+            f"S={compute['steps_per_execution']}): steps/s, median"
+        )
+        out(
+            f"  plain Keras {compute['plain']['steps_per_s_median']:.2f}   "
             f"keras_ipu {compute['ipu']['steps_per_s_median']:.2f}   "
-            f"ipu/plain {compute['ratio_ipu_plain']:.3f}")
+            f"ipu/plain {compute['ratio_ipu_plain']:.3f}"
+        )
     out("\nTargets:")
     for v in verdicts:
         value = "n/a" if v["value"] is None else f"{v['value']:.3f}"
@@ -468,6 +571,24 @@ def print_report(results, verdicts):
         if v["value"] is not None:
             rel = f" ({(v['value'] / v['threshold'] - 1) * 100:+.1f}% vs threshold)"
         out(f"  [{v['verdict']:>7}] {v['description']:<48} measured {value}{rel}")
+
+
+def _git_state():
+    """The commit benchmarked and whether keras_ipu/ had uncommitted changes."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(
+            ["git", "-C", _REPO, *cmd], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "--short", "HEAD") or None,
+            "keras_ipu_dirty": bool(git("status", "--porcelain", "--", "keras_ipu")),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "keras_ipu_dirty": None}
 
 
 def _loadavg():
@@ -490,26 +611,33 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)
 
-    log(f"IPU system configured with {how}; keras {keras.__version__}, jax {jax.__version__}, "
+    log(
+        f"IPU system configured with {how}; keras {keras.__version__}, jax {jax.__version__}, "
         f"backend {keras.backend.backend()}, devices {len(jax.devices())} x "
-        f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+        f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs"
+    )
     results = {
         "meta": {
-            "keras": keras.__version__, "jax": jax.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "platform": platform.platform(), "device": str(jax.devices()[0]),
-            "quick": args.quick, "repeats": args.repeats,
+            "keras": keras.__version__,
+            "jax": jax.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "device": str(jax.devices()[0]),
+            "quick": args.quick,
+            "repeats": args.repeats,
             "target_seconds": args.target_seconds,
             "batches_per_epoch": args.batches_per_epoch,
             "compile_repeats": args.compile_repeats,
             "model_small": "Input(64)->Dense(64,relu)->Dense(64,relu)->Dense(64); "
-                           "batch 32; SGD(0.01); MSE",
+            "batch 32; SGD(0.01); MSE",
             "model_compute": "Input(1024)->Dense(1024,relu)x2->Dense(1024); batch 256; "
-                             "SGD(0.01); MSE",
+            "SGD(0.01); MSE",
             "compile_time_definition": "wall time of the first fit of one execution on a "
-                                       "fresh model minus the median warm time of that fit",
+            "fresh model minus the median warm time of that fit",
             "statistic": "median over interleaved repeats",
             "loadavg_start": _loadavg(),
+            "git": _git_state(),
         }
     }
     if "small" not in args.skip:
@@ -529,8 +657,10 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
-    log(f"wrote {args.output} (load average at start {results['meta']['loadavg_start']}, "
-        f"at end {results['meta']['loadavg_end']})")
+    log(
+        f"wrote {args.output} (load average at start {results['meta']['loadavg_start']}, "
+        f"at end {results['meta']['loadavg_end']})"
+    )
     return 0
 
 

@@ -59,6 +59,9 @@ class ExecutionProgram:
             (gradients), for the cycle estimate.
         micro_batches_per_step: Batches one step consumes (gradient
             accumulation); the report counts steps in batches.
+        finalize: Applied to the stacked outfeed inside the compiled program
+            (e.g. to keep only the last step's logs), so the host gets what
+            it needs without further device calls.
         max_in_flight: Executions dispatched but not finished, at most.
 
     Example:
@@ -79,6 +82,7 @@ class ExecutionProgram:
         half_precision: bool = False,
         exchange_bytes_per_step: float = 0.0,
         micro_batches_per_step: int = 1,
+        finalize: Callable[[Outputs], Any] | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ):
         self._step_fn = step_fn
@@ -88,7 +92,14 @@ class ExecutionProgram:
         self.half_precision = half_precision
         self.exchange_bytes_per_step = exchange_bytes_per_step
         self.micro_batches_per_step = micro_batches_per_step
-        self._jitted = jax.jit(replicas.map(self._loop), donate_argnums=0)
+        replicated = replicas.map(self._loop)
+        finalize = finalize or (lambda outfeed: outfeed)
+
+        def execution(state, batches):
+            state, outfeed = replicated(state, batches)
+            return state, finalize(outfeed)
+
+        self._jitted = jax.jit(execution, donate_argnums=0)
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
         self._max_in_flight = max_in_flight
@@ -141,7 +152,9 @@ class ExecutionProgram:
             jax.block_until_ready(self._in_flight.popleft())
 
     def _executable(self, state: State, batches: Batch) -> _Executable:
-        key = _signature((state, batches))
+        # Keyed by the batches alone: a program's state keeps its structure
+        # (the Keras side makes a new program when the model changes).
+        key = _signature(batches)
         executable = self._executables.get(key)
         if executable is None:
             executable = self._compile(state, batches)
@@ -155,13 +168,12 @@ class ExecutionProgram:
         count = self.replicas.count
         # XLA counts a loop body once: one step's cost stands for each batch.
         steps = jax.tree_util.tree_leaves(batches)[0].shape[0] * self.micro_batches_per_step
-        outfeed_shapes = compiled.out_info[1]
-        # Per IPU: its replica's share of the state and of one step's io.
-        step_io = (_one_step(batches), _one_step(outfeed_shapes))
+        # Per IPU: its replica's share of the state, and one batch in and out.
+        execution_io = accounting.tree_bytes((batches, compiled.out_info[1]))
         memory = accounting.memory_use(
             compiled,
             state_bytes=accounting.tree_bytes(state) // count,
-            io_bytes=accounting.tree_bytes(step_io) // (count * self.micro_batches_per_step),
+            io_bytes=execution_io // (steps * count),
         )
         cost = accounting.step_cost(compiled)
         step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
@@ -203,12 +215,6 @@ def check_memory(report: ExecutionReport) -> None:
             )
 
 
-def _one_step(stacked: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype), stacked
-    )
-
-
 def _signature(tree: Any) -> Sequence[Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return (treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves))
+    return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))

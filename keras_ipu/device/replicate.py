@@ -92,11 +92,30 @@ class Replicas:
         """Every replica's copy of a replicated tree, as a list."""
         return [self.unreplicate(tree, r) for r in range(self.count)]
 
-    def place_batches(self, batches: Any) -> Any:
-        """Moves an execution's `[steps, replicas, ...]` batches to the replicas."""
+    @functools.cached_property
+    def batch_sharding(self) -> jax.sharding.Sharding:
+        """Where an execution's batches go: `[steps, replicas, ...]` split by replica."""
         if self.count == 1:
-            return jax.device_put(batches, self.devices[0])
-        return jax.device_put(batches, NamedSharding(self.mesh, P(None, REPLICA_AXIS)))
+            return jax.sharding.SingleDeviceSharding(self.devices[0])
+        return NamedSharding(self.mesh, P(None, REPLICA_AXIS))
+
+    def place_batches(self, batches: Any) -> Any:
+        """Moves an execution's batches to the replicas' devices ahead of use.
+
+        On CPU devices the host arrays are returned as they are: the
+        program's dispatch copies them into device buffers in C++, which
+        costs less than a separate transfer (about 60 µs per array).
+        """
+        if all(device.platform == "cpu" for device in self.devices):
+            return batches
+        return jax.device_put(batches, self.batch_sharding)
+
+    def batch_spec(self, batches: Any) -> Any:
+        """Shape structs of an execution's batches, placed as `place_batches` places them."""
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
+            batches,
+        )
 
     def map(self, per_replica: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
         """Runs `per_replica(state, batches)` on every replica (SPMD).

@@ -211,6 +211,9 @@ class ArrayFeed:
     `[steps_per_execution, batch_size, ...]`.
     """
 
+    # A slice costs less than handing it over between threads (BENCHMARKS.md).
+    prefetch_in_thread = False
+
     def __init__(
         self,
         arrays: Any,
@@ -290,6 +293,9 @@ class AdapterFeed:
     Batches are pulled from the adapter's NumPy iterator; every batch must
     have the shapes of the first (no partial batches).
     """
+
+    # Python data pipelines (generators, PyDataset) overlap with the device.
+    prefetch_in_thread = True
 
     def __init__(
         self,

@@ -259,16 +259,15 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     callbacks.on_predict_begin()
     outputs: list = []
 
-    def on_batch_end(end_step, outfeed):
-        # Predictions are never reduced over replicas: back in input order.
-        predictions = run.layout.predictions(outfeed)
+    def on_batch_end(end_step, predictions):
+        # In input order; predictions are never reduced over replicas.
         outputs.append(predictions)
         callbacks.on_predict_batch_end(end_step, {"outputs": predictions})
 
     try:
         _run_epoch(
             model, run, feed, "predict", callbacks.on_predict_batch_begin,
-            on_batch_end, "stop_predicting", last_step_logs=False,
+            on_batch_end, "stop_predicting",
         )
     finally:
         model.jax_state_sync()
@@ -282,16 +281,15 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     )
 
 
-def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag, last_step_logs=True):
+def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag):
     """Runs one epoch of executions; returns the last logs."""
     parts = _STATE_PARTS[mode]
     replicas, layout = run.replicas, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     place = _synthetic_placer(replicas, layout) if synthetic else _placer(replicas, layout)
-    reduction = run.options.replicated_metric_reduction_method
     logs: Any = {}
     model._jax_state_synced = True
-    with Infeed(feed.executions(), place=place) as infeed:
+    with Infeed(feed.executions(), place=place, threaded=feed.prefetch_in_thread) as infeed:
         for begin, end, batches in infeed:
             on_begin(begin)
             if model._jax_state_synced:
@@ -304,7 +302,7 @@ def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag, last_s
             _keep_state(model, parts, state, replicas)
             if synthetic:  # --use_synthetic_data: nothing comes back to the host
                 outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
-            logs = layout.last_logs(outfeed, reduction) if last_step_logs else outfeed
+            logs = outfeed  # the program returns the last step's logs (or predictions)
             on_end(end, logs)
             if getattr(model, stop_flag, False):
                 break
@@ -353,7 +351,8 @@ def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) ->
     layout = Layout(replicas.count, micro)
     custom = mode == "fit" and _overrides(model, "train_step")
     key = (mode, replicas, hardware, micro, custom,
-           options.gradient_accumulation_reduction_method, options.accumulator_dtype)
+           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
+           options.replicated_metric_reduction_method)
     programs = _programs(model)
     known_key, program = programs.get(mode, (None, None))
     if known_key != key:
@@ -365,6 +364,7 @@ def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) ->
             half_precision=_is_half_precision(model),
             exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
             micro_batches_per_step=micro or 1,
+            finalize=_finalize(mode, layout, options),
         )
         programs[mode] = (key, program)
     state = replicas.replicate(
@@ -376,11 +376,17 @@ def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) ->
     batches = jax.tree_util.tree_map(
         lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
     )
-    batches = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout.to_program(batches)
-    )
+    batches = replicas.batch_spec(layout.to_program(batches))
     program.report = program.prepare(state, batches)
     return _Run(program, layout, options)
+
+
+def _finalize(mode: str, layout: Layout, options: IPUOptions):
+    """What the program returns of its outfeed: last logs, or predictions in order."""
+    if mode == "predict":
+        return layout.predictions
+    reduction = options.replicated_metric_reduction_method
+    return lambda outfeed: layout.last_logs(outfeed, reduction)
 
 
 def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
