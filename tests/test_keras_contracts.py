@@ -121,3 +121,50 @@ def test_backend_floatx_helpers():
 
     assert backend.is_float_dtype("float64") and not backend.is_float_dtype("int32")
     assert backend.floatx() == "float32"
+
+
+def test_loss_and_metrics_pieces_of_the_train_step():
+    # keras_ipu.keras.steps rebuilds Keras' train step from these pieces to
+    # accumulate gradients and sum them over replicas before the optimizer.
+    assert _params(JAXTrainer.compute_loss_and_updates) == [
+        "self",
+        "trainable_variables",
+        "non_trainable_variables",
+        "metrics_variables",
+        "x",
+        "y",
+        "sample_weight",
+        "training",
+        "optimizer_variables",
+    ]
+    assert _params(JAXTrainer._update_metrics_variables) == [
+        "self", "metrics_variables", "unscaled_loss", "x", "y", "y_pred", "sample_weight"
+    ]
+    optimizer = keras.optimizers.SGD(0.5)
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer.build([variable])
+    new_vars, new_opt = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables], [np.ones(2, "float32")], [variable.value]
+    )
+    np.testing.assert_allclose(new_vars[0], [0.5, 0.5])
+    assert int(new_opt[0]) == 1  # iterations
+
+
+def test_saving_calls_the_asset_hooks(tmp_path):
+    # IPU options travel in the .keras file through save_assets/load_assets.
+    calls = []
+
+    class WithAssets(keras.Sequential):
+        def save_assets(self, dir_path):
+            calls.append("save")
+            open(f"{dir_path}/marker.txt", "w").write("ipu")
+
+        def load_assets(self, dir_path):
+            calls.append(open(f"{dir_path}/marker.txt").read())
+
+    model = WithAssets([keras.Input((2,)), keras.layers.Dense(1)])
+    model.save(tmp_path / "m.keras")
+    keras.models.load_model(
+        tmp_path / "m.keras", custom_objects={"WithAssets": WithAssets}
+    )
+    assert calls == ["save", "ipu"]
