@@ -18,8 +18,9 @@ Small model ("latency-bound"), for steps_per_execution S in {1, 10, 100}:
             `IPUStrategy().scope()`, same S.
     limit   a hand-written `jax.jit` of `lax.scan` over S calls of the Keras
             model's own stateless `model.train_step(state, (x, y))`, state
-            donated, with the data of one execution pre-stacked on the device
-            ([S, 32, 64] arrays reused by every call); called repeatedly.
+            donated, with ALL the data already on the device, pre-stacked as
+            [batches / S, S, 32, 64]; call k trains on chunk k mod (batches / S),
+            so the limit walks through the data as a training run does.
 
     plain and ipu are timed as one `fit(x, y, batch_size=32, epochs=E,
     shuffle=False, verbose=0)` call over a fixed data set of
@@ -297,11 +298,17 @@ class LimitRunner:
         device = _ipu0_device(jax)
         # Private copies: the donated state must not be the model's own buffers.
         self.state = jax.tree_util.tree_map(jnp.copy, jax.device_put(self.state, device))
-        shape = (spe, batch, x.shape[1])
-        self.data = (
-            jax.device_put(jnp.asarray(x[: spe * batch].reshape(shape)), device),
-            jax.device_put(jnp.asarray(y[: spe * batch].reshape(shape)), device),
+        chunks = len(x) // (spe * batch)
+        shape = (chunks, spe, batch, x.shape[1])
+        rows = chunks * spe * batch
+        stacked = (
+            jax.device_put(jnp.asarray(x[:rows].reshape(shape)), device),
+            jax.device_put(jnp.asarray(y[:rows].reshape(shape)), device),
         )
+        # One device array per execution, all resident before timing starts.
+        self.chunks = [tuple(part[k] for part in stacked) for k in range(chunks)]
+        jax.block_until_ready(self.chunks)
+        self.next_chunk = 0
 
         def execution(state, data):
             def body(carry, batch_data):
@@ -317,7 +324,8 @@ class LimitRunner:
     def run_calls(self, calls):
         state = self.state
         for _ in range(calls):
-            state = self.fn(state, self.data)
+            state = self.fn(state, self.chunks[self.next_chunk])
+            self.next_chunk = (self.next_chunk + 1) % len(self.chunks)
         self.jax.block_until_ready(state)
         self.state = state
 

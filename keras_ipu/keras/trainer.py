@@ -145,10 +145,7 @@ def fit(
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
             callbacks.on_epoch_begin(epoch)
-            logs = _run_epoch(
-                model, run, feed, "fit", callbacks.on_train_batch_begin,
-                callbacks.on_train_batch_end, "stop_training",
-            )
+            logs = _run_epoch(model, run, feed, "fit", callbacks)
             model.jax_state_sync()
             epoch_logs = _epoch_logs(model, run, logs)
             if val_run is not None and model._should_eval(epoch, validation_freq):
@@ -222,10 +219,7 @@ def _evaluate_feed(model, run: _Run, feed, callbacks) -> dict:
     callbacks.on_test_begin()
     model.reset_metrics()
     try:
-        logs = _run_epoch(
-            model, run, feed, "evaluate", callbacks.on_test_batch_begin,
-            callbacks.on_test_batch_end, "stop_evaluating",
-        )
+        logs = _run_epoch(model, run, feed, "evaluate", callbacks)
     finally:
         model.jax_state_sync()
     logs = _epoch_logs(model, run, logs)
@@ -257,18 +251,9 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         )
     model.stop_predicting = False
     callbacks.on_predict_begin()
-    outputs: list = []
-
-    def on_batch_end(end_step, predictions):
-        # In input order; predictions are never reduced over replicas.
-        outputs.append(predictions)
-        callbacks.on_predict_batch_end(end_step, {"outputs": predictions})
-
+    outputs: list = []  # per execution, in input order; never reduced over replicas
     try:
-        _run_epoch(
-            model, run, feed, "predict", callbacks.on_predict_batch_begin,
-            on_batch_end, "stop_predicting",
-        )
+        _run_epoch(model, run, feed, "predict", callbacks, collect=outputs.append)
     finally:
         model.jax_state_sync()
         feed.close()
@@ -281,8 +266,24 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     )
 
 
-def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag):
-    """Runs one epoch of executions; returns the last logs."""
+# Per mode: the batch hooks, how the outfeed reaches them, the stop flag.
+_BATCH_HOOKS = {
+    "fit": ("on_train_batch_begin", "on_train_batch_end", lambda logs: logs, "stop_training"),
+    "evaluate": ("on_test_batch_begin", "on_test_batch_end", lambda logs: logs,
+                 "stop_evaluating"),
+    "predict": ("on_predict_batch_begin", "on_predict_batch_end",
+                lambda outputs: {"outputs": outputs}, "stop_predicting"),
+}
+
+
+def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
+    """Runs one epoch of executions; returns the last outfeed (logs)."""
+    begin_hook, end_hook, as_logs, stop_flag = _BATCH_HOOKS[mode]
+    # Batch hooks cost a host sync per execution (Keras converts the logs):
+    # call them only when some callback has one.
+    hooked = _has_batch_hooks(callbacks, begin_hook, end_hook)
+    on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
+    on_end = getattr(callbacks, end_hook) if hooked else _ignore
     parts = _STATE_PARTS[mode]
     replicas, layout = run.replicas, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
@@ -303,10 +304,27 @@ def _run_epoch(model, run: _Run, feed, mode, on_begin, on_end, stop_flag):
             if synthetic:  # --use_synthetic_data: nothing comes back to the host
                 outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
             logs = outfeed  # the program returns the last step's logs (or predictions)
-            on_end(end, logs)
+            if collect is not None:
+                collect(outfeed)
+            on_end(end, as_logs(outfeed))
             if getattr(model, stop_flag, False):
                 break
     return logs
+
+
+def _ignore(*args) -> None:
+    return None
+
+
+def _has_batch_hooks(callbacks, *hooks: str) -> bool:
+    from keras.src.callbacks.callback import Callback
+
+    generic = ("on_batch_begin", "on_batch_end")
+    return any(
+        getattr(type(callback), hook) is not getattr(Callback, hook)
+        for callback in callbacks.callbacks
+        for hook in (*hooks, *generic)
+    )
 
 
 def _epoch_logs(model, run: _Run, logs) -> dict:
