@@ -24,8 +24,9 @@ Small model ("latency-bound"), for steps_per_execution S in {1, 10, 100}:
 
     plain and ipu are timed as one `fit(x, y, batch_size=32, epochs=E,
     shuffle=False, verbose=0)` call over a fixed data set of
-    `--batches-per-epoch` batches (default 1000 = 32000 samples, so an epoch
-    is 1000 steps); E is calibrated per variant after the warm-up so that one
+    `--batches-per-epoch` batches (default 5000 = 160000 samples, so an epoch
+    is 5000 steps: 50 executions at S=100; each epoch end waits for the
+    device, as Keras' epoch logs need the values); E is calibrated per variant after the warm-up so that one
     measurement lasts about `--target-seconds` (or fixed with `--steps`).
     limit is timed as a whole number of such 1000-step blocks, in calls of S
     steps. After every measurement the weights are waited for
@@ -186,7 +187,7 @@ def parse_args(argv=None):
     if args.compute_batches is None:
         args.compute_batches = 10 if quick else 40
     if args.batches_per_epoch is None:
-        args.batches_per_epoch = 200 if quick else 1000
+        args.batches_per_epoch = 200 if quick else 5000
     if args.batches_per_epoch % max(SPES):
         parser.error(f"--batches-per-epoch must be a multiple of {max(SPES)}")
     if args.compute_batches % args.compute_spe:
