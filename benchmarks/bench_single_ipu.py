@@ -26,9 +26,10 @@ Small model ("latency-bound"), for steps_per_execution S in {1, 10, 100}:
     shuffle=False, verbose=0)` call over a fixed data set of
     `--batches-per-epoch` batches (default 5000 = 160000 samples, so an epoch
     is 5000 steps: 50 executions at S=100; each epoch end waits for the
-    device, as Keras' epoch logs need the values); E is calibrated per variant after the warm-up so that one
-    measurement lasts about `--target-seconds` (or fixed with `--steps`).
-    limit is timed as a whole number of such 1000-step blocks, in calls of S
+    device, as Keras' epoch logs need the values); E is calibrated per
+    variant after the warm-up so that one measurement lasts about
+    `--target-seconds` (or fixed with `--steps`).
+    limit is timed as a whole number of such epoch-sized blocks, in calls of S
     steps. After every measurement the weights are waited for
     (`block_until_ready`), so asynchronous dispatch cannot hide work.
     steps/s = steps of the measurement / its wall time (so per-fit and

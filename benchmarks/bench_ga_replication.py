@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Gradient accumulation and replication throughput of keras_ipu.
+
+Run from the repository root:
+
+    python benchmarks/bench_ga_replication.py           # full run (~2-3 min)
+    python benchmarks/bench_ga_replication.py --quick   # smoke run
+
+Model: Input(512) -> Dense(512, relu) -> Dense(512, relu) -> Dense(512), SGD, MSE,
+synthetic float32 data, `shuffle=False`, `verbose=0`. Measured in one process:
+
+    ipu_ga8     keras_ipu `fit`, micro-batch 32, gradient_accumulation_steps_per_replica=8
+                (MEAN), steps_per_execution=64 (8 weight updates per execution).
+    limit_ga8   a hand-written `jax.jit`: `lax.scan` over the updates of an execution, each
+                an inner `lax.scan` over 8 micro-batches of 32 summing the gradients of the
+                Keras model's loss (its stateless `compute_loss_and_updates`), then one
+                `optimizer.stateless_apply` with the mean; all data already on the device,
+                stacked per execution; state donated.
+    ipu_b256    keras_ipu `fit` without accumulation at batch 256 (the same samples per
+                update), steps_per_execution=8.
+    ipu_r2      keras_ipu `fit` as ipu_ga8 on 2 IPUs (2 replicas, GA 4 per replica: the same
+                256 samples per update).
+    limit_r2    limit_ga8 as a 2-replica `shard_map` (4 micro-batches per replica, `psum`).
+
+Samples/s; the variants are interleaved for `--repeats` rounds and medians reported.
+Results go to benchmarks/results/bench_ga_replication.json. Exits 0 whatever the targets say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import keras_ipu as ipu  # noqa: E402  (selects Keras' JAX backend before keras loads)
+
+UNITS, MICRO, GA, UPDATES_PER_EXECUTION = 512, 32, 8, 8
+SPE = GA * UPDATES_PER_EXECUTION
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--executions", type=int, default=None,
+                        help="executions per measurement (an epoch)")
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results",
+                                                         "bench_ga_replication.json"))
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    args.executions = args.executions or (4 if args.quick else 16)
+    return args
+
+
+def configure(num_ipus):
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = num_ipus
+    config.configure_ipu_system()
+
+
+def build(keras, weights=None):
+    model = keras.Sequential([
+        keras.Input((UNITS,)),
+        keras.layers.Dense(UNITS, activation="relu"),
+        keras.layers.Dense(UNITS, activation="relu"),
+        keras.layers.Dense(UNITS),
+    ])
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+class FitRunner:
+    """keras_ipu `fit` over one epoch of `executions` executions."""
+
+    def __init__(self, keras, weights, x, y, *, batch, spe, ga=None, replicas=1):
+        configure(replicas)
+        with ipu.IPUStrategy().scope():
+            self.model = build(keras, weights)
+        self.model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse",
+                           steps_per_execution=spe)
+        if ga:
+            self.model.set_gradient_accumulation_options(ga, "mean")
+        self.x, self.y, self.batch, self.replicas = x, y, batch, replicas
+        self.run()  # compile
+
+    def run(self):
+        configure(self.replicas)
+        started = time.perf_counter()
+        self.model.fit(self.x, self.y, batch_size=self.batch, epochs=1, shuffle=False, verbose=0)
+        return len(self.x) / (time.perf_counter() - started)
+
+
+class LimitRunner:
+    """The hand-written accumulation loop, data on the device, 1 or 2 replicas."""
+
+    def __init__(self, keras, weights, x, y, *, replicas=1):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        configure(replicas)
+        model = build(keras, weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model.fit(x[:MICRO], y[:MICRO], batch_size=MICRO, verbose=0)  # builds optimizer state
+        model.set_weights(weights)
+        self.jax = jax
+        micro = GA // replicas
+        state = ([v.value for v in model.trainable_variables],
+                 [v.value for v in model.non_trainable_variables],
+                 [v.value for v in model.optimizer.variables],
+                 [v.value for v in model.metrics_variables])
+
+        def update(state, data):  # one replica: (x, y), each [micro, MICRO, UNITS]
+            tv, ntv, ov, mv = state
+
+            def micro_step(acc, batch):
+                (_, _), grads = jax.value_and_grad(model.compute_loss_and_updates,
+                                                   has_aux=True)(
+                    tv, ntv, mv, *batch, None, training=True, optimizer_variables=ov)
+                return [a + g for a, g in zip(acc, grads)], None
+
+            acc, _ = jax.lax.scan(micro_step, [jnp.zeros_like(v) for v in tv], data)
+            if replicas > 1:
+                acc = jax.lax.psum(acc, "replica")
+            grads = [a / GA for a in acc]
+            tv, ov = model.optimizer.stateless_apply(ov, grads, tv)
+            return (tv, ntv, ov, mv), None
+
+        def execution(state, data):  # (x, y), each [updates, micro, MICRO, UNITS]
+            state, _ = jax.lax.scan(update, state, data)
+            return state
+
+        rows = len(x) // (SPE * MICRO) * SPE * MICRO
+        chunks = rows // (SPE * MICRO)
+        shape = (chunks, UPDATES_PER_EXECUTION, replicas, micro, MICRO, UNITS)
+        xs, ys = x[:rows].reshape(shape), y[:rows].reshape(shape)
+        if replicas == 1:
+            device = jax.devices()[0]
+            self.state = jax.tree_util.tree_map(jnp.copy, jax.device_put(state, device))
+            self.chunks = [jax.device_put((xs[k][:, 0], ys[k][:, 0]), device)
+                           for k in range(chunks)]
+            self.fn = jax.jit(execution, donate_argnums=0)
+        else:
+            mesh = Mesh(np.array(jax.devices()[:replicas]), ("replica",))
+            replicated = NamedSharding(mesh, P())
+            self.state = jax.tree_util.tree_map(
+                jnp.copy, jax.device_put(state, replicated))
+            sharded = NamedSharding(mesh, P(None, "replica"))
+            self.chunks = [jax.device_put((xs[k], ys[k]), sharded) for k in range(chunks)]
+
+            def per_replica(s, d):
+                return execution(s, (d[0][:, 0], d[1][:, 0]))
+
+            self.fn = jax.jit(jax.shard_map(per_replica, mesh=mesh,
+                                            in_specs=(P(), P(None, "replica")),
+                                            out_specs=P(), check_vma=False),
+                              donate_argnums=0)
+        jax.block_until_ready(self.chunks)
+        self.samples = chunks * SPE * MICRO
+        self.run()
+
+    def run(self):
+        started = time.perf_counter()
+        state = self.state
+        for chunk in self.chunks:
+            state = self.fn(state, chunk)
+        self.jax.block_until_ready(state)
+        self.state = state
+        return self.samples / (time.perf_counter() - started)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import keras
+    import numpy as np
+
+    configure(2)
+    rng = np.random.default_rng(0)
+    samples = args.executions * SPE * MICRO
+    x = rng.normal(size=(samples, UNITS)).astype("float32")
+    y = rng.normal(size=(samples, UNITS)).astype("float32")
+    keras.utils.set_random_seed(0)
+    weights = build(keras).get_weights()
+    print(f"{samples} samples per measurement, {args.repeats} rounds", flush=True)
+    runners = {
+        "ipu_ga8": FitRunner(keras, weights, x, y, batch=MICRO, spe=SPE, ga=GA),
+        "limit_ga8": LimitRunner(keras, weights, x, y),
+        "ipu_b256": FitRunner(keras, weights, x, y, batch=MICRO * GA, spe=UPDATES_PER_EXECUTION),
+        "ipu_r2": FitRunner(keras, weights, x, y, batch=MICRO, spe=SPE // 2, ga=GA // 2,
+                            replicas=2),
+        "limit_r2": LimitRunner(keras, weights, x, y, replicas=2),
+    }
+    measured = {name: [] for name in runners}
+    for round_ in range(args.repeats):
+        for name, runner in runners.items():
+            measured[name].append(runner.run())
+        print(f"round {round_ + 1}/{args.repeats}", flush=True)
+    median = {name: statistics.median(values) for name, values in measured.items()}
+    ratios = {
+        "ipu_ga8 / limit_ga8": median["ipu_ga8"] / median["limit_ga8"],
+        "ipu_ga8 / ipu_b256": median["ipu_ga8"] / median["ipu_b256"],
+        "limit_ga8 / ipu_b256": median["limit_ga8"] / median["ipu_b256"],
+        "ipu_r2 / ipu_ga8 (scaling)": median["ipu_r2"] / median["ipu_ga8"],
+        "limit_r2 / limit_ga8 (2-core limit scaling)": median["limit_r2"] / median["limit_ga8"],
+        "ipu_r2 / limit_r2": median["ipu_r2"] / median["limit_r2"],
+    }
+    print("\nsamples/s (median):")
+    for name, value in median.items():
+        print(f"  {name:10s} {value:10.0f}   {[round(v) for v in measured[name]]}")
+    print("\nratios:")
+    for name, value in ratios.items():
+        print(f"  {name:45s} {value:.3f}")
+    target = ratios["ipu_ga8 / limit_ga8"]
+    print(f"\nTarget: keras_ipu GA=8 >= 0.9x the limit: {'PASS' if target >= 0.9 else 'MISS'} "
+          f"({target:.3f})")
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({"samples_per_s": measured, "median": median, "ratios": ratios,
+                   "repeats": args.repeats, "samples": samples}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
