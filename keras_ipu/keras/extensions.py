@@ -82,6 +82,59 @@ class ExtensionBase:
         options.set_options(self, new)
         trainer.forget_programs(self)
 
+    def set_pipelining_options(
+        self,
+        gradient_accumulation_steps_per_replica=None,
+        device_mapping=None,
+        accumulate_outfeed=None,
+        gradient_accumulation_reduction_method="sum",
+        **pipelining_kwargs,
+    ):
+        """Sets the pipelining options of a pipelined model.
+
+        Args:
+            gradient_accumulation_steps_per_replica: Micro-batches per weight
+                update; pipelined training always accumulates, so `fit` needs
+                it. `None` keeps the current value. Saved with the model.
+            device_mapping: One IPU index per pipeline stage (default stage
+                `i` on IPU `i`); stages that share layers must share an IPU.
+                `None` keeps the current mapping. Saved with the model.
+            accumulate_outfeed: Accumulate the metrics on the device and
+                return them once per weight update. Saved with the model.
+            gradient_accumulation_reduction_method: As in
+                `set_gradient_accumulation_options` (the same setting).
+            **pipelining_kwargs: Options of `pipelining_ops.pipeline`:
+                `pipeline_schedule` (a
+                `keras_ipu.pipelining_ops.PipelineSchedule`),
+                `recomputation_mode` (a `RecomputationMode`),
+                `gradient_accumulation_dtype`, and the offload and Poplar
+                options, which are accepted without effect on the device
+                model. Replaced on every call; not saved.
+
+        Raises:
+            ValueError: For bad steps, mapping or reduction method, and for
+                kwargs that have an argument of their own, are set by Keras,
+                do not work with Keras, or are unknown.
+            TypeError: When `accumulate_outfeed` is not a bool.
+            NotImplementedError: For `continuous_weight_updates=True`.
+
+        Example:
+
+        >>> model.set_pipelining_options(
+        ...     gradient_accumulation_steps_per_replica=16,
+        ...     pipeline_schedule=keras_ipu.pipelining_ops.PipelineSchedule.Interleaved)
+        """
+        new = options.pipelining_options(
+            options.options_of(self),
+            gradient_accumulation_steps_per_replica,
+            device_mapping,
+            accumulate_outfeed,
+            gradient_accumulation_reduction_method,
+            pipelining_kwargs,
+        )
+        options.set_options(self, new)
+        trainer.forget_programs(self)
+
     def set_replication_options(self, replicated_metric_reduction_method="NONE"):
         """Sets how the loss and metrics of the replicas are returned.
 

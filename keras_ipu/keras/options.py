@@ -85,6 +85,11 @@ class IPUOptions:
         use_v2_gradient_accumulation_optimizer: Accepted; no effect.
         replicated_metric_reduction_method: How replica metrics are returned.
         asynchronous_callbacks: Whether batch callbacks run per step.
+        pipelining_gradient_accumulation_steps_per_replica: Micro-batches
+            per weight update of a pipelined model (`None`: not set).
+        pipelining_device_mapping: Stage -> IPU (`None`: stage i on IPU i).
+        pipelining_accumulate_outfeed: Accumulate metrics on the device.
+        pipelining_kwargs: The pass-through pipeline options (not saved).
     """
 
     gradient_accumulation_steps_per_replica: int | None = None
@@ -99,6 +104,10 @@ class IPUOptions:
         ReplicatedMetricReductionMethod.NONE
     )
     asynchronous_callbacks: bool = False
+    pipelining_gradient_accumulation_steps_per_replica: int | None = None
+    pipelining_device_mapping: tuple[int, ...] | None = None
+    pipelining_accumulate_outfeed: bool | None = None
+    pipelining_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -121,9 +130,15 @@ class IPUOptions:
             ),
             "replicated_metric_reduction_method": self.replicated_metric_reduction_method.value,
             "asynchronous_callbacks": self.asynchronous_callbacks,
-            "pipelining_gradient_accumulation_steps_per_replica": None,
-            "pipelining_device_mapping": None,
-            "pipelining_accumulate_outfeed": None,
+            "pipelining_gradient_accumulation_steps_per_replica": (
+                self.pipelining_gradient_accumulation_steps_per_replica
+            ),
+            "pipelining_device_mapping": (
+                list(self.pipelining_device_mapping)
+                if self.pipelining_device_mapping is not None
+                else None
+            ),
+            "pipelining_accumulate_outfeed": self.pipelining_accumulate_outfeed,
             "infeed_kwargs": {},
             "outfeed_kwargs": {},
         }
@@ -142,6 +157,15 @@ class IPUOptions:
                 config.get("replicated_metric_reduction_method", 1)
             ),
             asynchronous_callbacks=bool(config.get("asynchronous_callbacks", False)),
+            pipelining_gradient_accumulation_steps_per_replica=config.get(
+                "pipelining_gradient_accumulation_steps_per_replica"
+            ),
+            pipelining_device_mapping=(
+                tuple(config["pipelining_device_mapping"])
+                if config.get("pipelining_device_mapping") is not None
+                else None
+            ),
+            pipelining_accumulate_outfeed=config.get("pipelining_accumulate_outfeed"),
         )
 
 
@@ -159,12 +183,7 @@ def gradient_accumulation_options(
             reduction method, refused or unknown kwargs, a bad dtype.
         TypeError: When the kwargs are not a mapping.
     """
-    steps = gradient_accumulation_steps_per_replica
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(
-            f"Expected `gradient_accumulation_steps_per_replica` to be a positive "
-            f"integer, but got {steps!r} instead."
-        )
+    steps = _check_steps(gradient_accumulation_steps_per_replica)
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
     if not isinstance(use_v2_gradient_accumulation_optimizer, bool):
         raise TypeError(
@@ -181,6 +200,159 @@ def gradient_accumulation_options(
         use_v2_gradient_accumulation_optimizer=use_v2_gradient_accumulation_optimizer,
         gradient_accumulation_optimizer_kwargs=kwargs,
     )
+
+
+def _check_steps(steps: Any) -> int | None:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(
+            f"Expected `gradient_accumulation_steps_per_replica` to be a positive "
+            f"integer, but got {steps!r} instead."
+        )
+    return steps
+
+
+# `set_pipelining_options(**pipelining_kwargs)`: keys that have arguments of
+# their own, keys Keras sets, keys that cannot work with Keras.
+_PIPELINING_OWN_ARGUMENTS = {
+    "gradient_accumulation_count": "gradient_accumulation_steps_per_replica",
+    "device_mapping": "device_mapping",
+    "accumulate_outfeed": "accumulate_outfeed",
+}
+_PIPELINING_AUTOMATIC = (
+    "computational_stages", "repeat_count", "inputs", "infeed_queue", "outfeed_queue",
+    "optimizer_function",
+)
+_PIPELINING_INCOMPATIBLE = ("outfeed_loss", "outfeed_mask", "batch_serialization_iterations")
+
+# The pass-through keys of `pipelining_ops.pipeline` that keras_ipu takes,
+# with what each does on the device model.
+PIPELINING_KWARGS = {
+    "pipeline_schedule": "the schedule (Grouped, Interleaved, Sequential)",
+    "recomputation_mode": "how stage activations are recomputed in the backward pass",
+    "gradient_accumulation_dtype": "the accumulator dtype",
+    "accumulate_outfeed_dtype": "accepted; no effect on the device model",
+    "forward_propagation_stages_poplar_options": "accepted; no effect on the device model",
+    "backward_propagation_stages_poplar_options": "accepted; no effect on the device model",
+    "weight_update_poplar_options": "accepted; no effect on the device model",
+    "offload_weight_update_variables": "accepted; no effect on the device model",
+    "replicated_optimizer_state_sharding": "accepted; no effect on the device model",
+    "offload_activations": "accepted; no effect on the device model",
+    "offload_gradient_accumulation_buffers": "accepted; no effect on the device model",
+    "replicated_weight_sharding": "accepted; no effect on the device model",
+    "offload_weights": "accepted; no effect on the device model",
+    "continuous_weight_updates": "must be False (not implemented, as in the reference)",
+    "gradient_accumulation_for_captured_grads": "accepted; no effect on the device model",
+    "name": "accepted; no effect on the device model",
+}
+
+
+def pipelining_options(
+    options: IPUOptions,
+    gradient_accumulation_steps_per_replica: Any,
+    device_mapping: Any,
+    accumulate_outfeed: Any,
+    gradient_accumulation_reduction_method: Any,
+    pipelining_kwargs: Any,
+) -> IPUOptions:
+    """Validated new options from `set_pipelining_options` arguments.
+
+    `None` keeps the current steps, mapping and `accumulate_outfeed`; the
+    reduction method and the kwargs are replaced on every call.
+
+    Raises:
+        ValueError: For bad steps, mapping, reduction method, refused or
+            unknown kwargs, or bad kwarg values.
+        TypeError: When the kwargs are not a mapping, or
+            `accumulate_outfeed` is not a bool.
+        NotImplementedError: For `continuous_weight_updates=True`.
+    """
+    steps = _check_steps(gradient_accumulation_steps_per_replica)
+    if device_mapping is not None and (
+        not isinstance(device_mapping, (list, tuple))
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                   for i in device_mapping)
+    ):
+        raise ValueError(
+            f"Expected `device_mapping` to be a list of non-negative integers, got "
+            f"{device_mapping!r}."
+        )
+    if accumulate_outfeed is not None and not isinstance(accumulate_outfeed, bool):
+        raise TypeError(f"`accumulate_outfeed` must be a bool, got {accumulate_outfeed!r}.")
+    method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
+    kwargs = _pipelining_kwargs(pipelining_kwargs)
+    return dataclasses.replace(
+        options,
+        pipelining_gradient_accumulation_steps_per_replica=(
+            steps
+            if steps is not None
+            else options.pipelining_gradient_accumulation_steps_per_replica
+        ),
+        pipelining_device_mapping=(
+            tuple(device_mapping)
+            if device_mapping is not None
+            else options.pipelining_device_mapping
+        ),
+        pipelining_accumulate_outfeed=(
+            accumulate_outfeed
+            if accumulate_outfeed is not None
+            else options.pipelining_accumulate_outfeed
+        ),
+        gradient_accumulation_reduction_method=method,
+        pipelining_kwargs=kwargs,
+    )
+
+
+def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
+    if not isinstance(kwargs, Mapping):
+        raise TypeError("`pipelining_kwargs` must be a dictionary.")
+    for key, argument in _PIPELINING_OWN_ARGUMENTS.items():
+        if key in kwargs:
+            raise ValueError(
+                f"Found `{key}` key in `pipelining_kwargs`. Set the `{argument}` argument "
+                f"to `set_pipelining_options` instead."
+            )
+    for key in _PIPELINING_AUTOMATIC:
+        if key in kwargs:
+            raise ValueError(
+                f"Found `{key}` key in `pipelining_kwargs`. This argument is automatically "
+                f"set by Keras."
+            )
+    for key in _PIPELINING_INCOMPATIBLE:
+        if key in kwargs:
+            raise ValueError(
+                f"Found `{key}` key in `pipelining_kwargs`. This argument is not compatible "
+                f"with Keras."
+            )
+    if "experimental_normalize_gradients" in kwargs:
+        raise ValueError(
+            "Found `experimental_normalize_gradients` argument to `set_pipelining_options`. "
+            "This argument has now been removed, use `gradient_accumulation_reduction_method` "
+            "instead."
+        )
+    unknown = sorted(set(kwargs) - set(PIPELINING_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"Unknown `pipelining_kwargs` {unknown}; valid keys are {sorted(PIPELINING_KWARGS)}."
+        )
+    from keras_ipu.device import pipeline
+
+    checks = {
+        "pipeline_schedule": lambda v: isinstance(v, pipeline.PipelineSchedule),
+        "recomputation_mode": lambda v: isinstance(v, pipeline.RecomputationMode),
+        "continuous_weight_updates": lambda v: isinstance(v, bool),
+    }
+    for key, check in checks.items():
+        if key in kwargs and not check(kwargs[key]):
+            raise ValueError(
+                f"Invalid `{key}` in `pipelining_kwargs`: {kwargs[key]!r}; "
+                f"expected {PIPELINING_KWARGS[key]}."
+            )
+    if kwargs.get("continuous_weight_updates"):
+        raise NotImplementedError(
+            "`continuous_weight_updates=True` is not implemented: pipelined models "
+            "accumulate gradients and update the weights once per accumulation."
+        )
+    return dict(kwargs)
 
 
 def _accumulation_kwargs(kwargs: Any) -> dict[str, Any]:
