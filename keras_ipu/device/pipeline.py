@@ -30,14 +30,14 @@ The three schedules of IPU TensorFlow's `PipelineSchedule`, as built here:
   micro-batch it forwarded in the same step. There are `m + 2p - 2` steps, but the
   first `p - 1` steps have no backward work and the last `p - 1` no forward work,
   so `T = 2(m + p - 1)` ticks: `m + p - 1` forward ticks and as many backward
-  ticks. Stage `s` holds `2(p - 1 - s) + 1` stashed activations (for `m` large
-  enough). Inference runs the forward ticks only, `F(s, j - s)`, `T = m + p - 1`.
+  ticks. Stage `s` stashes `min(m, 2(p - 1 - s) + 1)` activations. Inference
+  runs the forward ticks only, `F(s, j - s)`, `T = m + p - 1`.
 * **Interleaved** ("backward passes are scheduled whenever the forward passes have
   just generated some activations; fewer activations are stored"): 1F1B, also
   called PipeDream-Flush. In every tick each IPU runs one ready op, a ready
   backward before a forward and the lowest micro-batch first, with at most
   `p - s` micro-batches in flight on stage `s` (forward done, backward not), so
-  stage `s` stashes at most `p - s` activations. `T = 2(m + p - 1)` ticks, like
+  stage `s` stashes `min(m, p - s)` activations. `T = 2(m + p - 1)` ticks, like
   Grouped, but most ticks mix forward and backward ops, and a bulk-synchronous
   tick lasts as long as its slowest op: with unequal forward and backward costs
   Interleaved is slower than Grouped, as the reference warns. Training with
@@ -176,7 +176,7 @@ class ScheduleTable:
     >>> table = build_schedule(PipelineSchedule.Grouped, 2, 2)
     >>> print(table.to_text())
     Grouped training: 2 stages on 2 IPUs, 2 micro-batches, 6 ticks
-    IPU0 | F0.0 F0.1 .    B0.0 .    B0.1
+    IPU0 | F0.0 F0.1 .    .    B0.0 B0.1
     IPU1 | .    F1.0 B1.0 F1.1 B1.1 .
     >>> table.stash_counts()
     (2, 1)
@@ -459,16 +459,16 @@ def closed_form_utilisation(
     * Grouped training: `m / (m + p - 1)` for any `f`, `b`: there are `m + p - 1`
       forward-only ticks and as many backward-only ticks, and each IPU runs
       `m` of each: `m (f + b) / ((m + p - 1)(f + b))`.
-    * Interleaved training: `2(m + p - 1)` ticks, of which `p` are forward-only
-      (the ramp-up), `p - 1 + max(0, p - m)` are backward-only (the last
-      micro-batch's backward chain in the ramp-down, plus ticks in which the
-      forwards cannot keep pace when `m < p`) and the rest mix both and last
-      `max(f, b)`:
-      `m (f + b) / (p f + (p - 1 + max(0, p - m)) b + (2m - p - max(0, p - m)) max(f, b))`.
-      With `f = b` this is `m / (m + p - 1)`, as for Grouped; with `b = 2f` and
-      `m >= p` it is `3m / (4m + 3p - 4)`, which tends to `3/4`, not 1: mixed
-      ticks wait for the backward.
+    * Interleaved training: also `2(m + p - 1)` ticks, but of three kinds. For
+      `p >= 2` and `m >= 2`, `p` ticks are forward-only (the ramp-up), `p + 1`
+      backward-only (the first backward, alone on the last stage, and the
+      ramp-down) and the other `2m - 3` mix both, lasting `max(f, b)`:
+      `m (f + b) / (p f + (p + 1) b + (2m - 3) max(f, b))`.
+      With `f = b` this is `m / (m + p - 1)`, as for Grouped; with `b = 2f` it
+      is `3m / (4m + 3p - 4)`, which tends to `3/4`, not 1: the mixed ticks
+      wait for the backward. With `m = 1` nothing overlaps: `1 / p`.
     * Inference (Grouped or Interleaved): `m / (m + p - 1)`.
+    * One stage (`p = 1`): 1 for every schedule.
 
     Args:
         schedule: A `PipelineSchedule` (or its value or name).
@@ -497,16 +497,14 @@ def closed_form_utilisation(
     b = DEFAULT_BACKWARD_FACTOR * f if backward is None else float(backward)
     if not (f > 0 and b > 0):
         raise ValueError(f"Pass costs must be positive, got forward={f} and backward={b}.")
-    if schedule is PipelineSchedule.Sequential:
+    if p == 1:
+        return 1.0
+    if schedule is PipelineSchedule.Sequential or m == 1:
         return 1.0 / p
     if not training or schedule is PipelineSchedule.Grouped:
         return m / (m + p - 1)
-    # Interleaved training: count forward-only, backward-only and mixed ticks.
-    shortfall = max(0, p - m)
-    forward_only = p
-    backward_only = p - 1 + shortfall
-    mixed = 2 * (m + p - 1) - forward_only - backward_only
-    total = forward_only * f + backward_only * b + mixed * max(f, b)
+    # Interleaved training: forward-only, backward-only and mixed ticks.
+    total = p * f + (p + 1) * b + (2 * m - 3) * max(f, b)
     return m * (f + b) / total
 
 
@@ -650,12 +648,12 @@ def _shared_ipus(mapping: tuple[int, ...]) -> str:
 
 
 def _per_stage(cycles: float | Sequence[float], p: int, name: str) -> tuple[float, ...]:
-    values = np.broadcast_to(np.asarray(cycles, dtype=float), (p,)) if np.ndim(cycles) == 0 else (
-        np.asarray(cycles, dtype=float)
-    )
+    values = np.asarray(cycles, dtype=float)
+    if values.ndim == 0:
+        values = np.full(p, float(values))
     if values.shape != (p,):
         raise ValueError(
-            f"{name} must be one number or one per stage ({p} stages), got {len(values)} values."
+            f"{name} must be one number or one per stage ({p} stages), got {values.tolist()}."
         )
     if (values < 0).any():
         raise ValueError(f"{name} must be non-negative, got {values.tolist()}.")

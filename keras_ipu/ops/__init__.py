@@ -1,0 +1,30 @@
+"""IPU operators, as `tensorflow.python.ipu.ops`: `ipu.ops.pipelining_ops` and friends.
+
+Submodules load on first use.
+
+Example:
+
+```python
+import keras_ipu as ipu
+
+schedule = ipu.ops.pipelining_ops.PipelineSchedule.Interleaved
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_SUBMODULES = ("pipelining_ops",)
+
+__all__ = list(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"keras_ipu.ops.{name}")
+    raise AttributeError(f"module 'keras_ipu.ops' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
