@@ -127,16 +127,7 @@ def fit(
     run = _prepare(model, "fit", replicas, feed, options)
     val_run = _prepare(model, "evaluate", replicas, val_feed, options) if val_feed else None
 
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks,
-            add_history=True,
-            add_progbar=verbose != 0,
-            verbose=verbose,
-            epochs=epochs,
-            steps=feed.plan.steps,
-            model=model,
-        )
+    callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
     model.stop_training = False
     training_logs: dict = {}
     training_finished = False
@@ -196,15 +187,7 @@ def evaluate(
     )
     model._symbolic_build(data_batch=feed.first_batch())
     run = _prepare(model, "evaluate", replicas, feed, options_of(model))
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks,
-            add_progbar=verbose != 0,
-            verbose=verbose,
-            epochs=1,
-            steps=feed.plan.steps,
-            model=model,
-        )
+    callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
     finally:
@@ -240,15 +223,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     )
     _build_for_predict(model, feed.first_batch())
     run = _prepare(model, "predict", replicas, feed, options_of(model))
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks,
-            add_progbar=verbose != 0,
-            verbose=verbose,
-            epochs=1,
-            steps=feed.plan.steps,
-            model=model,
-        )
+    callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs: list = []  # per execution, in input order; never reduced over replicas
@@ -310,6 +285,21 @@ def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
             if getattr(model, stop_flag, False):
                 break
     return logs
+
+
+def _callback_list(model, callbacks, verbose, epochs, feed, add_history=False):
+    """Keras' callback container for a run (a given `CallbackList` is used as it is)."""
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks
+    return callbacks_module.CallbackList(
+        callbacks,
+        add_history=add_history,
+        add_progbar=verbose != 0,
+        verbose=verbose,
+        epochs=epochs,
+        steps=feed.plan.steps,
+        model=model,
+    )
 
 
 def _ignore(*args) -> None:
