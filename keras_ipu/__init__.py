@@ -59,6 +59,8 @@ _SUBMODULES = (
     "gradient_accumulation",
     "ipu_strategy",
     "keras",
+    "ops",
+    "pipelining_ops",
     "utils",
 )
 _LAZY_NAMES = {

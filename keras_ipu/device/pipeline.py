@@ -531,10 +531,10 @@ def _list_schedule(
         return Op(chain_length - 1 - position, micro_batch, BACKWARD)
 
     # Each micro-batch's ops form a chain, so at most one op per micro-batch is
-    # ready at a time. position[k] is micro-batch k's next op; finished_at[k]
-    # the tick its previous op ran in.
+    # ready at a time: position[k] is micro-batch k's next op. A tick picks from
+    # the chains' next ops before advancing any chain, so an op always runs in a
+    # later tick than its predecessor.
     position = [0] * m
-    finished_at = [-1] * m
     in_flight = [0] * p
     active: list[int] = []  # started, not finished, ascending
     next_new = 0  # lowest micro-batch not started yet
@@ -551,8 +551,6 @@ def _list_schedule(
         candidates = active + ([next_new] if next_new < m else [])
         ready = []
         for k in candidates:
-            if finished_at[k] >= now:
-                continue
             op = op_at(k, position[k])
             if phase is not None and op.phase != phase:
                 continue
@@ -560,6 +558,9 @@ def _list_schedule(
                 continue
             ready.append(op)
         if interleaved:
+            # With one stage per IPU the cap alone already keeps a stage from
+            # having both a ready backward and an allowed forward; preferring the
+            # backward states the rule rather than relying on that.
             ready.sort(key=lambda op: (op.phase != BACKWARD, op.micro_batch))
         else:
             ready.sort(key=lambda op: op.micro_batch)
@@ -573,7 +574,7 @@ def _list_schedule(
         chosen = [op for op in tick if op is not None]
         if not chosen:
             empty_in_a_row += 1
-            if empty_in_a_row > len(phases):  # pragma: no cover - a bug, not a user error
+            if empty_in_a_row >= len(phases):  # pragma: no cover - a bug, not a user error
                 raise RuntimeError(f"{schedule.name} schedule made no progress at tick {now}.")
             continue
         empty_in_a_row = 0
@@ -583,7 +584,6 @@ def _list_schedule(
                 active.append(k)
                 next_new += 1
             position[k] += 1
-            finished_at[k] = now
             if training:
                 in_flight[op.stage] += 1 if op.phase == FORWARD else -1
             if position[k] == chain_length:

@@ -1,0 +1,90 @@
+"""set_pipelining_options: the reference's validation, defaults and saving."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.keras import options
+
+from models import sequential
+
+Schedule = ipu.pipelining_ops.PipelineSchedule
+
+
+def _model(strategy):
+    with strategy.scope():
+        return sequential()
+
+
+def test_public_names():
+    assert ipu.ops.pipelining_ops.PipelineSchedule is Schedule
+    assert [s.name for s in Schedule] == ["Grouped", "Interleaved", "Sequential"]
+    assert ipu.pipelining_ops.RecomputationMode.Auto.value == 0
+
+
+def test_setter_stores_and_keeps(strategy):
+    model = _model(strategy)
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=8, device_mapping=[0, 1, 1, 0],
+        accumulate_outfeed=True, gradient_accumulation_reduction_method="mean",
+        pipeline_schedule=Schedule.Interleaved,
+        recomputation_mode=ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate,
+        offload_weight_update_variables=False,
+    )
+    model.set_pipelining_options()  # None keeps; method and kwargs are replaced
+    current = options.options_of(model)
+    assert current.pipelining_gradient_accumulation_steps_per_replica == 8
+    assert current.pipelining_device_mapping == (0, 1, 1, 0)
+    assert current.pipelining_accumulate_outfeed is True
+    assert current.gradient_accumulation_reduction_method.name == "SUM"
+    assert current.pipelining_kwargs == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"gradient_accumulation_steps_per_replica": 0}, ValueError, "positive integer"),
+        ({"device_mapping": [0, "1"]}, ValueError, "`device_mapping` to be a list"),
+        ({"device_mapping": 1}, ValueError, "`device_mapping` to be a list"),
+        ({"accumulate_outfeed": 1}, TypeError, "`accumulate_outfeed` must be a bool"),
+        ({"gradient_accumulation_reduction_method": "max"}, ValueError, "Cannot parse 'max'"),
+        ({"gradient_accumulation_count": 4}, ValueError,
+         "Set the `gradient_accumulation_steps_per_replica` argument"),
+        ({"repeat_count": 2}, ValueError, "automatically set by Keras"),
+        ({"outfeed_mask": [True]}, ValueError, "not compatible with Keras"),
+        ({"experimental_normalize_gradients": True}, ValueError, "has now been removed"),
+        ({"pipeline_schedul": Schedule.Grouped}, ValueError, r"Unknown `pipelining_kwargs`"),
+        ({"pipeline_schedule": "Grouped"}, ValueError, r"Invalid `pipeline_schedule`"),
+        ({"continuous_weight_updates": True}, NotImplementedError, "not implemented"),
+    ],
+)
+def test_validation_errors_change_nothing(kwargs, error, message, strategy):
+    model = _model(strategy)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 pipeline_schedule=Schedule.Sequential)
+    before = options.options_of(model)
+    with pytest.raises(error, match=message):
+        model.set_pipelining_options(**kwargs)
+    assert options.options_of(model) == before
+
+
+def test_kwargs_must_be_a_mapping():
+    with pytest.raises(TypeError, match="must be a dictionary"):
+        options.pipelining_options(options.IPUOptions(), None, None, None, "sum", [1])
+
+
+def test_saved_without_kwargs(strategy, tmp_path):
+    with strategy.scope():
+        model = sequential()
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     device_mapping=[1, 0], accumulate_outfeed=False,
+                                     pipeline_schedule=Schedule.Interleaved)
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    restored = options.options_of(loaded)
+    assert restored.pipelining_gradient_accumulation_steps_per_replica == 4
+    assert restored.pipelining_device_mapping == (1, 0)
+    assert restored.pipelining_accumulate_outfeed is False
+    assert restored.pipelining_kwargs == {}
