@@ -82,6 +82,19 @@ class Replicas:
 
         return jax.tree_util.tree_map(copies, tree)
 
+    def state_spec(self, tree: Any) -> Any:
+        """Shape structs of `replicate(tree)`, without copying anything."""
+        if self.count == 1:
+            sharding = jax.sharding.SingleDeviceSharding(self.devices[0])
+            return jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+            )
+        sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct((self.count, *a.shape), a.dtype, sharding=sharding),
+            tree,
+        )
+
     def unreplicate(self, tree: Any, replica: int = 0) -> Any:
         """One replica's copy of a replicated tree (no cross-device traffic)."""
         if self.count == 1:

@@ -375,7 +375,7 @@ def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) ->
             finalize=_finalize(mode, layout, options),
         )
         programs[mode] = (key, program)
-    state = replicas.replicate(
+    state = replicas.state_spec(
         model._get_jax_state(**dict.fromkeys(_STATE_PARTS[mode], True),
                              purge_model_variables=False)
     )
