@@ -66,6 +66,7 @@ _SUBMODULES = (
 _LAZY_NAMES = {
     "IPUStrategy": ("keras_ipu.ipu_strategy", "IPUStrategy"),
     "IPUOutOfMemoryError": ("keras_ipu.errors", "IPUOutOfMemoryError"),
+    "PipelineStage": ("keras_ipu.keras.pipeline_stage", "PipelineStage"),
 }
 
 __all__ = [*_SUBMODULES, *_LAZY_NAMES]

@@ -46,8 +46,8 @@ def test_replica_weights_are_bit_identical_and_live_on_their_ipus(strategy):
 
     class Snapshot(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            parts, state, replicas = vars(self._model)["_ipu_pending_state"]
-            snapshots.append((state, replicas))
+            state, codec = vars(self._model)["_ipu_pending_state"]
+            snapshots.append((state, codec.replicas))
 
     callback = Snapshot()
     callback._model = model

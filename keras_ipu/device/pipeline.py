@@ -377,8 +377,10 @@ def build_schedule(
     Raises:
         ValueError: For an unknown schedule, fewer than 1 stage or micro-batch, or
             a device mapping that is not one non-negative int per stage.
-        NotImplementedError: For Interleaved training with several stages on
-            one IPU.
+
+    Unlike the reference, Interleaved training with several stages on one
+    IPU is supported: its rules (backward first, at most p - s micro-batches
+    in flight on stage s) apply per IPU, one op per tick.
 
     Example:
 
@@ -391,14 +393,6 @@ def build_schedule(
     m = _check_count(num_micro_batches, "num_micro_batches")
     mapping = _check_mapping(device_mapping, p)
     training = bool(training)
-    if schedule is PipelineSchedule.Interleaved and training and len(set(mapping)) < p:
-        shared = _shared_ipus(mapping)
-        raise NotImplementedError(
-            f"The Interleaved pipeline schedule does not support training with several "
-            f"stages on one IPU, but device_mapping {list(mapping)} puts {shared}. Use "
-            f"PipelineSchedule.Grouped or PipelineSchedule.Sequential, or map each stage "
-            f"to its own IPU."
-        )
     ticks = _list_schedule(schedule, p, m, mapping, training)
     return ScheduleTable(
         schedule=schedule,
@@ -634,17 +628,6 @@ def _check_mapping(device_mapping: Sequence[int] | None, p: int) -> tuple[int, .
             f"{bad} in {list(mapping)}."
         )
     return tuple(int(ipu) for ipu in mapping)
-
-
-def _shared_ipus(mapping: tuple[int, ...]) -> str:
-    stages_of: dict[int, list[int]] = {}
-    for stage, ipu in enumerate(mapping):
-        stages_of.setdefault(ipu, []).append(stage)
-    return "; ".join(
-        f"stages {', '.join(map(str, stages))} on IPU {ipu}"
-        for ipu, stages in sorted(stages_of.items())
-        if len(stages) > 1
-    )
 
 
 def _per_stage(cycles: float | Sequence[float], p: int, name: str) -> tuple[float, ...]:

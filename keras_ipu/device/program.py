@@ -62,6 +62,9 @@ class ExecutionProgram:
         finalize: Applied to the stacked outfeed inside the compiled program
             (e.g. to keep only the last step's logs), so the host gets what
             it needs without further device calls.
+        execution: A whole execution `(state, batches) -> (state, outfeed)`
+            to compile instead of the step loop (pipelined programs bring
+            their own); `step_fn` is then unused.
         max_in_flight: Executions dispatched but not finished, at most.
 
     Example:
@@ -74,7 +77,7 @@ class ExecutionProgram:
 
     def __init__(
         self,
-        step_fn: StepFn,
+        step_fn: StepFn | None = None,
         *,
         mode: str,
         replicas: Replicas,
@@ -83,6 +86,7 @@ class ExecutionProgram:
         exchange_bytes_per_step: float = 0.0,
         micro_batches_per_step: int = 1,
         finalize: Callable[[Outputs], Any] | None = None,
+        execution: Callable[[State, Batch], tuple[State, Outputs]] | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ):
         self._step_fn = step_fn
@@ -92,7 +96,7 @@ class ExecutionProgram:
         self.half_precision = half_precision
         self.exchange_bytes_per_step = exchange_bytes_per_step
         self.micro_batches_per_step = micro_batches_per_step
-        replicated = replicas.map(self._loop)
+        replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
 
         def execution(state, batches):

@@ -13,7 +13,12 @@ import io
 import json
 import os
 
-from keras_ipu.keras import options, trainer
+from keras_ipu.keras import options, pipeline_assignment, trainer
+from keras_ipu.keras.pipeline_assignment import (
+    FunctionalPipelineMixin,
+    ModelPipelineMixin,
+    SequentialPipelineMixin,
+)
 
 _ASSET_FILE = "ipu_options.json"
 
@@ -156,21 +161,31 @@ class ExtensionBase:
                                               replicated_metric_reduction_method)
         )
 
+    def _pipeline_assignment_changed(self):
+        # Called by the stage assignment methods: compiled programs are stale.
+        trainer.forget_programs(self)
+
     def jax_state_sync(self):
         trainer.sync_pending_state(self)
         return super().jax_state_sync()
 
     def save_assets(self, dir_path):
         """Saves the IPU options into the `.keras` file (Keras saving hook)."""
+        config = {
+            **options.options_of(self).to_config(),
+            **pipeline_assignment.assignment_to_config(self),
+        }
         with open(os.path.join(dir_path, _ASSET_FILE), "w") as f:
-            json.dump(options.options_of(self).to_config(), f)
+            json.dump(config, f)
 
     def load_assets(self, dir_path):
         """Restores the IPU options saved by `save_assets` (Keras loading hook)."""
         path = os.path.join(dir_path, _ASSET_FILE)
         if os.path.exists(path):
             with open(path) as f:
-                options.set_options(self, options.IPUOptions.from_config(json.load(f)))
+                config = json.load(f)
+            options.set_options(self, options.IPUOptions.from_config(config))
+            pipeline_assignment.assignment_from_config(self, config)
 
     def fit(
         self,
@@ -290,7 +305,7 @@ class ExtensionBase:
         return (injection.unpickle_model, (buffer,))
 
 
-class ModelExtension(ExtensionBase):
+class ModelExtension(ModelPipelineMixin, ExtensionBase):
     """The IPU extension of subclassed `keras.Model`s.
 
     Example:
@@ -314,7 +329,7 @@ class ModelExtension(ExtensionBase):
             injection.set_class(self, injection.extension_class(base, True))
 
 
-class FunctionalExtension(ExtensionBase):
+class FunctionalExtension(FunctionalPipelineMixin, ExtensionBase):
     """The IPU extension of Functional models (`keras.Model(inputs, outputs)`).
 
     Example:
@@ -326,7 +341,7 @@ class FunctionalExtension(ExtensionBase):
     """
 
 
-class SequentialExtension(ExtensionBase):
+class SequentialExtension(SequentialPipelineMixin, ExtensionBase):
     """The IPU extension of `keras.Sequential` models.
 
     Example:

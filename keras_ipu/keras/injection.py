@@ -39,6 +39,10 @@ def install() -> None:
         return
     _original_new = Model.__dict__["__new__"]
     Model.__new__ = staticmethod(_new_model)
+    # PipelineStage scopes record stages on the layers and calls they see.
+    from keras_ipu.keras import pipeline_stage
+
+    pipeline_stage.install()
 
 
 def uninstall() -> None:

@@ -101,3 +101,39 @@ class Layout:
         """Predictions in input order: `[steps × replicas × batch, ...]`."""
         lead = 3 if self.replicas > 1 else 2
         return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[lead:]), outfeed)
+
+
+class ReplicaCodec:
+    """Moves state and batches between Keras and a (replicated) program.
+
+    Args:
+        replicas: The program's replicas.
+        parts: The names of the state's parts, in order.
+    """
+
+    def __init__(self, replicas: Replicas, parts: tuple[str, ...]):
+        self.replicas, self.parts = replicas, parts
+
+    def to_device(self, keras_state: Any) -> Any:
+        """Keras state -> one copy per replica, on the replicas' devices."""
+        return self.replicas.replicate(keras_state)
+
+    def spec(self, keras_state: Any) -> Any:
+        """Shape structs of `to_device(keras_state)`."""
+        return self.replicas.state_spec(keras_state)
+
+    def to_keras(self, state: Any) -> dict:
+        """Replica 0's weights; the last replica's metrics (what `NONE` reports)."""
+        last = self.replicas.count - 1
+        return {
+            part: self.replicas.unreplicate(values, last if part == "metrics_variables" else 0)
+            for part, values in zip(self.parts, state)
+        }
+
+    def batch_spec(self, batches: Any) -> Any:
+        """Shape structs of an execution's placed batches."""
+        return self.replicas.batch_spec(batches)
+
+    def place(self, batches: Any) -> Any:
+        """An execution's batches on the replicas' devices."""
+        return self.replicas.place_batches(batches)

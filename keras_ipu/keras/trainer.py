@@ -27,9 +27,9 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import data, replication, steps
+from keras_ipu.keras import data, pipelined_run, replication, steps
 from keras_ipu.keras.options import IPUOptions, options_of
-from keras_ipu.keras.replication import Layout
+from keras_ipu.keras.replication import Layout, ReplicaCodec
 
 logger = logging.getLogger("keras_ipu")
 
@@ -56,15 +56,12 @@ _FUNCTIONS_USED_BY_KERAS_ONLY = {
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    """What one fit/evaluate/predict call runs: program, layout, reduction."""
+    """What one fit/evaluate/predict call runs: program, layout, state codec."""
 
     program: ExecutionProgram
-    layout: Layout
-    options: IPUOptions
-
-    @property
-    def replicas(self) -> Replicas:
-        return self.program.replicas
+    layout: Any  # Layout or PipelineLayout: to_program(host batches)
+    codec: Any  # ReplicaCodec or PipelineCodec
+    replica_count: int
 
 
 def fit(
@@ -89,9 +86,10 @@ def fit(
 ):
     """Keras `fit` on the IPU system (see `ExtensionBase.fit`)."""
     model._assert_compile_called("fit")
-    replicas = _check_runnable(model, "fit")
     options = options_of(model)
-    _check_train_step(model, options, replicas)
+    placement = _placement(model, "fit", options, x)
+    replicas = placement.replicas
+    _check_train_step(model, options, replicas, placement.plan)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
             x, y, sample_weight, validation_split
@@ -109,7 +107,7 @@ def fit(
         epochs=max(epochs - initial_epoch, 1),
         replicas=replicas.count,
     )
-    _check_accumulation(model, feed.plan, options)
+    _check_accumulation(model, feed.plan, options, placement.plan)
     val_feed = None
     if validation_data is not None:
         val_x, val_y, val_sw = _unpack(validation_data)
@@ -124,8 +122,8 @@ def fit(
         )
     _log_plan(model, feed, options)
     model._symbolic_build(data_batch=feed.first_batch())
-    run = _prepare(model, "fit", replicas, feed, options)
-    val_run = _prepare(model, "evaluate", replicas, val_feed, options) if val_feed else None
+    run = _prepare(model, "fit", placement, feed, options)
+    val_run = _prepare(model, "evaluate", placement, val_feed, options) if val_feed else None
 
     callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
     model.stop_training = False
@@ -175,7 +173,8 @@ def evaluate(
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     model._assert_compile_called("evaluate")
-    replicas = _check_runnable(model, "evaluate")
+    placement = _placement(model, "evaluate", options_of(model), x)
+    replicas = placement.replicas
     feed = data.make_feed(
         x,
         y,
@@ -186,7 +185,7 @@ def evaluate(
         replicas=replicas.count,
     )
     model._symbolic_build(data_batch=feed.first_batch())
-    run = _prepare(model, "evaluate", replicas, feed, options_of(model))
+    run = _prepare(model, "evaluate", placement, feed, options_of(model))
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
@@ -213,7 +212,8 @@ def _evaluate_feed(model, run: _Run, feed, callbacks) -> dict:
 
 def predict(model, x, *, batch_size, verbose, steps, callbacks):
     """Keras `predict` on the IPU system (see `ExtensionBase.predict`)."""
-    replicas = _check_runnable(model, "predict")
+    placement = _placement(model, "predict", options_of(model), x)
+    replicas = placement.replicas
     feed = data.make_feed(
         x,
         batch_size=batch_size,
@@ -222,7 +222,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         replicas=replicas.count,
     )
     _build_for_predict(model, feed.first_batch())
-    run = _prepare(model, "predict", replicas, feed, options_of(model))
+    run = _prepare(model, "predict", placement, feed, options_of(model))
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     model.stop_predicting = False
     callbacks.on_predict_begin()
@@ -260,9 +260,9 @@ def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
     parts = _STATE_PARTS[mode]
-    replicas, layout = run.replicas, run.layout
+    codec, layout = run.codec, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
-    place = _synthetic_placer(replicas, layout) if synthetic else _placer(replicas, layout)
+    place = _synthetic_placer(codec, layout) if synthetic else _placer(codec, layout)
     logs: Any = {}
     model._jax_state_synced = True
     with Infeed(feed.executions(), place=place, threaded=feed.prefetch_in_thread) as infeed:
@@ -270,12 +270,12 @@ def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
             on_begin(begin)
             if model._jax_state_synced:
                 # First execution, or a callback synced the variables.
-                state = replicas.replicate(
+                state = codec.to_device(
                     model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=True)
                 )
                 model._jax_state_synced = False
             state, outfeed = run.program(state, batches)
-            _keep_state(model, parts, state, replicas)
+            _keep_state(model, state, codec)
             if synthetic:  # --use_synthetic_data: nothing comes back to the host
                 outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
             logs = outfeed  # the program returns the last step's logs (or predictions)
@@ -318,15 +318,15 @@ def _has_batch_hooks(callbacks, *hooks: str) -> bool:
 
 
 def _epoch_logs(model, run: _Run, logs) -> dict:
-    if run.replicas.count == 1:
+    if run.replica_count == 1:
         return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
     # Keras' metric variables hold one replica's state: use the reduced logs.
     return dict(pythonify_logs(logs))
 
 
-def _keep_state(model, parts, state, replicas: Replicas) -> None:
+def _keep_state(model, state, codec) -> None:
     """Records the latest device state; variables get it on `jax_state_sync`."""
-    vars(model)["_ipu_pending_state"] = (parts, state, replicas)
+    vars(model)["_ipu_pending_state"] = (state, codec)
 
 
 def sync_pending_state(model) -> None:
@@ -335,12 +335,8 @@ def sync_pending_state(model) -> None:
     pending = vars(model).pop("_ipu_pending_state", None)
     if pending is None:
         return
-    parts, state, replicas = pending
-    last = replicas.count - 1
-    model._jax_state = {
-        part: replicas.unreplicate(values, last if part == "metrics_variables" else 0)
-        for part, values in zip(parts, state)
-    }
+    state, codec = pending
+    model._jax_state = codec.to_keras(state)
 
 
 def _forget_state(model) -> None:
@@ -348,22 +344,44 @@ def _forget_state(model) -> None:
     model._jax_state = None
 
 
-def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) -> _Run:
+def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> _Run:
     """Compiles and measures the mode's program before any state changes.
 
     Raises:
         IPUOutOfMemoryError: When the program does not fit an IPU.
     """
     hardware = ipu_system.require().hardware
+    parts = _STATE_PARTS[mode]
+    if placement.plan is not None:
+        key, build = pipelined_run.program_for(model, mode, placement, feed, options, hardware)
+    else:
+        key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
+    programs = _programs(model)
+    known_key, run = programs.get(mode, (None, None))
+    if known_key != key:
+        run = build()
+        programs[mode] = (key, run)
+    keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
+    spe = feed.plan.steps_per_execution
+    host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
+    batches = jax.tree_util.tree_map(
+        lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
+    )
+    batches = run.codec.batch_spec(run.layout.to_program(batches))
+    run.program.report = run.program.prepare(run.codec.spec(keras_state), batches)
+    return run
+
+
+def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, hardware):
+    """The cache key and builder of a (replicated) step-loop program."""
     micro = options.gradient_accumulation_steps if mode == "fit" else None
-    layout = Layout(replicas.count, micro)
     custom = mode == "fit" and _overrides(model, "train_step")
     key = (mode, replicas, hardware, micro, custom,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            options.replicated_metric_reduction_method)
-    programs = _programs(model)
-    known_key, program = programs.get(mode, (None, None))
-    if known_key != key:
+
+    def build() -> _Run:
+        layout = Layout(replicas.count, micro)
         program = ExecutionProgram(
             _step_function(model, mode, options, replicas, custom),
             mode=mode,
@@ -374,19 +392,9 @@ def _prepare(model, mode: str, replicas: Replicas, feed, options: IPUOptions) ->
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
         )
-        programs[mode] = (key, program)
-    state = replicas.state_spec(
-        model._get_jax_state(**dict.fromkeys(_STATE_PARTS[mode], True),
-                             purge_model_variables=False)
-    )
-    spe = feed.plan.steps_per_execution
-    host_shape = (spe, replicas.count) if replicas.count > 1 else (spe,)
-    batches = jax.tree_util.tree_map(
-        lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
-    )
-    batches = replicas.batch_spec(layout.to_program(batches))
-    program.report = program.prepare(state, batches)
-    return _Run(program, layout, options)
+        return _Run(program, layout, ReplicaCodec(replicas, _STATE_PARTS[mode]), replicas.count)
+
+    return key, build
 
 
 def _finalize(mode: str, layout: Layout, options: IPUOptions):
@@ -413,17 +421,17 @@ def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, cu
     )
 
 
-def _placer(replicas: Replicas, layout: Layout):
-    """Regroups an execution's batches and copies them to the replicas (infeed thread)."""
+def _placer(codec, layout):
+    """Regroups an execution's batches and copies them to the devices (infeed)."""
 
     def place(execution):
         begin, end, batches = execution
-        return begin, end, replicas.place_batches(layout.to_program(batches))
+        return begin, end, codec.place(layout.to_program(batches))
 
     return place
 
 
-def _synthetic_placer(replicas: Replicas, layout: Layout):
+def _synthetic_placer(codec, layout):
     """`--use_synthetic_data`: no host data moves; the devices get zeros."""
     zeros: dict = {}
 
@@ -434,22 +442,32 @@ def _synthetic_placer(replicas: Replicas, layout: Layout):
             (a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batches)
         )
         if key not in zeros:
-            zeros[key] = replicas.place_batches(
-                tree.map_structure(lambda a: np.zeros(a.shape, a.dtype), batches)
+            zeros[key] = codec.place(
+                jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), batches)
             )
         return begin, end, zeros[key]
 
     return place
 
 
-def _check_runnable(model, mode: str) -> Replicas:
-    """The model's replicas, after the checks every mode shares.
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where a run goes: its replicas, and the pipeline plan of a pipelined model."""
+
+    replicas: Replicas
+    plan: Any = None  # PipelinePlan
+    device_mapping: tuple[int, ...] = ()
+
+
+def _placement(model, mode: str, options: IPUOptions, x) -> _Placement:
+    """The checks every mode shares, then the model's replicas (and stages).
 
     Raises:
         RuntimeError: No system configured, eager mode, or an override of a
             function keras_ipu does not call.
+        ValueError: A device mapping that does not fit the stages or IPUs.
     """
-    replicas = replication.replicas_for(model)
+    ipu_system.require()
     if getattr(model, "_run_eagerly", False) or getattr(model, "run_eagerly", False):
         raise RuntimeError(
             "Keras models cannot run eagerly when using `IPUStrategy`. Set "
@@ -463,10 +481,20 @@ def _check_runnable(model, mode: str) -> Replicas:
             f"remove the override from your model definition or set "
             f"`enable_keras_extensions=False` when creating the IPUStrategy."
         )
-    return replicas
+    plan = pipelined_run.plan_of(model, x)
+    if plan is None:
+        return _Placement(replication.replicas_for(model))
+    mapping = pipelined_run.device_mapping(plan, options)
+    replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
+    return _Placement(replicas, plan, mapping)
 
 
-def _check_train_step(model, options: IPUOptions, replicas: Replicas) -> None:
+def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
+    if plan is not None and _overrides(model, "train_step"):
+        raise RuntimeError(
+            f"The function `train_step` for the model {model.name} has been overridden. "
+            f"This is not supported for pipelined Keras models."
+        )
     if _overrides(model, "train_step") and (
         options.gradient_accumulation_steps > 1 or replicas.count > 1
     ):
@@ -478,11 +506,15 @@ def _check_train_step(model, options: IPUOptions, replicas: Replicas) -> None:
         )
 
 
-def _check_accumulation(model, plan, options: IPUOptions) -> None:
-    accumulation = options.gradient_accumulation_steps
+def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> None:
+    if pipeline_plan is not None:
+        accumulation = pipelined_run.accumulation_steps(model, options)
+    else:
+        accumulation = options.gradient_accumulation_steps
+    kind = "pipelined model" if pipeline_plan is not None else "model"
     if plan.steps_per_execution % accumulation:
         raise RuntimeError(
-            f"The model has been configured to use gradient accumulation for training, "
+            f"The {kind} has been configured to use gradient accumulation for training, "
             f"however the current `steps_per_execution` value (set to "
             f"{plan.steps_per_execution}) is not divisible by "
             f"`gradient_accumulation_steps_per_replica` ({accumulation}). You need to "
@@ -557,4 +589,5 @@ def forget_programs(model) -> None:
 
 def program_for(model, mode: str) -> ExecutionProgram | None:
     """The model's program for a mode, if it was compiled."""
-    return _programs(model).get(mode, (None, None))[1]
+    run = _programs(model).get(mode, (None, None))[1]
+    return run.program if run is not None else None

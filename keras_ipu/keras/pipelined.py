@@ -1,0 +1,728 @@
+"""Pipelined execution: a model's stages on their IPUs, following a schedule table.
+
+One execution is one compiled program (`jax.jit` of a `shard_map` over the
+IPUs of a replica, and over the replicas). Each IPU holds only the weights,
+non-trainable state and optimizer state of its stages, packed into flat
+per-dtype vectors (padded to the largest IPU). The program walks the
+schedule table tick by tick (`lax.scan`): at each tick every IPU runs the
+op the table gives it (forward or backward of one stage for one
+micro-batch, or nothing), then all IPUs exchange the tick's outgoing
+messages (activations forward, activation gradients backward). Backward
+ops recompute their stage from the stashed stage input under `jax.vjp`.
+After a weight update's micro-batches, gradients are summed over replicas
+and each IPU applies its own clone of the optimizer to its variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from keras.src import tree
+
+from keras_ipu.device import pipeline as schedules
+from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+
+IPU_AXIS = "ipu"
+REPLICA_AXIS = "replica"
+_IDLE, _FORWARD, _BACKWARD = 0, 1, 2
+
+_ACCUMULATE = {
+    Reduction.SUM: lambda acc, grad, n, count: acc + grad,
+    Reduction.MEAN: lambda acc, grad, n, count: acc + grad / count,
+    Reduction.RUNNING_MEAN: lambda acc, grad, n, count: acc * (n / (n + 1)) + grad / (n + 1),
+}
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each of a list of arrays lives in flat per-dtype vectors.
+
+    Args:
+        shapes: The arrays' shapes.
+        dtypes: The arrays' dtypes (names).
+        sizes: Per dtype, the flat vector's length (may be padded later).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    offsets: tuple[int, ...]
+    sizes: dict[str, int]
+
+    @classmethod
+    def of(cls, arrays: Sequence[Any]) -> FlatLayout:
+        shapes, dtypes, offsets, sizes = [], [], [], {}
+        for array in arrays:
+            dtype = str(np.dtype(array.dtype))
+            shapes.append(tuple(array.shape))
+            dtypes.append(dtype)
+            offsets.append(sizes.get(dtype, 0))
+            sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(array.shape))
+        return cls(tuple(shapes), tuple(dtypes), tuple(offsets), sizes)
+
+    def unpack(self, flats: dict[str, Any]) -> list[Any]:
+        """The arrays from flat vectors (works on NumPy and traced arrays)."""
+        return [
+            flats[dtype][offset : offset + int(np.prod(shape))].reshape(shape)
+            for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets)
+        ]
+
+    def pack(self, arrays: Sequence[Any], lengths: dict[str, int], xp=jnp) -> dict[str, Any]:
+        """Flat vectors (padded to `lengths`) holding the arrays."""
+        flats = {}
+        for dtype, length in lengths.items():
+            parts = [
+                xp.ravel(a) for a, d in zip(arrays, self.dtypes) if d == dtype
+            ]
+            used = sum(int(np.prod(s)) for s, d in zip(self.shapes, self.dtypes) if d == dtype)
+            parts.append(xp.zeros((length - used,), dtype))
+            flats[dtype] = xp.concatenate(parts)
+        return flats
+
+
+def _padded_lengths(layouts: Sequence[FlatLayout]) -> dict[str, int]:
+    lengths: dict[str, int] = {}
+    for layout in layouts:
+        for dtype, size in layout.sizes.items():
+            lengths[dtype] = max(lengths.get(dtype, 0), size)
+    return lengths
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+class PipelinedModel:
+    """A Keras model split into stages and placed on IPUs (set-up, host side).
+
+    Args:
+        model: The Keras model (compiled when it trains).
+        plan: The model's `PipelinePlan` (its layer calls per stage, tensors
+            named by keys, the bundle each stage forwards).
+        device_mapping: Per stage, the IPU (within a replica) it runs on.
+
+    Raises:
+        ValueError: When a layer is used by stages on different IPUs.
+    """
+
+    def __init__(self, model, plan, device_mapping: Sequence[int]):
+        self.model, self.plan = model, plan
+        self.num_stages = plan.num_stages
+        self.device_mapping = tuple(device_mapping)
+        self.num_ipus = max(self.device_mapping) + 1
+        self.bundle_in = [plan.live_after[s - 1] if s else () for s in range(self.num_stages)]
+        self.bundle_out = [plan.live_after[s] if s < self.num_stages - 1 else ()
+                           for s in range(self.num_stages)]
+        self.boundary_width = max(
+            [self.width(keys) for keys in plan.live_after[:-1]] + [1]
+        )
+        self._place_variables()
+
+    def width(self, keys) -> int:
+        """Values per sample of a bundle of tensors."""
+        return sum(int(np.prod(self.plan.tensors[k].shape[1:])) for k in keys)
+
+    def _place_variables(self) -> None:
+        model = self.model
+        layers_of: list[list] = [[] for _ in range(self.num_ipus)]
+        owner: dict[int, int] = {}
+        for s in range(self.num_stages):
+            ipu = self.device_mapping[s]
+            for layer in self.plan.stage_layers(s):
+                if id(layer) in owner and owner[id(layer)] != ipu:
+                    raise ValueError(
+                        f"Layer {layer.name} is used by pipeline stages on IPUs "
+                        f"{owner[id(layer)]} and {ipu}: stages that share a layer must be "
+                        f"mapped to the same IPU (set `device_mapping` accordingly)."
+                    )
+                if id(layer) not in owner:
+                    owner[id(layer)] = ipu
+                    layers_of[ipu].append(layer)
+        index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        nt_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+        def variables(layer, kind):
+            return getattr(layer, kind, [])
+
+        self.trainable_of = [
+            _unique([index[id(v)] for layer in layers
+                     for v in variables(layer, "trainable_variables")])
+            for layers in layers_of
+        ]
+        self.non_trainable_of = [
+            _unique([nt_index[id(v)] for layer in layers
+                     for v in variables(layer, "non_trainable_variables")])
+            for layers in layers_of
+        ]
+        placed = sorted(i for ids in self.trainable_of for i in ids)
+        if placed != list(range(len(model.trainable_variables))):
+            raise ValueError(
+                "Every trainable variable must belong to a layer of a pipeline stage."
+            )
+        self.last_ipu = self.device_mapping[-1]
+        self.optimizers, self.optimizer_of = [], []
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None or not optimizer.built:
+            return  # inference needs no optimizer
+        # One optimizer clone per IPU, built on that IPU's variables; Keras
+        # names optimizer slots after their variable, which maps them back.
+        names = {v.name: i for i, v in enumerate(optimizer.variables)}
+        for ids in self.trainable_of:
+            clone = optimizer.__class__.from_config(optimizer.get_config())
+            clone.build([model.trainable_variables[i] for i in ids])
+            self.optimizers.append(clone)
+            self.optimizer_of.append([names[v.name] for v in clone.variables])
+
+
+def _unique(values: list[int]) -> list[int]:
+    return list(dict.fromkeys(values))
+
+
+# --------------------------------------------------------------------------- state
+
+
+_PARTS = ("trainable_variables", "non_trainable_variables", "optimizer_variables",
+          "metrics_variables")
+
+
+class PipelineState:
+    """Packs Keras state into per-IPU flat vectors on the mesh, and back.
+
+    Device form: per part, per dtype, an array `[replicas, ipus, length]`
+    sharded over `("replica", "ipu")`: each IPU holds only its own slot.
+    """
+
+    def __init__(self, pipelined: PipelinedModel, mesh: Mesh, parts: Sequence[str]):
+        self.pipelined, self.mesh, self.parts = pipelined, mesh, tuple(parts)
+        self.replicas, self.ipus = mesh.devices.shape
+        self.sharding = NamedSharding(mesh, P(REPLICA_AXIS, IPU_AXIS))
+        self.layouts: dict[str, list[FlatLayout]] = {}
+        self.lengths: dict[str, dict[str, int]] = {}
+
+    def _indices(self, part: str, ipu: int) -> list[int]:
+        p = self.pipelined
+        if part == "trainable_variables":
+            return p.trainable_of[ipu]
+        if part == "non_trainable_variables":
+            return p.non_trainable_of[ipu]
+        if part == "optimizer_variables":
+            return p.optimizer_of[ipu]
+        count = len(p.model.metrics_variables)
+        return list(range(count)) if ipu == p.last_ipu else []
+
+    def to_device(self, keras_state: Sequence[Sequence[Any]]) -> dict:
+        """Keras state lists -> the packed, placed device form."""
+        packed = {}
+        for part, values in zip(self.parts, keras_state):
+            values = [np.asarray(v) for v in values]
+            per_ipu = [[values[i] for i in self._indices(part, d)] for d in range(self.ipus)]
+            if part not in self.layouts:
+                self.layouts[part] = [FlatLayout.of(arrays) for arrays in per_ipu]
+                self.lengths[part] = _padded_lengths(self.layouts[part])
+            flats = [layout.pack(arrays, self.lengths[part], xp=np)
+                     for layout, arrays in zip(self.layouts[part], per_ipu)]
+            packed[part] = {
+                dtype: jax.device_put(
+                    np.broadcast_to(np.stack([f[dtype] for f in flats])[None],
+                                    (self.replicas, self.ipus, length)),
+                    self.sharding,
+                )
+                for dtype, length in self.lengths[part].items()
+            }
+        return packed
+
+    def spec(self, keras_state) -> dict:
+        """Shape structs of `to_device(keras_state)` (sets the layouts up)."""
+        placed = self.to_device(keras_state)
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), placed
+        )
+
+    def to_keras(self, packed: dict, parts: Sequence[str]) -> dict:
+        """The device form -> Keras state lists (replica 0; metrics: last replica)."""
+        result = {}
+        for part in parts:
+            replica = self.replicas - 1 if part == "metrics_variables" else 0
+            count = _part_length(self.pipelined.model, part)
+            values: list = [None] * count
+            host = {dtype: np.asarray(array[replica]) for dtype, array in packed[part].items()}
+            for d in range(self.ipus):
+                arrays = self.layouts[part][d].unpack({k: v[d] for k, v in host.items()})
+                for i, array in zip(self._indices(part, d), arrays):
+                    if values[i] is None:
+                        values[i] = array
+            result[part] = values
+        return result
+
+
+def _part_length(model, part: str) -> int:
+    return len({
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables if model.optimizer else [],
+        "metrics_variables": model.metrics_variables,
+    }[part])
+
+
+# --------------------------------------------------------------------------- stages
+
+
+class _StageRunner:
+    """Runs one stage's layer calls statelessly on an IPU's packed variables."""
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState):
+        self.p, self.state = pipelined, state
+        model = pipelined.model
+        self.t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        self.n_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+
+    def _unpack(self, part: str, ipu: int, flats) -> dict[int, Any]:
+        arrays = self.state.layouts[part][ipu].unpack(flats)
+        return dict(zip(self.state._indices(part, ipu), arrays))
+
+    def run(self, s: int, trainable, non_trainable, bundle, x, training: bool):
+        """(bundle out [mb, W], new non-trainable flats, outputs or None)."""
+        p, plan = self.p, self.p.plan
+        ipu = p.device_mapping[s]
+        tv = self._unpack("trainable_variables", ipu, trainable)
+        ntv = self._unpack("non_trainable_variables", ipu, non_trainable)
+        env = dict(zip(plan.input_keys, tree.flatten(x)))
+        offset = 0
+        for key in p.bundle_in[s]:
+            tensor = plan.tensors[key]
+            width = int(np.prod(tensor.shape[1:]))
+            value = bundle[:, offset : offset + width].reshape((-1, *tensor.shape[1:]))
+            env[key] = value.astype(tensor.dtype)
+            offset += width
+        for call in plan.stages[s]:
+            node, layer = call.node, call.operation
+            by_id = {id(t): env[k] for t, k in zip(node.arguments.keras_tensors, call.input_keys)}
+            args, kwargs = node.arguments.fill_in(by_id)
+            if getattr(layer, "_call_has_training_arg", False):
+                kwargs["training"] = training
+            layer_tv = [tv[self.t_index[id(v)]] for v in getattr(layer, "trainable_variables", [])]
+            layer_ntv = [ntv[self.n_index[id(v)]]
+                         for v in getattr(layer, "non_trainable_variables", [])]
+            if hasattr(layer, "stateless_call"):
+                outputs, new_ntv = layer.stateless_call(layer_tv, layer_ntv, *args, **kwargs)
+                for v, value in zip(layer.non_trainable_variables, new_ntv):
+                    ntv[self.n_index[id(v)]] = value
+            else:  # a plain op in a functional graph
+                outputs = layer(*args, **kwargs)
+            for key, value in zip(call.output_keys, tree.flatten(outputs)):
+                env[key] = value
+        layout = self.state.layouts["non_trainable_variables"][ipu]
+        order = self.state._indices("non_trainable_variables", ipu)
+        new_non_trainable = layout.pack([ntv[i] for i in order],
+                                        self.state.lengths["non_trainable_variables"])
+        if s == p.num_stages - 1:
+            outputs = tree.pack_sequence_as(plan.outputs_struct,
+                                            [env[k] for k in plan.output_keys])
+            return None, new_non_trainable, outputs
+        flat = [env[k].reshape(env[k].shape[0], -1).astype(jnp.float32) for k in p.bundle_out[s]]
+        out = jnp.concatenate(flat, axis=1)
+        out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
+        return out, new_non_trainable, None
+
+
+def _index(tree_, j):
+    return jax.tree_util.tree_map(lambda a: a[j], tree_)
+
+
+def _zeros_like_flats(flats, dtype=None):
+    return {k: jnp.zeros(v.shape, dtype or v.dtype) for k, v in flats.items()}
+
+
+def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
+                      table: schedules.ScheduleTable, reduction: Reduction,
+                      accumulator_dtype: str = "float32"):
+    """The training execution: `(packed state, batches) -> (packed state, logs)`.
+
+    `batches` is `(x, y, sample_weight)` (absent parts `None`), each leaf
+    `[updates, replicas, micro_batches, batch, ...]`; logs come back per
+    micro-batch, `[updates, replicas, micro_batches]`.
+    """
+    p, model = pipelined, pipelined.model
+    runner = _StageRunner(pipelined, state)
+    stages, micro = p.num_stages, table.num_micro_batches
+    ticks = _table_arrays(table)
+    mapping = jnp.asarray(p.device_mapping, jnp.int32)
+    accumulate = _ACCUMULATE[reduction]
+    masks = _stage_masks(pipelined, state)
+    metrics_layout = state.layouts["metrics_variables"][p.last_ipu]
+
+    def metrics_list(flats):
+        return metrics_layout.unpack(flats)
+
+    def metrics_flats(values):
+        return metrics_layout.pack(values, state.lengths["metrics_variables"])
+
+    def last_stage_loss(trainable, non_trainable, metrics, bundle, batch):
+        x, y, sample_weight = batch
+        _, _, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x, True)
+        loss, (_, _, metrics_vars) = model.stateless_compute_loss(
+            [], [], metrics_list(metrics), x=x, y=y, y_pred=y_pred,
+            sample_weight=sample_weight, training=True,
+        )
+        return loss, (y_pred, metrics_vars)
+
+    def per_replica(packed, batches):
+        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
+        batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
+        me = jax.lax.axis_index(IPU_AXIS)
+
+        def update(carry, data):
+            trainable, non_trainable, optimizer_vars, metrics = carry
+            width = p.boundary_width
+            mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
+            fwd = jnp.zeros((stages, micro, mb, width), jnp.float32)
+            bwd = jnp.zeros_like(fwd)
+            acc = _zeros_like_flats(trainable, accumulator_dtype)
+            logs = jax.tree_util.tree_map(
+                lambda leaf: jnp.zeros((micro, *leaf.shape), leaf.dtype),
+                jax.eval_shape(lambda: _last_logs(
+                    last_stage_loss, model, trainable, non_trainable, metrics,
+                    fwd[0, 0], _index(data, 0)))[0],
+            )
+
+            def forward(s):
+                def op(c, j):
+                    non_trainable, metrics, acc, fwd, bwd, logs = c
+                    batch = _index(data, j)
+                    if s == stages - 1:
+                        step_logs, non_trainable, metrics = _last_forward(
+                            runner, model, s, trainable, non_trainable, metrics, fwd[s, j],
+                            batch, metrics_list, metrics_flats)
+                        logs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), logs,
+                                                      step_logs)
+                        message = jnp.zeros((mb, width), jnp.float32)
+                    else:
+                        message, non_trainable, _ = runner.run(
+                            s, trainable, non_trainable, fwd[s, j], batch[0], True)
+                    return (non_trainable, metrics, acc, fwd, bwd, logs), message
+                return op
+
+            def backward(s):
+                def op(c, j):
+                    non_trainable, metrics, acc, fwd, bwd, logs = c
+                    batch = _index(data, j)
+                    if s == stages - 1:
+                        grads, g_in = jax.grad(
+                            lambda t, b: last_stage_loss(t, non_trainable, metrics, b,
+                                                         batch)[0],
+                            argnums=(0, 1))(trainable, fwd[s, j])
+                    else:
+                        _, vjp = jax.vjp(
+                            lambda t, b: runner.run(s, t, non_trainable, b, batch[0], True)[0],
+                            trainable, fwd[s, j])
+                        grads, g_in = vjp(bwd[s, j])
+                    n = j.astype(jnp.float32)
+                    acc = {
+                        k: jnp.where(masks[s][k],
+                                     accumulate(acc[k], grads[k].astype(acc[k].dtype), n, micro),
+                                     acc[k])
+                        for k in acc
+                    }
+                    return (non_trainable, metrics, acc, fwd, bwd, logs), g_in
+                return op
+
+            def idle(c, j):
+                return c, jnp.zeros((mb, width), jnp.float32)
+
+            branches = [idle] + [forward(s) for s in range(stages)] + [
+                backward(s) for s in range(stages)]
+
+            def tick(c, row):
+                kinds, stage_of, micro_of = row
+                kind, s, j = kinds[me], stage_of[me], micro_of[me]
+                branch = jnp.where(kind == _IDLE, 0,
+                                   jnp.where(kind == _FORWARD, 1 + s, 1 + stages + s))
+                c, message = jax.lax.switch(branch, branches, c, j)
+                non_trainable, metrics, acc, fwd, bwd, logs = c
+                messages = jax.lax.all_gather(message, IPU_AXIS)
+                for i in range(p.num_ipus):
+                    fwd = _receive(fwd, messages[i], kinds[i] == _FORWARD, stage_of[i] + 1,
+                                   micro_of[i], mapping, me, stages)
+                    bwd = _receive(bwd, messages[i], kinds[i] == _BACKWARD, stage_of[i] - 1,
+                                   micro_of[i], mapping, me, stages)
+                return (non_trainable, metrics, acc, fwd, bwd, logs), None
+
+            c = (non_trainable, metrics, acc, fwd, bwd, logs)
+            c, _ = jax.lax.scan(tick, c, ticks)
+            non_trainable, metrics, acc, _, _, logs = c
+            if state.replicas > 1:
+                acc = jax.lax.psum(acc, REPLICA_AXIS)
+            trainable, optimizer_vars = jax.lax.switch(
+                me, [_apply_optimizer(pipelined, state, d) for d in range(p.num_ipus)],
+                trainable, optimizer_vars, acc)
+            # Only the last stage's IPU has the logs; the others hold zeros.
+            logs = jax.lax.psum(
+                jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
+                IPU_AXIS)
+            return (trainable, non_trainable, optimizer_vars, metrics), logs
+
+        carry = tuple(local[part] for part in _PARTS)
+        carry, logs = jax.lax.scan(update, carry, batches)
+        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
+               for part, value in zip(_PARTS, carry)}
+        return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
+
+    mapped = jax.shard_map(
+        per_replica,
+        mesh=state.mesh,
+        in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        check_vma=False,
+    )
+    return mapped
+
+
+def _last_logs(last_stage_loss, model, trainable, non_trainable, metrics, bundle, batch):
+    x, y, sample_weight = batch
+    loss, (y_pred, metrics_vars) = last_stage_loss(trainable, non_trainable, metrics, bundle,
+                                                   batch)
+    return model._update_metrics_variables(metrics_vars, loss, x, y, y_pred, sample_weight)
+
+
+def _last_forward(runner, model, s, trainable, non_trainable, metrics, bundle, batch,
+                  metrics_list, metrics_flats):
+    x, y, sample_weight = batch
+    _, non_trainable, y_pred = runner.run(s, trainable, non_trainable, bundle, x, True)
+    loss, (_, _, metrics_vars) = model.stateless_compute_loss(
+        [], [], metrics_list(metrics), x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+        training=True,
+    )
+    logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
+                                                         sample_weight)
+    return logs, non_trainable, metrics_flats(metrics_vars)
+
+
+def _receive(buffer, message, sent, stage, micro_batch, mapping, me, stages):
+    valid = sent & (stage >= 0) & (stage < stages)
+    stage = jnp.clip(stage, 0, stages - 1)
+    valid = valid & (mapping[stage] == me)
+    current = buffer[stage, micro_batch]
+    return buffer.at[stage, micro_batch].set(jnp.where(valid, message, current))
+
+
+def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
+    t_layout = state.layouts["trainable_variables"][ipu]
+    o_layout = state.layouts["optimizer_variables"][ipu]
+    optimizer = pipelined.optimizers[ipu]
+
+    def apply(trainable, optimizer_vars, acc):
+        variables = t_layout.unpack(trainable)
+        grads = [g.astype(v.dtype) for g, v in zip(t_layout.unpack(acc), variables)]
+        variables, optimizer_values = optimizer.stateless_apply(
+            o_layout.unpack(optimizer_vars), grads, variables)
+        return (t_layout.pack(variables, state.lengths["trainable_variables"]),
+                o_layout.pack(optimizer_values, state.lengths["optimizer_variables"]))
+
+    return apply
+
+
+def _stage_masks(pipelined: PipelinedModel, state: PipelineState) -> list[dict]:
+    """Per stage, which entries of its IPU's trainable flats belong to its layers."""
+    index = {id(v): i for i, v in enumerate(pipelined.model.trainable_variables)}
+    masks = []
+    for s in range(pipelined.num_stages):
+        ipu = pipelined.device_mapping[s]
+        layout = state.layouts["trainable_variables"][ipu]
+        own = {index[id(v)] for layer in pipelined.plan.stage_layers(s)
+               for v in getattr(layer, "trainable_variables", [])}
+        arrays = [np.full(shape, i in own) for shape, i in
+                  zip(layout.shapes, state._indices("trainable_variables", ipu))]
+        flats = layout.pack(arrays, state.lengths["trainable_variables"], xp=np)
+        masks.append({k: jnp.asarray(v.astype(bool)) for k, v in flats.items()})
+    return masks
+
+
+def _table_arrays(table: schedules.ScheduleTable):
+    kinds = np.zeros((table.num_ticks, table.num_ipus), np.int32)
+    stage = np.zeros_like(kinds)
+    micro = np.zeros_like(kinds)
+    for t, row in enumerate(table.ticks):
+        for ipu, op in enumerate(row):
+            if op is not None:
+                kinds[t, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                stage[t, ipu], micro[t, ipu] = op.stage, op.micro_batch
+    return jnp.asarray(kinds), jnp.asarray(stage), jnp.asarray(micro)
+
+
+def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
+                            table: schedules.ScheduleTable, mode: str):
+    """Evaluate or predict: forward ops only, `micro_batches = steps_per_execution`.
+
+    `(packed state, batches) -> (packed state, outfeed)`: batches as in
+    `build_fit_program` with one update; the outfeed is the per-step logs
+    (evaluate) or outputs (predict), `[1, replicas, steps, ...]`.
+    """
+    p, model = pipelined, pipelined.model
+    runner = _StageRunner(pipelined, state)
+    stages, micro = p.num_stages, table.num_micro_batches
+    ticks = _table_arrays(table)
+    mapping = jnp.asarray(p.device_mapping, jnp.int32)
+    parts = state.parts
+    metrics_layout = state.layouts.get("metrics_variables", [None] * p.num_ipus)[p.last_ipu]
+
+    def last(trainable, non_trainable, metrics, bundle, batch):
+        x, y, sample_weight = batch
+        _, non_trainable, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x,
+                                              False)
+        if mode == "predict":
+            return y_pred, non_trainable, metrics
+        loss, (_, _, metrics_vars) = model.stateless_compute_loss(
+            [], [], metrics_layout.unpack(metrics), x=x, y=y, y_pred=y_pred,
+            sample_weight=sample_weight, training=False,
+        )
+        logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
+                                                             sample_weight)
+        return logs, non_trainable, metrics_layout.pack(
+            metrics_vars, state.lengths["metrics_variables"])
+
+    def per_replica(packed, batches):
+        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
+        data = jax.tree_util.tree_map(lambda a: a[0, 0], batches)
+        me = jax.lax.axis_index(IPU_AXIS)
+        trainable = local["trainable_variables"]
+        non_trainable = local["non_trainable_variables"]
+        metrics = local.get("metrics_variables", {})
+        mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
+        fwd = jnp.zeros((stages, micro, mb, p.boundary_width), jnp.float32)
+        out_shape = jax.eval_shape(
+            lambda: last(trainable, non_trainable, metrics, fwd[0, 0], _index(data, 0)))[0]
+        outputs = jax.tree_util.tree_map(
+            lambda leaf: jnp.zeros((micro, *leaf.shape), leaf.dtype), out_shape)
+
+        def forward(s):
+            def op(c, j):
+                non_trainable, metrics, fwd, outputs = c
+                batch = _index(data, j)
+                if s == stages - 1:
+                    result, non_trainable, metrics = last(trainable, non_trainable, metrics,
+                                                          fwd[s, j], batch)
+                    outputs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), outputs,
+                                                      result)
+                    message = jnp.zeros((mb, p.boundary_width), jnp.float32)
+                else:
+                    message, non_trainable, _ = runner.run(s, trainable, non_trainable,
+                                                           fwd[s, j], batch[0], False)
+                return (non_trainable, metrics, fwd, outputs), message
+            return op
+
+        def idle(c, j):
+            return c, jnp.zeros((mb, p.boundary_width), jnp.float32)
+
+        branches = [idle] + [forward(s) for s in range(stages)]
+
+        def tick(c, row):
+            kinds, stage_of, micro_of = row
+            kind, s, j = kinds[me], stage_of[me], micro_of[me]
+            c, message = jax.lax.switch(jnp.where(kind == _FORWARD, 1 + s, 0), branches, c, j)
+            non_trainable, metrics, fwd, outputs = c
+            messages = jax.lax.all_gather(message, IPU_AXIS)
+            for i in range(p.num_ipus):
+                fwd = _receive(fwd, messages[i], kinds[i] == _FORWARD, stage_of[i] + 1,
+                               micro_of[i], mapping, me, stages)
+            return (non_trainable, metrics, fwd, outputs), None
+
+        (non_trainable, metrics, _, outputs), _ = jax.lax.scan(
+            tick, (non_trainable, metrics, fwd, outputs), ticks)
+        outputs = jax.lax.psum(
+            jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), outputs),
+            IPU_AXIS)
+        new = {"trainable_variables": trainable, "non_trainable_variables": non_trainable}
+        if "metrics_variables" in parts:
+            new["metrics_variables"] = metrics
+        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], new[part]) for part in parts}
+        return new, jax.tree_util.tree_map(lambda a: a[None, None], outputs)
+
+    return jax.shard_map(
+        per_replica,
+        mesh=state.mesh,
+        in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        check_vma=False,
+    )
+
+
+# --------------------------------------------------------------------------- runtime glue
+
+
+def pipeline_mesh(ipus: Sequence[Any], ipus_per_replica: int, used_per_replica: int) -> Mesh:
+    """A `("replica", "ipu")` mesh: replica r uses IPUs `r·k .. r·k + used - 1`."""
+    replicas = len(ipus) // ipus_per_replica
+    rows = [[ipus[r * ipus_per_replica + i].device for i in range(used_per_replica)]
+            for r in range(replicas)]
+    return Mesh(np.array(rows), (REPLICA_AXIS, IPU_AXIS))
+
+
+class PipelineCodec:
+    """Moves state and batches between Keras and a pipelined program."""
+
+    def __init__(self, state: PipelineState):
+        self.state = state
+        self.batch_sharding = NamedSharding(state.mesh, P(None, REPLICA_AXIS))
+
+    def to_device(self, keras_state):
+        return self.state.to_device(keras_state)
+
+    def spec(self, keras_state):
+        return self.state.spec(keras_state)
+
+    def to_keras(self, packed):
+        return self.state.to_keras(packed, self.state.parts)
+
+    def batch_spec(self, batches):
+        return jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
+            batches)
+
+    def place(self, batches):
+        if all(d.platform == "cpu" for d in self.state.mesh.devices.flat):
+            return batches  # the dispatch copies host arrays (see Replicas.place_batches)
+        return jax.device_put(batches, self.batch_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """Data and outfeed arrangement of pipelined programs.
+
+    The feed gives `[steps, (replicas,) batch, ...]`; the program takes
+    `[updates, replicas, micro_batches, batch, ...]` as `(x, y, sample_weight)`.
+    """
+
+    replicas: int
+    micro_batches: int
+
+    def to_program(self, batches):
+        batches = tuple(batches) + (None,) * (3 - len(batches))
+        return jax.tree_util.tree_map(self._group, batches)
+
+    def _group(self, a):
+        if self.replicas == 1:
+            a = a[:, None]
+        grouped = a.reshape(a.shape[0] // self.micro_batches, self.micro_batches, *a.shape[1:])
+        return np.swapaxes(grouped, 1, 2)
+
+    def finalize(self, mode: str, reduce):
+        """The in-program outfeed transform for a mode (`reduce`: replica reduction)."""
+        if mode == "predict":
+            return lambda out: jax.tree_util.tree_map(
+                lambda a: jnp.swapaxes(a[0], 0, 1).reshape(-1, *a.shape[4:]), out)
+
+        def last_logs(out):
+            last = jax.tree_util.tree_map(lambda a: a[-1, :, -1], out)
+            if self.replicas == 1:
+                return jax.tree_util.tree_map(lambda a: a[0], last)
+            return jax.tree_util.tree_map(reduce, last)
+
+        return last_logs

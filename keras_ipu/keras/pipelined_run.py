@@ -1,0 +1,148 @@
+"""The trainer's side of pipelining: the checks, the schedule, and the program of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from keras_ipu.device import pipeline as schedules
+from keras_ipu.device.program import ExecutionProgram
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import pipelined
+from keras_ipu.keras.options import IPUOptions
+from keras_ipu.keras.replication import _REDUCE, next_power_of_two
+
+_STATE_PARTS = {
+    "fit": pipelined._PARTS,
+    "evaluate": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+    "predict": ("trainable_variables", "non_trainable_variables"),
+}
+
+
+def plan_of(model, x: Any = None):
+    """The model's `PipelinePlan`, or `None` when it is not pipelined."""
+    from keras_ipu.keras import pipeline_assignment
+
+    specs = x if _is_array_like(x) else None
+    return pipeline_assignment.pipeline_plan(model, specs)
+
+
+def _is_array_like(x: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                for leaf in leaves)
+
+
+def device_mapping(plan, options: IPUOptions) -> tuple[int, ...]:
+    """Stage -> IPU: `set_pipelining_options(device_mapping=...)`, else stage i on IPU i.
+
+    Raises:
+        ValueError: When the mapping does not give one IPU per stage.
+    """
+    mapping = options.pipelining_device_mapping
+    if mapping is None:
+        return tuple(range(plan.num_stages))
+    if len(mapping) != plan.num_stages:
+        raise ValueError(
+            f"Each stage must be mapped to an IPU: {len(mapping)} mappings != "
+            f"{plan.num_stages} stages (`device_mapping` {list(mapping)})."
+        )
+    return tuple(mapping)
+
+
+def accumulation_steps(model, options: IPUOptions) -> int:
+    """Micro-batches per weight update of a pipelined model.
+
+    Raises:
+        ValueError: When `set_pipelining_options` did not set it.
+    """
+    steps = options.pipelining_gradient_accumulation_steps_per_replica
+    if steps is None:
+        raise ValueError(
+            "The model which you are attempting to train is pipelined, however "
+            "`gradient_accumulation_steps_per_replica` has not been set through "
+            "`set_pipelining_options()`. You need to set this value as pipelined models "
+            "will perform gradient accumulation when training."
+        )
+    return steps
+
+
+def schedule_of(options: IPUOptions) -> schedules.PipelineSchedule:
+    """The pipeline schedule of the options (Grouped by default)."""
+    return options.pipelining_kwargs.get("pipeline_schedule", schedules.PipelineSchedule.Grouped)
+
+
+def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware):
+    """The cache key and builder of a pipelined program for a run.
+
+    Raises:
+        ValueError: Too few micro-batches for the schedule (naming the minimum).
+        NotImplementedError: Interleaved training with stages sharing an IPU,
+            or regularization losses.
+    """
+    plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
+    schedule = schedule_of(options)
+    micro = accumulation_steps(model, options) if mode == "fit" else (
+        feed.plan.steps_per_execution)
+    minimum = schedules.minimum_micro_batches(schedule, plan.num_stages)
+    if micro < minimum:
+        what = ("`gradient_accumulation_steps_per_replica`" if mode == "fit"
+                else "`steps_per_execution`")
+        raise ValueError(
+            f"{what} ({micro}) is too small for the {schedule.name} schedule of "
+            f"{plan.num_stages} pipeline stages: the minimum is {minimum}."
+        )
+    if any(getattr(v, "regularizer", None) is not None for v in model.trainable_variables):
+        raise NotImplementedError(
+            "Variable regularizers are not supported in pipelined models yet."
+        )
+    table = schedules.build_schedule(schedule, plan.num_stages, micro, mapping,
+                                     training=mode == "fit")
+    reduction = options.replicated_metric_reduction_method
+    key = ("pipelined", mode, id(plan), mapping, replicas, hardware, micro, schedule,
+           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
+           reduction)
+
+    def build():
+        from keras_ipu.keras.trainer import _Run
+
+        used = max(mapping) + 1
+        per_replica = next_power_of_two(used)
+        system_ipus = _device_ipus(model)
+        mesh = pipelined.pipeline_mesh(system_ipus, per_replica, used)
+        ipus = tuple(system_ipus[r * per_replica + i]
+                     for r in range(replicas.count) for i in range(used))
+        pipe = pipelined.PipelinedModel(model, plan, mapping)
+        state = pipelined.PipelineState(pipe, mesh, _STATE_PARTS[mode])
+        state.to_device(model._get_jax_state(**dict.fromkeys(_STATE_PARTS[mode], True)))
+        if mode == "fit":
+            execution = pipelined.build_fit_program(
+                pipe, state, table, options.gradient_accumulation_reduction_method,
+                options.accumulator_dtype)
+        else:
+            execution = pipelined.build_inference_program(pipe, state, table, mode)
+        layout = pipelined.PipelineLayout(replicas.count, micro)
+        program = ExecutionProgram(
+            mode=mode,
+            replicas=Replicas(ipus),
+            hardware=hardware,
+            micro_batches_per_step=micro,
+            finalize=layout.finalize(mode, _REDUCE[reduction]),
+            execution=execution,
+        )
+        program.schedule = table
+        return _Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
+
+    return key, build
+
+
+def _device_ipus(model):
+    from keras_ipu.device import system as ipu_system
+
+    strategy = vars(model).get("_ipu_strategy")
+    return ipu_system.require().ipus_of_device(
+        strategy.ipu_device if strategy is not None else 0)
+
+
+__all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]
