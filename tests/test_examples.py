@@ -17,6 +17,10 @@ RUNNABLE = [
     "example_19_2_steps_per_execution.py",
     "example_19_3_gradient_accumulation.py",
     "example_19_5_replication.py",
+    "example_19_4_1_sequential_pipeline.py",
+    "example_19_4_2_functional_pipeline.py",
+    "example_19_4_2_existing_resnet50.py",
+    "example_19_4_3_subclass_pipeline.py",
 ]
 
 

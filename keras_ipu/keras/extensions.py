@@ -9,6 +9,7 @@ instance of the right one.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -157,8 +158,10 @@ class ExtensionBase:
         >>> model.set_replication_options("mean")
         """
         options.set_options(
-            self, options.replication_options(options.options_of(self),
-                                              replicated_metric_reduction_method)
+            self,
+            options.replication_options(
+                options.options_of(self), replicated_metric_reduction_method
+            ),
         )
 
     def _pipeline_assignment_changed(self):
@@ -223,25 +226,26 @@ class ExtensionBase:
             keras_ipu.errors.IPUOutOfMemoryError: When the program does not
                 fit the IPU's memory.
         """
-        return trainer.fit(
-            self,
-            x=x,
-            y=y,
-            batch_size=batch_size,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=callbacks,
-            validation_split=validation_split,
-            validation_data=validation_data,
-            shuffle=shuffle,
-            class_weight=class_weight,
-            sample_weight=sample_weight,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-        )
+        with _own_scope(self):
+            return trainer.fit(
+                self,
+                x=x,
+                y=y,
+                batch_size=batch_size,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=callbacks,
+                validation_split=validation_split,
+                validation_data=validation_data,
+                shuffle=shuffle,
+                class_weight=class_weight,
+                sample_weight=sample_weight,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size,
+                validation_freq=validation_freq,
+            )
 
     def evaluate(
         self,
@@ -264,18 +268,19 @@ class ExtensionBase:
             RuntimeError: As `fit`.
             ValueError: As `fit`.
         """
-        return trainer.evaluate(
-            self,
-            x=x,
-            y=y,
-            batch_size=batch_size,
-            verbose=verbose,
-            sample_weight=sample_weight,
-            steps=steps,
-            callbacks=callbacks,
-            return_dict=return_dict,
-            **kwargs,
-        )
+        with _own_scope(self):
+            return trainer.evaluate(
+                self,
+                x=x,
+                y=y,
+                batch_size=batch_size,
+                verbose=verbose,
+                sample_weight=sample_weight,
+                steps=steps,
+                callbacks=callbacks,
+                return_dict=return_dict,
+                **kwargs,
+            )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Predicts on the IPU system; same arguments as `keras.Model.predict`.
@@ -289,9 +294,15 @@ class ExtensionBase:
             RuntimeError: When no IPU system is configured.
             ValueError: As `fit`.
         """
-        return trainer.predict(
-            self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
-        )
+        with _own_scope(self):
+            return trainer.predict(
+                self,
+                x,
+                batch_size=batch_size,
+                verbose=verbose,
+                steps=steps,
+                callbacks=callbacks,
+            )
 
     def __reduce__(self):
         # The dynamic class cannot be found by name: unpickle through a
@@ -303,6 +314,13 @@ class ExtensionBase:
         buffer = io.BytesIO()
         saving_lib._save_model_to_fileobj(self, buffer, "h5")
         return (injection.unpickle_model, (buffer,))
+
+
+def _own_scope(model):
+    """The scope of the strategy the model was created in (models may run outside it,
+    and `PipelineStage` scopes in a subclassed model's `call` need one)."""
+    strategy = vars(model).get("_ipu_strategy")
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
 
 class ModelExtension(ModelPipelineMixin, ExtensionBase):

@@ -686,6 +686,15 @@ class PipelineCodec:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
             batches)
 
+    def weight_placement(self, model) -> dict[str, list]:
+        """Each trainable weight on its stage's IPU, in every replica."""
+        devices = self.state.mesh.devices
+        placement = {}
+        for ipu, indices in enumerate(self.state.pipelined.trainable_of):
+            for i in indices:
+                placement[model.trainable_variables[i].path] = list(devices[:, ipu])
+        return placement
+
     def place(self, batches):
         if all(d.platform == "cpu" for d in self.state.mesh.devices.flat):
             return batches  # the dispatch copies host arrays (see Replicas.place_batches)

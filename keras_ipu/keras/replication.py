@@ -137,3 +137,7 @@ class ReplicaCodec:
     def place(self, batches: Any) -> Any:
         """An execution's batches on the replicas' devices."""
         return self.replicas.place_batches(batches)
+
+    def weight_placement(self, model: Any) -> dict[str, list]:
+        """Every trainable weight on every replica's device."""
+        return {v.path: list(self.replicas.devices) for v in model.trainable_variables}

@@ -36,3 +36,29 @@ def execution_report(model, mode: str = "fit") -> ExecutionReport:
             f"program yet: call `model.{mode}(...)` inside the IPU system first."
         )
     return program.report
+
+
+def weight_placement(model, mode: str = "fit") -> dict[str, list]:
+    """Which devices hold each trainable weight in a model's compiled program.
+
+    Replicated models hold every weight on every replica's IPU; pipelined
+    models hold a stage's weights only on its IPU (on every replica).
+
+    Args:
+        model: A model created in an `IPUStrategy` scope.
+        mode: The program to ask (`"fit"`, `"evaluate"`, `"predict"`).
+
+    Returns:
+        `{weight.path: [jax devices]}`.
+
+    Raises:
+        ValueError: As `execution_report`.
+
+    Example:
+
+    >>> keras_ipu.utils.weight_placement(model)["sequential/dense/kernel"]
+    [CpuDevice(id=0)]
+    """
+    execution_report(model, mode)  # the same checks
+    run = trainer.run_for(model, mode)
+    return run.codec.weight_placement(model)

@@ -587,6 +587,11 @@ def forget_programs(model) -> None:
     vars(model).pop("_ipu_programs", None)
 
 
+def run_for(model, mode: str):
+    """The model's compiled run (program, layout, codec) for a mode, if any."""
+    return _programs(model).get(mode, (None, None))[1]
+
+
 def program_for(model, mode: str) -> ExecutionProgram | None:
     """The model's program for a mode, if it was compiled."""
     run = _programs(model).get(mode, (None, None))[1]

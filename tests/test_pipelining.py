@@ -1,0 +1,261 @@
+"""Pipelined execution across IPUs equals plain Keras with the same effective batch."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import assert_trees_close, assert_weights_close, configure
+from models import compile_args, data_for, pair
+
+SCHEDULES = list(ipu.pipelining_ops.PipelineSchedule)
+MICRO, GA = 4, 4  # plain Keras: batch 16
+
+
+def _mlp():
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+
+
+class FourStages(keras.Model):
+    """A subclassed model whose call puts one layer in each of 4 stages."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = [keras.layers.Dense(8, activation="tanh") for _ in range(3)]
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        for stage, layer in enumerate(self.d):
+            with ipu.keras.PipelineStage(stage):
+                x = layer(x)
+        with ipu.keras.PipelineStage(3):
+            return self.out(x)
+
+
+def _functional_with_scopes():
+    inputs = keras.Input((6,))
+    with ipu.keras.PipelineStage(0):
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+        skip = keras.layers.Dense(8)(inputs)
+    with ipu.keras.PipelineStage(1):
+        h = keras.layers.Add()([keras.layers.Dense(8, activation="tanh")(h), skip])
+        out = keras.layers.Dense(3)(h)
+    return keras.Model(inputs, out)
+
+
+def _fit_pipelined(on_ipu, schedule, *, mapping=None, spe=8, replicas=1):
+    on_ipu.compile(optimizer=keras.optimizers.SGD(0.05 / replicas), loss="mse",
+                   metrics=["mae"], steps_per_execution=spe)
+    on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=GA // replicas,
+                                  device_mapping=mapping,
+                                  gradient_accumulation_reduction_method="mean",
+                                  pipeline_schedule=schedule)
+
+
+def _plain_twin(model, x):
+    """A plain Keras copy of `model` (same weights) trained with the big batch."""
+    plain = keras.Sequential.from_config(model.get_config())
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return plain
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_sequential_pipeline_equals_the_big_batch(schedule, strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=128)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    plain = _plain_twin(model, x)
+    _fit_pipelined(model, schedule)
+    plain.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert len(history.history["loss"]) == 2
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=MICRO, verbose=0),
+                               plain.evaluate(x, y, batch_size=MICRO, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=MICRO, verbose=0),
+                               plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_functional_with_pipeline_stage_scopes(schedule, strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = _functional_with_scopes()
+    plain = keras.Model.from_config(model.get_config())
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    _fit_pipelined(model, schedule)
+    plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_existing_functional_split_by_assignment(schedule, strategy):
+    configure(2)
+    x, y = data_for("functional", samples=64)
+    plain, model = pair("functional", strategy)
+    assignment = model.get_pipeline_stage_assignment()
+    for i, entry in enumerate(assignment):  # concatenate + hidden dense | both heads
+        entry.pipeline_stage = 0 if i < 2 else 1
+    model.set_pipeline_stage_assignment(assignment)
+    plain.compile(**compile_args("functional", 1, "sgd", 0.05))
+    model.compile(**compile_args("functional", 8, "sgd", 0.05))
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean",
+                                 pipeline_schedule=schedule)
+    plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert_trees_close(plain.predict(x, batch_size=MICRO, verbose=0),
+                       model.predict(x, batch_size=MICRO, verbose=0))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_subclassed_four_stages_on_two_ipus(schedule, strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = FourStages()
+        model(x[:1])
+    plain = _mlp_like_four_stages(model)
+    _fit_pipelined(model, schedule, mapping=[0, 1, 1, 0])
+    plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def _mlp_like_four_stages(model):
+    plain = keras.Sequential([keras.Input((6,))] + [
+        keras.layers.Dense(8, activation="tanh") for _ in range(3)] + [keras.layers.Dense(3)])
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return plain
+
+
+def test_two_stages_times_two_replicas(strategy):
+    configure(4)
+    x, y = data_for("sequential", samples=128)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    plain = _plain_twin(model, x)
+    _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped, spe=4, replicas=2)
+    plain.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    report = ipu.utils.execution_report(model, "fit")
+    assert [i.index for i in report.ipus] == [0, 1, 2, 3]
+    np.testing.assert_allclose(model.predict(x, batch_size=MICRO, verbose=0),
+                               plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
+
+
+def test_fit_needs_pipelining_accumulation(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(ValueError, match="has not been set through `set_pipelining_options"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    # Inference runs the pipeline without it.
+    assert model.predict(x, batch_size=4, verbose=0).shape == (32, 3)
+
+
+def test_too_few_micro_batches_names_the_minimum(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=1)
+    x, y = data_for("sequential", samples=32)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"\(1\) is too small for the Grouped schedule of 2 "
+                                         r"pipeline stages: the minimum is 2"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=1)
+    with pytest.raises(ValueError, match=r"`steps_per_execution` \(1\) is too small"):
+        model.predict(x, batch_size=4, verbose=0)
+
+
+def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 device_mapping=[0, 1, 1])
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(ValueError, match=r"3 mappings != 2 stages"):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+    shared = keras.layers.Dense(6, activation="tanh")
+    inputs = keras.Input((6,))
+    with strategy.scope():
+        with ipu.keras.PipelineStage(0):
+            h = shared(inputs)
+        with ipu.keras.PipelineStage(1):
+            h = shared(h)
+            out = keras.layers.Dense(3)(h)
+        reused = keras.Model(inputs, out)
+    reused.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    reused.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    with pytest.raises(ValueError, match=r"used by pipeline stages on IPUs 0 and 1"):
+        reused.fit(x, y, batch_size=4, verbose=0)
+    reused.set_pipelining_options(device_mapping=[0, 0])
+    reused.fit(x, y, batch_size=4, verbose=0)  # one IPU holds the shared layer
+
+
+def test_stage_weights_live_on_their_ipus(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped)
+    x, y = data_for("sequential", samples=32)
+    captured = []
+
+    class Capture(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            captured.append(vars(self._owner)["_ipu_pending_state"])
+
+    capture = Capture()
+    capture._owner = model
+    model.fit(x, y, batch_size=MICRO, verbose=0, callbacks=[capture])
+    devices = [i.device for i in ipu.device.system.current().ipus[:2]]
+    placement = ipu.utils.weight_placement(model, "fit")
+    for layer, stage in zip(model.layers, [0, 0, 1, 1]):
+        for weight in layer.trainable_weights:
+            assert placement[weight.path] == [devices[stage]]
+    # Each IPU's shard of the packed state holds exactly its stage's weights.
+    state, codec = captured[-1]
+    for ipu_index, stage_layers in enumerate([model.layers[:2], model.layers[2:]]):
+        shards = {
+            dtype: next(s for s in array.addressable_shards
+                        if s.index[1].start == ipu_index)
+            for dtype, array in state["trainable_variables"].items()
+        }
+        assert all(s.device == devices[ipu_index] for s in shards.values())
+        layout = codec.state.layouts["trainable_variables"][ipu_index]
+        held = layout.unpack({k: np.asarray(s.data)[0, 0] for k, s in shards.items()})
+        expected = [w for layer in stage_layers for w in layer.get_weights()]
+        assert_weights_close(expected, held, atol=0)
