@@ -51,6 +51,12 @@ class StepCost:
     transcendentals: float
     bytes_accessed: float
 
+    def work_cycles(self, hardware: IPUHardware, half_precision: bool = False) -> float:
+        """Compute or memory cycles, whichever is larger (no sync)."""
+        compute = (self.flops + self.transcendentals) / hardware.flops_per_cycle(half_precision)
+        memory = self.bytes_accessed / (hardware.memory_bytes_per_cycle_per_tile * hardware.tiles)
+        return max(compute, memory)
+
     def cycles(self, hardware: IPUHardware, half_precision: bool = False) -> float:
         """Estimated IPU cycles: the slower of compute and memory, plus a sync.
 
@@ -58,11 +64,7 @@ class StepCost:
         flops and its memory traffic at the tiles' bandwidth; they overlap,
         so the larger one counts, plus one sync and exchange set-up.
         """
-        compute = (self.flops + self.transcendentals) / hardware.flops_per_cycle(half_precision)
-        memory = self.bytes_accessed / (
-            hardware.memory_bytes_per_cycle_per_tile * hardware.tiles
-        )
-        return max(compute, memory) + hardware.sync_cycles
+        return self.work_cycles(hardware, half_precision) + hardware.sync_cycles
 
 
 def tree_bytes(tree: Any) -> int:
@@ -96,7 +98,7 @@ def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int) -> MemoryUse:
 
 
 def step_cost(compiled: Any) -> StepCost:
-    """The cost of one step of a compiled execution program."""
+    """The cost of one step of a compiled (or lowered) execution program."""
     analysis = compiled.cost_analysis() or {}
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per device
         analysis = analysis[0] if analysis else {}

@@ -65,6 +65,11 @@ class ExecutionProgram:
         execution: A whole execution `(state, batches) -> (state, outfeed)`
             to compile instead of the step loop (pipelined programs bring
             their own); `step_fn` is then unused.
+        pipeline: For pipelined programs, a function
+            `hardware -> (cycles per program step, PipelineReport)`; the
+            estimate then follows the schedule instead of XLA's loop cost.
+        replica_count: The replication factor to report, when the program's
+            IPUs are not one replica each (pipelines).
         max_in_flight: Executions dispatched but not finished, at most.
 
     Example:
@@ -87,6 +92,8 @@ class ExecutionProgram:
         micro_batches_per_step: int = 1,
         finalize: Callable[[Outputs], Any] | None = None,
         execution: Callable[[State, Batch], tuple[State, Outputs]] | None = None,
+        pipeline: Callable[[IPUHardware], tuple[float, Any]] | None = None,
+        replica_count: int | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ):
         self._step_fn = step_fn
@@ -96,6 +103,8 @@ class ExecutionProgram:
         self.half_precision = half_precision
         self.exchange_bytes_per_step = exchange_bytes_per_step
         self.micro_batches_per_step = micro_batches_per_step
+        self._pipeline = pipeline
+        self.replica_count = replica_count or replicas.count
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
 
@@ -183,6 +192,10 @@ class ExecutionProgram:
         step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
             self.exchange_bytes_per_step, count, self.hardware
         )
+        pipeline_report = None
+        if self._pipeline is not None:
+            per_pass, pipeline_report = self._pipeline(self.hardware)
+            step_cycles = per_pass / self.micro_batches_per_step
         cycles = int(round(step_cycles * steps))
         report = ExecutionReport(
             mode=self.mode,
@@ -204,7 +217,8 @@ class ExecutionProgram:
             ),
             flops_per_step=cost.flops,
             compile_seconds=seconds,
-            replicas=count,
+            replicas=self.replica_count,
+            pipeline=pipeline_report,
         )
         check_memory(report)
         return _Executable(compiled, report)

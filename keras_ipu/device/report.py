@@ -37,6 +37,55 @@ class IPUReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineReport:
+    """What the schedule of a pipelined execution costs.
+
+    Args:
+        schedule: The schedule's name.
+        num_stages: Pipeline stages.
+        micro_batches: Micro-batches per pass through the pipeline.
+        device_mapping: The IPU of each stage.
+        stage_forward_cycles: Estimated cycles of each stage's forward.
+        stage_backward_cycles: Estimated cycles of each stage's backward
+            (zeros for inference).
+        utilisation: Busy time over total time of the schedule table, each
+            op weighted by its stage's cycles (a tick lasts as long as its
+            slowest op).
+        stash_counts: Per stage, the most micro-batches whose activations it
+            holds at once under the schedule.
+        ticks: Time steps of one pass.
+        ignored_options: Pipelining options accepted without effect on the
+            device model.
+    """
+
+    schedule: str
+    num_stages: int
+    micro_batches: int
+    device_mapping: tuple[int, ...]
+    stage_forward_cycles: tuple[float, ...]
+    stage_backward_cycles: tuple[float, ...]
+    utilisation: float
+    stash_counts: tuple[int, ...]
+    ticks: int
+    ignored_options: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        stages = ", ".join(
+            f"stage {s} on IPU {ipu}: {f:,.0f} fwd / {b:,.0f} bwd cycles, stash {n}"
+            for s, (ipu, f, b, n) in enumerate(zip(
+                self.device_mapping, self.stage_forward_cycles, self.stage_backward_cycles,
+                self.stash_counts))
+        )
+        ignored = (f"; accepted without effect: {', '.join(self.ignored_options)}"
+                   if self.ignored_options else "")
+        return (
+            f"Pipeline: {self.schedule} schedule, {self.num_stages} stages, "
+            f"{self.micro_batches} micro-batches, {self.ticks} ticks, utilisation "
+            f"{100 * self.utilisation:.1f}%{ignored}\n  {stages}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ExecutionReport:
     """The device model's account of one compiled execution.
 
@@ -66,6 +115,7 @@ class ExecutionReport:
     flops_per_step: float = 0.0
     compile_seconds: float = 0.0
     replicas: int = 1
+    pipeline: PipelineReport | None = None
 
     @property
     def estimated_cycles(self) -> int:
@@ -85,7 +135,9 @@ class ExecutionReport:
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-serialisable)."""
         return {
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ipus"},
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("ipus", "pipeline")},
+            "pipeline": dataclasses.asdict(self.pipeline) if self.pipeline else None,
             "estimated_cycles": self.estimated_cycles,
             "estimated_seconds": self.estimated_seconds,
             "ipus": [dataclasses.asdict(ipu) for ipu in self.ipus],
@@ -122,6 +174,8 @@ class ExecutionReport:
             f"{self.flops_per_step:,.0f} flops per step; compiled in "
             f"{self.compile_seconds:.2f} s."
         )
+        if self.pipeline is not None:
+            lines.append(str(self.pipeline))
         return "\n".join(lines)
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from keras_ipu.device import accounting
 from keras_ipu.device import pipeline as schedules
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
+from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import pipelined
-from keras_ipu.keras.options import IPUOptions
+from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
 from keras_ipu.keras.replication import _REDUCE, next_power_of_two
 
 _STATE_PARTS = {
@@ -123,6 +127,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         else:
             execution = pipelined.build_inference_program(pipe, state, table, mode)
         layout = pipelined.PipelineLayout(replicas.count, micro)
+        cost = _pipeline_cost(pipe, state, table, feed.first_batch(), mode, options)
         program = ExecutionProgram(
             mode=mode,
             replicas=Replicas(ipus),
@@ -130,11 +135,80 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             micro_batches_per_step=micro,
             finalize=layout.finalize(mode, _REDUCE[reduction]),
             execution=execution,
+            pipeline=cost,
+            replica_count=replicas.count,
         )
         program.schedule = table
         return _Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
 
     return key, build
+
+
+def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
+    """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
+    runner = pipelined._StageRunner(pipe, state)
+    training = mode == "fit"
+
+    def flats(part, ipu):
+        return {dtype: jax.ShapeDtypeStruct((length,), dtype)
+                for dtype, length in state.lengths[part].items()}
+
+    x = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
+                               first_batch[0])
+    batch = jax.tree_util.tree_leaves(x)[0].shape[0]
+    bundle = jax.ShapeDtypeStruct((batch, pipe.boundary_width), jnp.float32)
+
+    def costs(hardware):
+        forward, backward = [], []
+        for s in range(pipe.num_stages):
+            ipu = pipe.device_mapping[s]
+            args = (flats("trainable_variables", ipu), flats("non_trainable_variables", ipu),
+                    bundle, x)
+
+            def stage(t, n, b, x, s=s):
+                out = runner.run(s, t, n, b, x, training)
+                return out[0] if out[0] is not None else out[2]
+
+            def backward_op(t, n, b, x, stage=stage, first=s == 0):
+                # A backward op recomputes its stage, then differentiates it
+                # with respect to its weights and its inputs (for the first
+                # stage, the model inputs: every stage is costed alike).
+                def total(t, b, x):
+                    return sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(stage(t, n, b, x)))
+
+                inputs = 2 if first and _is_float(x) else 1
+                return jax.grad(total, argnums=(0, inputs))(t, b, x)
+
+            forward.append(_cycles(jax.jit(stage).lower(*args), hardware))
+            backward.append(_cycles(jax.jit(backward_op).lower(*args), hardware)
+                            if training else 0.0)
+        per_pass = (table.total_cycles(forward, backward if training else None)
+                    + table.num_ticks * hardware.sync_cycles)
+        report = PipelineReport(
+            schedule=table.schedule.name,
+            num_stages=pipe.num_stages,
+            micro_batches=table.num_micro_batches,
+            device_mapping=pipe.device_mapping,
+            stage_forward_cycles=tuple(forward),
+            stage_backward_cycles=tuple(backward),
+            utilisation=table.utilisation(forward, backward if training else None),
+            stash_counts=table.stash_counts(),
+            ticks=table.num_ticks,
+            ignored_options=tuple(sorted(
+                key for key in options.pipelining_kwargs
+                if "no effect" in PIPELINING_KWARGS[key])),
+        )
+        return per_pass, report
+
+    return costs
+
+
+def _is_float(tree) -> bool:
+    return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _cycles(lowered, hardware) -> float:
+    return accounting.step_cost(lowered).work_cycles(hardware)
 
 
 def _device_ipus(model):
