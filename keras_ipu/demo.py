@@ -23,24 +23,28 @@ def synthetic_classification(samples: int, features: int, classes: int, seed: in
 
 
 def run(
-    num_ipus: int = 2,
+    num_ipus: int = 4,
     epochs: int = 3,
     steps_per_execution: int = 10,
-    gradient_accumulation: int = 2,
+    gradient_accumulation: int = 5,
     batch_size: int = 32,
+    pipelined: bool = True,
     print_fn=print,
 ) -> dict:
     """Configures `num_ipus` IPUs, trains an MLP with `fit`, evaluates, reports.
 
-    The model runs as one replica per IPU, accumulating gradients over
-    `gradient_accumulation` micro-batches per weight update.
+    With `pipelined`, the model runs as a 2-stage pipeline (stage i on IPU i)
+    and is replicated over the other IPU pairs; without it, one replica per
+    IPU. Gradients accumulate over `gradient_accumulation` micro-batches per
+    weight update.
 
     Args:
-        num_ipus: IPUs to configure (= replicas).
+        num_ipus: IPUs to configure.
         epochs: Training epochs.
         steps_per_execution: Steps each execution runs on each replica.
         gradient_accumulation: Micro-batches per weight update and replica.
         batch_size: Micro-batch size.
+        pipelined: Run the model as a 2-stage pipeline.
         print_fn: Where the report goes.
 
     Returns:
@@ -62,20 +66,30 @@ def run(
                 keras.Input((32,)),
                 keras.layers.Dense(128, activation="relu"),
                 keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(64, activation="relu"),
                 keras.layers.Dense(10),
             ]
         )
+        replicas = num_ipus // 2 if pipelined else num_ipus
         model.compile(
             # Gradients are summed over replicas, as on IPUs.
-            optimizer=keras.optimizers.Adam(4e-3 / num_ipus),
+            optimizer=keras.optimizers.Adam(1e-2 / replicas),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
             steps_per_execution=steps_per_execution,
         )
-        model.set_gradient_accumulation_options(
-            gradient_accumulation_steps_per_replica=gradient_accumulation,
-            gradient_accumulation_reduction_method="mean",
-        )
+        if pipelined:
+            model.set_pipeline_stage_assignment([0, 0, 1, 1])
+            model.set_pipelining_options(
+                gradient_accumulation_steps_per_replica=gradient_accumulation,
+                gradient_accumulation_reduction_method="mean",
+                pipeline_schedule=ipu.pipelining_ops.PipelineSchedule.Grouped,
+            )
+        else:
+            model.set_gradient_accumulation_options(
+                gradient_accumulation_steps_per_replica=gradient_accumulation,
+                gradient_accumulation_reduction_method="mean",
+            )
         model.set_replication_options("mean")
         started = time.perf_counter()
         history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=2)
@@ -83,11 +97,12 @@ def run(
         loss, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
 
     report = ipu.utils.execution_report(model, mode="fit")
-    effective = batch_size * gradient_accumulation * num_ipus
+    effective = batch_size * gradient_accumulation * replicas
+    shape = "2-stage pipeline" if pipelined else "1 IPU per replica"
     print_fn(
         f"\nTrained {epochs} epochs in {seconds:.2f} s on {num_ipus} virtual IPU(s): "
-        f"{num_ipus} replica(s), {gradient_accumulation} micro-batches per update, "
-        f"effective batch size {effective}."
+        f"{shape}, {replicas} replica(s), {gradient_accumulation} micro-batches per "
+        f"update, effective batch size {effective}."
     )
     print_fn(f"Test loss {loss:.4f}, test accuracy {accuracy:.4f}.\n")
     print_fn(str(report))
@@ -97,16 +112,18 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point of the demo."""
     parser = argparse.ArgumentParser(prog="keras-ipu demo", description=__doc__)
-    parser.add_argument("--ipus", type=int, default=2, help="IPUs to configure (replicas)")
+    parser.add_argument("--ipus", type=int, default=4, help="IPUs to configure")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-execution", type=int, default=10)
-    parser.add_argument("--gradient-accumulation", type=int, default=2)
+    parser.add_argument("--gradient-accumulation", type=int, default=5)
+    parser.add_argument("--no-pipeline", action="store_true", help="replicas only")
     args = parser.parse_args(argv)
     run(
         num_ipus=args.ipus,
         epochs=args.epochs,
         steps_per_execution=args.steps_per_execution,
         gradient_accumulation=args.gradient_accumulation,
+        pipelined=not args.no_pipeline,
     )
     return 0
 
