@@ -355,3 +355,32 @@ def test_pipelining_options_survive_save_and_load(strategy, tmp_path):
     assert restored.pipelining_gradient_accumulation_steps_per_replica == 4
     assert restored.pipelining_device_mapping == (1, 0)
     assert restored.pipelining_accumulate_outfeed is True
+
+
+def test_nested_model_stages_split_inside_the_nested_model(strategy):
+    configure(2)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(8, activation="relu")])
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(inner(inputs)))
+    assignment = model.get_pipeline_stage_assignment()
+    assignment[0].pipeline_stage_assignments[0].pipeline_stage = 0
+    assignment[0].pipeline_stage_assignments[1].pipeline_stage = 1
+    assignment[1].pipeline_stage = 1
+    model.set_pipeline_stage_assignment(assignment)
+    plain = keras.Model.from_config(model.get_config())
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean")
+    x, y = data_for("sequential", samples=64)
+    plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    placement = ipu.utils.weight_placement(model)
+    devices = [i.device for i in ipu.device.system.current().ipus[:2]]
+    assert placement[inner.layers[0].kernel.path] == [devices[0]]
+    assert placement[inner.layers[1].kernel.path] == [devices[1]]
