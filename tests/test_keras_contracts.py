@@ -168,3 +168,26 @@ def test_saving_calls_the_asset_hooks(tmp_path):
         tmp_path / "m.keras", custom_objects={"WithAssets": WithAssets}
     )
     assert calls == ["save", "ipu"]
+
+
+def test_pieces_the_pipelined_executor_uses():
+    # keras_ipu.keras.pipelined runs stages with these.
+    from keras.src.layers.layer import Layer
+    from keras.src.trainers.trainer import Trainer
+
+    assert _params(Trainer.stateless_compute_loss) == [
+        "self", "trainable_variables", "non_trainable_variables", "metrics_variables",
+        "x", "y", "y_pred", "sample_weight", "training",
+    ]
+    assert "return_losses" in _params(Layer.stateless_call)
+    dense, dropout = keras.layers.Dense(2), keras.layers.Dropout(0.5)
+    assert not dense._call_has_training_arg and dropout._call_has_training_arg
+    # Optimizer slots are named after their variable, so per-IPU clones map back.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    clone = keras.optimizers.Adam.from_config(optimizer.get_config())
+    clone.build(model.trainable_variables[1:])
+    names = {v.name for v in optimizer.variables}
+    assert {v.name for v in clone.variables} <= names
+    assert len(clone.variables) == 2 + 2  # iteration, learning rate, bias momentum/velocity
