@@ -180,8 +180,8 @@ def test_pieces_the_pipelined_executor_uses():
         "x", "y", "y_pred", "sample_weight", "training",
     ]
     assert "return_losses" in _params(Layer.stateless_call)
-    dense, dropout = keras.layers.Dense(2), keras.layers.Dropout(0.5)
-    assert not dense._call_has_training_arg and dropout._call_has_training_arg
+    flatten, dropout = keras.layers.Flatten(), keras.layers.Dropout(0.5)
+    assert not flatten._call_has_training_arg and dropout._call_has_training_arg
     # Optimizer slots are named after their variable, so per-IPU clones map back.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = keras.optimizers.Adam()
