@@ -347,7 +347,8 @@ def main(argv=None):
                 runners.pop(name)
                 log(f"{name}: FAILED during the rounds: {exc!r}")
         log(f"round {round_ + 1}/{args.repeats}: " + ", ".join(
-            f"{n} {v[-1]:.0f}" for n, v in measured.items() if v) + " samples/s")
+            f"{n} {v[-1]:.0f}" for n, v in measured.items() if len(v) > round_)
+            + " samples/s")
 
     for name, runner in runners.items():
         entry = results["variants"][name]

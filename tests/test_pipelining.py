@@ -384,3 +384,22 @@ def test_nested_model_stages_split_inside_the_nested_model(strategy):
     devices = [i.device for i in ipu.device.system.current().ipus[:2]]
     assert placement[inner.layers[0].kernel.path] == [devices[0]]
     assert placement[inner.layers[1].kernel.path] == [devices[1]]
+
+
+def test_a_second_fit_reuses_the_compiled_pipeline(strategy):
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped)
+    x, y = data_for("sequential", samples=32)
+    model.fit(x, y, batch_size=MICRO, verbose=0)
+    from keras_ipu.keras import trainer
+
+    program = trainer.program_for(model, "fit")
+    model.fit(x, y, batch_size=MICRO, verbose=0)
+    assert trainer.program_for(model, "fit") is program
+    assert len(program._executables) == 1
+    model.set_pipeline_stage_assignment([0, 1, 1, 1])  # a new plan: a new program
+    model.fit(x, y, batch_size=MICRO, verbose=0)
+    assert trainer.program_for(model, "fit") is not program

@@ -104,7 +104,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     table = schedules.build_schedule(schedule, plan.num_stages, micro, mapping,
                                      training=mode == "fit")
     reduction = options.replicated_metric_reduction_method
-    key = ("pipelined", mode, id(plan), mapping, replicas, hardware, micro, schedule,
+    key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            reduction)
 
@@ -142,6 +142,14 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         return _Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
 
     return key, build
+
+
+def _plan_key(plan) -> tuple:
+    """What identifies a plan across calls (`pipeline_plan` builds a new object each time)."""
+    return tuple(
+        (id(call.node), call.stage, call.input_keys, call.output_keys)
+        for calls in plan.stages for call in calls
+    )
 
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
