@@ -240,11 +240,17 @@ class PipelineState:
         return packed
 
     def spec(self, keras_state) -> dict:
-        """Shape structs of `to_device(keras_state)` (sets the layouts up)."""
-        placed = self.to_device(keras_state)
-        return jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), placed
-        )
+        """Shape structs of `to_device(keras_state)`, without packing anything."""
+        if not all(part in self.layouts for part in self.parts):
+            self.to_device(keras_state)  # sets the layouts up, once
+        return {
+            part: {
+                dtype: jax.ShapeDtypeStruct((self.replicas, self.ipus, length), dtype,
+                                            sharding=self.sharding)
+                for dtype, length in self.lengths[part].items()
+            }
+            for part in self.parts
+        }
 
     def to_keras(self, packed: dict, parts: Sequence[str]) -> dict:
         """The device form -> Keras state lists (replica 0; metrics: last replica)."""
@@ -393,60 +399,70 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                     fwd[0, 0], _index(data, 0)))[0],
             )
 
+            # Branches see only what their op needs (the stashed input, the
+            # incoming gradient) and return small results plus the weight
+            # gradients: the large buffers stay out of the conditional.
+            zero_message = jnp.zeros((mb, width), jnp.float32)
+            zero_grads = _zeros_like_flats(trainable, accumulator_dtype)
+            zero_logs = jax.tree_util.tree_map(lambda b: jnp.zeros(b.shape[1:], b.dtype), logs)
+
             def forward(s):
-                def op(c, j):
-                    non_trainable, metrics, acc, fwd, bwd, logs = c
+                def op(non_trainable, metrics, stash, gradient, j):
                     batch = _index(data, j)
+                    step_logs = zero_logs
                     if s == stages - 1:
                         step_logs, non_trainable, metrics = _last_forward(
-                            runner, model, s, trainable, non_trainable, metrics, fwd[s, j],
+                            runner, model, s, trainable, non_trainable, metrics, stash,
                             batch, metrics_list, metrics_flats)
-                        logs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), logs,
-                                                      step_logs)
-                        message = jnp.zeros((mb, width), jnp.float32)
+                        message = zero_message
                     else:
                         message, non_trainable, _ = runner.run(
-                            s, trainable, non_trainable, fwd[s, j], batch[0], True)
-                    return (non_trainable, metrics, acc, fwd, bwd, logs), message
+                            s, trainable, non_trainable, stash, batch[0], True)
+                    return non_trainable, metrics, step_logs, message, zero_grads
                 return op
 
             def backward(s):
-                def op(c, j):
-                    non_trainable, metrics, acc, fwd, bwd, logs = c
+                def op(non_trainable, metrics, stash, gradient, j):
                     batch = _index(data, j)
                     if s == stages - 1:
                         grads, g_in = jax.grad(
                             lambda t, b: last_stage_loss(t, non_trainable, metrics, b,
                                                          batch)[0],
-                            argnums=(0, 1))(trainable, fwd[s, j])
+                            argnums=(0, 1))(trainable, stash)
                     else:
                         _, vjp = jax.vjp(
                             lambda t, b: runner.run(s, t, non_trainable, b, batch[0], True)[0],
-                            trainable, fwd[s, j])
-                        grads, g_in = vjp(bwd[s, j])
-                    n = j.astype(jnp.float32)
-                    acc = {
-                        k: jnp.where(masks[s][k],
-                                     accumulate(acc[k], grads[k].astype(acc[k].dtype), n, micro),
-                                     acc[k])
-                        for k in acc
-                    }
-                    return (non_trainable, metrics, acc, fwd, bwd, logs), g_in
+                            trainable, stash)
+                        grads, g_in = vjp(gradient)
+                    grads = {k: g.astype(accumulator_dtype) for k, g in grads.items()}
+                    return non_trainable, metrics, zero_logs, g_in, grads
                 return op
 
-            def idle(c, j):
-                return c, jnp.zeros((mb, width), jnp.float32)
+            def idle(non_trainable, metrics, stash, gradient, j):
+                return non_trainable, metrics, zero_logs, zero_message, zero_grads
 
             branches = [idle] + [forward(s) for s in range(stages)] + [
                 backward(s) for s in range(stages)]
+            stage_masks = {k: jnp.stack([m[k] for m in masks]) for k in masks[0]}
 
             def tick(c, row):
+                non_trainable, metrics, acc, fwd, bwd, logs = c
                 kinds, stage_of, micro_of = row
                 kind, s, j = kinds[me], stage_of[me], micro_of[me]
                 branch = jnp.where(kind == _IDLE, 0,
                                    jnp.where(kind == _FORWARD, 1 + s, 1 + stages + s))
-                c, message = jax.lax.switch(branch, branches, c, j)
-                non_trainable, metrics, acc, fwd, bwd, logs = c
+                non_trainable, metrics, step_logs, message, grads = jax.lax.switch(
+                    branch, branches, non_trainable, metrics, fwd[s, j], bwd[s, j], j)
+                backward_op = kind == _BACKWARD
+                n = j.astype(jnp.float32)
+                acc = {
+                    k: jnp.where(backward_op & stage_masks[k][s],
+                                 accumulate(acc[k], grads[k], n, micro), acc[k])
+                    for k in acc
+                }
+                last_forward = (kind == _FORWARD) & (s == stages - 1)
+                logs = jax.tree_util.tree_map(
+                    lambda b, v: b.at[j].set(jnp.where(last_forward, v, b[j])), logs, step_logs)
                 messages = jax.lax.all_gather(message, IPU_AXIS)
                 for i in range(p.num_ipus):
                     fwd = _receive(fwd, messages[i], kinds[i] == _FORWARD, stage_of[i] + 1,
