@@ -372,13 +372,24 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         return metrics_layout.pack(values, state.lengths["metrics_variables"])
 
     def last_stage_loss(trainable, non_trainable, metrics, bundle, batch):
+        """The last stage and the loss: `loss, (y_pred, metrics, non_trainable)`."""
         x, y, sample_weight = batch
-        _, _, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x, True)
+        _, non_trainable, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x,
+                                              True)
         loss, (_, _, metrics_vars) = model.stateless_compute_loss(
             [], [], metrics_list(metrics), x=x, y=y, y_pred=y_pred,
             sample_weight=sample_weight, training=True,
         )
-        return loss, (y_pred, metrics_vars)
+        return loss, (y_pred, metrics_vars, non_trainable)
+
+    def last_stage_logs(trainable, non_trainable, metrics, bundle, batch):
+        """The last stage's forward op: `logs, non_trainable, metrics`."""
+        x, y, sample_weight = batch
+        loss, (y_pred, metrics_vars, non_trainable) = last_stage_loss(
+            trainable, non_trainable, metrics, bundle, batch)
+        logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
+                                                             sample_weight)
+        return logs, non_trainable, metrics_flats(metrics_vars)
 
     def per_replica(packed, batches):
         local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
@@ -394,9 +405,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
             acc = _zeros_like_flats(trainable, accumulator_dtype)
             logs = jax.tree_util.tree_map(
                 lambda leaf: jnp.zeros((micro, *leaf.shape), leaf.dtype),
-                jax.eval_shape(lambda: _last_logs(
-                    last_stage_loss, model, trainable, non_trainable, metrics,
-                    fwd[0, 0], _index(data, 0)))[0],
+                jax.eval_shape(lambda: last_stage_logs(
+                    trainable, non_trainable, metrics, fwd[0, 0], _index(data, 0)))[0],
             )
 
             # Branches see only what their op needs (the stashed input, the
@@ -411,9 +421,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                     batch = _index(data, j)
                     step_logs = zero_logs
                     if s == stages - 1:
-                        step_logs, non_trainable, metrics = _last_forward(
-                            runner, model, s, trainable, non_trainable, metrics, stash,
-                            batch, metrics_list, metrics_flats)
+                        step_logs, non_trainable, metrics = last_stage_logs(
+                            trainable, non_trainable, metrics, stash, batch)
                         message = zero_message
                     else:
                         message, non_trainable, _ = runner.run(
@@ -499,26 +508,6 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         check_vma=False,
     )
     return mapped
-
-
-def _last_logs(last_stage_loss, model, trainable, non_trainable, metrics, bundle, batch):
-    x, y, sample_weight = batch
-    loss, (y_pred, metrics_vars) = last_stage_loss(trainable, non_trainable, metrics, bundle,
-                                                   batch)
-    return model._update_metrics_variables(metrics_vars, loss, x, y, y_pred, sample_weight)
-
-
-def _last_forward(runner, model, s, trainable, non_trainable, metrics, bundle, batch,
-                  metrics_list, metrics_flats):
-    x, y, sample_weight = batch
-    _, non_trainable, y_pred = runner.run(s, trainable, non_trainable, bundle, x, True)
-    loss, (_, _, metrics_vars) = model.stateless_compute_loss(
-        [], [], metrics_list(metrics), x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-        training=True,
-    )
-    logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
-                                                         sample_weight)
-    return logs, non_trainable, metrics_flats(metrics_vars)
 
 
 def _receive(buffer, message, sent, stage, micro_batch, mapping, me, stages):
