@@ -33,7 +33,8 @@ def plan_of(model, x: Any = None):
 
 
 def _is_array_like(x: Any) -> bool:
-    leaves = jax.tree_util.tree_leaves(x)
+    # Only containers are walked: a generator or dataset is one leaf.
+    leaves = jax.tree_util.tree_leaves(x, is_leaf=lambda v: not isinstance(v, (tuple, list, dict)))
     return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
                                 for leaf in leaves)
 
