@@ -189,7 +189,7 @@ def _unique(values: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- state
 
 
-_PARTS = ("trainable_variables", "non_trainable_variables", "optimizer_variables",
+TRAINING_STATE_PARTS = ("trainable_variables", "non_trainable_variables", "optimizer_variables",
           "metrics_variables")
 
 
@@ -281,7 +281,7 @@ def _part_length(model, part: str) -> int:
 # --------------------------------------------------------------------------- stages
 
 
-class _StageRunner:
+class StageRunner:
     """Runs one stage's layer calls statelessly on an IPU's packed variables."""
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState):
@@ -357,7 +357,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     micro-batch, `[updates, replicas, micro_batches]`.
     """
     p, model = pipelined, pipelined.model
-    runner = _StageRunner(pipelined, state)
+    runner = StageRunner(pipelined, state)
     stages, micro = p.num_stages, table.num_micro_batches
     ticks = _table_arrays(table)
     mapping = jnp.asarray(p.device_mapping, jnp.int32)
@@ -494,10 +494,10 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 IPU_AXIS)
             return (trainable, non_trainable, optimizer_vars, metrics), logs
 
-        carry = tuple(local[part] for part in _PARTS)
+        carry = tuple(local[part] for part in TRAINING_STATE_PARTS)
         carry, logs = jax.lax.scan(update, carry, batches)
         new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
-               for part, value in zip(_PARTS, carry)}
+               for part, value in zip(TRAINING_STATE_PARTS, carry)}
         return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
 
     mapped = jax.shard_map(
@@ -571,7 +571,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
     (evaluate) or outputs (predict), `[1, replicas, steps, ...]`.
     """
     p, model = pipelined, pipelined.model
-    runner = _StageRunner(pipelined, state)
+    runner = StageRunner(pipelined, state)
     stages, micro = p.num_stages, table.num_micro_batches
     ticks = _table_arrays(table)
     mapping = jnp.asarray(p.device_mapping, jnp.int32)

@@ -15,10 +15,10 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import pipelined
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
-from keras_ipu.keras.replication import _REDUCE, next_power_of_two
+from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 
 _STATE_PARTS = {
-    "fit": pipelined._PARTS,
+    "fit": pipelined.TRAINING_STATE_PARTS,
     "evaluate": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
     "predict": ("trainable_variables", "non_trainable_variables"),
 }
@@ -134,7 +134,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             replicas=Replicas(ipus),
             hardware=hardware,
             micro_batches_per_step=micro,
-            finalize=layout.finalize(mode, _REDUCE[reduction]),
+            finalize=layout.finalize(mode, REPLICA_REDUCTIONS[reduction]),
             execution=execution,
             pipeline=cost,
             replica_count=replicas.count,
@@ -155,7 +155,7 @@ def _plan_key(plan) -> tuple:
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
     """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
-    runner = pipelined._StageRunner(pipe, state)
+    runner = pipelined.StageRunner(pipe, state)
     training = mode == "fit"
 
     def flats(part, ipu):

@@ -14,7 +14,7 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 
 # The returned value of one log entry from its per-replica values `[R]`.
-_REDUCE = {
+REPLICA_REDUCTIONS = {
     Reduction.NONE: lambda values: values[-1],
     Reduction.LIST: lambda values: values,
     Reduction.SUM: lambda values: jnp.sum(values),
@@ -95,7 +95,7 @@ class Layout:
         last = jax.tree_util.tree_map(lambda a: a[-1], self.per_batch(outfeed))
         if self.replicas == 1:
             return last
-        return jax.tree_util.tree_map(_REDUCE[reduction], last)
+        return jax.tree_util.tree_map(REPLICA_REDUCTIONS[reduction], last)
 
     def predictions(self, outfeed: Any) -> Any:
         """Predictions in input order: `[steps × replicas × batch, ...]`."""
