@@ -403,3 +403,33 @@ def test_a_second_fit_reuses_the_compiled_pipeline(strategy):
     model.set_pipeline_stage_assignment([0, 1, 1, 1])  # a new plan: a new program
     model.fit(x, y, batch_size=MICRO, verbose=0)
     assert trainer.program_for(model, "fit") is not program
+
+
+class _LossRecorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def test_accumulate_outfeed_averages_the_micro_batches_of_a_pass(strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    for accumulate in (False, True):
+        with strategy.scope():
+            model = _mlp()
+        model.set_pipeline_stage_assignment([0, 0, 1, 1])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mae", steps_per_execution=4)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     accumulate_outfeed=accumulate)
+        recorder = _LossRecorder()
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[recorder])
+        batch_logs = recorder.losses
+        # The learning rate is 0: the losses are the model's per-batch MAE.
+        predictions = model.predict(x, batch_size=2, verbose=0)
+        per_batch = np.abs(predictions - y).reshape(16, -1).mean(axis=1)
+        running = np.cumsum(per_batch) / np.arange(1, 17)
+        expected = running.reshape(4, 4).mean(axis=1) if accumulate else running[3::4]
+        np.testing.assert_allclose(batch_logs, expected, rtol=1e-5)

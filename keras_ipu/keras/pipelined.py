@@ -727,14 +727,22 @@ class PipelineLayout:
         grouped = a.reshape(a.shape[0] // self.micro_batches, self.micro_batches, *a.shape[1:])
         return np.swapaxes(grouped, 1, 2)
 
-    def finalize(self, mode: str, reduce):
-        """The in-program outfeed transform for a mode (`reduce`: replica reduction)."""
+    def finalize(self, mode: str, reduce, accumulate_outfeed: bool = False):
+        """The in-program outfeed transform for a mode (`reduce`: replica reduction).
+
+        With `accumulate_outfeed`, the logs of the last pass through the
+        pipeline are averaged over its micro-batches (the reference sums them
+        on the device and divides by the accumulation steps, or by
+        `steps_per_execution` when evaluating: the micro-batches of a pass).
+        """
         if mode == "predict":
             return lambda out: jax.tree_util.tree_map(
                 lambda a: jnp.swapaxes(a[0], 0, 1).reshape(-1, *a.shape[4:]), out)
 
         def last_logs(out):
-            last = jax.tree_util.tree_map(lambda a: a[-1, :, -1], out)
+            pick = (lambda a: jnp.mean(a[-1], axis=-1)) if accumulate_outfeed else (
+                lambda a: a[-1, :, -1])
+            last = jax.tree_util.tree_map(pick, out)
             if self.replicas == 1:
                 return jax.tree_util.tree_map(lambda a: a[0], last)
             return jax.tree_util.tree_map(reduce, last)

@@ -107,7 +107,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     reduction = options.replicated_metric_reduction_method
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           reduction)
+           reduction, options.pipelining_accumulate_outfeed)
 
     def build():
         from keras_ipu.keras.trainer import _Run
@@ -134,7 +134,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             replicas=Replicas(ipus),
             hardware=hardware,
             micro_batches_per_step=micro,
-            finalize=layout.finalize(mode, REPLICA_REDUCTIONS[reduction]),
+            finalize=layout.finalize(mode, REPLICA_REDUCTIONS[reduction],
+                                     bool(options.pipelining_accumulate_outfeed)),
             execution=execution,
             pipeline=cost,
             replica_count=replicas.count,
