@@ -336,6 +336,10 @@ def test_utilisation_grows_with_micro_batches_and_interleaved_stashes_less(strat
         assert reports[name, 16].utilisation > reports[name, 4].utilisation
     assert reports["Interleaved", 16].stash_counts == (2, 1)
     assert reports["Grouped", 16].stash_counts == (3, 1)
+    # Activation memory follows: stash count x micro-batch x stage input (6 inputs, 8 wide
+    # bundle, float32; micro-batch 2).
+    assert reports["Grouped", 16].stash_bytes == (3 * 2 * 6 * 4, 1 * 2 * 8 * 4)
+    assert reports["Interleaved", 16].stash_bytes == (2 * 2 * 6 * 4, 1 * 2 * 8 * 4)
     assert "Pipeline: Interleaved schedule" in str(ipu.utils.execution_report(model))
 
 

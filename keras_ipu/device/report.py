@@ -53,6 +53,9 @@ class PipelineReport:
             slowest op).
         stash_counts: Per stage, the most micro-batches whose activations it
             holds at once under the schedule.
+        stash_bytes: Per stage, the activation memory that implies: stash
+            count × the stage's stashed input (its input bundle, as stages
+            are recomputed in their backward ops).
         ticks: Time steps of one pass.
         ignored_options: Pipelining options accepted without effect on the
             device model.
@@ -67,11 +70,13 @@ class PipelineReport:
     utilisation: float
     stash_counts: tuple[int, ...]
     ticks: int
+    stash_bytes: tuple[int, ...] = ()
     ignored_options: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         stages = ", ".join(
             f"stage {s} on IPU {ipu}: {f:,.0f} fwd / {b:,.0f} bwd cycles, stash {n}"
+            + (f" ({self.stash_bytes[s]:,} B)" if self.stash_bytes else "")
             for s, (ipu, f, b, n) in enumerate(zip(
                 self.device_mapping, self.stage_forward_cycles, self.stage_backward_cycles,
                 self.stash_counts))

@@ -204,6 +204,10 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             utilisation=table.utilisation(forward, backward if training else None),
             stash_counts=table.stash_counts(),
             ticks=table.num_ticks,
+            stash_bytes=tuple(
+                count * batch * 4 * (pipe.width(pipe.bundle_in[s]) if s else _input_width(x))
+                for s, count in enumerate(table.stash_counts())
+            ),
             ignored_options=tuple(sorted(
                 key for key in options.pipelining_kwargs
                 if "no effect" in PIPELINING_KWARGS[key])),
@@ -211,6 +215,11 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
         return per_pass, report
 
     return costs
+
+
+def _input_width(x) -> int:
+    """Values per sample of the model inputs (what the first stage stashes)."""
+    return sum(int(np.prod(leaf.shape[1:])) for leaf in jax.tree_util.tree_leaves(x))
 
 
 def _is_float(tree) -> bool:
