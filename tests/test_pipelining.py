@@ -336,11 +336,33 @@ def test_utilisation_grows_with_micro_batches_and_interleaved_stashes_less(strat
         assert reports[name, 16].utilisation > reports[name, 4].utilisation
     assert reports["Interleaved", 16].stash_counts == (2, 1)
     assert reports["Grouped", 16].stash_counts == (3, 1)
-    # Activation memory follows: stash count x micro-batch x stage input (6 inputs, 8 wide
-    # bundle, float32; micro-batch 2).
-    assert reports["Grouped", 16].stash_bytes == (3 * 2 * 6 * 4, 1 * 2 * 8 * 4)
-    assert reports["Interleaved", 16].stash_bytes == (2 * 2 * 6 * 4, 1 * 2 * 8 * 4)
+    # Activation memory follows: stash count x micro-batch (2) x float32 x what a stage keeps
+    # without recomputation: its input and its activations (stage 0: 6 + 8 + 8, stage 1:
+    # 8 + 8 + 3).
+    assert reports["Grouped", 16].stash_bytes == (3 * 2 * 4 * 22, 1 * 2 * 4 * 19)
+    assert reports["Interleaved", 16].stash_bytes == (2 * 2 * 4 * 22, 1 * 2 * 4 * 19)
+    assert not reports["Grouped", 16].recomputation
     assert "Pipeline: Interleaved schedule" in str(ipu.utils.execution_report(model))
+
+
+@pytest.mark.parametrize("how", ["config", "recomputation_mode"])
+def test_recomputation_keeps_only_stage_inputs(how, strategy):
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 2
+    config.allow_recompute = how == "config"
+    config.configure_ipu_system()
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+    kwargs = ({"recomputation_mode": ipu.pipelining_ops.RecomputationMode.Auto}
+              if how == "recomputation_mode" else {})
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=16, **kwargs)
+    x, y = data_for("sequential", samples=32)
+    model.fit(x, y, batch_size=2, verbose=0)
+    pipeline = ipu.utils.execution_report(model).pipeline
+    assert pipeline.recomputation
+    assert pipeline.stash_bytes == (3 * 2 * 4 * 6, 1 * 2 * 4 * 8)  # inputs only
 
 
 def test_pipelining_options_survive_save_and_load(strategy, tmp_path):

@@ -54,8 +54,10 @@ class PipelineReport:
         stash_counts: Per stage, the most micro-batches whose activations it
             holds at once under the schedule.
         stash_bytes: Per stage, the activation memory that implies: stash
-            count × the stage's stashed input (its input bundle, as stages
-            are recomputed in their backward ops).
+            count × what the stage keeps per micro-batch (its input with
+            recomputation; its input and every activation without).
+        recomputation: Whether stages recompute activations in the backward
+            pass (`IPUConfig.allow_recompute` or a `recomputation_mode`).
         ticks: Time steps of one pass.
         ignored_options: Pipelining options accepted without effect on the
             device model.
@@ -71,6 +73,7 @@ class PipelineReport:
     stash_counts: tuple[int, ...]
     ticks: int
     stash_bytes: tuple[int, ...] = ()
+    recomputation: bool = False
     ignored_options: tuple[str, ...] = ()
 
     def __str__(self) -> str:

@@ -158,6 +158,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
     runner = pipelined.StageRunner(pipe, state)
     training = mode == "fit"
+    recompute = _recomputation(options)
 
     def flats(part, ipu):
         return {dtype: jax.ShapeDtypeStruct((length,), dtype)
@@ -205,9 +206,10 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             stash_counts=table.stash_counts(),
             ticks=table.num_ticks,
             stash_bytes=tuple(
-                count * batch * 4 * (pipe.width(pipe.bundle_in[s]) if s else _input_width(x))
+                count * batch * 4 * _stashed_width(pipe, s, x, recompute)
                 for s, count in enumerate(table.stash_counts())
             ),
+            recomputation=recompute,
             ignored_options=tuple(sorted(
                 key for key in options.pipelining_kwargs
                 if "no effect" in PIPELINING_KWARGS[key])),
@@ -215,6 +217,31 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
         return per_pass, report
 
     return costs
+
+
+def _recomputation(options: IPUOptions) -> bool:
+    """Whether stages recompute their activations in the backward pass (as modelled).
+
+    `IPUConfig.allow_recompute` turns recomputation on; `recomputation_mode`
+    chooses how, so giving one turns it on too.
+    """
+    from keras_ipu.device import system as ipu_system
+
+    return bool(ipu_system.require().option("allow_recompute")) or (
+        "recomputation_mode" in options.pipelining_kwargs)
+
+
+def _stashed_width(pipe, stage: int, x, recompute: bool) -> int:
+    """Values per sample a stage keeps for its backward pass.
+
+    With recomputation only its input (the bundle, or the model inputs for
+    the first stage); without, also every activation its layer calls produce.
+    """
+    width = pipe.width(pipe.bundle_in[stage]) if stage else _input_width(x)
+    if recompute:
+        return width
+    plan = pipe.plan
+    return width + sum(pipe.width(call.output_keys) for call in plan.stages[stage])
 
 
 def _input_width(x) -> int:
