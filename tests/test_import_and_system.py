@@ -114,3 +114,18 @@ def test_selection_orders():
         system.configure((1,), hardware.hardware_for("ipu2"), selection_order="SPIRAL")
     with pytest.raises(ValueError, match="positive integers"):
         system.configure((0,), hardware.hardware_for("ipu2"))
+
+
+def test_the_device_layer_knows_nothing_of_keras():
+    result = _run(
+        """
+        import sys
+        from keras_ipu.device import (accounting, hardware, infeed, pipeline, program,
+                                      replicate, report, system)
+        import keras_ipu.config
+        assert not any(name == "keras" or name.startswith("keras.") for name in sys.modules)
+        print("keras-free")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "keras-free"
