@@ -7,7 +7,9 @@ execution program runs `steps_per_execution` steps per replica in one
 compiled on-device loop (gradient accumulation and the cross-replica
 gradient sum inside) and returns the per-step logs (the outfeed); callbacks
 run once per execution with the last step's logs, replicas reduced as
-`set_replication_options` says.
+`set_replication_options` says. A pipelined model (one with a stage
+assignment) gets its program from `pipelined_run` instead: the same
+interfaces, with the stages on their IPUs.
 """
 
 from __future__ import annotations
