@@ -28,16 +28,12 @@ from keras.src import tree
 
 from keras_ipu.device import pipeline as schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+from keras_ipu.keras.steps import ACCUMULATE, STATE_PARTS
 
 IPU_AXIS = "ipu"
 REPLICA_AXIS = "replica"
 _IDLE, _FORWARD, _BACKWARD = 0, 1, 2
 
-_ACCUMULATE = {
-    Reduction.SUM: lambda acc, grad, n, count: acc + grad,
-    Reduction.MEAN: lambda acc, grad, n, count: acc + grad / count,
-    Reduction.RUNNING_MEAN: lambda acc, grad, n, count: acc * (n / (n + 1)) + grad / (n + 1),
-}
 
 
 # --------------------------------------------------------------------------- packing
@@ -189,8 +185,7 @@ def _unique(values: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- state
 
 
-TRAINING_STATE_PARTS = ("trainable_variables", "non_trainable_variables", "optimizer_variables",
-          "metrics_variables")
+TRAINING_STATE_PARTS = STATE_PARTS["fit"]
 
 
 class PipelineState:
@@ -361,7 +356,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     stages, micro = p.num_stages, table.num_micro_batches
     ticks = _table_arrays(table)
     mapping = jnp.asarray(p.device_mapping, jnp.int32)
-    accumulate = _ACCUMULATE[reduction]
+    accumulate = ACCUMULATE[reduction]
     masks = _stage_masks(pipelined, state)
     metrics_layout = state.layouts["metrics_variables"][p.last_ipu]
 

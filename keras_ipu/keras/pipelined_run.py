@@ -16,12 +16,7 @@ from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import pipelined
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
-
-_STATE_PARTS = {
-    "fit": pipelined.TRAINING_STATE_PARTS,
-    "evaluate": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
-    "predict": ("trainable_variables", "non_trainable_variables"),
-}
+from keras_ipu.keras.steps import STATE_PARTS
 
 
 def plan_of(model, x: Any = None):
@@ -119,8 +114,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         ipus = tuple(system_ipus[r * per_replica + i]
                      for r in range(replicas.count) for i in range(used))
         pipe = pipelined.PipelinedModel(model, plan, mapping)
-        state = pipelined.PipelineState(pipe, mesh, _STATE_PARTS[mode])
-        state.to_device(model._get_jax_state(**dict.fromkeys(_STATE_PARTS[mode], True)))
+        state = pipelined.PipelineState(pipe, mesh, STATE_PARTS[mode])
+        state.to_device(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         if mode == "fit":
             execution = pipelined.build_fit_program(
                 pipe, state, table, options.gradient_accumulation_reduction_method,

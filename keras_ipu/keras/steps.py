@@ -20,9 +20,21 @@ from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod 
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
+# The state each mode's step function takes, in Keras' order.
+STATE_PARTS = {
+    "fit": (
+        "trainable_variables",
+        "non_trainable_variables",
+        "optimizer_variables",
+        "metrics_variables",
+    ),
+    "evaluate": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
+    "predict": ("trainable_variables", "non_trainable_variables"),
+}
+
 # acc <- accumulate(acc, grad, n, count) for the n-th (0-based) of `count`
 # micro-batches; the reference's accumulation scales, as data.
-_ACCUMULATE = {
+ACCUMULATE = {
     Reduction.SUM: lambda acc, grad, n, count: acc + grad,
     Reduction.MEAN: lambda acc, grad, n, count: acc + grad / count,
     Reduction.RUNNING_MEAN: lambda acc, grad, n, count: acc * (n / (n + 1)) + grad / (n + 1),
@@ -50,7 +62,7 @@ def train_step(
     Returns:
         `step(state, data) -> (logs, state)`, with logs per micro-batch.
     """
-    accumulate = _ACCUMULATE[reduction]
+    accumulate = ACCUMULATE[reduction]
 
     def step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state

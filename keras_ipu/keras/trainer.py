@@ -32,22 +32,12 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import data, pipelined_run, replication, steps
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import Layout, ReplicaCodec
+from keras_ipu.keras.steps import STATE_PARTS
 
 logger = logging.getLogger("keras_ipu")
 
 MODES = ("fit", "evaluate", "predict")
 
-# The state each mode's step function takes, in Keras' order.
-_STATE_PARTS = {
-    "fit": (
-        "trainable_variables",
-        "non_trainable_variables",
-        "optimizer_variables",
-        "metrics_variables",
-    ),
-    "evaluate": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
-    "predict": ("trainable_variables", "non_trainable_variables"),
-}
 
 _FUNCTIONS_USED_BY_KERAS_ONLY = {
     "fit": "make_train_function",
@@ -261,7 +251,7 @@ def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
     hooked = _has_batch_hooks(callbacks, begin_hook, end_hook)
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
-    parts = _STATE_PARTS[mode]
+    parts = STATE_PARTS[mode]
     codec, layout = run.codec, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     place = _synthetic_placer(codec, layout) if synthetic else _placer(codec, layout)
@@ -353,7 +343,7 @@ def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> _Run:
         IPUOutOfMemoryError: When the program does not fit an IPU.
     """
     hardware = ipu_system.require().hardware
-    parts = _STATE_PARTS[mode]
+    parts = STATE_PARTS[mode]
     if placement.plan is not None:
         key, build = pipelined_run.program_for(model, mode, placement, feed, options, hardware)
     else:
@@ -394,7 +384,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
         )
-        return _Run(program, layout, ReplicaCodec(replicas, _STATE_PARTS[mode]), replicas.count)
+        return _Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count)
 
     return key, build
 
