@@ -237,6 +237,48 @@ class ScheduleTable:
             peak = [max(a, b) for a, b in zip(peak, live, strict=True)]
         return tuple(peak)
 
+    def exchange_blocks(self, max_size: int = 2) -> tuple[tuple[int | None, ...], ...]:
+        """Groups of consecutive ticks between which IPUs exchange messages.
+
+        An op that takes another stage's output (a forward op of stage `s > 0`
+        takes stage `s - 1`'s activations, a backward op of stage `s < p - 1`
+        takes stage `s + 1`'s gradients) must not share a block with the op
+        that produced it; everything else may, so an executor can run a
+        block's ticks back to back and exchange messages once per block.
+        Blocks are filled greedily up to `max_size` ticks, then padded with
+        `None` (an idle tick) to that size.
+
+        Args:
+            max_size: The most ticks in a block (1: one exchange per tick).
+
+        Returns:
+            A tuple of blocks, each a tuple of `max_size` tick indices or `None`.
+
+        Example:
+
+        >>> build_schedule(PipelineSchedule.Grouped, 2, 3).exchange_blocks()
+        ((0, None), (1, 2), (3, 4), (5, 6), (7, None))
+        """
+        producer = {}
+        last = self.num_stages - 1
+        for t, tick in enumerate(self.ticks):
+            for op in tick:
+                if op is not None:
+                    producer[op] = t
+        blocks: list[list[int]] = [[]]
+        for t, tick in enumerate(self.ticks):
+            needs = [
+                producer[Op(op.stage - 1 if op.phase == FORWARD else op.stage + 1,
+                            op.micro_batch, op.phase)]
+                for op in tick
+                if op is not None and ((op.phase == FORWARD and op.stage > 0)
+                                       or (op.phase == BACKWARD and op.stage < last))
+            ]
+            if len(blocks[-1]) == max_size or any(n in blocks[-1] for n in needs):
+                blocks.append([])
+            blocks[-1].append(t)
+        return tuple(tuple(block) + (None,) * (max_size - len(block)) for block in blocks)
+
     def tick_cycles(
         self,
         forward_cycles: float | Sequence[float],

@@ -3,14 +3,12 @@
 One execution is one compiled program (`jax.jit` of a `shard_map` over the
 IPUs of a replica, and over the replicas). Each IPU holds only the weights,
 non-trainable state and optimizer state of its stages, packed into flat
-per-dtype vectors (padded to the largest IPU). The program walks the
-schedule table tick by tick (`lax.scan`): at each tick every IPU runs the
-op the table gives it (forward or backward of one stage for one
-micro-batch, or nothing), then all IPUs exchange the tick's outgoing
-messages (activations forward, activation gradients backward). Backward
-ops recompute their stage from the stashed stage input under `jax.vjp`.
-After a weight update's micro-batches, gradients are summed over replicas
-and each IPU applies its own clone of the optimizer to its variables.
+per-dtype vectors (padded to the largest IPU). This module holds the
+set-up (which stage and variable lives where), the packed state, the stage
+runner and the inference program, which walks the schedule table tick by
+tick (`lax.scan`): at each tick every IPU runs the forward op the table
+gives it, then all IPUs exchange the tick's activations. Training is in
+`pipelined_train`.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_ipu.device import pipeline as schedules
-from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
-from keras_ipu.keras.steps import ACCUMULATE, STATE_PARTS
+from keras_ipu.keras.steps import STATE_PARTS
 
 IPU_AXIS = "ipu"
 REPLICA_AXIS = "replica"
@@ -289,12 +286,39 @@ class StageRunner:
         arrays = self.state.layouts[part][ipu].unpack(flats)
         return dict(zip(self.state._indices(part, ipu), arrays))
 
+    def trainable(self, ipu: int, flats) -> dict[int, Any]:
+        """An IPU's trainable variables, by index in `model.trainable_variables`."""
+        return self._unpack("trainable_variables", ipu, flats)
+
+    def non_trainable(self, ipu: int, flats) -> dict[int, Any]:
+        """An IPU's non-trainable variables, by index in `model.non_trainable_variables`."""
+        return self._unpack("non_trainable_variables", ipu, flats)
+
+    def pack_non_trainable(self, ipu: int, ntv: dict[int, Any]) -> dict[str, Any]:
+        """The inverse of `non_trainable`."""
+        layout = self.state.layouts["non_trainable_variables"][ipu]
+        order = self.state._indices("non_trainable_variables", ipu)
+        return layout.pack([ntv[i] for i in order],
+                           self.state.lengths["non_trainable_variables"])
+
+    def own_trainable(self, s: int) -> list[int]:
+        """Indices of the trainable variables of stage `s`'s layers."""
+        return _unique([self.t_index[id(v)] for layer in self.p.plan.stage_layers(s)
+                        for v in getattr(layer, "trainable_variables", [])])
+
     def run(self, s: int, trainable, non_trainable, bundle, x, training: bool):
         """(bundle out [mb, W], new non-trainable flats, outputs or None)."""
+        ipu = self.p.device_mapping[s]
+        out, ntv, outputs = self.run_with(s, self.trainable(ipu, trainable),
+                                          self.non_trainable(ipu, non_trainable), bundle, x,
+                                          training)
+        return out, self.pack_non_trainable(ipu, ntv), outputs
+
+    def run_with(self, s: int, tv: dict[int, Any], ntv: dict[int, Any], bundle, x,
+                 training: bool):
+        """`run` on unpacked variables: `(bundle out, new non-trainable dict, outputs)`."""
         p, plan = self.p, self.p.plan
-        ipu = p.device_mapping[s]
-        tv = self._unpack("trainable_variables", ipu, trainable)
-        ntv = self._unpack("non_trainable_variables", ipu, non_trainable)
+        ntv = dict(ntv)
         env = dict(zip(plan.input_keys, tree.flatten(x)))
         offset = 0
         for key in p.bundle_in[s]:
@@ -320,18 +344,14 @@ class StageRunner:
                 outputs = layer(*args, **kwargs)
             for key, value in zip(call.output_keys, tree.flatten(outputs)):
                 env[key] = value
-        layout = self.state.layouts["non_trainable_variables"][ipu]
-        order = self.state._indices("non_trainable_variables", ipu)
-        new_non_trainable = layout.pack([ntv[i] for i in order],
-                                        self.state.lengths["non_trainable_variables"])
         if s == p.num_stages - 1:
             outputs = tree.pack_sequence_as(plan.outputs_struct,
                                             [env[k] for k in plan.output_keys])
-            return None, new_non_trainable, outputs
+            return None, ntv, outputs
         flat = [env[k].reshape(env[k].shape[0], -1).astype(jnp.float32) for k in p.bundle_out[s]]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
-        return out, new_non_trainable, None
+        return out, ntv, None
 
 
 def _index(tree_, j):
@@ -342,207 +362,12 @@ def _zeros_like_flats(flats, dtype=None):
     return {k: jnp.zeros(v.shape, dtype or v.dtype) for k, v in flats.items()}
 
 
-def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
-                      table: schedules.ScheduleTable, reduction: Reduction,
-                      accumulator_dtype: str = "float32"):
-    """The training execution: `(packed state, batches) -> (packed state, logs)`.
-
-    `batches` is `(x, y, sample_weight)` (absent parts `None`), each leaf
-    `[updates, replicas, micro_batches, batch, ...]`; logs come back per
-    micro-batch, `[updates, replicas, micro_batches]`.
-    """
-    p, model = pipelined, pipelined.model
-    runner = StageRunner(pipelined, state)
-    stages, micro = p.num_stages, table.num_micro_batches
-    ticks = _table_arrays(table)
-    mapping = jnp.asarray(p.device_mapping, jnp.int32)
-    accumulate = ACCUMULATE[reduction]
-    masks = _stage_masks(pipelined, state)
-    metrics_layout = state.layouts["metrics_variables"][p.last_ipu]
-
-    def metrics_list(flats):
-        return metrics_layout.unpack(flats)
-
-    def metrics_flats(values):
-        return metrics_layout.pack(values, state.lengths["metrics_variables"])
-
-    def last_stage_loss(trainable, non_trainable, metrics, bundle, batch):
-        """The last stage and the loss: `loss, (y_pred, metrics, non_trainable)`."""
-        x, y, sample_weight = batch
-        _, non_trainable, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x,
-                                              True)
-        loss, (_, _, metrics_vars) = model.stateless_compute_loss(
-            [], [], metrics_list(metrics), x=x, y=y, y_pred=y_pred,
-            sample_weight=sample_weight, training=True,
-        )
-        return loss, (y_pred, metrics_vars, non_trainable)
-
-    def last_stage_logs(trainable, non_trainable, metrics, bundle, batch):
-        """The last stage's forward op: `logs, non_trainable, metrics`."""
-        x, y, sample_weight = batch
-        loss, (y_pred, metrics_vars, non_trainable) = last_stage_loss(
-            trainable, non_trainable, metrics, bundle, batch)
-        logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
-                                                             sample_weight)
-        return logs, non_trainable, metrics_flats(metrics_vars)
-
-    def per_replica(packed, batches):
-        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
-        batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
-        me = jax.lax.axis_index(IPU_AXIS)
-
-        def update(carry, data):
-            trainable, non_trainable, optimizer_vars, metrics = carry
-            width = p.boundary_width
-            mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
-            fwd = jnp.zeros((stages, micro, mb, width), jnp.float32)
-            bwd = jnp.zeros_like(fwd)
-            acc = _zeros_like_flats(trainable, accumulator_dtype)
-            logs = jax.tree_util.tree_map(
-                lambda leaf: jnp.zeros((micro, *leaf.shape), leaf.dtype),
-                jax.eval_shape(lambda: last_stage_logs(
-                    trainable, non_trainable, metrics, fwd[0, 0], _index(data, 0)))[0],
-            )
-
-            # Branches see only what their op needs (the stashed input, the
-            # incoming gradient) and return small results plus the weight
-            # gradients: the large buffers stay out of the conditional.
-            zero_message = jnp.zeros((mb, width), jnp.float32)
-            zero_grads = _zeros_like_flats(trainable, accumulator_dtype)
-            zero_logs = jax.tree_util.tree_map(lambda b: jnp.zeros(b.shape[1:], b.dtype), logs)
-
-            def forward(s):
-                def op(non_trainable, metrics, stash, gradient, j):
-                    batch = _index(data, j)
-                    step_logs = zero_logs
-                    if s == stages - 1:
-                        step_logs, non_trainable, metrics = last_stage_logs(
-                            trainable, non_trainable, metrics, stash, batch)
-                        message = zero_message
-                    else:
-                        message, non_trainable, _ = runner.run(
-                            s, trainable, non_trainable, stash, batch[0], True)
-                    return non_trainable, metrics, step_logs, message, zero_grads
-                return op
-
-            def backward(s):
-                def op(non_trainable, metrics, stash, gradient, j):
-                    batch = _index(data, j)
-                    if s == stages - 1:
-                        grads, g_in = jax.grad(
-                            lambda t, b: last_stage_loss(t, non_trainable, metrics, b,
-                                                         batch)[0],
-                            argnums=(0, 1))(trainable, stash)
-                    else:
-                        _, vjp = jax.vjp(
-                            lambda t, b: runner.run(s, t, non_trainable, b, batch[0], True)[0],
-                            trainable, stash)
-                        grads, g_in = vjp(gradient)
-                    grads = {k: g.astype(accumulator_dtype) for k, g in grads.items()}
-                    return non_trainable, metrics, zero_logs, g_in, grads
-                return op
-
-            def idle(non_trainable, metrics, stash, gradient, j):
-                return non_trainable, metrics, zero_logs, zero_message, zero_grads
-
-            branches = [idle] + [forward(s) for s in range(stages)] + [
-                backward(s) for s in range(stages)]
-            stage_masks = {k: jnp.stack([m[k] for m in masks]) for k in masks[0]}
-
-            def tick(c, row):
-                non_trainable, metrics, acc, fwd, bwd, logs = c
-                kinds, stage_of, micro_of = row
-                kind, s, j = kinds[me], stage_of[me], micro_of[me]
-                branch = jnp.where(kind == _IDLE, 0,
-                                   jnp.where(kind == _FORWARD, 1 + s, 1 + stages + s))
-                non_trainable, metrics, step_logs, message, grads = jax.lax.switch(
-                    branch, branches, non_trainable, metrics, fwd[s, j], bwd[s, j], j)
-                backward_op = kind == _BACKWARD
-                n = j.astype(jnp.float32)
-                acc = {
-                    k: jnp.where(backward_op & stage_masks[k][s],
-                                 accumulate(acc[k], grads[k], n, micro), acc[k])
-                    for k in acc
-                }
-                last_forward = (kind == _FORWARD) & (s == stages - 1)
-                logs = jax.tree_util.tree_map(
-                    lambda b, v: b.at[j].set(jnp.where(last_forward, v, b[j])), logs, step_logs)
-                messages = jax.lax.all_gather(message, IPU_AXIS)
-                for i in range(p.num_ipus):
-                    fwd = _receive(fwd, messages[i], kinds[i] == _FORWARD, stage_of[i] + 1,
-                                   micro_of[i], mapping, me, stages)
-                    bwd = _receive(bwd, messages[i], kinds[i] == _BACKWARD, stage_of[i] - 1,
-                                   micro_of[i], mapping, me, stages)
-                return (non_trainable, metrics, acc, fwd, bwd, logs), None
-
-            c = (non_trainable, metrics, acc, fwd, bwd, logs)
-            c, _ = jax.lax.scan(tick, c, ticks)
-            non_trainable, metrics, acc, _, _, logs = c
-            if state.replicas > 1:
-                acc = jax.lax.psum(acc, REPLICA_AXIS)
-            trainable, optimizer_vars = jax.lax.switch(
-                me, [_apply_optimizer(pipelined, state, d) for d in range(p.num_ipus)],
-                trainable, optimizer_vars, acc)
-            # Only the last stage's IPU has the logs; the others hold zeros.
-            logs = jax.lax.psum(
-                jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
-                IPU_AXIS)
-            return (trainable, non_trainable, optimizer_vars, metrics), logs
-
-        carry = tuple(local[part] for part in TRAINING_STATE_PARTS)
-        carry, logs = jax.lax.scan(update, carry, batches)
-        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
-               for part, value in zip(TRAINING_STATE_PARTS, carry)}
-        return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
-
-    mapped = jax.shard_map(
-        per_replica,
-        mesh=state.mesh,
-        in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
-        out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
-        check_vma=False,
-    )
-    return mapped
-
-
 def _receive(buffer, message, sent, stage, micro_batch, mapping, me, stages):
     valid = sent & (stage >= 0) & (stage < stages)
     stage = jnp.clip(stage, 0, stages - 1)
     valid = valid & (mapping[stage] == me)
     current = buffer[stage, micro_batch]
     return buffer.at[stage, micro_batch].set(jnp.where(valid, message, current))
-
-
-def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
-    t_layout = state.layouts["trainable_variables"][ipu]
-    o_layout = state.layouts["optimizer_variables"][ipu]
-    optimizer = pipelined.optimizers[ipu]
-
-    def apply(trainable, optimizer_vars, acc):
-        variables = t_layout.unpack(trainable)
-        grads = [g.astype(v.dtype) for g, v in zip(t_layout.unpack(acc), variables)]
-        variables, optimizer_values = optimizer.stateless_apply(
-            o_layout.unpack(optimizer_vars), grads, variables)
-        return (t_layout.pack(variables, state.lengths["trainable_variables"]),
-                o_layout.pack(optimizer_values, state.lengths["optimizer_variables"]))
-
-    return apply
-
-
-def _stage_masks(pipelined: PipelinedModel, state: PipelineState) -> list[dict]:
-    """Per stage, which entries of its IPU's trainable flats belong to its layers."""
-    index = {id(v): i for i, v in enumerate(pipelined.model.trainable_variables)}
-    masks = []
-    for s in range(pipelined.num_stages):
-        ipu = pipelined.device_mapping[s]
-        layout = state.layouts["trainable_variables"][ipu]
-        own = {index[id(v)] for layer in pipelined.plan.stage_layers(s)
-               for v in getattr(layer, "trainable_variables", [])}
-        arrays = [np.full(shape, i in own) for shape, i in
-                  zip(layout.shapes, state._indices("trainable_variables", ipu))]
-        flats = layout.pack(arrays, state.lengths["trainable_variables"], xp=np)
-        masks.append({k: jnp.asarray(v.astype(bool)) for k, v in flats.items()})
-    return masks
 
 
 def _table_arrays(table: schedules.ScheduleTable):
@@ -562,7 +387,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
     """Evaluate or predict: forward ops only, `micro_batches = steps_per_execution`.
 
     `(packed state, batches) -> (packed state, outfeed)`: batches as in
-    `build_fit_program` with one update; the outfeed is the per-step logs
+    `pipelined_train.build_fit_program` with one update; the outfeed is the per-step logs
     (evaluate) or outputs (predict), `[1, replicas, steps, ...]`.
     """
     p, model = pipelined, pipelined.model

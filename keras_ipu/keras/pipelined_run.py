@@ -13,7 +13,7 @@ from keras_ipu.device import pipeline as schedules
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
-from keras_ipu.keras import pipelined
+from keras_ipu.keras import pipelined, pipelined_train
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.steps import STATE_PARTS
@@ -100,9 +100,10 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     table = schedules.build_schedule(schedule, plan.num_stages, micro, mapping,
                                      training=mode == "fit")
     reduction = options.replicated_metric_reduction_method
+    recompute = _recomputation(options)
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           reduction, options.pipelining_accumulate_outfeed)
+           reduction, options.pipelining_accumulate_outfeed, recompute)
 
     def build():
         from keras_ipu.keras.trainer import _Run
@@ -117,9 +118,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         state = pipelined.PipelineState(pipe, mesh, STATE_PARTS[mode])
         state.to_device(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         if mode == "fit":
-            execution = pipelined.build_fit_program(
+            execution = pipelined_train.build_fit_program(
                 pipe, state, table, options.gradient_accumulation_reduction_method,
-                options.accumulator_dtype)
+                options.accumulator_dtype, recompute=recompute)
         else:
             execution = pipelined.build_inference_program(pipe, state, table, mode)
         layout = pipelined.PipelineLayout(replicas.count, micro)

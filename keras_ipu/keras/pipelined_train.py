@@ -1,0 +1,428 @@
+"""The pipelined training execution: the schedule table run block by block.
+
+One execution is one compiled program (`jax.jit` of a `shard_map` over the
+IPUs of a replica, and over the replicas). Per weight update it walks the
+schedule table in blocks of ticks (`ScheduleTable.exchange_blocks`): in a
+block every IPU runs its ops back to back, each op chosen by `lax.switch`
+(forward or backward of one stage on one micro-batch, or nothing); after the
+block all IPUs exchange the block's messages (activations forward,
+activation gradients backward) in one `all_gather`.
+
+A forward op keeps what its backward op needs in a stash: the residuals of
+`jax.vjp` of the stage (its activations), without the values the backward op
+can take again itself (weights, its input, the micro-batch). With
+recomputation (`IPUConfig.allow_recompute` or a `recomputation_mode`) it
+keeps nothing but its input, and the backward op recomputes the stage
+forward. Stash rows are reused as soon as a micro-batch's backward op has
+run: a stage holds at most its `stash_counts()` micro-batches.
+
+Weight gradients come out of the backward op for its stage's own variables,
+packed into its IPU's flat gradient vector, and are summed outside the
+conditional (adding zeros for other ops is cheaper than copying the
+accumulator through every branch). After an update's micro-batches,
+gradients are summed over replicas and each IPU applies its own optimizer
+clone to its variables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from keras_ipu.device import pipeline as schedules
+from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+from keras_ipu.keras.pipelined import (
+    _BACKWARD,
+    _FORWARD,
+    _IDLE,
+    IPU_AXIS,
+    REPLICA_AXIS,
+    TRAINING_STATE_PARTS,
+    FlatLayout,
+    PipelinedModel,
+    PipelineState,
+    StageRunner,
+    _index,
+    _padded_lengths,
+    _receive,
+    _zeros_like_flats,
+)
+from keras_ipu.keras.steps import ACCUMULATE
+
+# Blocks of two ticks halve the exchanges of two-stage pipelines; a block is
+# only worth running when it saves more exchanges than the idle ops it pads.
+BLOCK_SIZE = 2
+MIN_BLOCK_SAVING = 0.25
+
+
+# --------------------------------------------------------------------------- residuals
+
+
+def split_residuals(vjp_fn, known) -> tuple[list[Any], Any, tuple[int | None, ...]]:
+    """The residuals of a `jax.vjp` pullback that must be stashed.
+
+    Residuals that are one of the `known` values (the weights, the stage
+    input, the micro-batch) are left out: the backward op has them.
+
+    Args:
+        vjp_fn: The pullback returned by `jax.vjp` (a pytree of residuals).
+        known: A pytree of values the backward op can give again.
+
+    Returns:
+        `(kept residuals, pullback treedef, source)`: `source[i]` is the
+        index of residual `i` in the leaves of `known`, or `None` if kept.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    known_leaves = jax.tree_util.tree_leaves(known)
+    ids = {id(leaf): i for i, leaf in enumerate(known_leaves)}
+    source = tuple(ids.get(id(leaf)) for leaf in leaves)
+    kept = [leaf for leaf, i in zip(leaves, source) if i is None]
+    return kept, treedef, source
+
+
+def join_residuals(treedef, source, kept, known):
+    """The pullback again, from the stashed residuals and the known values."""
+    known_leaves = jax.tree_util.tree_leaves(known)
+    rest = iter(kept)
+    leaves = [known_leaves[i] if i is not None else next(rest) for i in source]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _stash_rows(table: schedules.ScheduleTable) -> tuple[np.ndarray, int, int]:
+    """(row offset per stage, slots per stage, rows): one scratch row at the end."""
+    slots = max(max(table.stash_counts()), 1)
+    offsets, seen = [], {}
+    for ipu in table.device_mapping:
+        offsets.append(seen.get(ipu, 0) * slots)
+        seen[ipu] = seen.get(ipu, 0) + 1
+    return np.asarray(offsets, np.int32), slots, max(seen.values()) * slots + 1
+
+
+def _blocks(table: schedules.ScheduleTable):
+    """`(kinds, stages, micro-batches)`, each `[blocks, block size, ipus]`."""
+    blocks = table.exchange_blocks(BLOCK_SIZE)
+    if len(blocks) > (1 - MIN_BLOCK_SAVING) * table.num_ticks:
+        blocks = table.exchange_blocks(1)
+    shape = (len(blocks), len(blocks[0]), table.num_ipus)
+    kinds, stage, micro = (np.zeros(shape, np.int32) for _ in range(3))
+    for b, block in enumerate(blocks):
+        for q, t in enumerate(block):
+            for ipu, op in enumerate(table.ticks[t] if t is not None else ()):
+                if op is not None:
+                    kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                    stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
+    return jnp.asarray(kinds), jnp.asarray(stage), jnp.asarray(micro)
+
+
+# --------------------------------------------------------------------------- the program
+
+
+class _Stages:
+    """Each stage as a function of its own weights and its input, for `jax.vjp`."""
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState):
+        self.p, self.state = pipelined, state
+        self.runner = StageRunner(pipelined, state)
+        self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
+        self.metrics_layout = state.layouts["metrics_variables"][pipelined.last_ipu]
+
+    def function(self, s: int, tv: dict, ntv: dict, metrics, batch):
+        """`f(weights, bundle) -> (output, aux)`; the last stage's output is the loss.
+
+        `aux` is `(new non-trainable dict, logs or None, new metrics flats or None)`.
+        """
+        model, runner, last = self.p.model, self.runner, s == self.p.num_stages - 1
+
+        def f(weights, bundle):
+            arrays = dict(tv)
+            arrays.update(zip(self.own[s], weights))
+            if not last:
+                out, new_ntv, _ = runner.run_with(s, arrays, ntv, bundle, batch[0], True)
+                return out, (new_ntv, None, None)
+            x, y, sample_weight = batch
+            _, new_ntv, y_pred = runner.run_with(s, arrays, ntv, bundle, x, True)
+            loss, (_, _, metrics_vars) = model.stateless_compute_loss(
+                [], [], self.metrics_layout.unpack(metrics), x=x, y=y, y_pred=y_pred,
+                sample_weight=sample_weight, training=True,
+            )
+            logs, metrics_vars = model._update_metrics_variables(
+                metrics_vars, loss, x, y, y_pred, sample_weight)
+            metrics_flats = self.metrics_layout.pack(
+                metrics_vars, self.state.lengths["metrics_variables"])
+            return loss, (new_ntv, logs, metrics_flats)
+
+        return f
+
+    def pack_grads(self, s: int, grads: list, dtype: str) -> dict:
+        """Stage `s`'s weight gradients in its IPU's flat layout (zeros elsewhere)."""
+        ipu = self.p.device_mapping[s]
+        layout = self.state.layouts["trainable_variables"][ipu]
+        by_index = dict(zip(self.own[s], grads))
+        arrays = [
+            by_index[i].astype(dtype) if i in by_index else jnp.zeros(shape, dtype)
+            for i, shape in zip(self.state._indices("trainable_variables", ipu), layout.shapes)
+        ]
+        return layout.pack(arrays, self.state.lengths["trainable_variables"])
+
+
+def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
+                      table: schedules.ScheduleTable, reduction: Reduction,
+                      accumulator_dtype: str = "float32", recompute: bool = False):
+    """The training execution: `(packed state, batches) -> (packed state, logs)`.
+
+    Args:
+        pipelined: The model's stages and their IPUs.
+        state: The packed state layout (set up by `state.to_device`).
+        table: The training schedule table of one weight update.
+        reduction: How micro-batch gradients combine.
+        accumulator_dtype: The dtype gradients accumulate in.
+        recompute: Recompute stage activations in backward ops instead of
+            stashing them.
+
+    Returns:
+        A function to `jax.jit`: `batches` is `(x, y, sample_weight)` (absent
+        parts `None`), each leaf `[updates, replicas, micro_batches, batch,
+        ...]`; logs come back per micro-batch, `[updates, replicas,
+        micro_batches]`.
+    """
+    p = pipelined
+    stages = _Stages(pipelined, state)
+    runner, num_stages, micro = stages.runner, p.num_stages, table.num_micro_batches
+    kinds_of, stage_of, micro_of = _blocks(table)
+    mapping = jnp.asarray(p.device_mapping, jnp.int32)
+    accumulate = ACCUMULATE[reduction]
+    masks = _stage_masks(pipelined, state) if reduction == Reduction.RUNNING_MEAN else None
+    row_offset, slots, rows = _stash_rows(table)
+    row_offset = jnp.asarray(row_offset)
+    last = num_stages - 1
+
+    def per_replica(packed, batches):
+        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
+        batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
+        me = jax.lax.axis_index(IPU_AXIS)
+        first = _index(batches, 0)
+        mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
+        width = p.boundary_width
+        trainable0, non_trainable0 = local["trainable_variables"], local["non_trainable_variables"]
+
+        def op_inputs(s, weights_of, non_trainable, bundle, batch):
+            """`weights_of`: per IPU, its trainable variables (`runner.trainable`)."""
+            ipu = p.device_mapping[s]
+            tv = weights_of[ipu]
+            ntv = runner.non_trainable(ipu, non_trainable)
+            weights = [tv[i] for i in stages.own[s]]
+            return tv, ntv, weights, (weights, bundle, batch)
+
+        def unpacked(trainable):
+            # Sliced out once per update for every IPU's layout (each IPU
+            # uses its own): slicing per op would copy the weights per op.
+            return [runner.trainable(d, trainable) for d in range(p.num_ipus)]
+
+        weights0 = unpacked(trainable0)
+
+        def residuals_of(s):
+            """The stash layout of stage `s` (traced once, for shapes only)."""
+            def kept():
+                bundle = jnp.zeros((mb, width), jnp.float32)
+                batch = _index(first, 0)
+                tv, ntv, weights, known = op_inputs(s, weights0, non_trainable0, bundle, batch)
+                f = stages.function(s, tv, ntv, local["metrics_variables"], batch)
+                _, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+                unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
+                return split_residuals(vjp_fn, (known, unchanged))[0]
+            return FlatLayout.of(jax.eval_shape(kept))
+
+        layouts = [] if recompute else [residuals_of(s) for s in range(num_stages)]
+        lengths = _padded_lengths(layouts) if layouts else {}
+        stash0 = {d: jnp.zeros((rows, n), d) for d, n in lengths.items()}
+        # Zeros are made inside each branch: a value from outside would be
+        # copied into the conditional's result instead of just written.
+        def zero_message():
+            return jnp.zeros((mb, width), jnp.float32)
+
+        def zero_grads():
+            return _zeros_like_flats(trainable0, accumulator_dtype)
+
+        def zero_residual():
+            return {d: jnp.zeros((n,), d) for d, n in lengths.items()}
+
+        def last_stage_logs():
+            batch = _index(first, 0)
+            tv, ntv, weights, _ = op_inputs(last, weights0, non_trainable0, zero_message(),
+                                            batch)
+            f = stages.function(last, tv, ntv, local["metrics_variables"], batch)
+            return f(weights, zero_message())[1][1]
+
+        logs_shape = jax.eval_shape(last_stage_logs)
+
+        def zero_logs():
+            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), logs_shape)
+
+        def update(carry, data):
+            trainable, non_trainable, optimizer_vars, metrics, stash = carry
+            fwd = jnp.zeros((num_stages, micro, mb, width), jnp.float32)
+            bwd = jnp.zeros_like(fwd)
+            acc = _zeros_like_flats(trainable, accumulator_dtype)
+            weights_of = unpacked(trainable)
+            logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
+                                          logs_shape)
+
+            def forward(s):
+                def op(non_trainable, metrics, bundle, gradient, residual, j):
+                    batch = _index(data, j)
+                    tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle,
+                                                        batch)
+                    f = stages.function(s, tv, ntv, metrics, batch)
+                    if recompute:
+                        out, aux = f(weights, bundle)
+                        residual = zero_residual()
+                    else:
+                        out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+                        unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
+                        kept = split_residuals(vjp_fn, (known, unchanged))[0]
+                        residual = layouts[s].pack(kept, lengths)
+                    new_ntv, step_logs, new_metrics = aux
+                    non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
+                    if s == last:
+                        return (non_trainable, new_metrics, step_logs, zero_message(),
+                                zero_grads(), residual)
+                    return non_trainable, metrics, zero_logs(), out, zero_grads(), residual
+                return op
+
+            def backward(s):
+                def op(non_trainable, metrics, bundle, gradient, residual, j):
+                    batch = _index(data, j)
+                    tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle,
+                                                        batch)
+                    f = stages.function(s, tv, ntv, metrics, batch)
+                    # Traced for the pullback's structure; unused values are
+                    # dropped by XLA when the residuals come from the stash.
+                    out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+                    if not recompute:
+                        unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
+                        _, treedef, source = split_residuals(vjp_fn, (known, unchanged))
+                        vjp_fn = join_residuals(treedef, source, layouts[s].unpack(residual),
+                                                (known, unchanged))
+                    cotangent = jnp.ones_like(out) if s == last else gradient
+                    grads, g_in = vjp_fn(cotangent)
+                    return (non_trainable, metrics, zero_logs(), g_in,
+                            stages.pack_grads(s, grads, accumulator_dtype), zero_residual())
+                return op
+
+            def idle(non_trainable, metrics, bundle, gradient, residual, j):
+                return (non_trainable, metrics, zero_logs(), zero_message(), zero_grads(),
+                        zero_residual())
+
+            branches = [idle] + [forward(s) for s in range(num_stages)] + [
+                backward(s) for s in range(num_stages)]
+
+            def block(c, rows_of_block):
+                non_trainable, metrics, acc, fwd, bwd, logs, stash = c
+                kinds, stage, micro_b = rows_of_block
+                messages, block_grads = [], []
+                for q in range(kinds.shape[0]):
+                    kind, s, j = kinds[q, me], stage[q, me], micro_b[q, me]
+                    branch = jnp.where(kind == _IDLE, 0, jnp.where(
+                        kind == _FORWARD, 1 + s, 1 + num_stages + s))
+                    row = row_offset[s] + j % slots
+                    residual = {d: buf[row] for d, buf in stash.items()}
+                    non_trainable, metrics, step_logs, message, grads, residual = \
+                        jax.lax.switch(branch, branches, non_trainable, metrics, fwd[s, j],
+                                       bwd[s, j], residual, j)
+                    write = jnp.where(kind == _FORWARD, row, rows - 1)
+                    stash = {d: buf.at[write].set(residual[d]) for d, buf in stash.items()}
+                    if masks is None:
+                        block_grads.append(grads)
+                    else:
+                        acc = {k: jnp.where((kind == _BACKWARD) & masks[k][s],
+                                            accumulate(acc[k], grads[k], j.astype(jnp.float32),
+                                                       micro), acc[k]) for k in acc}
+                    logs = jax.tree_util.tree_map(
+                        lambda b, v, kind=kind, s=s, j=j: b.at[j].set(
+                            jnp.where((kind == _FORWARD) & (s == last), v, b[j])),
+                        logs, step_logs)
+                    messages.append(message)
+                if block_grads:
+                    summed = jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *block_grads)
+                    acc = {k: accumulate(acc[k], summed[k], None, micro) for k in acc}
+                gathered = jax.lax.all_gather(jnp.stack(messages), IPU_AXIS)
+                for q in range(kinds.shape[0]):
+                    for i in range(p.num_ipus):
+                        fwd = _receive(fwd, gathered[i, q], kinds[q, i] == _FORWARD,
+                                       stage[q, i] + 1, micro_b[q, i], mapping, me, num_stages)
+                        bwd = _receive(bwd, gathered[i, q], kinds[q, i] == _BACKWARD,
+                                       stage[q, i] - 1, micro_b[q, i], mapping, me, num_stages)
+                return (non_trainable, metrics, acc, fwd, bwd, logs, stash), None
+
+            c = (non_trainable, metrics, acc, fwd, bwd, logs, stash)
+            c, _ = jax.lax.scan(block, c, (kinds_of, stage_of, micro_of))
+            non_trainable, metrics, acc, _, _, logs, stash = c
+            if state.replicas > 1:
+                acc = jax.lax.psum(acc, REPLICA_AXIS)
+            trainable, optimizer_vars = jax.lax.switch(
+                me, [_apply_optimizer(pipelined, state, d) for d in range(p.num_ipus)],
+                trainable, optimizer_vars, acc)
+            # Only the last stage's IPU has the logs; the others hold zeros.
+            logs = jax.lax.psum(
+                jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
+                IPU_AXIS)
+            return (trainable, non_trainable, optimizer_vars, metrics, stash), logs
+
+        carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash0,)
+        carry, logs = jax.lax.scan(update, carry, batches)
+        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
+               for part, value in zip(TRAINING_STATE_PARTS, carry)}
+        return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
+
+    return jax.shard_map(
+        per_replica,
+        mesh=state.mesh,
+        in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
+        check_vma=False,
+    )
+
+
+def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
+    t_layout = state.layouts["trainable_variables"][ipu]
+    o_layout = state.layouts["optimizer_variables"][ipu]
+    optimizer = pipelined.optimizers[ipu]
+
+    def apply(trainable, optimizer_vars, acc):
+        variables = t_layout.unpack(trainable)
+        grads = [g.astype(v.dtype) for g, v in zip(t_layout.unpack(acc), variables)]
+        variables, optimizer_values = optimizer.stateless_apply(
+            o_layout.unpack(optimizer_vars), grads, variables)
+        return (t_layout.pack(variables, state.lengths["trainable_variables"]),
+                o_layout.pack(optimizer_values, state.lengths["optimizer_variables"]))
+
+    return apply
+
+
+def _stage_masks(pipelined: PipelinedModel, state: PipelineState) -> dict:
+    """Which entries of its IPU's trainable flats belong to each stage's layers.
+
+    Per dtype, a `[stages, length]` boolean array.
+
+    A running mean rescales the whole accumulator at each micro-batch, so it
+    must touch only the entries of the stage whose gradients arrived.
+    """
+    index = {id(v): i for i, v in enumerate(pipelined.model.trainable_variables)}
+    masks = []
+    for s in range(pipelined.num_stages):
+        ipu = pipelined.device_mapping[s]
+        layout = state.layouts["trainable_variables"][ipu]
+        own = {index[id(v)] for layer in pipelined.plan.stage_layers(s)
+               for v in getattr(layer, "trainable_variables", [])}
+        arrays = [np.full(shape, i in own) for shape, i in
+                  zip(layout.shapes, state._indices("trainable_variables", ipu))]
+        flats = layout.pack(arrays, state.lengths["trainable_variables"], xp=np)
+        masks.append({k: jnp.asarray(v.astype(bool)) for k, v in flats.items()})
+    return {k: jnp.stack([m[k] for m in masks]) for k in masks[0]}
+
+
+__all__ = ["build_fit_program", "join_residuals", "split_residuals"]
