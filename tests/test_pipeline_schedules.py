@@ -440,3 +440,26 @@ def test_device_schedules_import_neither_keras_nor_jax():
         "sorted(m for m in sys.modules if m.startswith(('keras', 'jax')))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ipu.__path__[0] + "/..")
+
+
+@pytest.mark.parametrize("schedule", list(PipelineSchedule), ids=lambda s: s.name)
+@pytest.mark.parametrize("stages, micro_batches, mapping", [
+    (2, 4, None), (2, 16, None), (4, 8, None), (4, 8, (0, 1, 1, 0)),
+])
+def test_exchange_blocks_never_hold_a_message_and_its_consumer(schedule, stages,
+                                                               micro_batches, mapping):
+    table = build_schedule(schedule, stages, micro_batches, mapping)
+    blocks = table.exchange_blocks(2)
+    assert all(len(block) == 2 for block in blocks)
+    assert [t for block in blocks for t in block if t is not None] == list(range(table.num_ticks))
+    for block in blocks:
+        ops = {op for t in block if t is not None for op in table.ticks[t] if op is not None}
+        for op in ops:
+            source = op.stage - 1 if op.phase == "F" else op.stage + 1
+            assert Op(source, op.micro_batch, op.phase) not in ops, (op, block)
+    assert table.exchange_blocks(1) == tuple((t,) for t in range(table.num_ticks))
+
+
+def test_two_stages_exchange_half_as_often():
+    table = build_schedule(PipelineSchedule.Grouped, 2, 16)
+    assert table.num_ticks == 34 and len(table.exchange_blocks(2)) == 18

@@ -365,6 +365,63 @@ def test_recomputation_keeps_only_stage_inputs(how, strategy):
     assert pipeline.stash_bytes == (3 * 2 * 4 * 6, 1 * 2 * 4 * 8)  # inputs only
 
 
+@pytest.mark.parametrize("reduction, recompute", [
+    ("sum", None), ("running_mean", None), ("mean", "config"), ("mean", "recomputation_mode"),
+])
+def test_reductions_and_recomputation_train_like_the_big_batch(reduction, recompute, strategy):
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 2
+    config.allow_recompute = recompute == "config"
+    config.configure_ipu_system()
+    x, y = data_for("sequential", samples=64)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    plain = keras.Sequential.from_config(model.get_config())
+    plain.set_weights(model.get_weights())
+    # Summed micro-batch gradients are GA times the big batch's mean gradient.
+    plain.compile(optimizer=keras.optimizers.SGD(0.05 * (GA if reduction == "sum" else 1)),
+                  loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    kwargs = ({"recomputation_mode": ipu.pipelining_ops.RecomputationMode.Auto}
+              if recompute == "recomputation_mode" else {})
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method=reduction, **kwargs)
+    plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert ipu.utils.execution_report(model).pipeline.recomputation == (recompute is not None)
+
+
+def test_the_stash_keeps_activations_not_weights():
+    import jax
+
+    from keras_ipu.keras.pipelined_train import join_residuals, split_residuals
+
+    layer = keras.layers.Dense(32, activation="relu")
+    layer.build((4, 16))
+    weights = [np.asarray(w) for w in layer.trainable_variables]
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype("float32")
+    g = np.ones((4, 32), "float32")
+
+    def stage(weights, h):
+        return layer.stateless_call(weights, [], h)[0]
+
+    shapes = []
+
+    @jax.jit  # as in the pipelined program: residuals and inputs are traced values
+    def grads_from_the_stash(weights, h):
+        _, pullback = jax.vjp(stage, weights, h)
+        kept, treedef, source = split_residuals(pullback, (weights, h))
+        shapes.extend(k.shape for k in kept)
+        return join_residuals(treedef, source, kept, (weights, h))(g)
+
+    grads = grads_from_the_stash(weights, x)
+    assert shapes and (16, 32) not in shapes and (4, 16) not in shapes  # activations only
+    expected = jax.grad(lambda w, h: (stage(w, h) * g).sum(), argnums=(0, 1))(weights, x)
+    assert_trees_close(grads, expected, atol=1e-6)
+
+
 def test_pipelining_options_survive_save_and_load(strategy, tmp_path):
     configure(2)
     with strategy.scope():

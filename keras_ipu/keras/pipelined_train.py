@@ -16,12 +16,13 @@ keeps nothing but its input, and the backward op recomputes the stage
 forward. Stash rows are reused as soon as a micro-batch's backward op has
 run: a stage holds at most its `stash_counts()` micro-batches.
 
-Weight gradients come out of the backward op for its stage's own variables,
-packed into its IPU's flat gradient vector, and are summed outside the
-conditional (adding zeros for other ops is cheaper than copying the
-accumulator through every branch). After an update's micro-batches,
-gradients are summed over replicas and each IPU applies its own optimizer
-clone to its variables.
+One `lax.switch` per block picks what an IPU does in it (its ops of the
+block as one branch: the table's distinct per-IPU patterns). The last
+stage's forward op and its backward op on the same micro-batch run fused
+when they share a block. A backward op adds its stage's weight gradients
+into its slices of the IPU's flat accumulator, in place. After an update's
+micro-batches, gradients are summed over replicas and each IPU applies its
+own optimizer clone to its variables.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod 
 from keras_ipu.keras.pipelined import (
     _BACKWARD,
     _FORWARD,
-    _IDLE,
     IPU_AXIS,
     REPLICA_AXIS,
     TRAINING_STATE_PARTS,
@@ -103,19 +103,43 @@ def _stash_rows(table: schedules.ScheduleTable) -> tuple[np.ndarray, int, int]:
 
 
 def _blocks(table: schedules.ScheduleTable):
-    """`(kinds, stages, micro-batches)`, each `[blocks, block size, ipus]`."""
+    """The table as blocks of ticks, and what each IPU does in each block.
+
+    Returns:
+        `(kinds, stages, micro-batches, pattern ids)` (the first three
+        `[blocks, block size, ipus]`, the last `[blocks, ipus]`) and the
+        patterns: per slot of a block, `None` (idle) or `(phase, stage)`.
+        The phase `"FB"` is the last stage's forward op with its backward
+        op for the same micro-batch in the next slot (phase `"-"`): they run
+        as one op, which needs no stash.
+    """
     blocks = table.exchange_blocks(BLOCK_SIZE)
     if len(blocks) > (1 - MIN_BLOCK_SAVING) * table.num_ticks:
         blocks = table.exchange_blocks(1)
     shape = (len(blocks), len(blocks[0]), table.num_ipus)
     kinds, stage, micro = (np.zeros(shape, np.int32) for _ in range(3))
+    pattern_ids = np.zeros(shape[::2], np.int32)
+    patterns: dict[tuple, int] = {}
+    last = table.num_stages - 1
     for b, block in enumerate(blocks):
-        for q, t in enumerate(block):
-            for ipu, op in enumerate(table.ticks[t] if t is not None else ()):
-                if op is not None:
-                    kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
-                    stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
-    return jnp.asarray(kinds), jnp.asarray(stage), jnp.asarray(micro)
+        ops = [table.ticks[t] if t is not None else (None,) * table.num_ipus for t in block]
+        for ipu in range(table.num_ipus):
+            pattern = []
+            for q, tick in enumerate(ops):
+                op = tick[ipu]
+                if op is None:
+                    pattern.append(None)
+                    continue
+                kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
+                fused = (op.phase == "B" and op.stage == last and q > 0
+                         and ops[q - 1][ipu] == schedules.Op(last, op.micro_batch, "F"))
+                if fused:
+                    pattern[-1] = ("FB", last)
+                pattern.append(("-", last) if fused else (op.phase, op.stage))
+            pattern_ids[b, ipu] = patterns.setdefault(tuple(pattern), len(patterns))
+    arrays = tuple(jnp.asarray(a) for a in (kinds, stage, micro, pattern_ids))
+    return arrays, list(patterns)
 
 
 # --------------------------------------------------------------------------- the program
@@ -168,6 +192,25 @@ class _Stages:
         ]
         return layout.pack(arrays, self.state.lengths["trainable_variables"])
 
+    def accumulate(self, s: int, acc: dict, grads: list, rule, n, count) -> dict:
+        """`acc` (its IPU's flat accumulator) with stage `s`'s weight gradients added.
+
+        Each gradient updates only its variable's slice (`rule(old, grad, n,
+        count)`), in place: no flat gradient vector is built.
+        """
+        ipu = self.p.device_mapping[s]
+        layout = self.state.layouts["trainable_variables"][ipu]
+        where = dict(zip(self.state._indices("trainable_variables", ipu),
+                         zip(layout.offsets, layout.dtypes)))
+        acc = dict(acc)
+        for i, grad in zip(self.own[s], grads):
+            offset, dtype = where[i]
+            flat = acc[dtype]
+            part = jax.lax.dynamic_slice_in_dim(flat, offset, grad.size)
+            new = rule(part, grad.ravel().astype(flat.dtype), n, count)
+            acc[dtype] = jax.lax.dynamic_update_slice_in_dim(flat, new, offset, 0)
+        return acc
+
 
 def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                       table: schedules.ScheduleTable, reduction: Reduction,
@@ -192,10 +235,14 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     p = pipelined
     stages = _Stages(pipelined, state)
     runner, num_stages, micro = stages.runner, p.num_stages, table.num_micro_batches
-    kinds_of, stage_of, micro_of = _blocks(table)
+    block_rows, patterns = _blocks(table)
     mapping = jnp.asarray(p.device_mapping, jnp.int32)
     accumulate = ACCUMULATE[reduction]
-    masks = _stage_masks(pipelined, state) if reduction == Reduction.RUNNING_MEAN else None
+    # A running mean rescales what it has summed at each micro-batch, so each
+    # backward op updates its own slices of the accumulator (which costs a copy
+    # of it per block). The linear reductions add the block's summed
+    # gradients outside the conditional instead, which is cheaper.
+    in_place = reduction == Reduction.RUNNING_MEAN
     row_offset, slots, rows = _stash_rows(table)
     row_offset = jnp.asarray(row_offset)
     last = num_stages - 1
@@ -244,9 +291,6 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         def zero_message():
             return jnp.zeros((mb, width), jnp.float32)
 
-        def zero_grads():
-            return _zeros_like_flats(trainable0, accumulator_dtype)
-
         def zero_residual():
             return {d: jnp.zeros((n,), d) for d, n in lengths.items()}
 
@@ -271,86 +315,110 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
             logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
                                           logs_shape)
 
-            def forward(s):
-                def op(non_trainable, metrics, bundle, gradient, residual, j):
-                    batch = _index(data, j)
-                    tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle,
-                                                        batch)
-                    f = stages.function(s, tv, ntv, metrics, batch)
-                    if recompute:
-                        out, aux = f(weights, bundle)
-                        residual = zero_residual()
-                    else:
-                        out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-                        unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
-                        kept = split_residuals(vjp_fn, (known, unchanged))[0]
-                        residual = layouts[s].pack(kept, lengths)
-                    new_ntv, step_logs, new_metrics = aux
-                    non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
-                    if s == last:
-                        return (non_trainable, new_metrics, step_logs, zero_message(),
-                                zero_grads(), residual)
-                    return non_trainable, metrics, zero_logs(), out, zero_grads(), residual
-                return op
-
-            def backward(s):
-                def op(non_trainable, metrics, bundle, gradient, residual, j):
-                    batch = _index(data, j)
-                    tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle,
-                                                        batch)
-                    f = stages.function(s, tv, ntv, metrics, batch)
-                    # Traced for the pullback's structure; unused values are
-                    # dropped by XLA when the residuals come from the stash.
+            def forward(s, non_trainable, metrics, bundle, j):
+                """`(non_trainable, metrics, logs, message, residual)`."""
+                batch = _index(data, j)
+                tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle, batch)
+                f = stages.function(s, tv, ntv, metrics, batch)
+                if recompute:
+                    out, aux = f(weights, bundle)
+                    residual = zero_residual()
+                else:
                     out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-                    if not recompute:
-                        unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
-                        _, treedef, source = split_residuals(vjp_fn, (known, unchanged))
-                        vjp_fn = join_residuals(treedef, source, layouts[s].unpack(residual),
-                                                (known, unchanged))
-                    cotangent = jnp.ones_like(out) if s == last else gradient
-                    grads, g_in = vjp_fn(cotangent)
-                    return (non_trainable, metrics, zero_logs(), g_in,
-                            stages.pack_grads(s, grads, accumulator_dtype), zero_residual())
-                return op
+                    unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
+                    residual = layouts[s].pack(split_residuals(vjp_fn, (known, unchanged))[0],
+                                               lengths)
+                new_ntv, step_logs, new_metrics = aux
+                non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
+                if s == last:
+                    return non_trainable, new_metrics, step_logs, zero_message(), residual
+                return non_trainable, metrics, zero_logs(), out, residual
 
-            def idle(non_trainable, metrics, bundle, gradient, residual, j):
-                return (non_trainable, metrics, zero_logs(), zero_message(), zero_grads(),
-                        zero_residual())
+            def backward(s, non_trainable, metrics, bundle, gradient, residual, j, fused):
+                """`(non_trainable, metrics, logs, message, grads)`; `fused`: with the forward."""
+                batch = _index(data, j)
+                tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle, batch)
+                f = stages.function(s, tv, ntv, metrics, batch)
+                # Unfused, the pullback is traced for its structure only: XLA
+                # drops the forward computation when the residuals come from
+                # the stash.
+                out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+                step_logs = zero_logs()
+                if fused:
+                    new_ntv, step_logs, metrics = aux
+                    non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
+                elif not recompute:
+                    unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
+                    _, treedef, source = split_residuals(vjp_fn, (known, unchanged))
+                    vjp_fn = join_residuals(treedef, source, layouts[s].unpack(residual),
+                                            (known, unchanged))
+                cotangent = jnp.ones_like(out) if s == last else gradient
+                grads, g_in = vjp_fn(cotangent)
+                return non_trainable, metrics, step_logs, g_in, grads
 
-            branches = [idle] + [forward(s) for s in range(num_stages)] + [
-                backward(s) for s in range(num_stages)]
+            def run_pattern(pattern):
+                """One IPU's ops of a block, back to back, as one branch."""
+                def branch(non_trainable, metrics, acc, bundles, gradients, residuals, js):
+                    size = len(pattern)
+                    logs_q, messages, stashed = ([None] * size for _ in range(3))
+                    summed = []
+                    for q, entry in enumerate(pattern):
+                        if entry is None or entry[0] == "-":
+                            continue
+                        phase, s = entry
+                        if phase == "F":
+                            non_trainable, metrics, logs_q[q], messages[q], stashed[q] = forward(
+                                s, non_trainable, metrics, bundles[q], js[q])
+                            continue
+                        # A fused op's message belongs to its backward slot.
+                        residual = {d: r[q] for d, r in residuals.items()}
+                        non_trainable, metrics, logs_q[q], message, grads = backward(
+                            s, non_trainable, metrics, bundles[q], gradients[q], residual, js[q],
+                            phase == "FB")
+                        messages[q + (phase == "FB")] = message
+                        if in_place:
+                            acc = stages.accumulate(s, acc, grads, accumulate,
+                                                    js[q].astype(accumulator_dtype), micro)
+                        else:
+                            summed.append(stages.pack_grads(s, grads, accumulator_dtype))
+                    logs_out = jax.tree_util.tree_map(lambda *v: jnp.stack(v),
+                                                      *_filled(logs_q, zero_logs))
+                    stashed = _filled(stashed, zero_residual)
+                    stash_out = {d: jnp.stack([r[d] for r in stashed]) for d in lengths}
+                    if not in_place:
+                        # The sum of the block's gradients (or zeros); the
+                        # accumulator is updated outside the conditional.
+                        acc = (jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *summed)
+                               if summed else _zeros_like_flats(trainable0, accumulator_dtype))
+                    return (non_trainable, metrics, acc, logs_out,
+                            jnp.stack(_filled(messages, zero_message)), stash_out)
+                return branch
+
+            branches = [run_pattern(pattern) for pattern in patterns]
 
             def block(c, rows_of_block):
                 non_trainable, metrics, acc, fwd, bwd, logs, stash = c
-                kinds, stage, micro_b = rows_of_block
-                messages, block_grads = [], []
-                for q in range(kinds.shape[0]):
-                    kind, s, j = kinds[q, me], stage[q, me], micro_b[q, me]
-                    branch = jnp.where(kind == _IDLE, 0, jnp.where(
-                        kind == _FORWARD, 1 + s, 1 + num_stages + s))
-                    row = row_offset[s] + j % slots
-                    residual = {d: buf[row] for d, buf in stash.items()}
-                    non_trainable, metrics, step_logs, message, grads, residual = \
-                        jax.lax.switch(branch, branches, non_trainable, metrics, fwd[s, j],
-                                       bwd[s, j], residual, j)
+                kinds, stage, micro_b, pattern_id = rows_of_block
+                size = kinds.shape[0]
+                mine = [(kinds[q, me], stage[q, me], micro_b[q, me]) for q in range(size)]
+                rows_q = [row_offset[s] + j % slots for _, s, j in mine]
+                non_trainable, metrics, result, step_logs, messages, stashed = jax.lax.switch(
+                    pattern_id[me], branches, non_trainable, metrics, acc,
+                    jnp.stack([fwd[s, j] for _, s, j in mine]),
+                    jnp.stack([bwd[s, j] for _, s, j in mine]),
+                    {d: jnp.stack([buf[row] for row in rows_q]) for d, buf in stash.items()},
+                    jnp.stack([j for _, _, j in mine]))
+                acc = result if in_place else {
+                    k: accumulate(acc[k], result[k], None, micro) for k in acc}
+                for q, ((kind, s, j), row) in enumerate(zip(mine, rows_q)):
                     write = jnp.where(kind == _FORWARD, row, rows - 1)
-                    stash = {d: buf.at[write].set(residual[d]) for d, buf in stash.items()}
-                    if masks is None:
-                        block_grads.append(grads)
-                    else:
-                        acc = {k: jnp.where((kind == _BACKWARD) & masks[k][s],
-                                            accumulate(acc[k], grads[k], j.astype(jnp.float32),
-                                                       micro), acc[k]) for k in acc}
+                    stash = {d: buf.at[write].set(stashed[d][q]) for d, buf in stash.items()}
                     logs = jax.tree_util.tree_map(
-                        lambda b, v, kind=kind, s=s, j=j: b.at[j].set(
-                            jnp.where((kind == _FORWARD) & (s == last), v, b[j])),
+                        lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
+                            jnp.where((kind == _FORWARD) & (s == last), v[q], b[j])),
                         logs, step_logs)
-                    messages.append(message)
-                if block_grads:
-                    summed = jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *block_grads)
-                    acc = {k: accumulate(acc[k], summed[k], None, micro) for k in acc}
-                gathered = jax.lax.all_gather(jnp.stack(messages), IPU_AXIS)
-                for q in range(kinds.shape[0]):
+                gathered = jax.lax.all_gather(messages, IPU_AXIS)
+                for q in range(size):
                     for i in range(p.num_ipus):
                         fwd = _receive(fwd, gathered[i, q], kinds[q, i] == _FORWARD,
                                        stage[q, i] + 1, micro_b[q, i], mapping, me, num_stages)
@@ -359,7 +427,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 return (non_trainable, metrics, acc, fwd, bwd, logs, stash), None
 
             c = (non_trainable, metrics, acc, fwd, bwd, logs, stash)
-            c, _ = jax.lax.scan(block, c, (kinds_of, stage_of, micro_of))
+            c, _ = jax.lax.scan(block, c, block_rows)
             non_trainable, metrics, acc, _, _, logs, stash = c
             if state.replicas > 1:
                 acc = jax.lax.psum(acc, REPLICA_AXIS)
@@ -387,6 +455,11 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     )
 
 
+def _filled(values: list, zero) -> list:
+    """`values` with each `None` replaced by `zero()`."""
+    return [value if value is not None else zero() for value in values]
+
+
 def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
     t_layout = state.layouts["trainable_variables"][ipu]
     o_layout = state.layouts["optimizer_variables"][ipu]
@@ -401,28 +474,6 @@ def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
                 o_layout.pack(optimizer_values, state.lengths["optimizer_variables"]))
 
     return apply
-
-
-def _stage_masks(pipelined: PipelinedModel, state: PipelineState) -> dict:
-    """Which entries of its IPU's trainable flats belong to each stage's layers.
-
-    Per dtype, a `[stages, length]` boolean array.
-
-    A running mean rescales the whole accumulator at each micro-batch, so it
-    must touch only the entries of the stage whose gradients arrived.
-    """
-    index = {id(v): i for i, v in enumerate(pipelined.model.trainable_variables)}
-    masks = []
-    for s in range(pipelined.num_stages):
-        ipu = pipelined.device_mapping[s]
-        layout = state.layouts["trainable_variables"][ipu]
-        own = {index[id(v)] for layer in pipelined.plan.stage_layers(s)
-               for v in getattr(layer, "trainable_variables", [])}
-        arrays = [np.full(shape, i in own) for shape, i in
-                  zip(layout.shapes, state._indices("trainable_variables", ipu))]
-        flats = layout.pack(arrays, state.lengths["trainable_variables"], xp=np)
-        masks.append({k: jnp.asarray(v.astype(bool)) for k, v in flats.items()})
-    return {k: jnp.stack([m[k] for m in masks]) for k in masks[0]}
 
 
 __all__ = ["build_fit_program", "join_residuals", "split_residuals"]
