@@ -177,9 +177,10 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
                 return out[0] if out[0] is not None else out[2]
 
             def backward_op(t, n, b, x, stage=stage, first=s == 0):
-                # A backward op recomputes its stage, then differentiates it
-                # with respect to its weights and its inputs (for the first
-                # stage, the model inputs: every stage is costed alike).
+                # The stage differentiated with respect to its weights and its
+                # inputs (for the first stage, the model inputs: every stage is
+                # costed alike); this includes a forward pass, which only a
+                # recomputing backward op runs.
                 def total(t, b, x):
                     return sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(stage(t, n, b, x)))
 
@@ -187,8 +188,8 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
                 return jax.grad(total, argnums=(0, inputs))(t, b, x)
 
             forward.append(_cycles(jax.jit(stage).lower(*args), hardware))
-            backward.append(_cycles(jax.jit(backward_op).lower(*args), hardware)
-                            if training else 0.0)
+            full = _cycles(jax.jit(backward_op).lower(*args), hardware) if training else 0.0
+            backward.append(full if recompute or not training else max(full - forward[-1], 0.0))
         per_pass = (table.total_cycles(forward, backward if training else None)
                     + table.num_ticks * hardware.sync_cycles)
         report = PipelineReport(
