@@ -191,3 +191,28 @@ def test_pieces_the_pipelined_executor_uses():
     names = {v.name for v in optimizer.variables}
     assert {v.name for v in clone.variables} <= names
     assert len(clone.variables) == 2 + 2  # iteration, learning rate, bias momentum/velocity
+
+
+def test_losses_override_and_stateless_loss_collection():
+    # keras_ipu.keras.pipelined: `_losses_override` feeds the stages' additional
+    # losses to `compute_loss` of the last stage (as Keras' own JAX train step
+    # does); a layer called in a `StatelessScope(collect_losses=True)` leaves
+    # its `add_loss` values in `scope.losses`.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    assert model._losses_override == []
+    model._losses_override = [keras.ops.convert_to_tensor(2.5)]
+    assert float(model.losses[0]) == 2.5
+    total = model.compute_loss(y=np.zeros((1, 1)), y_pred=np.zeros((1, 1)))
+    assert float(total) == 2.5
+    model._losses_override = []
+
+    class Penalty(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x))
+            return x
+
+    layer = Penalty()
+    with keras.StatelessScope(collect_losses=True) as scope:
+        layer(np.ones((2, 2), "float32"))
+    assert [float(loss) for loss in scope.losses] == [4.0]

@@ -299,14 +299,15 @@ def test_reported_utilisation_matches_the_closed_form(schedule, stages, micro_ba
     from keras_ipu.device.pipeline import closed_form_utilisation
 
     configure(stages)  # one replica
+    # Wide enough that a stage's layer outweighs the bundle's bookkeeping.
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,))] + [
-            keras.layers.Dense(8, activation="relu") for _ in range(stages)])
+        model = keras.Sequential([keras.Input((64,))] + [
+            keras.layers.Dense(64, activation="relu") for _ in range(stages)])
     model.set_pipeline_stage_assignment(list(range(stages)))
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=micro_batches)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
                                  pipeline_schedule=schedule)
-    x = np.ones((micro_batches * 2, 8), "float32")
+    x = np.ones((micro_batches * 2, 64), "float32")
     model.fit(x, x, batch_size=2, verbose=0)
     pipeline = ipu.utils.execution_report(model, "fit").pipeline
     assert pipeline.schedule == schedule.name and pipeline.num_stages == stages
@@ -391,6 +392,52 @@ def test_reductions_and_recomputation_train_like_the_big_batch(reduction, recomp
     model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     assert ipu.utils.execution_report(model).pipeline.recomputation == (recompute is not None)
+
+
+class _Penalty(keras.layers.Layer):
+    """Adds a loss from its input with `add_loss`."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _regularized():
+    l2 = keras.regularizers.L2(0.01)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu", kernel_regularizer=l2),
+        _Penalty(),
+        keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.001)),
+        keras.layers.Dense(3, kernel_regularizer=l2, bias_regularizer=l2),
+    ])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_regularizers_and_added_losses_count_in_every_stage(schedule, strategy):
+    """Weight and activity regularizers and `add_loss` in both stages, as on one IPU."""
+    x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        single = _regularized()
+        model = _regularized()
+    model.set_weights(single.get_weights())
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    for m in (single, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    single.set_gradient_accumulation_options(GA, "mean")
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean",
+                                 pipeline_schedule=schedule)
+    configure(1)
+    expected = single.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0).history["loss"]
+    expected_eval = single.evaluate(x, y, batch_size=MICRO, verbose=0)
+    configure(2)
+    history = model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0).history["loss"]
+    assert_weights_close(single.get_weights(), model.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(history, expected, rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=MICRO, verbose=0), expected_eval,
+                               rtol=1e-5)
 
 
 def test_the_stash_keeps_activations_not_weights():

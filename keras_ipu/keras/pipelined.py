@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -118,6 +119,16 @@ class PipelinedModel:
             [self.width(keys) for keys in plan.live_after[:-1]] + [1]
         )
         self._place_variables()
+
+    def bundle_shape(self, batch: int) -> tuple[int, int]:
+        """The shape of what a stage sends the next: `[batch + 1, boundary_width]`.
+
+        Row `i < batch` is sample `i`'s tensors, flattened and padded; the
+        last row carries (in its first value) the additional losses
+        (regularizers, `add_loss`) of the stages so far to the last stage's
+        loss. A row, not a column: the samples stay one contiguous block.
+        """
+        return batch + 1, self.boundary_width
 
     def width(self, keys) -> int:
         """Values per sample of a bundle of tensors."""
@@ -281,6 +292,16 @@ class StageRunner:
         model = pipelined.model
         self.t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self.n_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        # Each regularized weight counts once, in the first stage that uses it
+        # (Keras counts a layer's weight regularization once per model call).
+        self.regularized: list[list] = []
+        counted: set[int] = set()
+        for s in range(pipelined.num_stages):
+            own = [i for i in self.own_trainable(s) if i not in counted]
+            counted.update(own)
+            self.regularized.append([
+                (i, model.trainable_variables[i].regularizer) for i in own
+                if getattr(model.trainable_variables[i], "regularizer", None) is not None])
 
     def _unpack(self, part: str, ipu: int, flats) -> dict[int, Any]:
         arrays = self.state.layouts[part][ipu].unpack(flats)
@@ -307,16 +328,24 @@ class StageRunner:
                         for v in getattr(layer, "trainable_variables", [])])
 
     def run(self, s: int, trainable, non_trainable, bundle, x, training: bool):
-        """(bundle out [mb, W], new non-trainable flats, outputs or None)."""
+        """`run_with` on an IPU's packed flats: the new non-trainable state packed too."""
         ipu = self.p.device_mapping[s]
-        out, ntv, outputs = self.run_with(s, self.trainable(ipu, trainable),
-                                          self.non_trainable(ipu, non_trainable), bundle, x,
-                                          training)
-        return out, self.pack_non_trainable(ipu, ntv), outputs
+        out, ntv, outputs, extra_loss = self.run_with(
+            s, self.trainable(ipu, trainable), self.non_trainable(ipu, non_trainable), bundle, x,
+            training)
+        return out, self.pack_non_trainable(ipu, ntv), outputs, extra_loss
 
     def run_with(self, s: int, tv: dict[int, Any], ntv: dict[int, Any], bundle, x,
                  training: bool):
-        """`run` on unpacked variables: `(bundle out, new non-trainable dict, outputs)`."""
+        """Runs stage `s` on unpacked variables.
+
+        Returns:
+            `(bundle out, new non-trainable dict, outputs, additional loss)`:
+            the bundle (`bundle_shape`) for every stage but the last, the
+            model's outputs for the last; the additional loss (regularizers,
+            `add_loss`, activity regularizers) of the stages so far, which
+            the bundle's last row carries on.
+        """
         p, plan = self.p, self.p.plan
         ntv = dict(ntv)
         env = dict(zip(plan.input_keys, tree.flatten(x)))
@@ -324,34 +353,70 @@ class StageRunner:
         for key in p.bundle_in[s]:
             tensor = plan.tensors[key]
             width = int(np.prod(tensor.shape[1:]))
-            value = bundle[:, offset : offset + width].reshape((-1, *tensor.shape[1:]))
+            value = bundle[:-1, offset : offset + width].reshape((-1, *tensor.shape[1:]))
             env[key] = value.astype(tensor.dtype)
             offset += width
+        losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
             node, layer = call.node, call.operation
             by_id = {id(t): env[k] for t, k in zip(node.arguments.keras_tensors, call.input_keys)}
             args, kwargs = node.arguments.fill_in(by_id)
             if getattr(layer, "_call_has_training_arg", False):
                 kwargs["training"] = training
-            layer_tv = [tv[self.t_index[id(v)]] for v in getattr(layer, "trainable_variables", [])]
-            layer_ntv = [ntv[self.n_index[id(v)]]
-                         for v in getattr(layer, "non_trainable_variables", [])]
             if hasattr(layer, "stateless_call"):
-                outputs, new_ntv = layer.stateless_call(layer_tv, layer_ntv, *args, **kwargs)
-                for v, value in zip(layer.non_trainable_variables, new_ntv):
-                    ntv[self.n_index[id(v)]] = value
+                outputs, new_ntv, call_losses = self._call_layer(layer, tv, ntv, args, kwargs)
+                ntv.update(new_ntv)
+                losses.extend(call_losses)
             else:  # a plain op in a functional graph
                 outputs = layer(*args, **kwargs)
             for key, value in zip(call.output_keys, tree.flatten(outputs)):
                 env[key] = value
+        extra_loss = bundle[-1, 0] + sum(
+            (jnp.sum(loss).astype(jnp.float32) for loss in losses), jnp.zeros((), jnp.float32))
         if s == p.num_stages - 1:
             outputs = tree.pack_sequence_as(plan.outputs_struct,
                                             [env[k] for k in plan.output_keys])
-            return None, ntv, outputs
+            return None, ntv, outputs, extra_loss
         flat = [env[k].reshape(env[k].shape[0], -1).astype(jnp.float32) for k in p.bundle_out[s]]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
-        return out, ntv, None
+        carried = jnp.zeros((1, p.boundary_width), jnp.float32).at[0, 0].set(extra_loss)
+        return jnp.concatenate([out, carried], axis=0), ntv, None, extra_loss
+
+    def _call_layer(self, layer, tv, ntv, args, kwargs):
+        """A layer call on given variable values: `(outputs, new non-trainables, losses)`.
+
+        Called through `__call__` in a stateless scope (as Keras calls the
+        layers of a model in `stateless_call`), so activity regularizers,
+        `add_loss` and autocasting apply; the scope collects the losses.
+        """
+        mapping = [(v, tv[self.t_index[id(v)]]) for v in layer.trainable_variables]
+        mapping += [(v, ntv[self.n_index[id(v)]]) for v in layer.non_trainable_variables]
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            outputs = layer(*args, **kwargs)
+        new_ntv = {self.n_index[id(v)]: scope.get_current_value(v)
+                   for v in layer.non_trainable_variables}
+        return outputs, new_ntv, list(scope.losses)
+
+
+def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool):
+    """The model's loss on a micro-batch, its additional losses included.
+
+    Returns:
+        `(loss, new metrics values)`, as `model.stateless_compute_loss`;
+        `extra_loss` counts as `model.losses` (the stages' regularizers and
+        `add_loss` values, computed where their layers run).
+    """
+    x, y, sample_weight = batch
+    previous = model._losses_override
+    model._losses_override = [extra_loss]
+    try:
+        loss, (_, _, metrics_values) = model.stateless_compute_loss(
+            [], [], metrics_values, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+            training=training)
+    finally:
+        model._losses_override = previous
+    return loss, metrics_values
 
 
 def _index(tree_, j):
@@ -400,14 +465,12 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
 
     def last(trainable, non_trainable, metrics, bundle, batch):
         x, y, sample_weight = batch
-        _, non_trainable, y_pred = runner.run(stages - 1, trainable, non_trainable, bundle, x,
-                                              False)
+        _, non_trainable, y_pred, extra_loss = runner.run(stages - 1, trainable, non_trainable,
+                                                          bundle, x, False)
         if mode == "predict":
             return y_pred, non_trainable, metrics
-        loss, (_, _, metrics_vars) = model.stateless_compute_loss(
-            [], [], metrics_layout.unpack(metrics), x=x, y=y, y_pred=y_pred,
-            sample_weight=sample_weight, training=False,
-        )
+        loss, metrics_vars = stage_loss(model, metrics_layout.unpack(metrics), batch, y_pred,
+                                        extra_loss, training=False)
         logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
                                                              sample_weight)
         return logs, non_trainable, metrics_layout.pack(
@@ -421,7 +484,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         non_trainable = local["non_trainable_variables"]
         metrics = local.get("metrics_variables", {})
         mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
-        fwd = jnp.zeros((stages, micro, mb, p.boundary_width), jnp.float32)
+        fwd = jnp.zeros((stages, micro, *p.bundle_shape(mb)), jnp.float32)
         out_shape = jax.eval_shape(
             lambda: last(trainable, non_trainable, metrics, fwd[0, 0], _index(data, 0)))[0]
         outputs = jax.tree_util.tree_map(
@@ -436,15 +499,15 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
                                                           fwd[s, j], batch)
                     outputs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), outputs,
                                                       result)
-                    message = jnp.zeros((mb, p.boundary_width), jnp.float32)
+                    message = jnp.zeros(p.bundle_shape(mb), jnp.float32)
                 else:
-                    message, non_trainable, _ = runner.run(s, trainable, non_trainable,
+                    message, non_trainable, _, _ = runner.run(s, trainable, non_trainable,
                                                            fwd[s, j], batch[0], False)
                 return (non_trainable, metrics, fwd, outputs), message
             return op
 
         def idle(c, j):
-            return c, jnp.zeros((mb, p.boundary_width), jnp.float32)
+            return c, jnp.zeros(p.bundle_shape(mb), jnp.float32)
 
         branches = [idle] + [forward(s) for s in range(stages)]
 

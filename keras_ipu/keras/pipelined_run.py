@@ -78,8 +78,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
 
     Raises:
         ValueError: Too few micro-batches for the schedule (naming the minimum).
-        NotImplementedError: Interleaved training with stages sharing an IPU,
-            or regularization losses.
+        NotImplementedError: Interleaved training with stages sharing an IPU.
     """
     plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
     schedule = schedule_of(options)
@@ -92,10 +91,6 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         raise ValueError(
             f"{what} ({micro}) is too small for the {schedule.name} schedule of "
             f"{plan.num_stages} pipeline stages: the minimum is {minimum}."
-        )
-    if any(getattr(v, "regularizer", None) is not None for v in model.trainable_variables):
-        raise NotImplementedError(
-            "Variable regularizers are not supported in pipelined models yet."
         )
     table = schedules.build_schedule(schedule, plan.num_stages, micro, mapping,
                                      training=mode == "fit")
@@ -163,7 +158,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     x = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
                                first_batch[0])
     batch = jax.tree_util.tree_leaves(x)[0].shape[0]
-    bundle = jax.ShapeDtypeStruct((batch, pipe.boundary_width), jnp.float32)
+    bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(batch), jnp.float32)
 
     def costs(hardware):
         forward, backward = [], []
@@ -174,7 +169,9 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
 
             def stage(t, n, b, x, s=s):
                 out = runner.run(s, t, n, b, x, training)
-                return out[0] if out[0] is not None else out[2]
+                # The samples' rows only: the row carrying the additional
+                # losses is bookkeeping, not the stage's work.
+                return out[0][:-1] if out[0] is not None else out[2]
 
             def backward_op(t, n, b, x, stage=stage, first=s == 0):
                 # The stage differentiated with respect to its weights and its

@@ -50,6 +50,7 @@ from keras_ipu.keras.pipelined import (
     _padded_lengths,
     _receive,
     _zeros_like_flats,
+    stage_loss,
 )
 from keras_ipu.keras.steps import ACCUMULATE
 
@@ -165,14 +166,12 @@ class _Stages:
             arrays = dict(tv)
             arrays.update(zip(self.own[s], weights))
             if not last:
-                out, new_ntv, _ = runner.run_with(s, arrays, ntv, bundle, batch[0], True)
+                out, new_ntv, _, _ = runner.run_with(s, arrays, ntv, bundle, batch[0], True)
                 return out, (new_ntv, None, None)
             x, y, sample_weight = batch
-            _, new_ntv, y_pred = runner.run_with(s, arrays, ntv, bundle, x, True)
-            loss, (_, _, metrics_vars) = model.stateless_compute_loss(
-                [], [], self.metrics_layout.unpack(metrics), x=x, y=y, y_pred=y_pred,
-                sample_weight=sample_weight, training=True,
-            )
+            _, new_ntv, y_pred, extra_loss = runner.run_with(s, arrays, ntv, bundle, x, True)
+            loss, metrics_vars = stage_loss(model, self.metrics_layout.unpack(metrics), batch,
+                                            y_pred, extra_loss, training=True)
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, loss, x, y, y_pred, sample_weight)
             metrics_flats = self.metrics_layout.pack(
@@ -253,7 +252,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         me = jax.lax.axis_index(IPU_AXIS)
         first = _index(batches, 0)
         mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
-        width = p.boundary_width
+        bundle_shape = p.bundle_shape(mb)
         trainable0, non_trainable0 = local["trainable_variables"], local["non_trainable_variables"]
 
         def op_inputs(s, weights_of, non_trainable, bundle, batch):
@@ -274,7 +273,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         def residuals_of(s):
             """The stash layout of stage `s` (traced once, for shapes only)."""
             def kept():
-                bundle = jnp.zeros((mb, width), jnp.float32)
+                bundle = jnp.zeros(bundle_shape, jnp.float32)
                 batch = _index(first, 0)
                 tv, ntv, weights, known = op_inputs(s, weights0, non_trainable0, bundle, batch)
                 f = stages.function(s, tv, ntv, local["metrics_variables"], batch)
@@ -289,7 +288,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         # Zeros are made inside each branch: a value from outside would be
         # copied into the conditional's result instead of just written.
         def zero_message():
-            return jnp.zeros((mb, width), jnp.float32)
+            return jnp.zeros(bundle_shape, jnp.float32)
 
         def zero_residual():
             return {d: jnp.zeros((n,), d) for d, n in lengths.items()}
@@ -308,7 +307,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
 
         def update(carry, data):
             trainable, non_trainable, optimizer_vars, metrics, stash = carry
-            fwd = jnp.zeros((num_stages, micro, mb, width), jnp.float32)
+            fwd = jnp.zeros((num_stages, micro, *bundle_shape), jnp.float32)
             bwd = jnp.zeros_like(fwd)
             acc = _zeros_like_flats(trainable, accumulator_dtype)
             weights_of = unpacked(trainable)
