@@ -27,6 +27,7 @@ own optimizer clone to its variables.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -48,7 +49,6 @@ from keras_ipu.keras.pipelined import (
     StageRunner,
     _index,
     _padded_lengths,
-    _receive,
     _zeros_like_flats,
     stage_loss,
 )
@@ -103,44 +103,84 @@ def _stash_rows(table: schedules.ScheduleTable) -> tuple[np.ndarray, int, int]:
     return np.asarray(offsets, np.int32), slots, max(seen.values()) * slots + 1
 
 
-def _blocks(table: schedules.ScheduleTable):
-    """The table as blocks of ticks, and what each IPU does in each block.
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """A training table as blocks of ticks: what each IPU runs and receives per block.
 
-    Returns:
-        `(kinds, stages, micro-batches, pattern ids)` (the first three
-        `[blocks, block size, ipus]`, the last `[blocks, ipus]`) and the
-        patterns: per slot of a block, `None` (idle) or `(phase, stage)`.
-        The phase `"FB"` is the last stage's forward op with its backward
-        op for the same micro-batch in the next slot (phase `"-"`): they run
-        as one op, which needs no stash.
+    Messages land in one inbox per IPU, `[inbox_rows, *bundle]`: row
+    `s * m + j` holds stage `s`'s input for micro-batch `j`, row
+    `p * m + s * m + j` the gradient of its output, and the last row
+    takes what no IPU waits for.
+
+    Attributes:
+        patterns: The distinct per-IPU blocks: per slot `None` (idle) or
+            `(phase, stage)`. The phase `"FB"` is the last stage's forward op
+            with its backward op on the same micro-batch in the next slot
+            (phase `"-"`): they run as one op, which needs no stash.
+        pattern_id: `[blocks, ipus]`, each IPU's pattern in each block.
+        kinds, stages, micro_batches: `[blocks, slots, ipus]`, each slot's op.
+        routes: `[blocks, ipus, routes, 3]`: per receiving IPU, `(sending IPU,
+            slot, inbox row)` of the messages it keeps (padded with the spare
+            row).
+        inbox_rows: Rows of an inbox.
     """
-    blocks = table.exchange_blocks(BLOCK_SIZE)
-    if len(blocks) > (1 - MIN_BLOCK_SAVING) * table.num_ticks:
-        blocks = table.exchange_blocks(1)
-    shape = (len(blocks), len(blocks[0]), table.num_ipus)
-    kinds, stage, micro = (np.zeros(shape, np.int32) for _ in range(3))
-    pattern_ids = np.zeros(shape[::2], np.int32)
-    patterns: dict[tuple, int] = {}
-    last = table.num_stages - 1
-    for b, block in enumerate(blocks):
-        ops = [table.ticks[t] if t is not None else (None,) * table.num_ipus for t in block]
-        for ipu in range(table.num_ipus):
-            pattern = []
-            for q, tick in enumerate(ops):
-                op = tick[ipu]
-                if op is None:
-                    pattern.append(None)
-                    continue
-                kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
-                stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
-                fused = (op.phase == "B" and op.stage == last and q > 0
-                         and ops[q - 1][ipu] == schedules.Op(last, op.micro_batch, "F"))
-                if fused:
-                    pattern[-1] = ("FB", last)
-                pattern.append(("-", last) if fused else (op.phase, op.stage))
-            pattern_ids[b, ipu] = patterns.setdefault(tuple(pattern), len(patterns))
-    arrays = tuple(jnp.asarray(a) for a in (kinds, stage, micro, pattern_ids))
-    return arrays, list(patterns)
+
+    patterns: list
+    pattern_id: np.ndarray
+    kinds: np.ndarray
+    stages: np.ndarray
+    micro_batches: np.ndarray
+    routes: np.ndarray
+    inbox_rows: int
+
+    @classmethod
+    def of(cls, table: schedules.ScheduleTable) -> BlockPlan:
+        blocks = table.exchange_blocks(BLOCK_SIZE)
+        if len(blocks) > (1 - MIN_BLOCK_SAVING) * table.num_ticks:
+            blocks = table.exchange_blocks(1)
+        p, m, ipus = table.num_stages, table.num_micro_batches, table.num_ipus
+        shape = (len(blocks), len(blocks[0]), ipus)
+        kinds, stage, micro = (np.zeros(shape, np.int32) for _ in range(3))
+        pattern_id = np.zeros(shape[::2], np.int32)
+        patterns: dict[tuple, int] = {}
+        received = [[[] for _ in range(ipus)] for _ in blocks]
+        for b, block in enumerate(blocks):
+            ops = [table.ticks[t] if t is not None else (None,) * ipus for t in block]
+            for ipu in range(ipus):
+                pattern = []
+                for q, tick in enumerate(ops):
+                    op = tick[ipu]
+                    pattern.append(_slot(op, ops[q - 1][ipu] if q else None, p))
+                    if op is None:
+                        continue
+                    if pattern[-1][0] == "-":
+                        pattern[-2] = ("FB", op.stage)
+                    kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                    stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
+                    target = op.stage + 1 if op.phase == "F" else op.stage - 1
+                    if 0 <= target < p:
+                        row = (0 if op.phase == "F" else p * m) + target * m + op.micro_batch
+                        received[b][table.device_mapping[target]].append((ipu, q, row))
+                pattern_id[b, ipu] = patterns.setdefault(tuple(pattern), len(patterns))
+        spare = 2 * p * m
+        width = max(len(r) for per_ipu in received for r in per_ipu)
+        routes = np.array([[r + [(0, 0, spare)] * (width - len(r)) for r in per_ipu]
+                           for per_ipu in received], np.int32)
+        return cls(list(patterns), pattern_id, kinds, stage, micro, routes, spare + 1)
+
+    def scanned(self) -> tuple:
+        """The per-block arrays a `lax.scan` walks."""
+        return tuple(jnp.asarray(a) for a in (self.kinds, self.stages, self.micro_batches,
+                                               self.pattern_id, self.routes))
+
+
+def _slot(op, previous, num_stages: int):
+    """A pattern's entry for `op` (see `BlockPlan.patterns`)."""
+    if op is None:
+        return None
+    fused = (op.phase == "B" and op.stage == num_stages - 1
+             and previous == schedules.Op(op.stage, op.micro_batch, "F"))
+    return ("-", op.stage) if fused else (op.phase, op.stage)
 
 
 # --------------------------------------------------------------------------- the program
@@ -234,8 +274,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     p = pipelined
     stages = _Stages(pipelined, state)
     runner, num_stages, micro = stages.runner, p.num_stages, table.num_micro_batches
-    block_rows, patterns = _blocks(table)
-    mapping = jnp.asarray(p.device_mapping, jnp.int32)
+    plan = BlockPlan.of(table)
+    gradient_rows = num_stages * micro  # inbox rows of gradients start here
     accumulate = ACCUMULATE[reduction]
     # A running mean rescales what it has summed at each micro-batch, so each
     # backward op updates its own slices of the accumulator (which costs a copy
@@ -307,8 +347,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
 
         def update(carry, data):
             trainable, non_trainable, optimizer_vars, metrics, stash = carry
-            fwd = jnp.zeros((num_stages, micro, *bundle_shape), jnp.float32)
-            bwd = jnp.zeros_like(fwd)
+            inbox = jnp.zeros((plan.inbox_rows, *bundle_shape), jnp.float32)
             acc = _zeros_like_flats(trainable, accumulator_dtype)
             weights_of = unpacked(trainable)
             logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
@@ -356,8 +395,13 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 return non_trainable, metrics, step_logs, g_in, grads
 
             def run_pattern(pattern):
-                """One IPU's ops of a block, back to back, as one branch."""
-                def branch(non_trainable, metrics, acc, bundles, gradients, residuals, js):
+                """One IPU's ops of a block, back to back, as one branch.
+
+                The branch reads what its ops need from the inbox and the
+                stash itself: only it knows which slots are forward or
+                backward ops.
+                """
+                def branch(non_trainable, metrics, acc, inbox, stash, js):
                     size = len(pattern)
                     logs_q, messages, stashed = ([None] * size for _ in range(3))
                     summed = []
@@ -365,19 +409,23 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                         if entry is None or entry[0] == "-":
                             continue
                         phase, s = entry
+                        j = js[q]
+                        bundle = inbox[s * micro + j]
                         if phase == "F":
                             non_trainable, metrics, logs_q[q], messages[q], stashed[q] = forward(
-                                s, non_trainable, metrics, bundles[q], js[q])
+                                s, non_trainable, metrics, bundle, j)
                             continue
-                        # A fused op's message belongs to its backward slot.
-                        residual = {d: r[q] for d, r in residuals.items()}
+                        gradient = inbox[gradient_rows + s * micro + j]
+                        row = row_offset[s] + j % slots
+                        residual = {d: buf[row] for d, buf in stash.items()}
                         non_trainable, metrics, logs_q[q], message, grads = backward(
-                            s, non_trainable, metrics, bundles[q], gradients[q], residual, js[q],
+                            s, non_trainable, metrics, bundle, gradient, residual, j,
                             phase == "FB")
+                        # A fused op's message belongs to its backward slot.
                         messages[q + (phase == "FB")] = message
                         if in_place:
                             acc = stages.accumulate(s, acc, grads, accumulate,
-                                                    js[q].astype(accumulator_dtype), micro)
+                                                    j.astype(accumulator_dtype), micro)
                         else:
                             summed.append(stages.pack_grads(s, grads, accumulator_dtype))
                     logs_out = jax.tree_util.tree_map(lambda *v: jnp.stack(v),
@@ -393,41 +441,33 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                             jnp.stack(_filled(messages, zero_message)), stash_out)
                 return branch
 
-            branches = [run_pattern(pattern) for pattern in patterns]
+            branches = [run_pattern(pattern) for pattern in plan.patterns]
 
             def block(c, rows_of_block):
-                non_trainable, metrics, acc, fwd, bwd, logs, stash = c
-                kinds, stage, micro_b, pattern_id = rows_of_block
-                size = kinds.shape[0]
-                mine = [(kinds[q, me], stage[q, me], micro_b[q, me]) for q in range(size)]
-                rows_q = [row_offset[s] + j % slots for _, s, j in mine]
+                non_trainable, metrics, acc, inbox, logs, stash = c
+                kinds, stage, micro_b, pattern_id, routes = rows_of_block
+                mine = [(kinds[q, me], stage[q, me], micro_b[q, me])
+                        for q in range(kinds.shape[0])]
                 non_trainable, metrics, result, step_logs, messages, stashed = jax.lax.switch(
-                    pattern_id[me], branches, non_trainable, metrics, acc,
-                    jnp.stack([fwd[s, j] for _, s, j in mine]),
-                    jnp.stack([bwd[s, j] for _, s, j in mine]),
-                    {d: jnp.stack([buf[row] for row in rows_q]) for d, buf in stash.items()},
+                    pattern_id[me], branches, non_trainable, metrics, acc, inbox, stash,
                     jnp.stack([j for _, _, j in mine]))
                 acc = result if in_place else {
                     k: accumulate(acc[k], result[k], None, micro) for k in acc}
-                for q, ((kind, s, j), row) in enumerate(zip(mine, rows_q)):
-                    write = jnp.where(kind == _FORWARD, row, rows - 1)
+                for q, (kind, s, j) in enumerate(mine):
+                    write = jnp.where(kind == _FORWARD, row_offset[s] + j % slots, rows - 1)
                     stash = {d: buf.at[write].set(stashed[d][q]) for d, buf in stash.items()}
                     logs = jax.tree_util.tree_map(
                         lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
                             jnp.where((kind == _FORWARD) & (s == last), v[q], b[j])),
                         logs, step_logs)
                 gathered = jax.lax.all_gather(messages, IPU_AXIS)
-                for q in range(size):
-                    for i in range(p.num_ipus):
-                        fwd = _receive(fwd, gathered[i, q], kinds[q, i] == _FORWARD,
-                                       stage[q, i] + 1, micro_b[q, i], mapping, me, num_stages)
-                        bwd = _receive(bwd, gathered[i, q], kinds[q, i] == _BACKWARD,
-                                       stage[q, i] - 1, micro_b[q, i], mapping, me, num_stages)
-                return (non_trainable, metrics, acc, fwd, bwd, logs, stash), None
+                for sender, q, row in routes[me]:
+                    inbox = inbox.at[row].set(gathered[sender, q])
+                return (non_trainable, metrics, acc, inbox, logs, stash), None
 
-            c = (non_trainable, metrics, acc, fwd, bwd, logs, stash)
-            c, _ = jax.lax.scan(block, c, block_rows)
-            non_trainable, metrics, acc, _, _, logs, stash = c
+            c = (non_trainable, metrics, acc, inbox, logs, stash)
+            c, _ = jax.lax.scan(block, c, plan.scanned())
+            non_trainable, metrics, acc, _, logs, stash = c
             if state.replicas > 1:
                 acc = jax.lax.psum(acc, REPLICA_AXIS)
             trainable, optimizer_vars = jax.lax.switch(
