@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from keras_ipu.device import pipeline as schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+from keras_ipu.keras.pipeline_gradients import GradientLayout
 from keras_ipu.keras.pipelined import (
     _BACKWARD,
     _FORWARD,
@@ -49,7 +50,6 @@ from keras_ipu.keras.pipelined import (
     StageRunner,
     _index,
     _padded_lengths,
-    _zeros_like_flats,
     stage_loss,
 )
 from keras_ipu.keras.steps import ACCUMULATE
@@ -193,6 +193,10 @@ class _Stages:
         self.p, self.state = pipelined, state
         self.runner = StageRunner(pipelined, state)
         self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
+        self.grads = GradientLayout.of(
+            [list(zip(state._indices("trainable_variables", ipu), layout.shapes, layout.dtypes))
+             for ipu, layout in enumerate(state.layouts["trainable_variables"])],
+            state.lengths["trainable_variables"])
         self.metrics_layout = state.layouts["metrics_variables"][pipelined.last_ipu]
 
     def function(self, s: int, tv: dict, ntv: dict, metrics, batch):
@@ -219,36 +223,6 @@ class _Stages:
             return loss, (new_ntv, logs, metrics_flats)
 
         return f
-
-    def pack_grads(self, s: int, grads: list, dtype: str) -> dict:
-        """Stage `s`'s weight gradients in its IPU's flat layout (zeros elsewhere)."""
-        ipu = self.p.device_mapping[s]
-        layout = self.state.layouts["trainable_variables"][ipu]
-        by_index = dict(zip(self.own[s], grads))
-        arrays = [
-            by_index[i].astype(dtype) if i in by_index else jnp.zeros(shape, dtype)
-            for i, shape in zip(self.state._indices("trainable_variables", ipu), layout.shapes)
-        ]
-        return layout.pack(arrays, self.state.lengths["trainable_variables"])
-
-    def accumulate(self, s: int, acc: dict, grads: list, rule, n, count) -> dict:
-        """`acc` (its IPU's flat accumulator) with stage `s`'s weight gradients added.
-
-        Each gradient updates only its variable's slice (`rule(old, grad, n,
-        count)`), in place: no flat gradient vector is built.
-        """
-        ipu = self.p.device_mapping[s]
-        layout = self.state.layouts["trainable_variables"][ipu]
-        where = dict(zip(self.state._indices("trainable_variables", ipu),
-                         zip(layout.offsets, layout.dtypes)))
-        acc = dict(acc)
-        for i, grad in zip(self.own[s], grads):
-            offset, dtype = where[i]
-            flat = acc[dtype]
-            part = jax.lax.dynamic_slice_in_dim(flat, offset, grad.size)
-            new = rule(part, grad.ravel().astype(flat.dtype), n, count)
-            acc[dtype] = jax.lax.dynamic_update_slice_in_dim(flat, new, offset, 0)
-        return acc
 
 
 def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
@@ -348,7 +322,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         def update(carry, data):
             trainable, non_trainable, optimizer_vars, metrics, stash = carry
             inbox = jnp.zeros((plan.inbox_rows, *bundle_shape), jnp.float32)
-            acc = _zeros_like_flats(trainable, accumulator_dtype)
+            acc = stages.grads.zeros(accumulator_dtype)
             weights_of = unpacked(trainable)
             logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
                                           logs_shape)
@@ -394,6 +368,11 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 grads, g_in = vjp_fn(cotangent)
                 return non_trainable, metrics, step_logs, g_in, grads
 
+            def rule_for(j):
+                """The reduction's update of an accumulator part by micro-batch `j`."""
+                n = j.astype(accumulator_dtype)
+                return lambda old, grad: accumulate(old, grad, n, micro)
+
             def run_pattern(pattern):
                 """One IPU's ops of a block, back to back, as one branch.
 
@@ -423,11 +402,11 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                             phase == "FB")
                         # A fused op's message belongs to its backward slot.
                         messages[q + (phase == "FB")] = message
+                        ipu, by_index = p.device_mapping[s], dict(zip(stages.own[s], grads))
                         if in_place:
-                            acc = stages.accumulate(s, acc, grads, accumulate,
-                                                    j.astype(accumulator_dtype), micro)
+                            acc = stages.grads.update(ipu, acc, by_index, rule_for(j))
                         else:
-                            summed.append(stages.pack_grads(s, grads, accumulator_dtype))
+                            summed.append(stages.grads.pack(ipu, by_index, accumulator_dtype))
                     logs_out = jax.tree_util.tree_map(lambda *v: jnp.stack(v),
                                                       *_filled(logs_q, zero_logs))
                     stashed = _filled(stashed, zero_residual)
@@ -436,7 +415,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                         # The sum of the block's gradients (or zeros); the
                         # accumulator is updated outside the conditional.
                         acc = (jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *summed)
-                               if summed else _zeros_like_flats(trainable0, accumulator_dtype))
+                               if summed else stages.grads.zeros(accumulator_dtype))
                     return (non_trainable, metrics, acc, logs_out,
                             jnp.stack(_filled(messages, zero_message)), stash_out)
                 return branch
@@ -451,8 +430,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 non_trainable, metrics, result, step_logs, messages, stashed = jax.lax.switch(
                     pattern_id[me], branches, non_trainable, metrics, acc, inbox, stash,
                     jnp.stack([j for _, _, j in mine]))
-                acc = result if in_place else {
-                    k: accumulate(acc[k], result[k], None, micro) for k in acc}
+                acc = result if in_place else jax.tree_util.tree_map(
+                    lambda a, r: accumulate(a, r, None, micro), acc, result)
                 for q, (kind, s, j) in enumerate(mine):
                     write = jnp.where(kind == _FORWARD, row_offset[s] + j % slots, rows - 1)
                     stash = {d: buf.at[write].set(stashed[d][q]) for d, buf in stash.items()}
@@ -471,7 +450,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
             if state.replicas > 1:
                 acc = jax.lax.psum(acc, REPLICA_AXIS)
             trainable, optimizer_vars = jax.lax.switch(
-                me, [_apply_optimizer(pipelined, state, d) for d in range(p.num_ipus)],
+                me, [_apply_optimizer(pipelined, state, stages.grads, d)
+                     for d in range(p.num_ipus)],
                 trainable, optimizer_vars, acc)
             # Only the last stage's IPU has the logs; the others hold zeros.
             logs = jax.lax.psum(
@@ -499,14 +479,15 @@ def _filled(values: list, zero) -> list:
     return [value if value is not None else zero() for value in values]
 
 
-def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState, ipu: int):
+def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState,
+                     grads_layout: GradientLayout, ipu: int):
     t_layout = state.layouts["trainable_variables"][ipu]
     o_layout = state.layouts["optimizer_variables"][ipu]
     optimizer = pipelined.optimizers[ipu]
 
     def apply(trainable, optimizer_vars, acc):
         variables = t_layout.unpack(trainable)
-        grads = [g.astype(v.dtype) for g, v in zip(t_layout.unpack(acc), variables)]
+        grads = [g.astype(v.dtype) for g, v in zip(grads_layout.unpack(ipu, acc), variables)]
         variables, optimizer_values = optimizer.stateless_apply(
             o_layout.unpack(optimizer_vars), grads, variables)
         return (t_layout.pack(variables, state.lengths["trainable_variables"]),

@@ -1,0 +1,129 @@
+"""How a pipelined program holds each IPU's weight gradients while they accumulate.
+
+Every IPU runs the same program, so every IPU's accumulator has the same
+structure. Two layouts:
+
+- **slots**: a tuple of arrays, one per slot; a slot is a (shape, dtype)
+  that each IPU may fill with one of its variables. Stages of equal layers
+  share all their slots, so nothing is padded and a backward op's gradients
+  are the slots as they are.
+- **flat**: per dtype one vector holding an IPU's variables back to back,
+  padded to the longest IPU (as the weights themselves are held). Gradients
+  must be concatenated into it.
+
+`GradientLayout.of` takes the slots unless they would hold notably more
+values than the flat vectors (IPUs with unlike variables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Slots may hold this much more than the flat vectors and still be chosen.
+SLOT_OVERHEAD = 1.1
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientLayout:
+    """The accumulator structure shared by the IPUs of a pipeline.
+
+    Args:
+        variables: Per IPU, `(variable index, shape, dtype)` of its trainable
+            variables, in the order of its flat layout.
+        slots: `(shape, dtype)` of each slot, or `None` for the flat layout.
+        slot_of: Per IPU, variable index -> slot (slots layout only).
+        lengths: Per dtype, the flat vectors' length (flat layout only).
+    """
+
+    variables: tuple[tuple[tuple[int, tuple[int, ...], str], ...], ...]
+    slots: tuple[tuple[tuple[int, ...], str], ...] | None
+    slot_of: tuple[dict[int, int], ...]
+    lengths: dict[str, int]
+
+    @classmethod
+    def of(cls, variables: Sequence[Sequence[tuple[int, tuple[int, ...], str]]],
+           lengths: dict[str, int]) -> GradientLayout:
+        """The layout for these IPUs' variables (`lengths`: the flat vectors')."""
+        variables = tuple(tuple(v) for v in variables)
+        slots: list[tuple[tuple[int, ...], str]] = []
+        slot_of = []
+        for ipu_variables in variables:
+            taken: dict[int, int] = {}
+            for index, shape, dtype in ipu_variables:
+                free = next((k for k, slot in enumerate(slots)
+                             if slot == (shape, dtype) and k not in taken.values()), None)
+                if free is None:
+                    slots.append((shape, dtype))
+                    free = len(slots) - 1
+                taken[index] = free
+            slot_of.append(taken)
+        slot_values = sum(int(np.prod(shape)) for shape, _ in slots)
+        if slot_values > SLOT_OVERHEAD * sum(lengths.values()):
+            return cls(variables, None, (), dict(lengths))
+        return cls(variables, tuple(slots), tuple(slot_of), dict(lengths))
+
+    def zeros(self, dtype: str) -> Any:
+        """An empty accumulator."""
+        if self.slots is None:
+            return {d: jnp.zeros((n,), dtype) for d, n in self.lengths.items()}
+        return tuple(jnp.zeros(shape, dtype) for shape, _ in self.slots)
+
+    def pack(self, ipu: int, grads: dict[int, Any], dtype: str) -> Any:
+        """Gradients of some of `ipu`'s variables (by index) as an accumulator."""
+        if self.slots is None:
+            parts: dict[str, list] = {d: [] for d in self.lengths}
+            for index, shape, kind in self.variables[ipu]:
+                grad = grads.get(index)
+                parts[kind].append(jnp.zeros(int(np.prod(shape)), dtype) if grad is None
+                                   else grad.astype(dtype).ravel())
+            return {d: _padded(parts[d], n, dtype) for d, n in self.lengths.items()}
+        by_slot = {self.slot_of[ipu][index]: grad for index, grad in grads.items()}
+        return tuple(by_slot[k].astype(dtype) if k in by_slot else jnp.zeros(shape, dtype)
+                     for k, (shape, _) in enumerate(self.slots))
+
+    def update(self, ipu: int, acc: Any, grads: dict[int, Any],
+               rule: Callable[[Any, Any], Any]) -> Any:
+        """`acc` with `rule(old, grad)` applied to each given variable's part only."""
+        if self.slots is not None:
+            acc = list(acc)
+            for index, grad in grads.items():
+                k = self.slot_of[ipu][index]
+                acc[k] = rule(acc[k], grad.astype(acc[k].dtype))
+            return tuple(acc)
+        acc, offsets = dict(acc), self._offsets(ipu)
+        for index, grad in grads.items():
+            offset, kind = offsets[index]
+            flat = acc[kind]
+            part = jax.lax.dynamic_slice_in_dim(flat, offset, grad.size)
+            new = rule(part, grad.ravel().astype(flat.dtype))
+            acc[kind] = jax.lax.dynamic_update_slice_in_dim(flat, new, offset, 0)
+        return acc
+
+    def unpack(self, ipu: int, acc: Any) -> list[Any]:
+        """`ipu`'s gradients, one array per variable in its flat layout's order."""
+        if self.slots is not None:
+            return [acc[self.slot_of[ipu][index]] for index, _, _ in self.variables[ipu]]
+        offsets = self._offsets(ipu)
+        return [acc[kind][offsets[index][0]:offsets[index][0] + int(np.prod(shape))]
+                .reshape(shape) for index, shape, kind in self.variables[ipu]]
+
+    def _offsets(self, ipu: int) -> dict[int, tuple[int, str]]:
+        offsets, used = {}, dict.fromkeys(self.lengths, 0)
+        for index, shape, kind in self.variables[ipu]:
+            offsets[index] = (used[kind], kind)
+            used[kind] += int(np.prod(shape))
+        return offsets
+
+
+def _padded(parts: list, length: int, dtype: str) -> Any:
+    used = sum(int(p.shape[0]) for p in parts)
+    return jnp.concatenate(parts + [jnp.zeros((length - used,), dtype)])
+
+
+__all__ = ["GradientLayout"]
