@@ -257,6 +257,9 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
     # gradients outside the conditional instead, which is cheaper.
     in_place = reduction == Reduction.RUNNING_MEAN
     row_offset, slots, rows = _stash_rows(table)
+    # Per block, an IPU stashes at most this many forward ops' residuals.
+    stash_rows_out = max(sum(entry is not None and entry[0] == "F" for entry in pattern)
+                         for pattern in plan.patterns) or 1
     row_offset = jnp.asarray(row_offset)
     last = num_stages - 1
 
@@ -320,8 +323,11 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
             return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), logs_shape)
 
         def update(carry, data):
-            trainable, non_trainable, optimizer_vars, metrics, stash = carry
-            inbox = jnp.zeros((plan.inbox_rows, *bundle_shape), jnp.float32)
+            # The inbox needs no clearing between updates: every row an op
+            # reads was written earlier in the same update, but stage 0's
+            # rows, which nothing writes (they stay zero: no additional loss
+            # comes before stage 0).
+            trainable, non_trainable, optimizer_vars, metrics, stash, inbox = carry
             acc = stages.grads.zeros(accumulator_dtype)
             weights_of = unpacked(trainable)
             logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
@@ -382,20 +388,22 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                 """
                 def branch(non_trainable, metrics, acc, inbox, stash, js):
                     size = len(pattern)
-                    logs_q, messages, stashed = ([None] * size for _ in range(3))
-                    summed = []
+                    logs_q, messages = [None] * size, [None] * size
+                    stashed, targets, summed = [], [], []
                     for q, entry in enumerate(pattern):
                         if entry is None or entry[0] == "-":
                             continue
                         phase, s = entry
                         j = js[q]
                         bundle = inbox[s * micro + j]
+                        row = row_offset[s] + j % slots
                         if phase == "F":
-                            non_trainable, metrics, logs_q[q], messages[q], stashed[q] = forward(
+                            non_trainable, metrics, logs_q[q], messages[q], residual = forward(
                                 s, non_trainable, metrics, bundle, j)
+                            stashed.append(residual)
+                            targets.append(row)
                             continue
                         gradient = inbox[gradient_rows + s * micro + j]
-                        row = row_offset[s] + j % slots
                         residual = {d: buf[row] for d, buf in stash.items()}
                         non_trainable, metrics, logs_q[q], message, grads = backward(
                             s, non_trainable, metrics, bundle, gradient, residual, j,
@@ -409,8 +417,12 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                             summed.append(stages.grads.pack(ipu, by_index, accumulator_dtype))
                     logs_out = jax.tree_util.tree_map(lambda *v: jnp.stack(v),
                                                       *_filled(logs_q, zero_logs))
-                    stashed = _filled(stashed, zero_residual)
-                    stash_out = {d: jnp.stack([r[d] for r in stashed]) for d in lengths}
+                    # Rows to stash, and where: the spare row for unused ones.
+                    spare = stash_rows_out - len(stashed)
+                    stashed += [zero_residual() for _ in range(spare)]
+                    targets = jnp.stack(targets + [jnp.int32(rows - 1)] * spare)
+                    stash_out = ({d: jnp.stack([r[d] for r in stashed]) for d in lengths},
+                                 targets)
                     if not in_place:
                         # The sum of the block's gradients (or zeros); the
                         # accumulator is updated outside the conditional.
@@ -432,9 +444,10 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                     jnp.stack([j for _, _, j in mine]))
                 acc = result if in_place else jax.tree_util.tree_map(
                     lambda a, r: accumulate(a, r, None, micro), acc, result)
+                stashed, targets = stashed
+                for r in range(stash_rows_out):
+                    stash = {d: buf.at[targets[r]].set(stashed[d][r]) for d, buf in stash.items()}
                 for q, (kind, s, j) in enumerate(mine):
-                    write = jnp.where(kind == _FORWARD, row_offset[s] + j % slots, rows - 1)
-                    stash = {d: buf.at[write].set(stashed[d][q]) for d, buf in stash.items()}
                     logs = jax.tree_util.tree_map(
                         lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
                             jnp.where((kind == _FORWARD) & (s == last), v[q], b[j])),
@@ -446,7 +459,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
 
             c = (non_trainable, metrics, acc, inbox, logs, stash)
             c, _ = jax.lax.scan(block, c, plan.scanned())
-            non_trainable, metrics, acc, _, logs, stash = c
+            non_trainable, metrics, acc, inbox, logs, stash = c
             if state.replicas > 1:
                 acc = jax.lax.psum(acc, REPLICA_AXIS)
             trainable, optimizer_vars = jax.lax.switch(
@@ -457,9 +470,10 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
             logs = jax.lax.psum(
                 jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
                 IPU_AXIS)
-            return (trainable, non_trainable, optimizer_vars, metrics, stash), logs
+            return (trainable, non_trainable, optimizer_vars, metrics, stash, inbox), logs
 
-        carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash0,)
+        inbox0 = jnp.zeros((plan.inbox_rows, *bundle_shape), jnp.float32)
+        carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash0, inbox0)
         carry, logs = jax.lax.scan(update, carry, batches)
         new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
                for part, value in zip(TRAINING_STATE_PARTS, carry)}
