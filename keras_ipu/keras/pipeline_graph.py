@@ -1,0 +1,299 @@
+"""Model graphs for pipeline stage assignments: model kinds, post-order, tracing.
+
+Finds a model's graph of layer calls and orders the calls as they execute.
+Sequential and Functional models have a graph; a subclassed model's `call`
+is traced on `keras.Input`s (every inner layer call records a node) and the
+graph is kept on the model until it is built with other shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import keras
+from keras.src.models.functional import Functional
+from keras.src.models.sequential import Sequential
+from keras.src.ops.node import Node
+
+from keras_ipu.keras import pipeline_stage as stage_lib
+from keras_ipu.keras.pipeline_assignment_classes import _name
+from keras_ipu.keras.strategy import current_strategy
+
+SEQUENTIAL, FUNCTIONAL, MODEL = "sequential", "functional", "model"
+_TRACE_ATTRIBUTE = "_ipu_traced_graph"
+# Set by keras_ipu.keras.injection on models created in a strategy scope.
+_STRATEGY_ATTRIBUTE = "_ipu_strategy"
+
+
+# --------------------------------------------------------------------------
+# Model graphs: kinds, post-order, tracing subclassed models.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Graph:
+    """A model's graph: flat input/output KerasTensors and their structures."""
+
+    inputs: tuple
+    outputs: tuple
+    inputs_struct: Any
+    outputs_struct: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Trace:
+    build_key: str
+    graph: _Graph
+
+
+def model_kind(model: Any) -> str:
+    """The assignment kind of a model: `"sequential"`, `"functional"` or `"model"`.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        `"sequential"` for `keras.Sequential`, `"functional"` for models
+        built from inputs and outputs, `"model"` for subclassed models.
+
+    Raises:
+        TypeError: When `model` is not a Keras model.
+
+    Example:
+
+    >>> model_kind(keras.Sequential([keras.layers.Dense(1)]))
+    'sequential'
+    """
+    if isinstance(model, Sequential):
+        return SEQUENTIAL
+    if isinstance(model, Functional):
+        return FUNCTIONAL
+    if isinstance(model, keras.Model):
+        return MODEL
+    raise TypeError(f"Expected a Keras model, got {model!r} of type {type(model).__name__}.")
+
+
+def _nested_kind(operation: Any) -> str | None:
+    # Subclassed models nested in a graph stay one opaque layer call.
+    if isinstance(operation, Sequential):
+        return SEQUENTIAL
+    if isinstance(operation, Functional):
+        return FUNCTIONAL
+    return None
+
+
+def _functional_graph(functional: Any) -> _Graph:
+    return _Graph(
+        tuple(functional.inputs), tuple(functional.outputs), functional.input, functional.output
+    )
+
+
+def _static_graph(model: Any, kind: str) -> _Graph | None:
+    if kind == SEQUENTIAL:
+        functional = getattr(model, "_functional", None)
+        return None if functional is None else _functional_graph(functional)
+    if kind == FUNCTIONAL:
+        return _functional_graph(model)
+    return None
+
+
+def _post_order(graph: _Graph) -> list[Node]:
+    """The graph's non-input nodes in execution order."""
+    input_ids = {id(t) for t in graph.inputs}
+
+    def producer(tensor: Any) -> Node | None:
+        if id(tensor) in input_ids:
+            return None
+        history = getattr(tensor, "_keras_history", None)
+        if history is None or history.operation is None:
+            raise ValueError(f"Tensor {tensor} is not connected to the model inputs.")
+        node = history.operation._inbound_nodes[history.node_index]
+        if node.is_input:
+            raise ValueError(
+                f"Tensor {tensor} comes from input {history.operation.name}, which is not "
+                f"one of the model inputs."
+            )
+        return node
+
+    order: list[Node] = []
+    done: set[int] = set()
+    visiting: set[int] = set()
+    parents: dict[int, list[Node]] = {}
+    # Iterative depth-first walk (deep models exceed Python's recursion limit).
+    for output in graph.outputs:
+        root = producer(output)
+        if root is None or id(root) in done:
+            continue
+        stack = [(root, iter(root.arguments.keras_tensors))]
+        visiting.add(id(root))
+        while stack:
+            node, pending = stack[-1]
+            for tensor in pending:
+                parent = producer(tensor)
+                if parent is None:
+                    continue
+                parents.setdefault(id(node), []).append(parent)
+                if id(parent) in done:
+                    continue
+                if id(parent) in visiting:
+                    raise ValueError(f"The layer call {parent} is part of a cycle.")
+                visiting.add(id(parent))
+                stack.append((parent, iter(parent.arguments.keras_tensors)))
+                break
+            else:
+                stack.pop()
+                visiting.discard(id(node))
+                done.add(id(node))
+                order.append(node)
+    # Depth = longest path to an output; deeper calls run first.
+    depth = {id(node): 0 for node in order}
+    for node in reversed(order):
+        for parent in parents.get(id(node), ()):
+            depth[id(parent)] = max(depth[id(parent)], depth[id(node)] + 1)
+    position = {id(node): i for i, node in enumerate(order)}
+    return sorted(order, key=lambda node: (-depth[id(node)], position[id(node)]))
+
+
+class _TraceError(ValueError):
+    def __init__(self, model: Any, uses_pipeline_stages: bool, error: BaseException):
+        self.uses_pipeline_stages = uses_pipeline_stages
+        super().__init__(
+            f"Could not trace the `call` function of model `{_name(model)}` into a graph of "
+            f"layer calls, which pipeline stage assignments need: {error} Every tensor "
+            f"operation in `call` must be a Keras layer or a `keras.ops` function. If your "
+            f"layers do not support float inputs, pass `keras.Input` objects with the "
+            f"required dtype to `model.build()`."
+        )
+
+
+def _requires_training(call: Callable) -> bool:
+    try:
+        parameter = inspect.signature(call).parameters.get("training")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _symbolic_inputs(specs: Any, default_dtype: str) -> Any:
+    def from_spec(spec: Any) -> Any:
+        # Specs describe data: the graph must not fix its batch size.
+        shape = (None, *tuple(spec.shape)[1:]) if len(spec.shape) else ()
+        dtype = keras.backend.standardize_dtype(getattr(spec, "dtype", default_dtype))
+        return keras.Input(batch_shape=shape, dtype=dtype)
+
+    flat = keras.tree.flatten(specs)
+    if all(leaf is None or isinstance(leaf, numbers.Integral) for leaf in flat):
+        # Plain shapes, as in a build config: tuples/lists of ints and None.
+        return keras.tree.map_shape_structure(
+            lambda shape: keras.Input(batch_shape=tuple(shape), dtype=default_dtype), specs
+        )
+    return keras.tree.map_structure(from_spec, specs)
+
+
+def _build_specs(model: Any, config: dict) -> Any:
+    if "input_shape" in config:
+        return config["input_shape"]
+    shapes = config.get("shapes_dict") or {}
+    if len(shapes) == 1:
+        return next(iter(shapes.values()))
+    raise ValueError(
+        f"Model `{_name(model)}` was built with several input arguments "
+        f"({sorted(shapes)}); pipelining traces `call` with a single `inputs` argument "
+        f"(use a list or dict of tensors)."
+    )
+
+
+def _trace(model: Any, specs: Any) -> _Graph:
+    inputs = _symbolic_inputs(specs, model.input_dtype)
+    kwargs = {"training": False} if _requires_training(model.call) else {}
+    # PipelineStage scopes in `call` need an active strategy scope.
+    strategy = vars(model).get(_STRATEGY_ATTRIBUTE)
+    scope = (
+        strategy.scope()
+        if current_strategy() is None and strategy is not None
+        else contextlib.nullcontext()
+    )
+    with scope, stage_lib.recording() as seen:
+        try:
+            outputs = model.call(inputs, **kwargs)
+        except Exception as error:
+            raise _TraceError(model, bool(seen), error) from error
+    flat_outputs = keras.tree.flatten(outputs)
+    if not flat_outputs or not all(
+        isinstance(t, keras.KerasTensor) and hasattr(t, "_keras_history") for t in flat_outputs
+    ):
+        raise _TraceError(
+            model, bool(seen), ValueError(f"`call` returned {outputs!r}, not Keras tensors.")
+        )
+    return _Graph(tuple(keras.tree.flatten(inputs)), tuple(flat_outputs), inputs, outputs)
+
+
+def trace_model(model: Any, inputs: Any = None) -> None:
+    """Traces a subclassed model's `call` into a graph of layer calls.
+
+    The graph is kept on the model (not tracked by Keras) and reused until
+    the model is built with other shapes. Get, set and `pipeline_plan` trace
+    on demand; call this from `build` to trace eagerly.
+
+    Args:
+        model: A subclassed Keras model.
+        inputs: A structure of data specs (anything with `shape` and
+            `dtype`: `keras.Input`, arrays; the first dimension is the batch,
+            left unknown in the graph), used when the model is not built;
+            otherwise the shapes the model was built with (and the
+            `keras.Input`s passed to `build`) are used.
+
+    Raises:
+        RuntimeError: When `inputs` is `None` and the model is not built.
+        ValueError: When `call` cannot be traced symbolically.
+
+    Example:
+
+    >>> model.build((None, 32))
+    >>> trace_model(model)
+    """
+    vars(model).pop(_TRACE_ATTRIBUTE, None)
+    _traced_graph(model, inputs, action="get")
+
+
+_NOT_BUILT = {
+    "get": (
+        "Cannot get pipeline stage assignments for model `{name}` which has not been built "
+        "yet. Please call `model.build()` first."
+    ),
+    "set": (
+        "Cannot set pipeline stage assignments for model `{name}` which has not been built "
+        "yet. Please call `model.build()` first, or assign pipeline stages in your graph "
+        "definition using PipelineStage scopes."
+    ),
+}
+
+
+def _traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> _Graph | None:
+    config = model.get_build_config()
+    key = repr(config)
+    cached = vars(model).get(_TRACE_ATTRIBUTE)
+    # Traced again only when the model was built with other shapes.
+    if cached is not None and cached.build_key == key:
+        return cached.graph
+    if config is not None:
+        specs = _build_specs(model, config)
+    elif inputs is not None:
+        specs = inputs
+    elif action is not None:
+        raise RuntimeError(_NOT_BUILT[action].format(name=_name(model)))
+    else:
+        return None
+    graph = _trace(model, specs)
+    vars(model)[_TRACE_ATTRIBUTE] = _Trace(key, graph)
+    return graph
+
+
+def _graph(model: Any, kind: str, inputs: Any = None, action: str | None = None) -> _Graph | None:
+    if kind == MODEL:
+        return _traced_graph(model, inputs, action)
+    return _static_graph(model, kind)

@@ -1,0 +1,415 @@
+"""The assignment tree of a model: its structure, validation and expansion.
+
+A `_Level` is one model's assignment list (the root or a nested model), with
+one `_Entry` per layer call; it is built from the graph (with the stages of
+PipelineStage scopes, or none), filled from a user-provided assignment (which
+is validated against the graph), turned back into assignment objects, and
+expanded into leaf calls with tensor keys to check the pipelining rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import keras
+from keras.src.ops.node import Node
+
+from keras_ipu.keras import pipeline_stage as stage_lib
+from keras_ipu.keras.pipeline_assignment_classes import (
+    FunctionalLayerPipelineStageAssignment,
+    FunctionalNestedModelPipelineStageAssignment,
+    ModelLayerPipelineStageAssignment,
+    NestedModelPipelineStageAssignment,
+    SequentialLayerPipelineStageAssignment,
+    SequentialNestedModelPipelineStageAssignment,
+    _name,
+)
+from keras_ipu.keras.pipeline_graph import (
+    FUNCTIONAL,
+    MODEL,
+    SEQUENTIAL,
+    _Graph,
+    _nested_kind,
+    _post_order,
+    _static_graph,
+)
+from keras_ipu.keras.pipeline_stage import check_no_empty_stages
+
+_LAYER_CLASS = {
+    SEQUENTIAL: SequentialLayerPipelineStageAssignment,
+    FUNCTIONAL: FunctionalLayerPipelineStageAssignment,
+    MODEL: ModelLayerPipelineStageAssignment,
+}
+_NESTED_CLASS = {
+    SEQUENTIAL: SequentialNestedModelPipelineStageAssignment,
+    FUNCTIONAL: FunctionalNestedModelPipelineStageAssignment,
+    MODEL: NestedModelPipelineStageAssignment,
+}
+
+
+# --------------------------------------------------------------------------
+# The assignment tree of a model, with stages.
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One element of an assignment list: a layer call or a nested model call."""
+
+    op: Any
+    node: Node | None
+    node_index: int | None
+    stage: Any = None
+    child: _Level | None = None
+
+    def leaves(self) -> list[_Entry]:
+        return self.child.leaves() if self.child is not None else [self]
+
+
+@dataclasses.dataclass(eq=False)
+class _Level:
+    """The assignment list of one model (the root or a nested model)."""
+
+    model: Any
+    kind: str
+    graph: _Graph | None
+    entries: list[_Entry]
+
+    def leaves(self) -> list[_Entry]:
+        return [leaf for entry in self.entries for leaf in entry.leaves()]
+
+
+def _annotated_stage(op: Any, node: Node | None, outer: int | None) -> int | None:
+    # A nested model's call stage beats its inner annotations; a call's
+    # stage beats the stage the layer was constructed with.
+    if outer is not None:
+        return outer
+    stage = stage_lib.recorded_stage(node) if node is not None else None
+    return stage if stage is not None else stage_lib.recorded_stage(op)
+
+
+def _structure(
+    model: Any, kind: str, graph: _Graph | None, annotate: bool, outer: int | None = None
+) -> _Level:
+    if kind == SEQUENTIAL:
+        nodes = {id(n.operation): n for n in _post_order(graph)} if graph is not None else {}
+        calls = [(layer, nodes.get(id(layer)), None) for layer in model.layers]
+    else:
+        order = _post_order(graph)
+        in_graph = {id(n) for n in order}
+        calls = []
+        for node in order:
+            own = [n for n in node.operation._inbound_nodes if id(n) in in_graph]
+            calls.append((node.operation, node, next(i for i, n in enumerate(own) if n is node)))
+    entries = []
+    for op, node, node_index in calls:
+        stage = _annotated_stage(op, node, outer) if annotate else None
+        child_kind = _nested_kind(op)
+        child = None
+        if child_kind is not None:
+            child = _structure(op, child_kind, _static_graph(op, child_kind), annotate, stage)
+            stage = None
+        entries.append(_Entry(op, node, node_index, stage, child))
+    return _Level(model, kind, graph, entries)
+
+
+def _to_assignments(level: _Level) -> list:
+    result = []
+    for entry in level.entries:
+        if entry.child is not None:
+            children = _to_assignments(entry.child)
+            if level.kind == SEQUENTIAL:
+                assignment = SequentialNestedModelPipelineStageAssignment(entry.op, children)
+            else:
+                assignment = _NESTED_CLASS[level.kind](entry.op, entry.node_index, children)
+        elif level.kind == SEQUENTIAL:
+            assignment = SequentialLayerPipelineStageAssignment(entry.op, entry.stage)
+        else:
+            assignment = _LAYER_CLASS[level.kind](entry.op, entry.node_index, entry.stage)
+        if level.kind != SEQUENTIAL:
+            assignment._node = entry.node
+        result.append(assignment)
+    return result
+
+
+def _check_all_or_none(level: _Level) -> bool:
+    """Whether PipelineStage scopes gave stages; raises when only some have one."""
+    leaves = level.leaves()
+    unassigned = [leaf for leaf in leaves if leaf.stage is None]
+    if len(unassigned) == len(leaves):
+        return False
+    if unassigned:
+        raise ValueError(
+            f"All layers of a pipelined model must have an associated pipeline stage. "
+            f"However, {_name(unassigned[0].op)} has not been assigned to one. Pipeline "
+            f"stages can be assigned when a layer is constructed, or each time a layer is "
+            f"called (within a `PipelineStage` scope). Different pipeline stages can be "
+            f"assigned to each call."
+        )
+    return True
+
+
+# --------------------------------------------------------------------------
+# Validation of a user-provided assignment.
+
+
+def _valid_stage(stage: Any) -> bool:
+    return isinstance(stage, numbers.Integral) and not isinstance(stage, bool) and stage >= 0
+
+
+def _bad_stage(what: str, stage: Any) -> ValueError:
+    return ValueError(
+        f"{what} has been assigned to pipeline stage {stage!r}, which is not a valid pipeline "
+        f"stage: pipeline stages are non-negative integers."
+    )
+
+
+def _fill(level: _Level, stage: int) -> None:
+    for leaf in level.leaves():
+        leaf.stage = stage
+
+
+def _apply(level: _Level, assignment: Any, nested_in: str | None = None) -> None:
+    """Copies the stages of `assignment` into `level`, validating it against the graph."""
+    if not isinstance(assignment, list):
+        raise ValueError(
+            f"`pipeline_stage_assignment` needs to be a list, but received "
+            f"{type(assignment).__name__}."
+        )
+    if len(assignment) != len(level.entries):
+        where = f" of nested model {nested_in}" if nested_in else ""
+        raise ValueError(
+            f"The length of the provided `pipeline_stage_assignment`{where} "
+            f"({len(assignment)}) does not match the number of layers in the graph "
+            f"({len(level.entries)}). Each layer needs to be assigned a pipeline stage "
+            f"(excluding input layers)."
+        )
+    apply_item = _apply_sequential_item if level.kind == SEQUENTIAL else _apply_graph_item
+    for index, (entry, item) in enumerate(zip(level.entries, assignment)):
+        apply_item(level, index, entry, item)
+
+
+def _apply_sequential_item(level: _Level, index: int, entry: _Entry, item: Any) -> None:
+    layers = (SequentialLayerPipelineStageAssignment, SequentialNestedModelPipelineStageAssignment)
+    if isinstance(item, layers):
+        target = item.nested_model if item.is_nested_model else item.layer
+        if target is not entry.op:
+            raise ValueError(
+                f"The provided assignment at index {index} of `pipeline_stage_assignment` is "
+                f"for layer {_name(target)}, but the layer in the Sequential model "
+                f"{_name(level.model)} at index {index} is {_name(entry.op)}."
+            )
+        if item.is_nested_model:
+            if entry.child is None:
+                raise ValueError(
+                    f"Layer {_name(entry.op)} at index {index} is not a Functional or "
+                    f"Sequential model: give it a `SequentialLayerPipelineStageAssignment` "
+                    f"or an int, not a `SequentialNestedModelPipelineStageAssignment`."
+                )
+            _apply(entry.child, item.pipeline_stage_assignments, _name(entry.op))
+            return
+        stage = item.pipeline_stage
+        if stage is None:
+            raise ValueError(f"Layer {_name(entry.op)} has not been assigned a pipeline stage.")
+    elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+        stage = item
+    else:
+        raise ValueError(
+            f"All elements of `pipeline_stage_assignment` must be integers, instances of "
+            f"`SequentialLayerPipelineStageAssignment` for layers or "
+            f"`SequentialNestedModelPipelineStageAssignment` for nested models. The element "
+            f"at index {index} (for layer {_name(entry.op)}) is {item!r} of type "
+            f"{type(item).__name__}."
+        )
+    if not _valid_stage(stage):
+        raise _bad_stage(f"Layer {_name(entry.op)}", stage)
+    # A stage given for a whole nested model applies to all of its calls.
+    if entry.child is not None:
+        _fill(entry.child, int(stage))
+    else:
+        entry.stage = int(stage)
+
+
+def _apply_graph_item(level: _Level, index: int, entry: _Entry, item: Any) -> None:
+    nested = entry.child is not None
+    expected = (_NESTED_CLASS if nested else _LAYER_CLASS)[level.kind]
+    what = f"nested model {_name(entry.op)}" if nested else f"layer {_name(entry.op)}"
+    if not isinstance(item, expected):
+        raise ValueError(
+            f"The pipeline stage assignment for {what} in {_name(level.model)} must be an "
+            f"instance of `{expected.__name__}`. Instead the assignment at index {index} was "
+            f"of type {type(item).__name__}."
+        )
+    target = item.nested_model if nested else item.layer
+    if target is not entry.op:
+        raise ValueError(
+            f"The order of `pipeline_stage_assignment` does not match the post-order "
+            f"generated from the graph of {_name(level.model)} ({_name(target)} != "
+            f"{_name(entry.op)} at index {index})."
+        )
+    if item.node_index != entry.node_index:
+        calls = sum(1 for other in level.entries if other.op is entry.op)
+        if not (isinstance(item.node_index, int) and 0 <= item.node_index < calls):
+            raise ValueError(
+                f"Layer {_name(entry.op)} has {calls} invocation(s) in the graph, but "
+                f"`pipeline_stage_assignment` contains an assignment for node_index "
+                f"{item.node_index!r}."
+            )
+        raise ValueError(
+            f"The order of `pipeline_stage_assignment` does not match the post-order "
+            f"generated from the graph (mismatched nodes of layer {_name(entry.op)}: the "
+            f"assignment at index {index} is for node_index {item.node_index}, but the call "
+            f"at that position has node_index {entry.node_index})."
+        )
+    if nested:
+        _apply(entry.child, item.pipeline_stage_assignments, _name(entry.op))
+        return
+    stage = item.pipeline_stage
+    if stage is None:
+        raise ValueError(
+            f"Layer {_name(entry.op)} with node_index {entry.node_index} has not been "
+            f"assigned a pipeline stage in `pipeline_stage_assignment`."
+        )
+    if not _valid_stage(stage):
+        raise _bad_stage(f"Layer {_name(entry.op)} with node_index {entry.node_index}", stage)
+    entry.stage = int(stage)
+
+
+def _check_sequential_order(level: _Level) -> None:
+    previous = None
+    for entry in level.entries:
+        stages = [leaf.stage for leaf in entry.leaves()]
+        first, last = min(stages), max(stages)
+        if previous is None and first != 0:
+            raise ValueError(
+                f"The first layer in a pipelined Sequential model needs to be assigned to the "
+                f"0th pipeline stage, however {_name(entry.op)} was assigned to {first}."
+            )
+        if previous is not None and first not in (previous, previous + 1):
+            raise ValueError(
+                f"Layer {_name(entry.op)} has been assigned to pipeline stage {first}, however "
+                f"the previous layer in the Sequential model was assigned to pipeline stage "
+                f"{previous}. A layer in a Sequential model can only be assigned to the same "
+                f"pipeline stage as the previous layer or to the next pipeline stage."
+            )
+        previous = last
+
+
+# --------------------------------------------------------------------------
+# Expansion into leaf calls with tensor keys (dependencies, plans).
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Leaf:
+    entry: _Entry
+    path: tuple[str, ...]
+    input_keys: tuple[int, ...]
+    output_keys: tuple[int, ...]
+
+
+class _Keys:
+    def __init__(self) -> None:
+        self.tensors: dict[int, Any] = {}
+
+    def new(self, tensor: Any) -> int:
+        key = len(self.tensors)
+        self.tensors[key] = tensor
+        return key
+
+
+def _nested_input_keys(entry: _Entry, env: dict[int, int]) -> list[int]:
+    node = entry.node
+    arguments = node.arguments
+    first = arguments.args[0] if arguments.args else arguments.kwargs.get("inputs")
+    flat = [t for t in keras.tree.flatten(first) if isinstance(t, keras.KerasTensor)]
+    if len(flat) != len(arguments.keras_tensors):
+        raise ValueError(
+            f"Nested model {_name(entry.op)} is called with tensors outside its `inputs` "
+            f"argument (for example a mask); pipelining runs nested models as their layer "
+            f"calls and supports only their inputs."
+        )
+    wanted = len(entry.child.graph.inputs) if entry.child.graph is not None else len(flat)
+    if len(flat) != wanted:
+        raise ValueError(
+            f"Nested model {_name(entry.op)} has {wanted} input(s) but is called with "
+            f"{len(flat)} tensor(s)."
+        )
+    return [env[id(t)] for t in flat]
+
+
+def _expand(
+    level: _Level, input_keys: list[int], keys: _Keys, path: tuple, leaves: list[_Leaf]
+) -> list[int]:
+    """Appends `level`'s leaf calls to `leaves`; returns the keys of its outputs."""
+    if level.graph is None:  # a Sequential model that is not built: a chain
+        current = list(input_keys)
+        for entry in level.entries:
+            if entry.child is not None:
+                wanted = len(entry.child.graph.inputs) if entry.child.graph else len(current)
+                bound = current if len(current) == wanted else [current[0]] * wanted
+                current = _expand(entry.child, bound, keys, path + (_name(entry.op),), leaves)
+            else:
+                output = keys.new(None)
+                leaves.append(_Leaf(entry, path, tuple(current), (output,)))
+                current = [output]
+        return current
+    env = {id(t): key for t, key in zip(level.graph.inputs, input_keys)}
+    for entry in level.entries:
+        node = entry.node
+        if entry.child is not None:
+            inner = _nested_input_keys(entry, env)
+            outputs = _expand(entry.child, inner, keys, path + (_name(entry.op),), leaves)
+            if len(outputs) != len(node.outputs):
+                raise ValueError(
+                    f"Nested model {_name(entry.op)} returns {len(outputs)} tensor(s) but its "
+                    f"call recorded {len(node.outputs)}."
+                )
+            env.update({id(t): key for t, key in zip(node.outputs, outputs)})
+        else:
+            inputs = tuple(env[id(t)] for t in node.arguments.keras_tensors)
+            outputs = tuple(keys.new(t) for t in node.outputs)
+            env.update({id(t): key for t, key in zip(node.outputs, outputs)})
+            leaves.append(_Leaf(entry, path, inputs, outputs))
+    return [env[id(t)] for t in level.graph.outputs]
+
+
+def _expand_root(level: _Level) -> tuple[list[_Leaf], list[int], list[int], _Keys]:
+    keys = _Keys()
+    inputs = level.graph.inputs if level.graph is not None else (None,)
+    input_keys = [keys.new(t) for t in inputs]
+    leaves: list[_Leaf] = []
+    output_keys = _expand(level, input_keys, keys, (), leaves)
+    return leaves, input_keys, output_keys, keys
+
+
+def _check_dependencies(leaves: list[_Leaf]) -> None:
+    producer: dict[int, _Leaf] = {}
+    for leaf in leaves:
+        stage = leaf.entry.stage
+        for key in leaf.input_keys:
+            source = producer.get(key)
+            if source is not None and source.entry.stage > stage:
+                raise ValueError(
+                    f"Layer {_name(leaf.entry.op)} in pipeline stage {stage} has a dependency "
+                    f"from a pipeline stage which has not yet been executed: it uses the "
+                    f"output of layer {_name(source.entry.op)} in pipeline stage "
+                    f"{source.entry.stage}. Layers can only use outputs from current or "
+                    f"previous pipeline stages."
+                )
+        for key in leaf.output_keys:
+            producer[key] = leaf
+
+
+def _check_assigned(
+    level: _Level, runtime: bool = False
+) -> tuple[list[_Leaf], list[int], list[int], _Keys]:
+    """The rules every complete assignment must satisfy; returns its expansion."""
+    if level.kind == SEQUENTIAL:
+        _check_sequential_order(level)
+    expansion = _expand_root(level)
+    _check_dependencies(expansion[0])
+    check_no_empty_stages(
+        (leaf.entry.stage for leaf in expansion[0]), RuntimeError if runtime else ValueError
+    )
+    return expansion
