@@ -28,6 +28,7 @@ own optimizer clone to its variables.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -225,6 +226,294 @@ class _Stages:
         return f
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    """What a trace of the program knows beyond the static set-up.
+
+    Attributes:
+        me: This IPU's index on the mesh (traced).
+        bundle_shape: The shape of a message between stages.
+        layouts: Per stage, the layout of its stashed residuals (none when
+            recomputing).
+        lengths: Per dtype, the length of a stash row.
+        logs_shape: The shapes of one micro-batch's logs.
+    """
+
+    me: Any
+    bundle_shape: tuple[int, int]
+    layouts: list[FlatLayout]
+    lengths: dict[str, int]
+    logs_shape: Any
+
+    # Zeros are made inside each branch: a value from outside would be
+    # copied into the conditional's result instead of just written.
+    def zero_message(self):
+        return jnp.zeros(self.bundle_shape, jnp.float32)
+
+    def zero_residual(self) -> dict:
+        return {d: jnp.zeros((n,), d) for d, n in self.lengths.items()}
+
+    def zero_logs(self):
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.logs_shape)
+
+
+class _Ops:
+    """The forward and backward ops of one weight update's micro-batches.
+
+    Args:
+        program: The program's static set-up.
+        trace: What the trace knows (`None` while it is being worked out).
+        data: The update's micro-batches, `(x, y, sample_weight)`.
+        weights_of: Per IPU, its trainable variables (`StageRunner.trainable`),
+            sliced once per update: slicing per op would copy them per op.
+    """
+
+    def __init__(self, program: _FitProgram, trace: _Trace | None, data, weights_of):
+        self.program, self.trace, self.data, self.weights_of = program, trace, data, weights_of
+
+    def stage(self, s: int, non_trainable, metrics, bundle, j):
+        """`(f, weights, known, ntv)`: stage `s` on micro-batch `j` for `jax.vjp`.
+
+        `known` holds what a backward op can give again instead of stashing:
+        the weights, the input, the micro-batch (and, once `ntv` is known,
+        the non-trainable values the stage leaves unchanged).
+        """
+        stages = self.program.stages
+        batch = _index(self.data, j)
+        ipu = self.program.pipelined.device_mapping[s]
+        tv, ntv = self.weights_of[ipu], stages.runner.non_trainable(ipu, non_trainable)
+        weights = [tv[i] for i in stages.own[s]]
+        return stages.function(s, tv, ntv, metrics, batch), weights, (weights, bundle, batch), ntv
+
+    @staticmethod
+    def kept_residuals(vjp_fn, aux, known, ntv):
+        """`(kept residuals, treedef, source, known)` of a stage's pullback.
+
+        `known`, `ntv` and `aux` must come from the same `stage` call and
+        `jax.vjp` as `vjp_fn`: residuals are matched to them by identity.
+        """
+        known = (known, [v for i, v in ntv.items() if aux[0][i] is v])
+        return (*split_residuals(vjp_fn, known), known)
+
+    def stash_shapes(self, s: int, non_trainable, metrics, bundle, j):
+        """What a forward op of stage `s` stashes (for `jax.eval_shape`)."""
+        f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
+        _, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+        return self.kept_residuals(vjp_fn, aux, known, ntv)[0]
+
+    def forward(self, s: int, non_trainable, metrics, bundle, j):
+        """`(non_trainable, metrics, logs, message, residual)` of a forward op."""
+        program, trace = self.program, self.trace
+        f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
+        if program.recompute:
+            out, aux = f(weights, bundle)
+            residual = trace.zero_residual()
+        else:
+            out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+            kept = self.kept_residuals(vjp_fn, aux, known, ntv)[0]
+            residual = trace.layouts[s].pack(kept, trace.lengths)
+        new_ntv, step_logs, new_metrics = aux
+        non_trainable = program.stages.runner.pack_non_trainable(
+            program.pipelined.device_mapping[s], new_ntv)
+        if s == program.last:
+            return non_trainable, new_metrics, step_logs, trace.zero_message(), residual
+        return non_trainable, metrics, trace.zero_logs(), out, residual
+
+    def backward(self, s: int, non_trainable, metrics, bundle, gradient, residual, j,
+                 fused: bool):
+        """`(non_trainable, metrics, logs, message, weight grads)` of a backward op.
+
+        `fused`: the last stage's forward op runs in it too (no stash).
+        """
+        program, trace = self.program, self.trace
+        f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
+        # Unfused, the pullback is traced for its structure only: XLA drops
+        # the forward computation when the residuals come from the stash.
+        out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+        step_logs = trace.zero_logs()
+        if fused:
+            new_ntv, step_logs, metrics = aux
+            non_trainable = program.stages.runner.pack_non_trainable(
+                program.pipelined.device_mapping[s], new_ntv)
+        elif not program.recompute:
+            _, treedef, source, known = self.kept_residuals(vjp_fn, aux, known, ntv)
+            vjp_fn = join_residuals(treedef, source, trace.layouts[s].unpack(residual), known)
+        cotangent = jnp.ones_like(out) if s == program.last else gradient
+        grads, g_in = vjp_fn(cotangent)
+        return non_trainable, metrics, step_logs, g_in, grads
+
+
+class _FitProgram:
+    """The training execution; see `build_fit_program`."""
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState,
+                 table: schedules.ScheduleTable, reduction: Reduction,
+                 accumulator_dtype: str, recompute: bool):
+        self.pipelined, self.state, self.recompute = pipelined, state, recompute
+        self.stages = _Stages(pipelined, state)
+        self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
+        self.plan = BlockPlan.of(table)
+        self.gradient_rows = pipelined.num_stages * self.micro  # the inbox's gradient rows
+        self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
+        # A running mean rescales what it has summed at each micro-batch, so
+        # each backward op updates its own parts of the accumulator (which
+        # costs a copy of it per block). The linear reductions add the
+        # block's summed gradients outside the conditional instead.
+        self.in_place = reduction == Reduction.RUNNING_MEAN
+        row_offset, self.slots, self.rows = _stash_rows(table)
+        self.row_offset = jnp.asarray(row_offset)
+        # Per block, an IPU stashes at most this many forward ops' residuals.
+        self.stash_rows_out = max(
+            sum(entry is not None and entry[0] == "F" for entry in pattern)
+            for pattern in self.plan.patterns) or 1
+
+    def __call__(self, packed, batches):
+        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
+        batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
+        trace = self._trace(local, batches)
+        inbox = jnp.zeros((self.plan.inbox_rows, *trace.bundle_shape), jnp.float32)
+        stash = {d: jnp.zeros((self.rows, n), d) for d, n in trace.lengths.items()}
+        carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash, inbox)
+        carry, logs = jax.lax.scan(functools.partial(self._update, trace), carry, batches)
+        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
+               for part, value in zip(TRAINING_STATE_PARTS, carry)}
+        return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
+
+    def _trace(self, local, batches) -> _Trace:
+        """Shapes and stash layouts, from tracing each stage once (nothing runs)."""
+        first = _index(batches, 0)
+        mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
+        bundle = jnp.zeros(self.pipelined.bundle_shape(mb), jnp.float32)
+        ops = _Ops(self, None, first, self._weights(local["trainable_variables"]))
+        args = (local["non_trainable_variables"], local["metrics_variables"], bundle, 0)
+        layouts = [] if self.recompute else [
+            FlatLayout.of(jax.eval_shape(lambda s=s: ops.stash_shapes(s, *args)))
+            for s in range(self.pipelined.num_stages)]
+
+        def last_stage_logs():
+            f, weights, _, _ = ops.stage(self.last, *args)
+            return f(weights, bundle)[1][1]
+
+        return _Trace(jax.lax.axis_index(IPU_AXIS), bundle.shape, layouts,
+                      _padded_lengths(layouts) if layouts else {},
+                      jax.eval_shape(last_stage_logs))
+
+    def _weights(self, trainable) -> list[dict]:
+        runner = self.stages.runner
+        return [runner.trainable(d, trainable) for d in range(self.pipelined.num_ipus)]
+
+    def _update(self, trace: _Trace, carry, data):
+        """One weight update: the table's blocks, then each IPU's optimizer."""
+        # The inbox needs no clearing between updates: every row an op reads
+        # was written earlier in the same update, but stage 0's rows, which
+        # nothing writes (they stay zero: no additional loss comes before
+        # stage 0).
+        trainable, non_trainable, optimizer_vars, metrics, stash, inbox = carry
+        p, me = self.pipelined, trace.me
+        ops = _Ops(self, trace, data, self._weights(trainable))
+        branches = [self._branch(ops, pattern) for pattern in self.plan.patterns]
+        logs = jax.tree_util.tree_map(lambda a: jnp.zeros((self.micro, *a.shape), a.dtype),
+                                      trace.logs_shape)
+        c = (non_trainable, metrics, self.stages.grads.zeros(self.accumulator_dtype), inbox,
+             logs, stash)
+        c, _ = jax.lax.scan(functools.partial(self._block, trace, branches), c,
+                            self.plan.scanned())
+        non_trainable, metrics, acc, inbox, logs, stash = c
+        if self.state.replicas > 1:
+            acc = jax.lax.psum(acc, REPLICA_AXIS)
+        trainable, optimizer_vars = jax.lax.switch(
+            me, [_apply_optimizer(p, self.state, self.stages.grads, d)
+                 for d in range(p.num_ipus)],
+            trainable, optimizer_vars, acc)
+        # Only the last stage's IPU has the logs; the others hold zeros.
+        logs = jax.lax.psum(
+            jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
+            IPU_AXIS)
+        return (trainable, non_trainable, optimizer_vars, metrics, stash, inbox), logs
+
+    def _rule(self, j):
+        """The reduction's update of an accumulator part by micro-batch `j`."""
+        n = j.astype(self.accumulator_dtype)
+        return lambda old, grad: self.accumulate(old, grad, n, self.micro)
+
+    def _branch(self, ops: _Ops, pattern):
+        """One IPU's ops of a block, back to back, as one branch of the switch.
+
+        The branch reads what its ops need from the inbox and the stash
+        itself: only it knows which slots are forward or backward ops.
+        """
+        trace, grads_layout, micro = ops.trace, self.stages.grads, self.micro
+
+        def branch(non_trainable, metrics, acc, inbox, stash, js):
+            size = len(pattern)
+            logs_q, messages = [None] * size, [None] * size
+            stashed, targets, summed = [], [], []
+            for q, entry in enumerate(pattern):
+                if entry is None or entry[0] == "-":
+                    continue
+                phase, s = entry
+                j = js[q]
+                bundle = inbox[s * micro + j]
+                row = self.row_offset[s] + j % self.slots
+                if phase == "F":
+                    non_trainable, metrics, logs_q[q], messages[q], residual = ops.forward(
+                        s, non_trainable, metrics, bundle, j)
+                    stashed.append(residual)
+                    targets.append(row)
+                    continue
+                non_trainable, metrics, logs_q[q], message, grads = ops.backward(
+                    s, non_trainable, metrics, bundle,
+                    inbox[self.gradient_rows + s * micro + j],
+                    {d: buf[row] for d, buf in stash.items()}, j, phase == "FB")
+                # A fused op's message belongs to its backward slot.
+                messages[q + (phase == "FB")] = message
+                ipu = self.pipelined.device_mapping[s]
+                by_index = dict(zip(self.stages.own[s], grads))
+                if self.in_place:
+                    acc = grads_layout.update(ipu, acc, by_index, self._rule(j))
+                else:
+                    summed.append(grads_layout.pack(ipu, by_index, self.accumulator_dtype))
+            if not self.in_place:
+                # The sum of the block's gradients (or zeros); the accumulator
+                # is updated outside the conditional.
+                acc = (jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *summed)
+                       if summed else grads_layout.zeros(self.accumulator_dtype))
+            # Rows to stash, and where: the spare row for unused ones.
+            spare = self.stash_rows_out - len(stashed)
+            stashed += [trace.zero_residual() for _ in range(spare)]
+            targets = jnp.stack(targets + [jnp.int32(self.rows - 1)] * spare)
+            return (non_trainable, metrics, acc,
+                    jax.tree_util.tree_map(lambda *v: jnp.stack(v),
+                                           *_filled(logs_q, trace.zero_logs)),
+                    jnp.stack(_filled(messages, trace.zero_message)),
+                    ({d: jnp.stack([r[d] for r in stashed]) for d in trace.lengths}, targets))
+
+        return branch
+
+    def _block(self, trace: _Trace, branches, c, rows_of_block):
+        """One block: this IPU's branch, then stash, logs and the exchange."""
+        non_trainable, metrics, acc, inbox, logs, stash = c
+        kinds, stage, micro_b, pattern_id, routes = rows_of_block
+        me = trace.me
+        mine = [(kinds[q, me], stage[q, me], micro_b[q, me]) for q in range(kinds.shape[0])]
+        non_trainable, metrics, result, step_logs, messages, (stashed, targets) = \
+            jax.lax.switch(pattern_id[me], branches, non_trainable, metrics, acc, inbox, stash,
+                           jnp.stack([j for _, _, j in mine]))
+        acc = result if self.in_place else jax.tree_util.tree_map(
+            lambda a, r: self.accumulate(a, r, None, self.micro), acc, result)
+        for r in range(self.stash_rows_out):
+            stash = {d: buf.at[targets[r]].set(stashed[d][r]) for d, buf in stash.items()}
+        for q, (kind, s, j) in enumerate(mine):
+            logs = jax.tree_util.tree_map(
+                lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
+                    jnp.where((kind == _FORWARD) & (s == self.last), v[q], b[j])),
+                logs, step_logs)
+        gathered = jax.lax.all_gather(messages, IPU_AXIS)
+        for sender, q, row in routes[me]:
+            inbox = inbox.at[row].set(gathered[sender, q])
+        return (non_trainable, metrics, acc, inbox, logs, stash), None
+
+
 def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                       table: schedules.ScheduleTable, reduction: Reduction,
                       accumulator_dtype: str = "float32", recompute: bool = False):
@@ -245,242 +534,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         ...]`; logs come back per micro-batch, `[updates, replicas,
         micro_batches]`.
     """
-    p = pipelined
-    stages = _Stages(pipelined, state)
-    runner, num_stages, micro = stages.runner, p.num_stages, table.num_micro_batches
-    plan = BlockPlan.of(table)
-    gradient_rows = num_stages * micro  # inbox rows of gradients start here
-    accumulate = ACCUMULATE[reduction]
-    # A running mean rescales what it has summed at each micro-batch, so each
-    # backward op updates its own slices of the accumulator (which costs a copy
-    # of it per block). The linear reductions add the block's summed
-    # gradients outside the conditional instead, which is cheaper.
-    in_place = reduction == Reduction.RUNNING_MEAN
-    row_offset, slots, rows = _stash_rows(table)
-    # Per block, an IPU stashes at most this many forward ops' residuals.
-    stash_rows_out = max(sum(entry is not None and entry[0] == "F" for entry in pattern)
-                         for pattern in plan.patterns) or 1
-    row_offset = jnp.asarray(row_offset)
-    last = num_stages - 1
-
-    def per_replica(packed, batches):
-        local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
-        batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
-        me = jax.lax.axis_index(IPU_AXIS)
-        first = _index(batches, 0)
-        mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
-        bundle_shape = p.bundle_shape(mb)
-        trainable0, non_trainable0 = local["trainable_variables"], local["non_trainable_variables"]
-
-        def op_inputs(s, weights_of, non_trainable, bundle, batch):
-            """`weights_of`: per IPU, its trainable variables (`runner.trainable`)."""
-            ipu = p.device_mapping[s]
-            tv = weights_of[ipu]
-            ntv = runner.non_trainable(ipu, non_trainable)
-            weights = [tv[i] for i in stages.own[s]]
-            return tv, ntv, weights, (weights, bundle, batch)
-
-        def unpacked(trainable):
-            # Sliced out once per update for every IPU's layout (each IPU
-            # uses its own): slicing per op would copy the weights per op.
-            return [runner.trainable(d, trainable) for d in range(p.num_ipus)]
-
-        weights0 = unpacked(trainable0)
-
-        def residuals_of(s):
-            """The stash layout of stage `s` (traced once, for shapes only)."""
-            def kept():
-                bundle = jnp.zeros(bundle_shape, jnp.float32)
-                batch = _index(first, 0)
-                tv, ntv, weights, known = op_inputs(s, weights0, non_trainable0, bundle, batch)
-                f = stages.function(s, tv, ntv, local["metrics_variables"], batch)
-                _, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-                unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
-                return split_residuals(vjp_fn, (known, unchanged))[0]
-            return FlatLayout.of(jax.eval_shape(kept))
-
-        layouts = [] if recompute else [residuals_of(s) for s in range(num_stages)]
-        lengths = _padded_lengths(layouts) if layouts else {}
-        stash0 = {d: jnp.zeros((rows, n), d) for d, n in lengths.items()}
-        # Zeros are made inside each branch: a value from outside would be
-        # copied into the conditional's result instead of just written.
-        def zero_message():
-            return jnp.zeros(bundle_shape, jnp.float32)
-
-        def zero_residual():
-            return {d: jnp.zeros((n,), d) for d, n in lengths.items()}
-
-        def last_stage_logs():
-            batch = _index(first, 0)
-            tv, ntv, weights, _ = op_inputs(last, weights0, non_trainable0, zero_message(),
-                                            batch)
-            f = stages.function(last, tv, ntv, local["metrics_variables"], batch)
-            return f(weights, zero_message())[1][1]
-
-        logs_shape = jax.eval_shape(last_stage_logs)
-
-        def zero_logs():
-            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), logs_shape)
-
-        def update(carry, data):
-            # The inbox needs no clearing between updates: every row an op
-            # reads was written earlier in the same update, but stage 0's
-            # rows, which nothing writes (they stay zero: no additional loss
-            # comes before stage 0).
-            trainable, non_trainable, optimizer_vars, metrics, stash, inbox = carry
-            acc = stages.grads.zeros(accumulator_dtype)
-            weights_of = unpacked(trainable)
-            logs = jax.tree_util.tree_map(lambda a: jnp.zeros((micro, *a.shape), a.dtype),
-                                          logs_shape)
-
-            def forward(s, non_trainable, metrics, bundle, j):
-                """`(non_trainable, metrics, logs, message, residual)`."""
-                batch = _index(data, j)
-                tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle, batch)
-                f = stages.function(s, tv, ntv, metrics, batch)
-                if recompute:
-                    out, aux = f(weights, bundle)
-                    residual = zero_residual()
-                else:
-                    out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-                    unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
-                    residual = layouts[s].pack(split_residuals(vjp_fn, (known, unchanged))[0],
-                                               lengths)
-                new_ntv, step_logs, new_metrics = aux
-                non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
-                if s == last:
-                    return non_trainable, new_metrics, step_logs, zero_message(), residual
-                return non_trainable, metrics, zero_logs(), out, residual
-
-            def backward(s, non_trainable, metrics, bundle, gradient, residual, j, fused):
-                """`(non_trainable, metrics, logs, message, grads)`; `fused`: with the forward."""
-                batch = _index(data, j)
-                tv, ntv, weights, known = op_inputs(s, weights_of, non_trainable, bundle, batch)
-                f = stages.function(s, tv, ntv, metrics, batch)
-                # Unfused, the pullback is traced for its structure only: XLA
-                # drops the forward computation when the residuals come from
-                # the stash.
-                out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-                step_logs = zero_logs()
-                if fused:
-                    new_ntv, step_logs, metrics = aux
-                    non_trainable = runner.pack_non_trainable(p.device_mapping[s], new_ntv)
-                elif not recompute:
-                    unchanged = [v for i, v in ntv.items() if aux[0][i] is v]
-                    _, treedef, source = split_residuals(vjp_fn, (known, unchanged))
-                    vjp_fn = join_residuals(treedef, source, layouts[s].unpack(residual),
-                                            (known, unchanged))
-                cotangent = jnp.ones_like(out) if s == last else gradient
-                grads, g_in = vjp_fn(cotangent)
-                return non_trainable, metrics, step_logs, g_in, grads
-
-            def rule_for(j):
-                """The reduction's update of an accumulator part by micro-batch `j`."""
-                n = j.astype(accumulator_dtype)
-                return lambda old, grad: accumulate(old, grad, n, micro)
-
-            def run_pattern(pattern):
-                """One IPU's ops of a block, back to back, as one branch.
-
-                The branch reads what its ops need from the inbox and the
-                stash itself: only it knows which slots are forward or
-                backward ops.
-                """
-                def branch(non_trainable, metrics, acc, inbox, stash, js):
-                    size = len(pattern)
-                    logs_q, messages = [None] * size, [None] * size
-                    stashed, targets, summed = [], [], []
-                    for q, entry in enumerate(pattern):
-                        if entry is None or entry[0] == "-":
-                            continue
-                        phase, s = entry
-                        j = js[q]
-                        bundle = inbox[s * micro + j]
-                        row = row_offset[s] + j % slots
-                        if phase == "F":
-                            non_trainable, metrics, logs_q[q], messages[q], residual = forward(
-                                s, non_trainable, metrics, bundle, j)
-                            stashed.append(residual)
-                            targets.append(row)
-                            continue
-                        gradient = inbox[gradient_rows + s * micro + j]
-                        residual = {d: buf[row] for d, buf in stash.items()}
-                        non_trainable, metrics, logs_q[q], message, grads = backward(
-                            s, non_trainable, metrics, bundle, gradient, residual, j,
-                            phase == "FB")
-                        # A fused op's message belongs to its backward slot.
-                        messages[q + (phase == "FB")] = message
-                        ipu, by_index = p.device_mapping[s], dict(zip(stages.own[s], grads))
-                        if in_place:
-                            acc = stages.grads.update(ipu, acc, by_index, rule_for(j))
-                        else:
-                            summed.append(stages.grads.pack(ipu, by_index, accumulator_dtype))
-                    logs_out = jax.tree_util.tree_map(lambda *v: jnp.stack(v),
-                                                      *_filled(logs_q, zero_logs))
-                    # Rows to stash, and where: the spare row for unused ones.
-                    spare = stash_rows_out - len(stashed)
-                    stashed += [zero_residual() for _ in range(spare)]
-                    targets = jnp.stack(targets + [jnp.int32(rows - 1)] * spare)
-                    stash_out = ({d: jnp.stack([r[d] for r in stashed]) for d in lengths},
-                                 targets)
-                    if not in_place:
-                        # The sum of the block's gradients (or zeros); the
-                        # accumulator is updated outside the conditional.
-                        acc = (jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *summed)
-                               if summed else stages.grads.zeros(accumulator_dtype))
-                    return (non_trainable, metrics, acc, logs_out,
-                            jnp.stack(_filled(messages, zero_message)), stash_out)
-                return branch
-
-            branches = [run_pattern(pattern) for pattern in plan.patterns]
-
-            def block(c, rows_of_block):
-                non_trainable, metrics, acc, inbox, logs, stash = c
-                kinds, stage, micro_b, pattern_id, routes = rows_of_block
-                mine = [(kinds[q, me], stage[q, me], micro_b[q, me])
-                        for q in range(kinds.shape[0])]
-                non_trainable, metrics, result, step_logs, messages, stashed = jax.lax.switch(
-                    pattern_id[me], branches, non_trainable, metrics, acc, inbox, stash,
-                    jnp.stack([j for _, _, j in mine]))
-                acc = result if in_place else jax.tree_util.tree_map(
-                    lambda a, r: accumulate(a, r, None, micro), acc, result)
-                stashed, targets = stashed
-                for r in range(stash_rows_out):
-                    stash = {d: buf.at[targets[r]].set(stashed[d][r]) for d, buf in stash.items()}
-                for q, (kind, s, j) in enumerate(mine):
-                    logs = jax.tree_util.tree_map(
-                        lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
-                            jnp.where((kind == _FORWARD) & (s == last), v[q], b[j])),
-                        logs, step_logs)
-                gathered = jax.lax.all_gather(messages, IPU_AXIS)
-                for sender, q, row in routes[me]:
-                    inbox = inbox.at[row].set(gathered[sender, q])
-                return (non_trainable, metrics, acc, inbox, logs, stash), None
-
-            c = (non_trainable, metrics, acc, inbox, logs, stash)
-            c, _ = jax.lax.scan(block, c, plan.scanned())
-            non_trainable, metrics, acc, inbox, logs, stash = c
-            if state.replicas > 1:
-                acc = jax.lax.psum(acc, REPLICA_AXIS)
-            trainable, optimizer_vars = jax.lax.switch(
-                me, [_apply_optimizer(pipelined, state, stages.grads, d)
-                     for d in range(p.num_ipus)],
-                trainable, optimizer_vars, acc)
-            # Only the last stage's IPU has the logs; the others hold zeros.
-            logs = jax.lax.psum(
-                jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
-                IPU_AXIS)
-            return (trainable, non_trainable, optimizer_vars, metrics, stash, inbox), logs
-
-        inbox0 = jnp.zeros((plan.inbox_rows, *bundle_shape), jnp.float32)
-        carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash0, inbox0)
-        carry, logs = jax.lax.scan(update, carry, batches)
-        new = {part: jax.tree_util.tree_map(lambda a: a[None, None], value)
-               for part, value in zip(TRAINING_STATE_PARTS, carry)}
-        return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
-
     return jax.shard_map(
-        per_replica,
+        _FitProgram(pipelined, state, table, reduction, accumulator_dtype, recompute),
         mesh=state.mesh,
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
