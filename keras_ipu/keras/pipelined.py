@@ -423,10 +423,6 @@ def _index(tree_, j):
     return jax.tree_util.tree_map(lambda a: a[j], tree_)
 
 
-def _zeros_like_flats(flats, dtype=None):
-    return {k: jnp.zeros(v.shape, dtype or v.dtype) for k, v in flats.items()}
-
-
 def _receive(buffer, message, sent, stage, micro_batch, mapping, me, stages):
     valid = sent & (stage >= 0) & (stage < stages)
     stage = jnp.clip(stage, 0, stages - 1)
