@@ -179,9 +179,9 @@ class FitRunner:
 
     def program(self):
         try:
-            from keras_ipu.keras import trainer
+            from keras_ipu.keras import run
 
-            return trainer.program_for(self.model, "fit")
+            return run.program_for(self.model, "fit")
         except Exception:  # the library's internals may move
             return None
 

@@ -425,7 +425,7 @@ def _steps_of(units, name, bpe):
 
 
 def bench_compile(args, keras, jax, np, log):
-    from keras_ipu.keras import trainer as ipu_trainer
+    from keras_ipu.keras import run as ipu_run
 
     data = {spe: make_data(np, spe * SMALL_BATCH, SMALL_UNITS, seed=2) for spe in COMPILE_SPES}
     first = {spe: [] for spe in COMPILE_SPES}
@@ -437,7 +437,7 @@ def bench_compile(args, keras, jax, np, log):
             model = make_model(SMALL_UNITS, keras, inside_ipu_scope=True, spe=spe, seed=100 + rep)
             runner = FitRunner(model, x, y, SMALL_BATCH, jax)
             first[spe].append(runner.run(1))
-            program = getattr(ipu_trainer, "program_for", lambda *a: None)(model, "fit")
+            program = getattr(ipu_run, "program_for", lambda *a: None)(model, "fit")
             report = getattr(program, "report", None)
             seconds = getattr(report, "compile_seconds", None)
             if seconds is not None:

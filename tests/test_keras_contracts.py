@@ -22,7 +22,7 @@ def test_keras_version_is_the_pinned_minor():
 
 
 def test_model_new_is_the_seam_for_every_model_kind():
-    # keras_ipu.keras.injection replaces Model.__new__.
+    # keras_ipu.keras.extensions replaces Model.__new__.
     from keras.src.models.model import Model
 
     assert "__new__" in Model.__dict__

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
+from keras_ipu.keras import context
 from keras_ipu.keras import pipeline_assignment as pa
 from keras_ipu.keras import pipeline_stage as ps
 from keras_ipu.keras.pipeline_assignment import (
@@ -727,7 +728,7 @@ def test_stale_assignment_fails_at_run_time(strategy):
         model = Tower(name="stale")
     model.build((None, 32))
     pa.set_assignment(model, tower_assignment(with_mixin(model)))
-    vars(model)["_ipu_traced_graph"] = pa._Trace(  # as if rebuilt to another graph
+    context.state_of(model).traced_graph = pa._Trace(  # as if rebuilt to another graph
         repr(model.get_build_config()), pa._traced_graph(Tower(name="other"), keras.Input((8,)))
     )
     with pytest.raises(RuntimeError, match="assignments for model stale are no longer valid"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
+from keras_ipu.keras import context
 
 from conftest import assert_trees_close, assert_weights_close, configure
 from models import compile_args, data_for, pair
@@ -236,7 +237,7 @@ def test_stage_weights_live_on_their_ipus(strategy):
 
     class Capture(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            captured.append(vars(self._owner)["_ipu_pending_state"])
+            captured.append(context.state_of(self._owner).pending_state)
 
     capture = Capture()
     capture._owner = model
@@ -524,15 +525,15 @@ def test_a_second_fit_reuses_the_compiled_pipeline(strategy):
     _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped)
     x, y = data_for("sequential", samples=32)
     model.fit(x, y, batch_size=MICRO, verbose=0)
-    from keras_ipu.keras import trainer
+    from keras_ipu.keras import run
 
-    program = trainer.program_for(model, "fit")
+    program = run.program_for(model, "fit")
     model.fit(x, y, batch_size=MICRO, verbose=0)
-    assert trainer.program_for(model, "fit") is program
+    assert run.program_for(model, "fit") is program
     assert len(program._executables) == 1
     model.set_pipeline_stage_assignment([0, 1, 1, 1])  # a new plan: a new program
     model.fit(x, y, batch_size=MICRO, verbose=0)
-    assert trainer.program_for(model, "fit") is not program
+    assert run.program_for(model, "fit") is not program
 
 
 class _LossRecorder(keras.callbacks.Callback):

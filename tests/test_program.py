@@ -8,7 +8,7 @@ import numpy as np
 
 from keras_ipu.device import hardware, program, system
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import trainer
+from keras_ipu.keras import run
 
 from models import data_for, twin
 
@@ -76,4 +76,4 @@ def test_fit_compiles_once_and_calls_the_device_once_per_execution(strategy, mon
     model.fit(x, y, batch_size=8, epochs=3, verbose=0)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert calls == [4] * 8
-    assert len(trainer.program_for(model, "fit")._executables) == 1
+    assert len(run.program_for(model, "fit")._executables) == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
-from keras_ipu.keras import options
+from keras_ipu.keras import context, options
 
 from conftest import assert_trees_close, assert_weights_close, configure
 from models import compile_args, data_for, pair
@@ -46,7 +46,7 @@ def test_replica_weights_are_bit_identical_and_live_on_their_ipus(strategy):
 
     class Snapshot(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            state, codec = vars(self._model)["_ipu_pending_state"]
+            state, codec = context.state_of(self._model).pending_state
             snapshots.append((state, codec.replicas))
 
     callback = Snapshot()

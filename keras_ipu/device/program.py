@@ -139,12 +139,14 @@ class ExecutionProgram:
         """Compiles and measures the program for these inputs (cached).
 
         Returns:
-            The `ExecutionReport` for this input signature.
+            The `ExecutionReport` for this input signature, which also
+            becomes the program's `report`.
 
         Raises:
             IPUOutOfMemoryError: When the program does not fit an IPU.
         """
-        return self._executable(state, batches).report
+        self.report = self._executable(state, batches).report
+        return self.report
 
     def __call__(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """Runs one execution (asynchronously) and returns state and outfeed."""

@@ -1,20 +1,34 @@
-"""The IPU extension classes that models created in an `IPUStrategy` scope gain.
+"""The IPU extension classes, and the `Model.__new__` hook that gives models them.
 
 `SequentialExtension`, `FunctionalExtension` and `ModelExtension` give a
 model the IPU behaviour of its kind: `fit`, `evaluate` and `predict` run as
 executions of `steps_per_execution` steps on the IPU system. They are not
 instantiated directly: creating a model inside `strategy.scope()` makes it an
 instance of the right one.
+
+Every Keras model, whatever its kind, is created through `Model.__new__`.
+While a strategy scope is active, the hook (`install`) swaps the new
+instance's class for a subclass that puts the matching extension first in
+the MRO, so the extension's `fit`, `evaluate` and `predict` win. The dynamic
+class hides behind a `__class__` property so that Keras serialization records
+the user's class, and pickling goes through the base class.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
+from typing import Any
 
-from keras_ipu.keras import options, pipeline_assignment, trainer
+from keras.src.models import model as keras_model_module
+from keras.src.models.functional import Functional
+from keras.src.models.model import Model, functional_init_arguments
+from keras.src.models.sequential import Sequential
+
+from keras_ipu.keras import context, options, pipeline_assignment, pipeline_stage, run, trainer
 from keras_ipu.keras.pipeline_assignment import (
     FunctionalPipelineMixin,
     ModelPipelineMixin,
@@ -28,7 +42,7 @@ class ExtensionBase:
     """Behaviour shared by the three extension classes."""
 
     def compile(self, *args, **kwargs):
-        trainer.forget_programs(self)
+        run.forget_programs(self)
         return super().compile(*args, **kwargs)
 
     def set_gradient_accumulation_options(
@@ -86,7 +100,7 @@ class ExtensionBase:
             gradient_accumulation_optimizer_kwargs,
         )
         options.set_options(self, new)
-        trainer.forget_programs(self)
+        run.forget_programs(self)
 
     def set_pipelining_options(
         self,
@@ -139,7 +153,7 @@ class ExtensionBase:
             pipelining_kwargs,
         )
         options.set_options(self, new)
-        trainer.forget_programs(self)
+        run.forget_programs(self)
 
     def set_replication_options(self, replicated_metric_reduction_method="NONE"):
         """Sets how the loss and metrics of the replicas are returned.
@@ -166,7 +180,7 @@ class ExtensionBase:
 
     def _pipeline_assignment_changed(self):
         # Called by the stage assignment methods: compiled programs are stale.
-        trainer.forget_programs(self)
+        run.forget_programs(self)
 
     def jax_state_sync(self):
         trainer.sync_pending_state(self)
@@ -226,7 +240,7 @@ class ExtensionBase:
             keras_ipu.errors.IPUOutOfMemoryError: When the program does not
                 fit the IPU's memory.
         """
-        with _own_scope(self):
+        with context.model_scope(self):
             return trainer.fit(
                 self,
                 x=x,
@@ -268,7 +282,7 @@ class ExtensionBase:
             RuntimeError: As `fit`.
             ValueError: As `fit`.
         """
-        with _own_scope(self):
+        with context.model_scope(self):
             return trainer.evaluate(
                 self,
                 x=x,
@@ -294,7 +308,7 @@ class ExtensionBase:
             RuntimeError: When no IPU system is configured.
             ValueError: As `fit`.
         """
-        with _own_scope(self):
+        with context.model_scope(self):
             return trainer.predict(
                 self,
                 x,
@@ -309,18 +323,16 @@ class ExtensionBase:
         # loader that recreates the model inside an IPUStrategy scope.
         import keras.src.saving.saving_lib as saving_lib
 
-        from keras_ipu.keras import injection
-
         buffer = io.BytesIO()
         saving_lib._save_model_to_fileobj(self, buffer, "h5")
-        return (injection.unpickle_model, (buffer,))
+        return (_unpickle_model, (buffer, context.state_of(self).strategy))
 
 
-def _own_scope(model):
-    """The scope of the strategy the model was created in (models may run outside it,
-    and `PipelineStage` scopes in a subclassed model's `call` need one)."""
-    strategy = vars(model).get("_ipu_strategy")
-    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+def _unpickle_model(buffer: Any, strategy: Any) -> Model:
+    """Loads a pickled IPU model back inside its strategy's scope."""
+    scope = context.strategy_scope(strategy) if strategy is not None else contextlib.nullcontext()
+    with scope:
+        return keras_model_module.Model._unpickle_model(buffer)
 
 
 class ModelExtension(ModelPipelineMixin, ExtensionBase):
@@ -338,13 +350,8 @@ class ModelExtension(ModelPipelineMixin, ExtensionBase):
         super().__init__(*args, **kwargs)
         # A subclass that calls the functional constructor becomes Functional
         # during __init__: it then takes the Functional extension.
-        from keras.src.models.functional import Functional
-
         if isinstance(self, Functional):
-            from keras_ipu.keras import injection
-
-            base = type(self)._ipu_base_class
-            injection.set_class(self, injection.extension_class(base, True))
+            set_class(self, extension_class(type(self)._ipu_base_class, True))
 
 
 class FunctionalExtension(FunctionalPipelineMixin, ExtensionBase):
@@ -369,6 +376,94 @@ class SequentialExtension(SequentialPipelineMixin, ExtensionBase):
     >>> isinstance(model, keras_ipu.keras.extensions.SequentialExtension)
     True
     """
+
+
+# --------------------------------------------------------------------------
+# The `Model.__new__` hook.
+
+# First match wins: a Functional-constructed Model subclass is Functional.
+_EXTENSION_FOR = (
+    (Sequential, SequentialExtension),
+    (Functional, FunctionalExtension),
+    (Model, ModelExtension),
+)
+_OBJECT_CLASS_SLOT = object.__dict__["__class__"]
+# The `Model.__new__` that `install` replaced, once it has.
+_original_new: list[Any] = []
+
+
+def install() -> None:
+    """Installs the `Model.__new__` hook and the `PipelineStage` recording (idempotent).
+
+    Outside every strategy scope the hook changes nothing.
+
+    Example:
+
+    >>> install()
+    >>> install()  # a second call changes nothing
+    """
+    if not _original_new:
+        _original_new.append(Model.__dict__["__new__"])
+        Model.__new__ = staticmethod(_new_model)
+    # PipelineStage scopes record stages on the layers and calls they see.
+    pipeline_stage.install()
+
+
+def _new_model(cls, *args, **kwargs):
+    obj = _original_new[0].__func__(cls, *args, **kwargs)
+    strategy = context.current_strategy()
+    if strategy is None or not strategy.enable_keras_extensions or isinstance(obj, ExtensionBase):
+        return obj
+    functional = functional_init_arguments(args, kwargs)
+    set_class(obj, extension_class(type(obj), functional))
+    context.state_of(obj).strategy = strategy
+    return obj
+
+
+def set_class(obj: Any, cls: type) -> None:
+    """Sets the real type of `obj`, bypassing the `__class__` property.
+
+    Example:
+
+    >>> set_class(model, extension_class(type(model)))
+    """
+    _OBJECT_CLASS_SLOT.__set__(obj, cls)
+
+
+def extension_for(cls: type, functional: bool = False) -> type:
+    """The extension class for a model class (`functional`: built from inputs/outputs).
+
+    Example:
+
+    >>> extension_for(keras.Sequential)
+    <class 'keras_ipu.keras.extensions.SequentialExtension'>
+    """
+    if functional and not issubclass(cls, Sequential):
+        return FunctionalExtension
+    return next(ext for base, ext in _EXTENSION_FOR if issubclass(cls, base))
+
+
+@functools.cache
+def extension_class(cls: type, functional: bool = False) -> type:
+    """The dynamic class `(Extension, cls)` used for IPU instances of `cls`.
+
+    Example:
+
+    >>> extension_class(keras.Sequential).__mro__[1]
+    <class 'keras_ipu.keras.extensions.SequentialExtension'>
+    """
+    extension = extension_for(cls, functional)
+    return type(
+        cls.__name__,
+        (extension, cls),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_ipu_base_class": cls,
+            # Keras serialization records obj.__class__: show the user's class.
+            "__class__": property(lambda self: type(self)._ipu_base_class),
+        },
+    )
 
 
 __all__ = ["FunctionalExtension", "ModelExtension", "SequentialExtension"]

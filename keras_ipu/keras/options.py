@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod, parse_enum
+from keras_ipu.keras import context
 
 
 class ReplicatedMetricReductionMethod(enum.Enum):
@@ -390,10 +391,9 @@ def replication_options(options: IPUOptions, method: Any) -> IPUOptions:
 
 def options_of(model: Any) -> IPUOptions:
     """A model's IPU options (defaults when none were set)."""
-    return vars(model).get("_ipu_options") or IPUOptions()
+    return context.state_of(model).options or IPUOptions()
 
 
 def set_options(model: Any, options: IPUOptions) -> None:
     """Replaces a model's IPU options."""
-    # A plain instance-dict entry: Keras would track the attribute.
-    vars(model)["_ipu_options"] = options
+    context.state_of(model).options = options

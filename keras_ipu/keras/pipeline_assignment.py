@@ -47,6 +47,8 @@ from typing import Any
 
 import keras
 
+from keras_ipu.keras import context
+
 # Some of these names are only re-exported (`__all__`, the package, the tests).
 from keras_ipu.keras.pipeline_assignment_classes import (
     FunctionalLayerPipelineStageAssignment,
@@ -87,7 +89,6 @@ _COLUMNS = {
     SEQUENTIAL: (("Layer (type)", "Pipeline Stage"), (0.5, 1.0)),
     FUNCTIONAL: (("Layer (type) (node index)", "Input Layers", "Pipeline Stage"), (0.4, 0.8, 1.0)),
 }
-_STATE_ATTRIBUTE = "_ipu_pipeline_assignment"
 
 
 # --------------------------------------------------------------------------
@@ -103,8 +104,10 @@ class _PipelineState:
 
 
 def _state(model: Any) -> _PipelineState:
-    # Plain dict write: Keras must not track this attribute.
-    return vars(model).setdefault(_STATE_ATTRIBUTE, _PipelineState())
+    state = context.state_of(model)
+    if state.assignment is None:
+        state.assignment = _PipelineState()
+    return state.assignment
 
 
 def _apply_pending(model: Any, inputs: Any = None) -> None:
@@ -226,7 +229,7 @@ def invalidate_sequential_assignment(model: Any, message: str) -> bool:
     >>> invalidate_sequential_assignment(model, "A layer was added.")
     True
     """
-    state = vars(model).get(_STATE_ATTRIBUTE)
+    state = context.state_of(model).assignment
     if state is None or state.level is None or not state.valid:
         return False
     state.valid = False

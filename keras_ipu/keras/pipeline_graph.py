@@ -20,14 +20,11 @@ from keras.src.models.functional import Functional
 from keras.src.models.sequential import Sequential
 from keras.src.ops.node import Node
 
+from keras_ipu.keras import context
 from keras_ipu.keras import pipeline_stage as stage_lib
 from keras_ipu.keras.pipeline_assignment_classes import _name
-from keras_ipu.keras.strategy import current_strategy
 
 SEQUENTIAL, FUNCTIONAL, MODEL = "sequential", "functional", "model"
-_TRACE_ATTRIBUTE = "_ipu_traced_graph"
-# Set by keras_ipu.keras.injection on models created in a strategy scope.
-_STRATEGY_ATTRIBUTE = "_ipu_strategy"
 
 
 # --------------------------------------------------------------------------
@@ -211,12 +208,8 @@ def _trace(model: Any, specs: Any) -> _Graph:
     inputs = _symbolic_inputs(specs, model.input_dtype)
     kwargs = {"training": False} if _requires_training(model.call) else {}
     # PipelineStage scopes in `call` need an active strategy scope.
-    strategy = vars(model).get(_STRATEGY_ATTRIBUTE)
-    scope = (
-        strategy.scope()
-        if current_strategy() is None and strategy is not None
-        else contextlib.nullcontext()
-    )
+    scope = context.model_scope(model) if context.current_strategy() is None else (
+        contextlib.nullcontext())
     with scope, stage_lib.recording() as seen:
         try:
             outputs = model.call(inputs, **kwargs)
@@ -256,7 +249,7 @@ def trace_model(model: Any, inputs: Any = None) -> None:
     >>> model.build((None, 32))
     >>> trace_model(model)
     """
-    vars(model).pop(_TRACE_ATTRIBUTE, None)
+    context.state_of(model).traced_graph = None
     _traced_graph(model, inputs, action="get")
 
 
@@ -276,7 +269,7 @@ _NOT_BUILT = {
 def _traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> _Graph | None:
     config = model.get_build_config()
     key = repr(config)
-    cached = vars(model).get(_TRACE_ATTRIBUTE)
+    cached = context.state_of(model).traced_graph
     # Traced again only when the model was built with other shapes.
     if cached is not None and cached.build_key == key:
         return cached.graph
@@ -289,7 +282,7 @@ def _traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> 
     else:
         return None
     graph = _trace(model, specs)
-    vars(model)[_TRACE_ATTRIBUTE] = _Trace(key, graph)
+    context.state_of(model).traced_graph = _Trace(key, graph)
     return graph
 
 

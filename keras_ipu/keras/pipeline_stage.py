@@ -25,7 +25,7 @@ import keras
 from keras.src.ops.node import Node
 from keras.src.ops.operation import Operation
 
-from keras_ipu.keras.strategy import current_strategy
+from keras_ipu.keras import context
 
 # Private attribute holding the stage on a layer (constructed in a scope) or a
 # node (called in a scope). Written into the instance `__dict__` so Keras'
@@ -90,7 +90,7 @@ class PipelineStage:
         return self._stage
 
     def __enter__(self) -> PipelineStage:
-        if current_strategy() is None:
+        if context.current_strategy() is None:
             raise RuntimeError(
                 "PipelineStage may only be used from within an IPUStrategy context: "
                 "use it inside `with keras_ipu.ipu_strategy.IPUStrategy().scope():`."

@@ -13,7 +13,7 @@ from keras_ipu.device import pipeline as schedules
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
-from keras_ipu.keras import pipelined, pipelined_train
+from keras_ipu.keras import context, pipelined, pipelined_train, run
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.steps import STATE_PARTS
@@ -101,11 +101,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
            reduction, options.pipelining_accumulate_outfeed, recompute)
 
     def build():
-        from keras_ipu.keras.trainer import _Run
-
         used = max(mapping) + 1
         per_replica = next_power_of_two(used)
-        system_ipus = _device_ipus(model)
+        system_ipus = context.device_ipus(model)
         mesh = pipelined.pipeline_mesh(system_ipus, per_replica, used)
         ipus = tuple(system_ipus[r * per_replica + i]
                      for r in range(replicas.count) for i in range(used))
@@ -131,8 +129,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             pipeline=cost,
             replica_count=replicas.count,
         )
-        program.schedule = table
-        return _Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
+        return run.Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
 
     return key, build
 
@@ -151,7 +148,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     training = mode == "fit"
     recompute = _recomputation(options)
 
-    def flats(part, ipu):
+    def flats(part):
         return {dtype: jax.ShapeDtypeStruct((length,), dtype)
                 for dtype, length in state.lengths[part].items()}
 
@@ -163,8 +160,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     def costs(hardware):
         forward, backward = [], []
         for s in range(pipe.num_stages):
-            ipu = pipe.device_mapping[s]
-            args = (flats("trainable_variables", ipu), flats("non_trainable_variables", ipu),
+            args = (flats("trainable_variables"), flats("non_trainable_variables"),
                     bundle, x)
 
             def stage(t, n, b, x, s=s):
@@ -249,14 +245,6 @@ def _is_float(tree) -> bool:
 
 def _cycles(lowered, hardware) -> float:
     return accounting.step_cost(lowered).work_cycles(hardware)
-
-
-def _device_ipus(model):
-    from keras_ipu.device import system as ipu_system
-
-    strategy = vars(model).get("_ipu_strategy")
-    return ipu_system.require().ipus_of_device(
-        strategy.ipu_device if strategy is not None else 0)
 
 
 __all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]

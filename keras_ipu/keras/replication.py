@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import system as ipu_system
 from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import context
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 
 # The returned value of one log entry from its per-replica values `[R]`.
@@ -34,9 +34,7 @@ def replicas_for(model: Any, ipus_per_replica: int = 1) -> Replicas:
         RuntimeError: When no IPU system is configured.
         ValueError: When the model needs more IPUs than its device has.
     """
-    system = ipu_system.require()
-    strategy = vars(model).get("_ipu_strategy")
-    ipus = system.ipus_of_device(strategy.ipu_device if strategy is not None else 0)
+    ipus = context.device_ipus(model)
     per_replica = next_power_of_two(ipus_per_replica)
     if per_replica > len(ipus):
         raise ValueError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from keras_ipu.device.report import ExecutionReport
-from keras_ipu.keras import trainer
+from keras_ipu.keras import run
 
 
 def execution_report(model, mode: str = "fit") -> ExecutionReport:
@@ -27,9 +27,9 @@ def execution_report(model, mode: str = "fit") -> ExecutionReport:
     >>> model.fit(x, y, batch_size=32)
     >>> print(keras_ipu.utils.execution_report(model, mode="fit"))
     """
-    if mode not in trainer.MODES:
-        raise ValueError(f"Unknown mode {mode!r}; valid modes are {list(trainer.MODES)}.")
-    program = trainer.program_for(model, mode)
+    if mode not in run.MODES:
+        raise ValueError(f"Unknown mode {mode!r}; valid modes are {list(run.MODES)}.")
+    program = run.program_for(model, mode)
     if program is None or program.report is None:
         raise ValueError(
             f"The model {getattr(model, 'name', model)!r} has no compiled {mode!r} "
@@ -60,5 +60,4 @@ def weight_placement(model, mode: str = "fit") -> dict[str, list]:
     [CpuDevice(id=0)]
     """
     execution_report(model, mode)  # the same checks
-    run = trainer.run_for(model, mode)
-    return run.codec.weight_placement(model)
+    return run.run_for(model, mode).codec.weight_placement(model)

@@ -1,14 +1,11 @@
-"""`IPUStrategy` and its scope."""
+"""`IPUStrategy` and its scope: the top of `keras_ipu.keras`."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
-_active: contextvars.ContextVar[tuple[IPUStrategy, ...]] = contextvars.ContextVar(
-    "keras_ipu_strategy_stack", default=()
-)
+from keras_ipu.keras import context, extensions
 
 
 class IPUStrategy:
@@ -57,9 +54,7 @@ class IPUStrategy:
         self.enable_keras_extensions = bool(enable_keras_extensions)
         # Models are redirected when they are created; the hook is installed
         # the first time a strategy exists.
-        from keras_ipu.keras import injection
-
-        injection.install()
+        extensions.install()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -69,11 +64,8 @@ class IPUStrategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator[IPUStrategy]:
         """A context in which created Keras models run on the IPU system."""
-        token = _active.set(_active.get() + (self,))
-        try:
+        with context.strategy_scope(self):
             yield self
-        finally:
-            _active.reset(token)
 
     def __repr__(self) -> str:
         return (
@@ -83,9 +75,3 @@ class IPUStrategy:
 
 
 IPUStrategyV1 = IPUStrategy
-
-
-def current_strategy() -> IPUStrategy | None:
-    """The innermost `IPUStrategy` whose scope is active, or `None`."""
-    stack = _active.get()
-    return stack[-1] if stack else None

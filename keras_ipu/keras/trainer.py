@@ -14,7 +14,6 @@ interfaces, with the stages on their IPUs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -29,31 +28,19 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import data, pipelined_run, replication, steps
+from keras_ipu.keras import context, data, pipelined_run, replication, steps
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import Layout, ReplicaCodec
+from keras_ipu.keras.run import Placement, Run, cached_run
 from keras_ipu.keras.steps import STATE_PARTS
 
 logger = logging.getLogger("keras_ipu")
-
-MODES = ("fit", "evaluate", "predict")
-
 
 _FUNCTIONS_USED_BY_KERAS_ONLY = {
     "fit": "make_train_function",
     "evaluate": "make_test_function",
     "predict": "make_predict_function",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """What one fit/evaluate/predict call runs: program, layout, state codec."""
-
-    program: ExecutionProgram
-    layout: Any  # Layout or PipelineLayout: to_program(host batches)
-    codec: Any  # ReplicaCodec or PipelineCodec
-    replica_count: int
 
 
 def fit(
@@ -188,7 +175,7 @@ def evaluate(
     return model._flatten_metrics_in_order(logs)
 
 
-def _evaluate_feed(model, run: _Run, feed, callbacks) -> dict:
+def _evaluate_feed(model, run: Run, feed, callbacks) -> dict:
     model.stop_evaluating = False
     callbacks.on_test_begin()
     model.reset_metrics()
@@ -243,7 +230,7 @@ _BATCH_HOOKS = {
 }
 
 
-def _run_epoch(model, run: _Run, feed, mode, callbacks, collect=None):
+def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
     """Runs one epoch of executions; returns the last outfeed (logs)."""
     begin_hook, end_hook, as_logs, stop_flag = _BATCH_HOOKS[mode]
     # Batch hooks cost a host sync per execution (Keras converts the logs):
@@ -309,7 +296,7 @@ def _has_batch_hooks(callbacks, *hooks: str) -> bool:
     )
 
 
-def _epoch_logs(model, run: _Run, logs) -> dict:
+def _epoch_logs(model, run: Run, logs) -> dict:
     if run.replica_count == 1:
         return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
     # Keras' metric variables hold one replica's state: use the reduced logs.
@@ -318,13 +305,14 @@ def _epoch_logs(model, run: _Run, logs) -> dict:
 
 def _keep_state(model, state, codec) -> None:
     """Records the latest device state; variables get it on `jax_state_sync`."""
-    vars(model)["_ipu_pending_state"] = (state, codec)
+    context.state_of(model).pending_state = (state, codec)
 
 
 def sync_pending_state(model) -> None:
     """Hands the latest device state to Keras' state sync (replica 0's weights,
     the last replica's metrics, so `get_metrics_result` agrees with `NONE`)."""
-    pending = vars(model).pop("_ipu_pending_state", None)
+    model_state = context.state_of(model)
+    pending, model_state.pending_state = model_state.pending_state, None
     if pending is None:
         return
     state, codec = pending
@@ -332,11 +320,11 @@ def sync_pending_state(model) -> None:
 
 
 def _forget_state(model) -> None:
-    vars(model).pop("_ipu_pending_state", None)
+    context.state_of(model).pending_state = None
     model._jax_state = None
 
 
-def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> _Run:
+def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     """Compiles and measures the mode's program before any state changes.
 
     Raises:
@@ -348,11 +336,7 @@ def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> _Run:
         key, build = pipelined_run.program_for(model, mode, placement, feed, options, hardware)
     else:
         key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
-    programs = _programs(model)
-    known_key, run = programs.get(mode, (None, None))
-    if known_key != key:
-        run = build()
-        programs[mode] = (key, run)
+    run = cached_run(model, mode, key, build)
     keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
     spe = feed.plan.steps_per_execution
     host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
@@ -360,7 +344,7 @@ def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> _Run:
         lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
     )
     batches = run.codec.batch_spec(run.layout.to_program(batches))
-    run.program.report = run.program.prepare(run.codec.spec(keras_state), batches)
+    run.program.prepare(run.codec.spec(keras_state), batches)
     return run
 
 
@@ -372,7 +356,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            options.replicated_metric_reduction_method)
 
-    def build() -> _Run:
+    def build() -> Run:
         layout = Layout(replicas.count, micro)
         program = ExecutionProgram(
             _step_function(model, mode, options, replicas, custom),
@@ -384,7 +368,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
         )
-        return _Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count)
+        return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count)
 
     return key, build
 
@@ -442,16 +426,7 @@ def _synthetic_placer(codec, layout):
     return place
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    """Where a run goes: its replicas, and the pipeline plan of a pipelined model."""
-
-    replicas: Replicas
-    plan: Any = None  # PipelinePlan
-    device_mapping: tuple[int, ...] = ()
-
-
-def _placement(model, mode: str, options: IPUOptions, x) -> _Placement:
+def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     """The checks every mode shares, then the model's replicas (and stages).
 
     Raises:
@@ -475,10 +450,10 @@ def _placement(model, mode: str, options: IPUOptions, x) -> _Placement:
         )
     plan = pipelined_run.plan_of(model, x)
     if plan is None:
-        return _Placement(replication.replicas_for(model))
+        return Placement(replication.replicas_for(model))
     mapping = pipelined_run.device_mapping(plan, options)
     replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
-    return _Placement(replicas, plan, mapping)
+    return Placement(replicas, plan, mapping)
 
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
@@ -567,24 +542,3 @@ def _log_plan(model, feed, options: IPUOptions) -> None:
             f" across {plan.replicas} replicas" if plan.replicas > 1 else "",
             feed.batch_size * accumulation * plan.replicas,
         )
-
-
-def _programs(model) -> dict:
-    # A plain instance dict: Keras would track a dict set as an attribute.
-    return vars(model).setdefault("_ipu_programs", {})
-
-
-def forget_programs(model) -> None:
-    """Drops the model's compiled programs (after `compile` or an option change)."""
-    vars(model).pop("_ipu_programs", None)
-
-
-def run_for(model, mode: str):
-    """The model's compiled run (program, layout, codec) for a mode, if any."""
-    return _programs(model).get(mode, (None, None))[1]
-
-
-def program_for(model, mode: str) -> ExecutionProgram | None:
-    """The model's program for a mode, if it was compiled."""
-    run = _programs(model).get(mode, (None, None))[1]
-    return run.program if run is not None else None

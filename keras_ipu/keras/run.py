@@ -1,0 +1,118 @@
+"""The shared types of an execution: where a run goes, what it runs, and the program cache.
+
+Both program builders (the replicated step loop in `trainer.py` and the
+pipelined executor in `pipelined/`) produce a `Run`; the trainer and the
+reports read it. The cache keeps one `Run` per mode on the model's host state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from keras_ipu.device.program import ExecutionProgram
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import context
+
+MODES = ("fit", "evaluate", "predict")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run goes: its replicas, and the stage plan of a pipelined model.
+
+    Args:
+        replicas: The replicas (one IPU each, the first IPU of a pipeline).
+        plan: The model's `PipelinePlan`, or `None` when it is not pipelined.
+        device_mapping: The IPU of each pipeline stage (empty when not pipelined).
+
+    Example:
+
+    >>> Placement(Replicas(system.ipus[:2])).replicas.count
+    2
+    """
+
+    replicas: Replicas
+    plan: Any = None
+    device_mapping: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What one fit/evaluate/predict call runs.
+
+    Args:
+        program: The compiled execution program.
+        layout: Regroups host batches for the program (`to_program`) and
+            its outfeed; a `replication.Layout` or a pipelined layout.
+        codec: Moves the Keras state to and from the program's device state.
+        replica_count: The replication factor.
+
+    Example:
+
+    >>> state, outfeed = run.program(state, run.codec.place(run.layout.to_program(batches)))
+    """
+
+    program: ExecutionProgram
+    layout: Any
+    codec: Any
+    replica_count: int
+
+
+def cached_run(model: Any, mode: str, key: Any, build: Callable[[], Run]) -> Run:
+    """The model's run for `mode`: the cached one when its key matches, else `build()`.
+
+    Args:
+        model: The Keras model.
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        key: What identifies the program (hashable, compared with `==`).
+        build: Makes a new `Run` when the cached one does not match.
+
+    Returns:
+        The `Run`.
+
+    Example:
+
+    >>> run = cached_run(model, "fit", key, build)
+    """
+    programs = context.state_of(model).programs
+    known_key, run = programs.get(mode, (None, None))
+    if run is None or known_key != key:
+        run = build()
+        programs[mode] = (key, run)
+    return run
+
+
+def run_for(model: Any, mode: str) -> Run | None:
+    """The model's last compiled run for a mode, or `None`.
+
+    Example:
+
+    >>> run_for(model, "fit").replica_count
+    1
+    """
+    return context.state_of(model).programs.get(mode, (None, None))[1]
+
+
+def program_for(model: Any, mode: str) -> ExecutionProgram | None:
+    """The model's last compiled program for a mode, or `None`.
+
+    Example:
+
+    >>> program_for(model, "fit").report.ipus[0].memory_bytes
+    """
+    run = run_for(model, mode)
+    return run.program if run is not None else None
+
+
+def forget_programs(model: Any) -> None:
+    """Drops the model's compiled programs (after `compile` or an option change).
+
+    Example:
+
+    >>> forget_programs(model)
+    >>> program_for(model, "fit") is None
+    True
+    """
+    context.state_of(model).programs.clear()
