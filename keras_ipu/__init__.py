@@ -66,7 +66,7 @@ _SUBMODULES = (
 _LAZY_NAMES = {
     "IPUStrategy": ("keras_ipu.ipu_strategy", "IPUStrategy"),
     "IPUOutOfMemoryError": ("keras_ipu.errors", "IPUOutOfMemoryError"),
-    "PipelineStage": ("keras_ipu.keras.pipeline_stage", "PipelineStage"),
+    "PipelineStage": ("keras_ipu.keras.stages", "PipelineStage"),
 }
 
 __all__ = [*_SUBMODULES, *_LAZY_NAMES]

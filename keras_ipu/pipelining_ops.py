@@ -1,7 +1,7 @@
 """Pipelining operators: the public face of `tensorflow.python.ipu.pipelining_ops`.
 
 `PipelineSchedule` and `RecomputationMode` choose how a pipelined model's stages
-run (see `keras_ipu.device.pipeline` for the schedule tables they select);
+run (see `keras_ipu.device.schedules` for the schedule tables they select);
 `PipelineStageOptions` holds per-stage Poplar options, accepted for porting.
 
 Example:
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_ipu.device.pipeline import PipelineSchedule, RecomputationMode
+from keras_ipu.device.schedules import PipelineSchedule, RecomputationMode
 
 
 class PipelineStageOptions:

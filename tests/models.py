@@ -114,3 +114,44 @@ def twin(kind: str, strategy, steps_per_execution: int = 1, optimizer: str = "ad
         model.compile(**{**compile_args(kind, steps_per_execution, optimizer),
                          **compile_overrides})
     return plain, on_ipu
+
+
+def run_stage(plan, stage: int, values, training=None) -> dict:
+    """Evaluates one pipeline stage's layer calls on concrete tensors (the reference semantics).
+
+    Args:
+        plan: A `PipelinePlan`.
+        stage: The stage to run.
+        values: Values for (at least) `plan.stage_inputs[stage]`.
+        training: The training flag for layers that take one, or `None`.
+
+    Returns:
+        The values of every key the stage produces.
+    """
+    from keras_ipu.keras import stages
+
+    env = dict(values)
+    produced = {}
+    for call in plan.stages[stage]:
+        args, kwargs = stages.call_arguments(call, env, training)
+        outputs = keras.tree.flatten(call.operation(*args, **kwargs))
+        for key, value in zip(call.output_keys, outputs):
+            env[key] = produced[key] = value
+    return produced
+
+
+def run_plan(plan, inputs, training=None):
+    """Runs every stage of a plan in order: what the pipelined model computes.
+
+    Returns:
+        The outputs, packed into `plan.outputs_struct`.
+    """
+    flat = keras.tree.flatten(inputs)
+    if len(flat) != len(plan.inputs):
+        raise ValueError(f"Model {plan.model_name} takes {len(plan.inputs)} input(s).")
+    values = {key: keras.ops.convert_to_tensor(x, dtype=spec.dtype)
+              for key, x, spec in zip(plan.input_keys, flat, plan.inputs)}
+    for stage in range(plan.num_stages):
+        values.update(run_stage(plan, stage, values, training))
+    return keras.tree.pack_sequence_as(plan.outputs_struct,
+                                       [values[key] for key in plan.output_keys])

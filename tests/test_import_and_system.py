@@ -120,7 +120,7 @@ def test_the_device_layer_knows_nothing_of_keras():
     result = _run(
         """
         import sys
-        from keras_ipu.device import (accounting, hardware, infeed, pipeline, program,
+        from keras_ipu.device import (accounting, hardware, infeed, program, schedules,
                                       replicate, report, system)
         import keras_ipu.config
         assert not any(name == "keras" or name.startswith("keras.") for name in sys.modules)

@@ -12,16 +12,19 @@ import pytest
 
 import keras_ipu as ipu
 from keras_ipu.keras import context
-from keras_ipu.keras import pipeline_assignment as pa
-from keras_ipu.keras import pipeline_stage as ps
-from keras_ipu.keras.pipeline_assignment import (
+from keras_ipu.keras import stages as pa
+from keras_ipu.keras import stages as ps
+from keras_ipu.keras.stages import (
     FunctionalLayerPipelineStageAssignment,
     FunctionalNestedModelPipelineStageAssignment,
     ModelLayerPipelineStageAssignment,
+    PipelineStage,
     SequentialLayerPipelineStageAssignment,
     SequentialNestedModelPipelineStageAssignment,
+    graph,
 )
-from keras_ipu.keras.pipeline_stage import PipelineStage
+
+from models import run_plan, run_stage
 
 ps.install()
 
@@ -258,7 +261,7 @@ def test_functional_scopes_as_in_the_seed(strategy):
     plan = pa.pipeline_plan(model)
     assert [len(calls) for calls in plan.stages] == [2, 3]
     data = np.random.default_rng(0).normal(size=(3, 28, 28)).astype("float32")
-    np.testing.assert_allclose(ps.run_plan(plan, data), model(data), atol=1e-6)
+    np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
 
 
 def test_reset_forgets_scopes(strategy):
@@ -419,7 +422,7 @@ def test_subclassed_model_with_four_stages(strategy):
     d1, d2, d3 = (model.dense_layer_1.name, model.dense_layer_2.name, model.dense_layer_3.name)
     assert names(plan) == [[d1], [d2, d2], [d2, d2, model.concat_layer.name], [d3]]
     data = np.random.default_rng(1).normal(size=(4, 32)).astype("float32")
-    np.testing.assert_allclose(ps.run_plan(plan, data), model(data), atol=1e-6)
+    np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
 
 
 def test_subclassed_model_with_scopes_traces_from_inputs(strategy):
@@ -434,7 +437,7 @@ def test_subclassed_model_with_scopes_traces_from_inputs(strategy):
     assert stages(pa.get_assignment(model)) == [0, 1, 1, 2, 2, 2, 3]
     data = np.random.default_rng(2).normal(size=(4, 32)).astype("float32")
     with strategy.scope():
-        np.testing.assert_allclose(ps.run_plan(plan, data), model(data), atol=1e-6)
+        np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
 
 
 def test_nested_sequential_expands_and_is_stored_on_the_root(strategy):
@@ -465,7 +468,7 @@ def test_nested_sequential_expands_and_is_stored_on_the_root(strategy):
     assert names(plan) == [["pre", "inner_a"], ["inner_b", "post"]]
     assert [call.path for call in plan.stages[0]] == [(), ("inner",)]
     data = np.random.default_rng(3).normal(size=(5, 4)).astype("float32")
-    np.testing.assert_allclose(ps.run_plan(plan, data), model(data), atol=1e-6)
+    np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
 
 
 def test_nested_model_called_in_a_scope_takes_its_stage(strategy):
@@ -512,7 +515,7 @@ def test_keras_ops_calls_are_assigned_too(strategy):
     items = pa.assignment_to_config(model)["pipeline_stage_assignment"]
     assert items == [[1, 0, 0], [None, 0, 1], [None, 0, 1]]  # ops are not in model.layers
     data = np.ones((2, 4), "float32")
-    np.testing.assert_allclose(ps.run_plan(pa.pipeline_plan(model), data), model(data))
+    np.testing.assert_allclose(run_plan(pa.pipeline_plan(model), data), model(data))
 
 
 def test_nested_model_called_twice_expands_twice(strategy):
@@ -531,7 +534,7 @@ def test_nested_model_called_twice_expands_twice(strategy):
     assert names(plan) == [["inner"], ["inner"]]
     assert plan.stages[1][0].input_keys == plan.stages[0][0].output_keys
     data = np.ones((2, 4), "float32")
-    np.testing.assert_allclose(ps.run_plan(plan, data), model(data), atol=1e-6)
+    np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
 
 
 # --------------------------------------------------------------------------
@@ -728,8 +731,8 @@ def test_stale_assignment_fails_at_run_time(strategy):
         model = Tower(name="stale")
     model.build((None, 32))
     pa.set_assignment(model, tower_assignment(with_mixin(model)))
-    context.state_of(model).traced_graph = pa._Trace(  # as if rebuilt to another graph
-        repr(model.get_build_config()), pa._traced_graph(Tower(name="other"), keras.Input((8,)))
+    context.state_of(model).traced_graph = graph.GraphTrace(  # as if rebuilt to another graph
+        repr(model.get_build_config()), graph.traced_graph(Tower(name="other"), keras.Input((8,)))
     )
     with pytest.raises(RuntimeError, match="assignments for model stale are no longer valid"):
         pa.pipeline_plan(model)
@@ -879,9 +882,9 @@ def test_plan_of_a_two_stage_split(res):
     assert plan.tensors[4] is res.get_layer("block1_add").output
     assert [layer.name for layer in plan.stage_layers(1)] == RESIDUAL_ORDER[4:]
     data = np.random.default_rng(4).normal(size=(2, 8)).astype("float32")
-    first = ps.run_stage(plan, 0, {0: data})
+    first = run_stage(plan, 0, {0: data})
     assert sorted(first) == [1, 2, 3, 4]
-    second = ps.run_stage(plan, 1, {4: first[4]}, training=False)
+    second = run_stage(plan, 1, {4: first[4]}, training=False)
     np.testing.assert_allclose(second[7], res(data), atol=1e-6)
 
 
@@ -904,7 +907,7 @@ def test_plan_forwards_tensors_a_later_stage_needs(strategy):
     assert plan.stage_inputs[2] == tuple(sorted([key["mid"], key["side"]]))
     assert plan.stage_outputs[0] == tuple(sorted([key["h"], key["side"]]))
     data = np.random.default_rng(5).normal(size=(2, 4)).astype("float32")
-    for got, want in zip(ps.run_plan(plan, data), model(data)):
+    for got, want in zip(run_plan(plan, data), model(data)):
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
@@ -918,8 +921,8 @@ def test_plan_passes_the_training_flag(strategy):
         model = keras.Model(inputs, h)
     plan = pa.pipeline_plan(model)
     data = np.ones((2, 4), "float32")
-    np.testing.assert_allclose(ps.run_plan(plan, data, training=False), model(data))
-    assert np.count_nonzero(ps.run_plan(plan, data, training=True)) < 8
+    np.testing.assert_allclose(run_plan(plan, data, training=False), model(data))
+    assert np.count_nonzero(run_plan(plan, data, training=True)) < 8
 
 
 # --------------------------------------------------------------------------

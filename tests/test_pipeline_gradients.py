@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.keras.pipeline_gradients import GradientLayout
+from keras_ipu.keras.pipelined.gradients import GradientLayout
 
 LIKE = [[(0, (4, 3), "float32"), (1, (3,), "float32")],
         [(2, (4, 3), "float32"), (3, (3,), "float32")]]

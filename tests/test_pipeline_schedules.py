@@ -10,7 +10,7 @@ import pytest
 import keras_ipu as ipu
 import keras_ipu.ops.pipelining_ops  # noqa: F401  (not in keras_ipu._SUBMODULES yet)
 import keras_ipu.pipelining_ops  # noqa: F401
-from keras_ipu.device.pipeline import (
+from keras_ipu.device.schedules import (
     Op,
     PipelineSchedule,
     RecomputationMode,
@@ -435,7 +435,7 @@ def test_pipeline_stage_options():
 
 def test_device_schedules_import_neither_keras_nor_jax():
     code = (
-        "import sys, keras_ipu.device.pipeline; "
+        "import sys, keras_ipu.device.schedules; "
         "assert 'keras' not in sys.modules and 'jax' not in sys.modules, "
         "sorted(m for m in sys.modules if m.startswith(('keras', 'jax')))"
     )

@@ -297,7 +297,7 @@ def test_a_model_too_big_for_one_ipu_trains_pipelined_over_four(strategy):
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("micro_batches", [4, 16])
 def test_reported_utilisation_matches_the_closed_form(schedule, stages, micro_batches, strategy):
-    from keras_ipu.device.pipeline import closed_form_utilisation
+    from keras_ipu.device.schedules import closed_form_utilisation
 
     configure(stages)  # one replica
     # Wide enough that a stage's layer outweighs the bundle's bookkeeping.
@@ -444,7 +444,7 @@ def test_regularizers_and_added_losses_count_in_every_stage(schedule, strategy):
 def test_the_stash_keeps_activations_not_weights():
     import jax
 
-    from keras_ipu.keras.pipelined_train import join_residuals, split_residuals
+    from keras_ipu.keras.pipelined.training import join_residuals, split_residuals
 
     layer = keras.layers.Dense(32, activation="relu")
     layer.build((4, 16))

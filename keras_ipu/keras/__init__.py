@@ -6,13 +6,13 @@ import importlib
 
 _SUBMODULES = ("extensions",)
 _LAZY_NAMES = {
-    "PipelineStage": "keras_ipu.keras.pipeline_stage",
-    "SequentialLayerPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
-    "FunctionalLayerPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
-    "ModelLayerPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
-    "NestedModelPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
-    "FunctionalNestedModelPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
-    "SequentialNestedModelPipelineStageAssignment": "keras_ipu.keras.pipeline_assignment",
+    "PipelineStage": "keras_ipu.keras.stages",
+    "SequentialLayerPipelineStageAssignment": "keras_ipu.keras.stages",
+    "FunctionalLayerPipelineStageAssignment": "keras_ipu.keras.stages",
+    "ModelLayerPipelineStageAssignment": "keras_ipu.keras.stages",
+    "NestedModelPipelineStageAssignment": "keras_ipu.keras.stages",
+    "FunctionalNestedModelPipelineStageAssignment": "keras_ipu.keras.stages",
+    "SequentialNestedModelPipelineStageAssignment": "keras_ipu.keras.stages",
     "ReplicatedMetricReductionMethod": "keras_ipu.keras.options",
     "FunctionalExtension": "keras_ipu.keras.extensions",
     "ModelExtension": "keras_ipu.keras.extensions",

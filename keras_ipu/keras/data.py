@@ -53,11 +53,6 @@ class FeedPlan:
         """Batches of the data one execution consumes (all replicas)."""
         return self.steps_per_execution * self.replicas
 
-    @property
-    def executions_per_epoch(self) -> int:
-        """Executions per epoch."""
-        return self.steps // self.steps_per_execution
-
 
 def make_feed(
     x: Any,

@@ -28,8 +28,8 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
-from keras_ipu.keras import context, options, pipeline_assignment, pipeline_stage, run, trainer
-from keras_ipu.keras.pipeline_assignment import (
+from keras_ipu.keras import context, options, run, stages, trainer
+from keras_ipu.keras.stages import (
     FunctionalPipelineMixin,
     ModelPipelineMixin,
     SequentialPipelineMixin,
@@ -190,7 +190,7 @@ class ExtensionBase:
         """Saves the IPU options into the `.keras` file (Keras saving hook)."""
         config = {
             **options.options_of(self).to_config(),
-            **pipeline_assignment.assignment_to_config(self),
+            **stages.assignment_to_config(self),
         }
         with open(os.path.join(dir_path, _ASSET_FILE), "w") as f:
             json.dump(config, f)
@@ -202,7 +202,7 @@ class ExtensionBase:
             with open(path) as f:
                 config = json.load(f)
             options.set_options(self, options.IPUOptions.from_config(config))
-            pipeline_assignment.assignment_from_config(self, config)
+            stages.assignment_from_config(self, config)
 
     def fit(
         self,
@@ -406,7 +406,7 @@ def install() -> None:
         _original_new.append(Model.__dict__["__new__"])
         Model.__new__ = staticmethod(_new_model)
     # PipelineStage scopes record stages on the layers and calls they see.
-    pipeline_stage.install()
+    stages.install()
 
 
 def _new_model(cls, *args, **kwargs):

@@ -12,6 +12,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod, parse_enum
 from keras_ipu.keras import context
 
@@ -335,11 +336,9 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ValueError(
             f"Unknown `pipelining_kwargs` {unknown}; valid keys are {sorted(PIPELINING_KWARGS)}."
         )
-    from keras_ipu.device import pipeline
-
     checks = {
-        "pipeline_schedule": lambda v: isinstance(v, pipeline.PipelineSchedule),
-        "recomputation_mode": lambda v: isinstance(v, pipeline.RecomputationMode),
+        "pipeline_schedule": lambda v: isinstance(v, schedules.PipelineSchedule),
+        "recomputation_mode": lambda v: isinstance(v, schedules.RecomputationMode),
         "continuous_weight_updates": lambda v: isinstance(v, bool),
     }
     for key, check in checks.items():

@@ -8,7 +8,7 @@ compiled on-device loop (gradient accumulation and the cross-replica
 gradient sum inside) and returns the per-step logs (the outfeed); callbacks
 run once per execution with the last step's logs, replicas reduced as
 `set_replication_options` says. A pipelined model (one with a stage
-assignment) gets its program from `pipelined_run` instead: the same
+assignment) gets its program from `pipelined` instead: the same
 interfaces, with the stages on their IPUs.
 """
 
@@ -28,7 +28,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import context, data, pipelined_run, replication, steps
+from keras_ipu.keras import context, data, pipelined, replication, steps
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Placement, Run, cached_run
@@ -333,7 +333,7 @@ def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     hardware = ipu_system.require().hardware
     parts = STATE_PARTS[mode]
     if placement.plan is not None:
-        key, build = pipelined_run.program_for(model, mode, placement, feed, options, hardware)
+        key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
     else:
         key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
     run = cached_run(model, mode, key, build)
@@ -448,10 +448,10 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
             f"remove the override from your model definition or set "
             f"`enable_keras_extensions=False` when creating the IPUStrategy."
         )
-    plan = pipelined_run.plan_of(model, x)
+    plan = pipelined.plan_of(model, x)
     if plan is None:
         return Placement(replication.replicas_for(model))
-    mapping = pipelined_run.device_mapping(plan, options)
+    mapping = pipelined.device_mapping(plan, options)
     replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
     return Placement(replicas, plan, mapping)
 
@@ -475,7 +475,7 @@ def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None)
 
 def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> None:
     if pipeline_plan is not None:
-        accumulation = pipelined_run.accumulation_steps(model, options)
+        accumulation = pipelined.accumulation_steps(model, options)
     else:
         accumulation = options.gradient_accumulation_steps
     kind = "pipelined model" if pipeline_plan is not None else "model"

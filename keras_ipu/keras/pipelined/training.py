@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import pipeline as schedules
+from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
-from keras_ipu.keras.pipeline_gradients import GradientLayout
-from keras_ipu.keras.pipelined import (
-    _BACKWARD,
-    _FORWARD,
+from keras_ipu.keras.pipelined.gradients import GradientLayout
+from keras_ipu.keras.pipelined.model import (
+    BACKWARD,
+    FORWARD,
     IPU_AXIS,
     REPLICA_AXIS,
     TRAINING_STATE_PARTS,
@@ -49,8 +49,8 @@ from keras_ipu.keras.pipelined import (
     PipelinedModel,
     PipelineState,
     StageRunner,
-    _index,
-    _padded_lengths,
+    micro_batch_at,
+    padded_lengths,
     stage_loss,
 )
 from keras_ipu.keras.steps import ACCUMULATE
@@ -156,7 +156,7 @@ class BlockPlan:
                         continue
                     if pattern[-1][0] == "-":
                         pattern[-2] = ("FB", op.stage)
-                    kinds[b, q, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                    kinds[b, q, ipu] = FORWARD if op.phase == "F" else BACKWARD
                     stage[b, q, ipu], micro[b, q, ipu] = op.stage, op.micro_batch
                     target = op.stage + 1 if op.phase == "F" else op.stage - 1
                     if 0 <= target < p:
@@ -195,7 +195,7 @@ class _Stages:
         self.runner = StageRunner(pipelined, state)
         self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
         self.grads = GradientLayout.of(
-            [list(zip(state._indices("trainable_variables", ipu), layout.shapes, layout.dtypes))
+            [list(zip(state.indices("trainable_variables", ipu), layout.shapes, layout.dtypes))
              for ipu, layout in enumerate(state.layouts["trainable_variables"])],
             state.lengths["trainable_variables"])
         self.metrics_layout = state.layouts["metrics_variables"][pipelined.last_ipu]
@@ -227,7 +227,7 @@ class _Stages:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Trace:
+class _ShapeTrace:
     """What a trace of the program knows beyond the static set-up.
 
     Attributes:
@@ -268,7 +268,7 @@ class _Ops:
             sliced once per update: slicing per op would copy them per op.
     """
 
-    def __init__(self, program: _FitProgram, trace: _Trace | None, data, weights_of):
+    def __init__(self, program: _FitProgram, trace: _ShapeTrace | None, data, weights_of):
         self.program, self.trace, self.data, self.weights_of = program, trace, data, weights_of
 
     def stage(self, s: int, non_trainable, metrics, bundle, j):
@@ -279,7 +279,7 @@ class _Ops:
         the non-trainable values the stage leaves unchanged).
         """
         stages = self.program.stages
-        batch = _index(self.data, j)
+        batch = micro_batch_at(self.data, j)
         ipu = self.program.pipelined.device_mapping[s]
         tv, ntv = self.weights_of[ipu], stages.runner.non_trainable(ipu, non_trainable)
         weights = [tv[i] for i in stages.own[s]]
@@ -379,9 +379,9 @@ class _FitProgram:
                for part, value in zip(TRAINING_STATE_PARTS, carry)}
         return new, jax.tree_util.tree_map(lambda a: a[:, None], logs)
 
-    def _trace(self, local, batches) -> _Trace:
+    def _trace(self, local, batches) -> _ShapeTrace:
         """Shapes and stash layouts, from tracing each stage once (nothing runs)."""
-        first = _index(batches, 0)
+        first = micro_batch_at(batches, 0)
         mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
         bundle = jnp.zeros(self.pipelined.bundle_shape(mb), jnp.float32)
         ops = _Ops(self, None, first, self._weights(local["trainable_variables"]))
@@ -394,15 +394,15 @@ class _FitProgram:
             f, weights, _, _ = ops.stage(self.last, *args)
             return f(weights, bundle)[1][1]
 
-        return _Trace(jax.lax.axis_index(IPU_AXIS), bundle.shape, layouts,
-                      _padded_lengths(layouts) if layouts else {},
+        return _ShapeTrace(jax.lax.axis_index(IPU_AXIS), bundle.shape, layouts,
+                      padded_lengths(layouts) if layouts else {},
                       jax.eval_shape(last_stage_logs))
 
     def _weights(self, trainable) -> list[dict]:
         runner = self.stages.runner
         return [runner.trainable(d, trainable) for d in range(self.pipelined.num_ipus)]
 
-    def _update(self, trace: _Trace, carry, data):
+    def _update(self, trace: _ShapeTrace, carry, data):
         """One weight update: the table's blocks, then each IPU's optimizer."""
         # The inbox needs no clearing between updates: every row an op reads
         # was written earlier in the same update, but stage 0's rows, which
@@ -490,7 +490,7 @@ class _FitProgram:
 
         return branch
 
-    def _block(self, trace: _Trace, branches, c, rows_of_block):
+    def _block(self, trace: _ShapeTrace, branches, c, rows_of_block):
         """One block: this IPU's branch, then stash, logs and the exchange."""
         non_trainable, metrics, acc, inbox, logs, stash = c
         kinds, stage, micro_b, pattern_id, routes = rows_of_block
@@ -506,7 +506,7 @@ class _FitProgram:
         for q, (kind, s, j) in enumerate(mine):
             logs = jax.tree_util.tree_map(
                 lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
-                    jnp.where((kind == _FORWARD) & (s == self.last), v[q], b[j])),
+                    jnp.where((kind == FORWARD) & (s == self.last), v[q], b[j])),
                 logs, step_logs)
         gathered = jax.lax.all_gather(messages, IPU_AXIS)
         for sender, q, row in routes[me]:

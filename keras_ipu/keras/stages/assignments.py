@@ -2,8 +2,8 @@
 
 One object per layer (Sequential) or layer call (Functional, subclassed)
 holds that call's pipeline stage; nested Functional and Sequential models
-hold their own assignment lists. `keras_ipu.keras.pipeline_assignment` builds
-and reads them.
+hold their own assignment lists. `stages.model_assignment` builds and reads
+them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from keras.src.ops.node import Node
 # The six assignment classes (public, as in `keras.ipu`).
 
 
-def _name(obj: Any) -> str:
+def name_of(obj: Any) -> str:
+    """The name used for a model, layer or op in messages: its `name`, else its repr.
+
+    Example:
+
+    >>> name_of(keras.layers.Dense(1, name="head"))
+    'head'
+    """
     return getattr(obj, "name", repr(obj))
 
 
@@ -67,7 +74,7 @@ class SequentialLayerPipelineStageAssignment:
         self._pipeline_stage = value
 
     def __repr__(self) -> str:
-        return f"Layer: {_name(self._layer)} is assigned to pipeline stage: {self.pipeline_stage}"
+        return f"Layer: {name_of(self._layer)} is assigned to pipeline stage: {self.pipeline_stage}"
 
 
 class ModelLayerPipelineStageAssignment:
@@ -131,7 +138,7 @@ class ModelLayerPipelineStageAssignment:
 
     def __repr__(self) -> str:
         return (
-            f"Layer: {_name(self._layer)} (node index {self._node_index}) is assigned to "
+            f"Layer: {name_of(self._layer)} (node index {self._node_index}) is assigned to "
             f"pipeline stage: {self.pipeline_stage}"
         )
 
@@ -212,7 +219,7 @@ class NestedModelPipelineStageAssignment(_NestedAssignment):
 
     def __repr__(self) -> str:
         head = (
-            f"Model: {_name(self._nested_model)} (node index {self._node_index}) has the "
+            f"Model: {name_of(self._nested_model)} (node index {self._node_index}) has the "
             f"following pipeline stage assignments:"
         )
         return head + "".join(_indented(repr(a)) for a in self._assignments)
@@ -249,5 +256,5 @@ class SequentialNestedModelPipelineStageAssignment(_NestedAssignment):
     """
 
     def __repr__(self) -> str:
-        head = f"Model: {_name(self._nested_model)} has the following pipeline stage assignments:"
+        head = f"Model: {name_of(self._nested_model)} has the following pipeline stage assignments:"
         return head + "".join(_indented(repr(a)) for a in self._assignments)

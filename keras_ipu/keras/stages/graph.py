@@ -21,8 +21,7 @@ from keras.src.models.sequential import Sequential
 from keras.src.ops.node import Node
 
 from keras_ipu.keras import context
-from keras_ipu.keras import pipeline_stage as stage_lib
-from keras_ipu.keras.pipeline_assignment_classes import _name
+from keras_ipu.keras.stages import assignments, scope
 
 SEQUENTIAL, FUNCTIONAL, MODEL = "sequential", "functional", "model"
 
@@ -32,8 +31,20 @@ SEQUENTIAL, FUNCTIONAL, MODEL = "sequential", "functional", "model"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Graph:
-    """A model's graph: flat input/output KerasTensors and their structures."""
+class Graph:
+    """A model's graph: flat input/output KerasTensors and their structures.
+
+    Args:
+        inputs: The flat input `KerasTensor`s.
+        outputs: The flat output `KerasTensor`s.
+        inputs_struct: The inputs in the structure `call` takes.
+        outputs_struct: The outputs in the structure `call` returns.
+
+    Example:
+
+    >>> static_graph(functional_model, FUNCTIONAL).inputs
+    (<KerasTensor shape=(None, 4), ...>,)
+    """
 
     inputs: tuple
     outputs: tuple
@@ -42,9 +53,20 @@ class _Graph:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Trace:
+class GraphTrace:
+    """The graph traced from a subclassed model's `call`, and the build it was traced for.
+
+    Args:
+        build_key: The model's build config when it was traced (as text).
+        graph: The traced graph.
+
+    Example:
+
+    >>> context.state_of(model).traced_graph.graph.outputs
+    """
+
     build_key: str
-    graph: _Graph
+    graph: Graph
 
 
 def model_kind(model: Any) -> str:
@@ -74,8 +96,21 @@ def model_kind(model: Any) -> str:
     raise TypeError(f"Expected a Keras model, got {model!r} of type {type(model).__name__}.")
 
 
-def _nested_kind(operation: Any) -> str | None:
-    # Subclassed models nested in a graph stay one opaque layer call.
+def nested_kind(operation: Any) -> str | None:
+    """The kind of a nested model whose calls are expanded, or `None`.
+
+    Args:
+        operation: A layer or op called in a model's graph.
+
+    Returns:
+        `SEQUENTIAL` or `FUNCTIONAL`; `None` for layers, ops and subclassed
+        models, which stay one opaque layer call.
+
+    Example:
+
+    >>> nested_kind(keras.Sequential([keras.layers.Dense(1)]))
+    'sequential'
+    """
     if isinstance(operation, Sequential):
         return SEQUENTIAL
     if isinstance(operation, Functional):
@@ -83,13 +118,26 @@ def _nested_kind(operation: Any) -> str | None:
     return None
 
 
-def _functional_graph(functional: Any) -> _Graph:
-    return _Graph(
+def _functional_graph(functional: Any) -> Graph:
+    return Graph(
         tuple(functional.inputs), tuple(functional.outputs), functional.input, functional.output
     )
 
 
-def _static_graph(model: Any, kind: str) -> _Graph | None:
+def static_graph(model: Any, kind: str) -> Graph | None:
+    """The graph a Sequential or Functional model has without tracing.
+
+    Args:
+        model: The model.
+        kind: Its `model_kind`.
+
+    Returns:
+        The graph; `None` for an unbuilt Sequential model or a subclassed one.
+
+    Example:
+
+    >>> static_graph(functional_model, FUNCTIONAL).outputs
+    """
     if kind == SEQUENTIAL:
         functional = getattr(model, "_functional", None)
         return None if functional is None else _functional_graph(functional)
@@ -98,8 +146,21 @@ def _static_graph(model: Any, kind: str) -> _Graph | None:
     return None
 
 
-def _post_order(graph: _Graph) -> list[Node]:
-    """The graph's non-input nodes in execution order."""
+def post_order(graph: Graph) -> list[Node]:
+    """The graph's non-input nodes in execution order.
+
+    Args:
+        graph: A model graph.
+
+    Returns:
+        The Keras `Node`s, by decreasing depth, ties by a depth-first walk
+        from the outputs (as Keras runs a Functional graph).
+
+    Example:
+
+    >>> [node.operation.name for node in post_order(graph)]
+    ['dense', 'dense_1']
+    """
     input_ids = {id(t) for t in graph.inputs}
 
     def producer(tensor: Any) -> Node | None:
@@ -155,13 +216,27 @@ def _post_order(graph: _Graph) -> list[Node]:
     return sorted(order, key=lambda node: (-depth[id(node)], position[id(node)]))
 
 
-class _TraceError(ValueError):
+class TraceError(ValueError):
+    """A subclassed model's `call` could not be traced into a graph of layer calls.
+
+    Args:
+        model: The model.
+        uses_pipeline_stages: Whether `call` entered a `PipelineStage` scope
+            before it failed (then the model is meant to be pipelined).
+        error: What the trace raised.
+
+    Example:
+
+    >>> raise TraceError(model, False, ValueError("a NumPy op in call"))
+    """
+
     def __init__(self, model: Any, uses_pipeline_stages: bool, error: BaseException):
         self.uses_pipeline_stages = uses_pipeline_stages
         super().__init__(
-            f"Could not trace the `call` function of model `{_name(model)}` into a graph of "
-            f"layer calls, which pipeline stage assignments need: {error} Every tensor "
-            f"operation in `call` must be a Keras layer or a `keras.ops` function. If your "
+            f"Could not trace the `call` function of model "
+            f"`{assignments.name_of(model)}` into a graph of layer calls, which pipeline "
+            f"stage assignments need: {error} Every tensor operation in `call` must be a "
+            f"Keras layer or a `keras.ops` function. If your "
             f"layers do not support float inputs, pass `keras.Input` objects with the "
             f"required dtype to `model.build()`."
         )
@@ -198,59 +273,31 @@ def _build_specs(model: Any, config: dict) -> Any:
     if len(shapes) == 1:
         return next(iter(shapes.values()))
     raise ValueError(
-        f"Model `{_name(model)}` was built with several input arguments "
+        f"Model `{assignments.name_of(model)}` was built with several input arguments "
         f"({sorted(shapes)}); pipelining traces `call` with a single `inputs` argument "
         f"(use a list or dict of tensors)."
     )
 
 
-def _trace(model: Any, specs: Any) -> _Graph:
+def _trace(model: Any, specs: Any) -> Graph:
     inputs = _symbolic_inputs(specs, model.input_dtype)
     kwargs = {"training": False} if _requires_training(model.call) else {}
     # PipelineStage scopes in `call` need an active strategy scope.
-    scope = context.model_scope(model) if context.current_strategy() is None else (
+    strategy_scope = context.model_scope(model) if context.current_strategy() is None else (
         contextlib.nullcontext())
-    with scope, stage_lib.recording() as seen:
+    with strategy_scope, scope.recording() as seen:
         try:
             outputs = model.call(inputs, **kwargs)
         except Exception as error:
-            raise _TraceError(model, bool(seen), error) from error
+            raise TraceError(model, bool(seen), error) from error
     flat_outputs = keras.tree.flatten(outputs)
     if not flat_outputs or not all(
         isinstance(t, keras.KerasTensor) and hasattr(t, "_keras_history") for t in flat_outputs
     ):
-        raise _TraceError(
+        raise TraceError(
             model, bool(seen), ValueError(f"`call` returned {outputs!r}, not Keras tensors.")
         )
-    return _Graph(tuple(keras.tree.flatten(inputs)), tuple(flat_outputs), inputs, outputs)
-
-
-def trace_model(model: Any, inputs: Any = None) -> None:
-    """Traces a subclassed model's `call` into a graph of layer calls.
-
-    The graph is kept on the model (not tracked by Keras) and reused until
-    the model is built with other shapes. Get, set and `pipeline_plan` trace
-    on demand; call this from `build` to trace eagerly.
-
-    Args:
-        model: A subclassed Keras model.
-        inputs: A structure of data specs (anything with `shape` and
-            `dtype`: `keras.Input`, arrays; the first dimension is the batch,
-            left unknown in the graph), used when the model is not built;
-            otherwise the shapes the model was built with (and the
-            `keras.Input`s passed to `build`) are used.
-
-    Raises:
-        RuntimeError: When `inputs` is `None` and the model is not built.
-        ValueError: When `call` cannot be traced symbolically.
-
-    Example:
-
-    >>> model.build((None, 32))
-    >>> trace_model(model)
-    """
-    context.state_of(model).traced_graph = None
-    _traced_graph(model, inputs, action="get")
+    return Graph(tuple(keras.tree.flatten(inputs)), tuple(flat_outputs), inputs, outputs)
 
 
 _NOT_BUILT = {
@@ -266,7 +313,28 @@ _NOT_BUILT = {
 }
 
 
-def _traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> _Graph | None:
+def traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> Graph | None:
+    """A subclassed model's graph, traced from `call` (kept until it is built anew).
+
+    Args:
+        model: A subclassed Keras model.
+        inputs: Specs of the inputs (anything with `shape` and `dtype`),
+            used when the model is not built.
+        action: `"get"` or `"set"`: raise, naming the action, when the model
+            is not built and no `inputs` are given; `None`: return `None`.
+
+    Returns:
+        The graph, or `None`.
+
+    Raises:
+        RuntimeError: When the model is not built and `action` is given.
+        TraceError: When `call` cannot be traced.
+
+    Example:
+
+    >>> model.build((None, 32))
+    >>> traced_graph(model).outputs
+    """
     config = model.get_build_config()
     key = repr(config)
     cached = context.state_of(model).traced_graph
@@ -278,15 +346,35 @@ def _traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> 
     elif inputs is not None:
         specs = inputs
     elif action is not None:
-        raise RuntimeError(_NOT_BUILT[action].format(name=_name(model)))
+        raise RuntimeError(_NOT_BUILT[action].format(name=assignments.name_of(model)))
     else:
         return None
     graph = _trace(model, specs)
-    context.state_of(model).traced_graph = _Trace(key, graph)
+    context.state_of(model).traced_graph = GraphTrace(key, graph)
     return graph
 
 
-def _graph(model: Any, kind: str, inputs: Any = None, action: str | None = None) -> _Graph | None:
+def model_graph(
+    model: Any, kind: str, inputs: Any = None, action: str | None = None
+) -> Graph | None:
+    """The graph of any model kind (subclassed models are traced; see `traced_graph`).
+
+    Args:
+        model: A Keras model.
+        kind: Its `model_kind`.
+        inputs: As `traced_graph`.
+        action: As `traced_graph`.
+
+    Returns:
+        The graph, or `None` when the model has none yet.
+
+    Raises:
+        RuntimeError, TraceError: As `traced_graph`.
+
+    Example:
+
+    >>> model_graph(model, model_kind(model)).outputs
+    """
     if kind == MODEL:
-        return _traced_graph(model, inputs, action)
-    return _static_graph(model, kind)
+        return traced_graph(model, inputs, action)
+    return static_graph(model, kind)

@@ -1,4 +1,4 @@
-"""The trainer's side of pipelining: the checks, the schedule, and the program of a run."""
+"""The trainer's side of pipelining: the plan and its checks, the schedule, the program of a run."""
 
 from __future__ import annotations
 
@@ -8,23 +8,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import accounting
-from keras_ipu.device import pipeline as schedules
+from keras_ipu.device import accounting, schedules
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
-from keras_ipu.keras import context, pipelined, pipelined_train, run
+from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
+from keras_ipu.keras.pipelined import model as pipelined_model
+from keras_ipu.keras.pipelined import training
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.steps import STATE_PARTS
 
 
 def plan_of(model, x: Any = None):
-    """The model's `PipelinePlan`, or `None` when it is not pipelined."""
-    from keras_ipu.keras import pipeline_assignment
+    """The model's `PipelinePlan`, or `None` when it is not pipelined.
 
+    Args:
+        model: The Keras model.
+        x: The data of the call; array-like data gives the input specs used
+            to build or trace an unbuilt model.
+
+    Returns:
+        The plan, or `None`.
+
+    Raises:
+        RuntimeError, ValueError: As `stages.pipeline_plan`.
+
+    Example:
+
+    >>> plan_of(model, x).num_stages
+    2
+    """
     specs = x if _is_array_like(x) else None
-    return pipeline_assignment.pipeline_plan(model, specs)
+    return stages.pipeline_plan(model, specs)
 
 
 def _is_array_like(x: Any) -> bool:
@@ -104,19 +120,19 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         used = max(mapping) + 1
         per_replica = next_power_of_two(used)
         system_ipus = context.device_ipus(model)
-        mesh = pipelined.pipeline_mesh(system_ipus, per_replica, used)
+        mesh = pipelined_model.pipeline_mesh(system_ipus, per_replica, used)
         ipus = tuple(system_ipus[r * per_replica + i]
                      for r in range(replicas.count) for i in range(used))
-        pipe = pipelined.PipelinedModel(model, plan, mapping)
-        state = pipelined.PipelineState(pipe, mesh, STATE_PARTS[mode])
+        pipe = pipelined_model.PipelinedModel(model, plan, mapping)
+        state = pipelined_model.PipelineState(pipe, mesh, STATE_PARTS[mode])
         state.to_device(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         if mode == "fit":
-            execution = pipelined_train.build_fit_program(
+            execution = training.build_fit_program(
                 pipe, state, table, options.gradient_accumulation_reduction_method,
                 options.accumulator_dtype, recompute=recompute)
         else:
-            execution = pipelined.build_inference_program(pipe, state, table, mode)
-        layout = pipelined.PipelineLayout(replicas.count, micro)
+            execution = pipelined_model.build_inference_program(pipe, state, table, mode)
+        layout = pipelined_model.PipelineLayout(replicas.count, micro)
         cost = _pipeline_cost(pipe, state, table, feed.first_batch(), mode, options)
         program = ExecutionProgram(
             mode=mode,
@@ -129,7 +145,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             pipeline=cost,
             replica_count=replicas.count,
         )
-        return run.Run(program, layout, pipelined.PipelineCodec(state), replicas.count)
+        return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count)
 
     return key, build
 
@@ -144,7 +160,7 @@ def _plan_key(plan) -> tuple:
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
     """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
-    runner = pipelined.StageRunner(pipe, state)
+    runner = pipelined_model.StageRunner(pipe, state)
     training = mode == "fit"
     recompute = _recomputation(options)
 

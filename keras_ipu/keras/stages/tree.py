@@ -1,7 +1,7 @@
 """The assignment tree of a model: its structure, validation and expansion.
 
-A `_Level` is one model's assignment list (the root or a nested model), with
-one `_Entry` per layer call; it is built from the graph (with the stages of
+A `AssignmentTree` is one model's assignment list (the root or a nested model), with
+one `Entry` per layer call; it is built from the graph (with the stages of
 PipelineStage scopes, or none), filled from a user-provided assignment (which
 is validated against the graph), turned back into assignment objects, and
 expanded into leaf calls with tensor keys to check the pipelining rules.
@@ -11,31 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import keras
 from keras.src.ops.node import Node
 
-from keras_ipu.keras import pipeline_stage as stage_lib
-from keras_ipu.keras.pipeline_assignment_classes import (
+from keras_ipu.keras.stages import scope
+from keras_ipu.keras.stages.assignments import (
     FunctionalLayerPipelineStageAssignment,
     FunctionalNestedModelPipelineStageAssignment,
     ModelLayerPipelineStageAssignment,
     NestedModelPipelineStageAssignment,
     SequentialLayerPipelineStageAssignment,
     SequentialNestedModelPipelineStageAssignment,
-    _name,
+    name_of,
 )
-from keras_ipu.keras.pipeline_graph import (
+from keras_ipu.keras.stages.graph import (
     FUNCTIONAL,
     MODEL,
     SEQUENTIAL,
-    _Graph,
-    _nested_kind,
-    _post_order,
-    _static_graph,
+    Graph,
+    nested_kind,
+    post_order,
+    static_graph,
 )
-from keras_ipu.keras.pipeline_stage import check_no_empty_stages
 
 _LAYER_CLASS = {
     SEQUENTIAL: SequentialLayerPipelineStageAssignment,
@@ -54,29 +54,58 @@ _NESTED_CLASS = {
 
 
 @dataclasses.dataclass(eq=False)
-class _Entry:
-    """One element of an assignment list: a layer call or a nested model call."""
+class Entry:
+    """One element of an assignment list: a layer call or a nested model call.
+
+    Args:
+        op: The called layer, op or nested model.
+        node: The call's Keras `Node` (`None` for an unbuilt Sequential layer).
+        node_index: The call's index among the layer's calls in the graph
+            (`None` for Sequential models).
+        stage: The assigned stage (`None`: unassigned, or a nested model).
+        child: The nested model's own assignment tree, if `op` is one.
+
+    Example:
+
+    >>> [entry.stage for entry in tree.entries]
+    [0, 0, 1]
+    """
 
     op: Any
     node: Node | None
     node_index: int | None
     stage: Any = None
-    child: _Level | None = None
+    child: AssignmentTree | None = None
 
-    def leaves(self) -> list[_Entry]:
+    def leaves(self) -> list[Entry]:
+        """The layer-call entries under this one (itself, unless a nested model)."""
         return self.child.leaves() if self.child is not None else [self]
 
 
 @dataclasses.dataclass(eq=False)
-class _Level:
-    """The assignment list of one model (the root or a nested model)."""
+class AssignmentTree:
+    """The assignment list of one model (the root or a nested model), with stages.
+
+    Args:
+        model: The model.
+        kind: Its `graph.model_kind`.
+        graph: Its graph (`None` for an unbuilt Sequential model).
+        entries: One `Entry` per layer (Sequential) or layer call.
+
+    Example:
+
+    >>> tree = structure(model, SEQUENTIAL, graph, annotate=False)
+    >>> len(tree.leaves())
+    4
+    """
 
     model: Any
     kind: str
-    graph: _Graph | None
-    entries: list[_Entry]
+    graph: Graph | None
+    entries: list[Entry]
 
-    def leaves(self) -> list[_Entry]:
+    def leaves(self) -> list[Entry]:
+        """Every layer-call entry, nested models expanded, in order."""
         return [leaf for entry in self.entries for leaf in entry.leaves()]
 
 
@@ -85,18 +114,35 @@ def _annotated_stage(op: Any, node: Node | None, outer: int | None) -> int | Non
     # stage beats the stage the layer was constructed with.
     if outer is not None:
         return outer
-    stage = stage_lib.recorded_stage(node) if node is not None else None
-    return stage if stage is not None else stage_lib.recorded_stage(op)
+    stage = scope.recorded_stage(node) if node is not None else None
+    return stage if stage is not None else scope.recorded_stage(op)
 
 
-def _structure(
-    model: Any, kind: str, graph: _Graph | None, annotate: bool, outer: int | None = None
-) -> _Level:
+def structure(
+    model: Any, kind: str, graph: Graph | None, annotate: bool, outer: int | None = None
+) -> AssignmentTree:
+    """The assignment tree of a model's graph.
+
+    Args:
+        model: The model.
+        kind: Its `graph.model_kind`.
+        graph: Its graph.
+        annotate: Whether entries take the stages of `PipelineStage` scopes.
+        outer: The stage of the scope a nested model was called in.
+
+    Returns:
+        The tree (stages unset unless `annotate`).
+
+    Example:
+
+    >>> structure(model, FUNCTIONAL, graph, annotate=True).leaves()[0].stage
+    0
+    """
     if kind == SEQUENTIAL:
-        nodes = {id(n.operation): n for n in _post_order(graph)} if graph is not None else {}
+        nodes = {id(n.operation): n for n in post_order(graph)} if graph is not None else {}
         calls = [(layer, nodes.get(id(layer)), None) for layer in model.layers]
     else:
-        order = _post_order(graph)
+        order = post_order(graph)
         in_graph = {id(n) for n in order}
         calls = []
         for node in order:
@@ -105,20 +151,27 @@ def _structure(
     entries = []
     for op, node, node_index in calls:
         stage = _annotated_stage(op, node, outer) if annotate else None
-        child_kind = _nested_kind(op)
+        child_kind = nested_kind(op)
         child = None
         if child_kind is not None:
-            child = _structure(op, child_kind, _static_graph(op, child_kind), annotate, stage)
+            child = structure(op, child_kind, static_graph(op, child_kind), annotate, stage)
             stage = None
-        entries.append(_Entry(op, node, node_index, stage, child))
-    return _Level(model, kind, graph, entries)
+        entries.append(Entry(op, node, node_index, stage, child))
+    return AssignmentTree(model, kind, graph, entries)
 
 
-def _to_assignments(level: _Level) -> list:
+def to_assignments(level: AssignmentTree) -> list:
+    """The tree as new public assignment objects (what `get_pipeline_stage_assignment` gives).
+
+    Example:
+
+    >>> [a.pipeline_stage for a in to_assignments(tree)]
+    [0, 0, 1, 1]
+    """
     result = []
     for entry in level.entries:
         if entry.child is not None:
-            children = _to_assignments(entry.child)
+            children = to_assignments(entry.child)
             if level.kind == SEQUENTIAL:
                 assignment = SequentialNestedModelPipelineStageAssignment(entry.op, children)
             else:
@@ -133,7 +186,7 @@ def _to_assignments(level: _Level) -> list:
     return result
 
 
-def _check_all_or_none(level: _Level) -> bool:
+def check_all_or_none(level: AssignmentTree) -> bool:
     """Whether PipelineStage scopes gave stages; raises when only some have one."""
     leaves = level.leaves()
     unassigned = [leaf for leaf in leaves if leaf.stage is None]
@@ -142,7 +195,7 @@ def _check_all_or_none(level: _Level) -> bool:
     if unassigned:
         raise ValueError(
             f"All layers of a pipelined model must have an associated pipeline stage. "
-            f"However, {_name(unassigned[0].op)} has not been assigned to one. Pipeline "
+            f"However, {name_of(unassigned[0].op)} has not been assigned to one. Pipeline "
             f"stages can be assigned when a layer is constructed, or each time a layer is "
             f"called (within a `PipelineStage` scope). Different pipeline stages can be "
             f"assigned to each call."
@@ -165,12 +218,18 @@ def _bad_stage(what: str, stage: Any) -> ValueError:
     )
 
 
-def _fill(level: _Level, stage: int) -> None:
+def fill_stage(level: AssignmentTree, stage: int) -> None:
+    """Gives every layer call of the tree the same stage.
+
+    Example:
+
+    >>> fill_stage(nested_tree, 1)
+    """
     for leaf in level.leaves():
         leaf.stage = stage
 
 
-def _apply(level: _Level, assignment: Any, nested_in: str | None = None) -> None:
+def apply_assignment(level: AssignmentTree, assignment: Any, nested_in: str | None = None) -> None:
     """Copies the stages of `assignment` into `level`, validating it against the graph."""
     if not isinstance(assignment, list):
         raise ValueError(
@@ -190,28 +249,28 @@ def _apply(level: _Level, assignment: Any, nested_in: str | None = None) -> None
         apply_item(level, index, entry, item)
 
 
-def _apply_sequential_item(level: _Level, index: int, entry: _Entry, item: Any) -> None:
+def _apply_sequential_item(level: AssignmentTree, index: int, entry: Entry, item: Any) -> None:
     layers = (SequentialLayerPipelineStageAssignment, SequentialNestedModelPipelineStageAssignment)
     if isinstance(item, layers):
         target = item.nested_model if item.is_nested_model else item.layer
         if target is not entry.op:
             raise ValueError(
                 f"The provided assignment at index {index} of `pipeline_stage_assignment` is "
-                f"for layer {_name(target)}, but the layer in the Sequential model "
-                f"{_name(level.model)} at index {index} is {_name(entry.op)}."
+                f"for layer {name_of(target)}, but the layer in the Sequential model "
+                f"{name_of(level.model)} at index {index} is {name_of(entry.op)}."
             )
         if item.is_nested_model:
             if entry.child is None:
                 raise ValueError(
-                    f"Layer {_name(entry.op)} at index {index} is not a Functional or "
+                    f"Layer {name_of(entry.op)} at index {index} is not a Functional or "
                     f"Sequential model: give it a `SequentialLayerPipelineStageAssignment` "
                     f"or an int, not a `SequentialNestedModelPipelineStageAssignment`."
                 )
-            _apply(entry.child, item.pipeline_stage_assignments, _name(entry.op))
+            apply_assignment(entry.child, item.pipeline_stage_assignments, name_of(entry.op))
             return
         stage = item.pipeline_stage
         if stage is None:
-            raise ValueError(f"Layer {_name(entry.op)} has not been assigned a pipeline stage.")
+            raise ValueError(f"Layer {name_of(entry.op)} has not been assigned a pipeline stage.")
     elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
         stage = item
     else:
@@ -219,25 +278,25 @@ def _apply_sequential_item(level: _Level, index: int, entry: _Entry, item: Any) 
             f"All elements of `pipeline_stage_assignment` must be integers, instances of "
             f"`SequentialLayerPipelineStageAssignment` for layers or "
             f"`SequentialNestedModelPipelineStageAssignment` for nested models. The element "
-            f"at index {index} (for layer {_name(entry.op)}) is {item!r} of type "
+            f"at index {index} (for layer {name_of(entry.op)}) is {item!r} of type "
             f"{type(item).__name__}."
         )
     if not _valid_stage(stage):
-        raise _bad_stage(f"Layer {_name(entry.op)}", stage)
+        raise _bad_stage(f"Layer {name_of(entry.op)}", stage)
     # A stage given for a whole nested model applies to all of its calls.
     if entry.child is not None:
-        _fill(entry.child, int(stage))
+        fill_stage(entry.child, int(stage))
     else:
         entry.stage = int(stage)
 
 
-def _apply_graph_item(level: _Level, index: int, entry: _Entry, item: Any) -> None:
+def _apply_graph_item(level: AssignmentTree, index: int, entry: Entry, item: Any) -> None:
     nested = entry.child is not None
     expected = (_NESTED_CLASS if nested else _LAYER_CLASS)[level.kind]
-    what = f"nested model {_name(entry.op)}" if nested else f"layer {_name(entry.op)}"
+    what = f"nested model {name_of(entry.op)}" if nested else f"layer {name_of(entry.op)}"
     if not isinstance(item, expected):
         raise ValueError(
-            f"The pipeline stage assignment for {what} in {_name(level.model)} must be an "
+            f"The pipeline stage assignment for {what} in {name_of(level.model)} must be an "
             f"instance of `{expected.__name__}`. Instead the assignment at index {index} was "
             f"of type {type(item).__name__}."
         )
@@ -245,38 +304,38 @@ def _apply_graph_item(level: _Level, index: int, entry: _Entry, item: Any) -> No
     if target is not entry.op:
         raise ValueError(
             f"The order of `pipeline_stage_assignment` does not match the post-order "
-            f"generated from the graph of {_name(level.model)} ({_name(target)} != "
-            f"{_name(entry.op)} at index {index})."
+            f"generated from the graph of {name_of(level.model)} ({name_of(target)} != "
+            f"{name_of(entry.op)} at index {index})."
         )
     if item.node_index != entry.node_index:
         calls = sum(1 for other in level.entries if other.op is entry.op)
         if not (isinstance(item.node_index, int) and 0 <= item.node_index < calls):
             raise ValueError(
-                f"Layer {_name(entry.op)} has {calls} invocation(s) in the graph, but "
+                f"Layer {name_of(entry.op)} has {calls} invocation(s) in the graph, but "
                 f"`pipeline_stage_assignment` contains an assignment for node_index "
                 f"{item.node_index!r}."
             )
         raise ValueError(
             f"The order of `pipeline_stage_assignment` does not match the post-order "
-            f"generated from the graph (mismatched nodes of layer {_name(entry.op)}: the "
+            f"generated from the graph (mismatched nodes of layer {name_of(entry.op)}: the "
             f"assignment at index {index} is for node_index {item.node_index}, but the call "
             f"at that position has node_index {entry.node_index})."
         )
     if nested:
-        _apply(entry.child, item.pipeline_stage_assignments, _name(entry.op))
+        apply_assignment(entry.child, item.pipeline_stage_assignments, name_of(entry.op))
         return
     stage = item.pipeline_stage
     if stage is None:
         raise ValueError(
-            f"Layer {_name(entry.op)} with node_index {entry.node_index} has not been "
+            f"Layer {name_of(entry.op)} with node_index {entry.node_index} has not been "
             f"assigned a pipeline stage in `pipeline_stage_assignment`."
         )
     if not _valid_stage(stage):
-        raise _bad_stage(f"Layer {_name(entry.op)} with node_index {entry.node_index}", stage)
+        raise _bad_stage(f"Layer {name_of(entry.op)} with node_index {entry.node_index}", stage)
     entry.stage = int(stage)
 
 
-def _check_sequential_order(level: _Level) -> None:
+def _check_sequential_order(level: AssignmentTree) -> None:
     previous = None
     for entry in level.entries:
         stages = [leaf.stage for leaf in entry.leaves()]
@@ -284,11 +343,11 @@ def _check_sequential_order(level: _Level) -> None:
         if previous is None and first != 0:
             raise ValueError(
                 f"The first layer in a pipelined Sequential model needs to be assigned to the "
-                f"0th pipeline stage, however {_name(entry.op)} was assigned to {first}."
+                f"0th pipeline stage, however {name_of(entry.op)} was assigned to {first}."
             )
         if previous is not None and first not in (previous, previous + 1):
             raise ValueError(
-                f"Layer {_name(entry.op)} has been assigned to pipeline stage {first}, however "
+                f"Layer {name_of(entry.op)} has been assigned to pipeline stage {first}, however "
                 f"the previous layer in the Sequential model was assigned to pipeline stage "
                 f"{previous}. A layer in a Sequential model can only be assigned to the same "
                 f"pipeline stage as the previous layer or to the next pipeline stage."
@@ -301,45 +360,69 @@ def _check_sequential_order(level: _Level) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Leaf:
-    entry: _Entry
+class Leaf:
+    """One layer call of the expanded model, with the keys of its tensors.
+
+    Args:
+        entry: The call's entry.
+        path: Names of the nested models it is inside, outermost first.
+        input_keys: Keys of its input tensors.
+        output_keys: Keys of its outputs.
+
+    Example:
+
+    >>> leaves[0].input_keys, leaves[0].output_keys
+    ((0,), (1,))
+    """
+
+    entry: Entry
     path: tuple[str, ...]
     input_keys: tuple[int, ...]
     output_keys: tuple[int, ...]
 
 
-class _Keys:
+class TensorKeys:
+    """Integer keys for the tensors of the expanded model graph.
+
+    Example:
+
+    >>> keys = TensorKeys()
+    >>> keys.new(keras.Input((4,)))
+    0
+    """
+
     def __init__(self) -> None:
         self.tensors: dict[int, Any] = {}
 
     def new(self, tensor: Any) -> int:
+        """A new key for `tensor`."""
         key = len(self.tensors)
         self.tensors[key] = tensor
         return key
 
 
-def _nested_input_keys(entry: _Entry, env: dict[int, int]) -> list[int]:
+def _nested_input_keys(entry: Entry, env: dict[int, int]) -> list[int]:
     node = entry.node
     arguments = node.arguments
     first = arguments.args[0] if arguments.args else arguments.kwargs.get("inputs")
     flat = [t for t in keras.tree.flatten(first) if isinstance(t, keras.KerasTensor)]
     if len(flat) != len(arguments.keras_tensors):
         raise ValueError(
-            f"Nested model {_name(entry.op)} is called with tensors outside its `inputs` "
+            f"Nested model {name_of(entry.op)} is called with tensors outside its `inputs` "
             f"argument (for example a mask); pipelining runs nested models as their layer "
             f"calls and supports only their inputs."
         )
     wanted = len(entry.child.graph.inputs) if entry.child.graph is not None else len(flat)
     if len(flat) != wanted:
         raise ValueError(
-            f"Nested model {_name(entry.op)} has {wanted} input(s) but is called with "
+            f"Nested model {name_of(entry.op)} has {wanted} input(s) but is called with "
             f"{len(flat)} tensor(s)."
         )
     return [env[id(t)] for t in flat]
 
 
 def _expand(
-    level: _Level, input_keys: list[int], keys: _Keys, path: tuple, leaves: list[_Leaf]
+    level: AssignmentTree, input_keys: list[int], keys: TensorKeys, path: tuple, leaves: list[Leaf]
 ) -> list[int]:
     """Appends `level`'s leaf calls to `leaves`; returns the keys of its outputs."""
     if level.graph is None:  # a Sequential model that is not built: a chain
@@ -348,10 +431,10 @@ def _expand(
             if entry.child is not None:
                 wanted = len(entry.child.graph.inputs) if entry.child.graph else len(current)
                 bound = current if len(current) == wanted else [current[0]] * wanted
-                current = _expand(entry.child, bound, keys, path + (_name(entry.op),), leaves)
+                current = _expand(entry.child, bound, keys, path + (name_of(entry.op),), leaves)
             else:
                 output = keys.new(None)
-                leaves.append(_Leaf(entry, path, tuple(current), (output,)))
+                leaves.append(Leaf(entry, path, tuple(current), (output,)))
                 current = [output]
         return current
     env = {id(t): key for t, key in zip(level.graph.inputs, input_keys)}
@@ -359,10 +442,10 @@ def _expand(
         node = entry.node
         if entry.child is not None:
             inner = _nested_input_keys(entry, env)
-            outputs = _expand(entry.child, inner, keys, path + (_name(entry.op),), leaves)
+            outputs = _expand(entry.child, inner, keys, path + (name_of(entry.op),), leaves)
             if len(outputs) != len(node.outputs):
                 raise ValueError(
-                    f"Nested model {_name(entry.op)} returns {len(outputs)} tensor(s) but its "
+                    f"Nested model {name_of(entry.op)} returns {len(outputs)} tensor(s) but its "
                     f"call recorded {len(node.outputs)}."
                 )
             env.update({id(t): key for t, key in zip(node.outputs, outputs)})
@@ -370,30 +453,30 @@ def _expand(
             inputs = tuple(env[id(t)] for t in node.arguments.keras_tensors)
             outputs = tuple(keys.new(t) for t in node.outputs)
             env.update({id(t): key for t, key in zip(node.outputs, outputs)})
-            leaves.append(_Leaf(entry, path, inputs, outputs))
+            leaves.append(Leaf(entry, path, inputs, outputs))
     return [env[id(t)] for t in level.graph.outputs]
 
 
-def _expand_root(level: _Level) -> tuple[list[_Leaf], list[int], list[int], _Keys]:
-    keys = _Keys()
+def _expand_root(level: AssignmentTree) -> tuple[list[Leaf], list[int], list[int], TensorKeys]:
+    keys = TensorKeys()
     inputs = level.graph.inputs if level.graph is not None else (None,)
     input_keys = [keys.new(t) for t in inputs]
-    leaves: list[_Leaf] = []
+    leaves: list[Leaf] = []
     output_keys = _expand(level, input_keys, keys, (), leaves)
     return leaves, input_keys, output_keys, keys
 
 
-def _check_dependencies(leaves: list[_Leaf]) -> None:
-    producer: dict[int, _Leaf] = {}
+def _check_dependencies(leaves: list[Leaf]) -> None:
+    producer: dict[int, Leaf] = {}
     for leaf in leaves:
         stage = leaf.entry.stage
         for key in leaf.input_keys:
             source = producer.get(key)
             if source is not None and source.entry.stage > stage:
                 raise ValueError(
-                    f"Layer {_name(leaf.entry.op)} in pipeline stage {stage} has a dependency "
+                    f"Layer {name_of(leaf.entry.op)} in pipeline stage {stage} has a dependency "
                     f"from a pipeline stage which has not yet been executed: it uses the "
-                    f"output of layer {_name(source.entry.op)} in pipeline stage "
+                    f"output of layer {name_of(source.entry.op)} in pipeline stage "
                     f"{source.entry.stage}. Layers can only use outputs from current or "
                     f"previous pipeline stages."
                 )
@@ -401,10 +484,28 @@ def _check_dependencies(leaves: list[_Leaf]) -> None:
             producer[key] = leaf
 
 
-def _check_assigned(
-    level: _Level, runtime: bool = False
-) -> tuple[list[_Leaf], list[int], list[int], _Keys]:
-    """The rules every complete assignment must satisfy; returns its expansion."""
+def check_assigned(
+    level: AssignmentTree, runtime: bool = False
+) -> tuple[list[Leaf], list[int], list[int], TensorKeys]:
+    """Checks the rules every complete assignment must satisfy.
+
+    Args:
+        level: A tree with every layer call assigned.
+        runtime: Raise `RuntimeError` instead of `ValueError` for empty
+            stages (the model is running, not being assigned).
+
+    Returns:
+        The expansion `(leaves, input keys, output keys, keys)` that
+        `plan.make_plan` takes.
+
+    Raises:
+        ValueError: For a Sequential order, dependency or empty-stage violation.
+        RuntimeError: For empty stages when `runtime`.
+
+    Example:
+
+    >>> plan.make_plan(model, tree.graph, *check_assigned(tree, runtime=True))
+    """
     if level.kind == SEQUENTIAL:
         _check_sequential_order(level)
     expansion = _expand_root(level)
@@ -413,3 +514,37 @@ def _check_assigned(
         (leaf.entry.stage for leaf in expansion[0]), RuntimeError if runtime else ValueError
     )
     return expansion
+
+
+def check_no_empty_stages(
+    stages: Iterable[int], error: type[Exception] = ValueError
+) -> None:
+    """Raises when a stage below the highest used stage has no layer call.
+
+    Args:
+        stages: The stage of every layer call.
+        error: The exception type to raise (`ValueError` when an assignment
+            is set, `RuntimeError` when a model runs).
+
+    Raises:
+        error: Naming the highest stage and the empty ones.
+
+    Example:
+
+    >>> check_no_empty_stages([0, 0, 1])
+    >>> check_no_empty_stages([0, 2])
+    Traceback (most recent call last):
+    ValueError: All stages in a pipeline must have at least one layer assigned ...
+    """
+    used = set(stages)
+    if not used:
+        return
+    highest = max(used)
+    missing = [s for s in range(highest) if s not in used]
+    if missing:
+        raise error(
+            f"All stages in a pipeline must have at least one layer assigned to them. "
+            f"The highest stage with an assignment is stage {highest}, however the "
+            f"preceding stages {missing} have no assignments. Renumber the stages so "
+            f"that they run from 0 to {len(used) - 1} without gaps."
+        )

@@ -8,7 +8,7 @@ set-up (which stage and variable lives where), the packed state, the stage
 runner and the inference program, which walks the schedule table tick by
 tick (`lax.scan`): at each tick every IPU runs the forward op the table
 gives it, then all IPUs exchange the tick's activations. Training is in
-`pipelined_train`.
+`pipelined.training`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
-from keras_ipu.device import pipeline as schedules
+from keras_ipu.device import schedules
+from keras_ipu.keras import stages
 from keras_ipu.keras.steps import STATE_PARTS
 
 IPU_AXIS = "ipu"
 REPLICA_AXIS = "replica"
-_IDLE, _FORWARD, _BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 
 
@@ -83,7 +84,7 @@ class FlatLayout:
         return flats
 
 
-def _padded_lengths(layouts: Sequence[FlatLayout]) -> dict[str, int]:
+def padded_lengths(layouts: Sequence[FlatLayout]) -> dict[str, int]:
     lengths: dict[str, int] = {}
     for layout in layouts:
         for dtype, size in layout.sizes.items():
@@ -210,7 +211,7 @@ class PipelineState:
         self.layouts: dict[str, list[FlatLayout]] = {}
         self.lengths: dict[str, dict[str, int]] = {}
 
-    def _indices(self, part: str, ipu: int) -> list[int]:
+    def indices(self, part: str, ipu: int) -> list[int]:
         p = self.pipelined
         if part == "trainable_variables":
             return p.trainable_of[ipu]
@@ -226,10 +227,10 @@ class PipelineState:
         packed = {}
         for part, values in zip(self.parts, keras_state):
             values = [np.asarray(v) for v in values]
-            per_ipu = [[values[i] for i in self._indices(part, d)] for d in range(self.ipus)]
+            per_ipu = [[values[i] for i in self.indices(part, d)] for d in range(self.ipus)]
             if part not in self.layouts:
                 self.layouts[part] = [FlatLayout.of(arrays) for arrays in per_ipu]
-                self.lengths[part] = _padded_lengths(self.layouts[part])
+                self.lengths[part] = padded_lengths(self.layouts[part])
             flats = [layout.pack(arrays, self.lengths[part], xp=np)
                      for layout, arrays in zip(self.layouts[part], per_ipu)]
             packed[part] = {
@@ -265,7 +266,7 @@ class PipelineState:
             host = {dtype: np.asarray(array[replica]) for dtype, array in packed[part].items()}
             for d in range(self.ipus):
                 arrays = self.layouts[part][d].unpack({k: v[d] for k, v in host.items()})
-                for i, array in zip(self._indices(part, d), arrays):
+                for i, array in zip(self.indices(part, d), arrays):
                     if values[i] is None:
                         values[i] = array
             result[part] = values
@@ -305,7 +306,7 @@ class StageRunner:
 
     def _unpack(self, part: str, ipu: int, flats) -> dict[int, Any]:
         arrays = self.state.layouts[part][ipu].unpack(flats)
-        return dict(zip(self.state._indices(part, ipu), arrays))
+        return dict(zip(self.state.indices(part, ipu), arrays))
 
     def trainable(self, ipu: int, flats) -> dict[int, Any]:
         """An IPU's trainable variables, by index in `model.trainable_variables`."""
@@ -318,7 +319,7 @@ class StageRunner:
     def pack_non_trainable(self, ipu: int, ntv: dict[int, Any]) -> dict[str, Any]:
         """The inverse of `non_trainable`."""
         layout = self.state.layouts["non_trainable_variables"][ipu]
-        order = self.state._indices("non_trainable_variables", ipu)
+        order = self.state.indices("non_trainable_variables", ipu)
         return layout.pack([ntv[i] for i in order],
                            self.state.lengths["non_trainable_variables"])
 
@@ -358,11 +359,8 @@ class StageRunner:
             offset += width
         losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
-            node, layer = call.node, call.operation
-            by_id = {id(t): env[k] for t, k in zip(node.arguments.keras_tensors, call.input_keys)}
-            args, kwargs = node.arguments.fill_in(by_id)
-            if getattr(layer, "_call_has_training_arg", False):
-                kwargs["training"] = training
+            layer = call.operation
+            args, kwargs = stages.call_arguments(call, env, training)
             if hasattr(layer, "stateless_call"):
                 outputs, new_ntv, call_losses = self._call_layer(layer, tv, ntv, args, kwargs)
                 ntv.update(new_ntv)
@@ -419,7 +417,7 @@ def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool)
     return loss, metrics_values
 
 
-def _index(tree_, j):
+def micro_batch_at(tree_, j):
     return jax.tree_util.tree_map(lambda a: a[j], tree_)
 
 
@@ -438,7 +436,7 @@ def _table_arrays(table: schedules.ScheduleTable):
     for t, row in enumerate(table.ticks):
         for ipu, op in enumerate(row):
             if op is not None:
-                kinds[t, ipu] = _FORWARD if op.phase == "F" else _BACKWARD
+                kinds[t, ipu] = FORWARD if op.phase == "F" else BACKWARD
                 stage[t, ipu], micro[t, ipu] = op.stage, op.micro_batch
     return jnp.asarray(kinds), jnp.asarray(stage), jnp.asarray(micro)
 
@@ -448,7 +446,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
     """Evaluate or predict: forward ops only, `micro_batches = steps_per_execution`.
 
     `(packed state, batches) -> (packed state, outfeed)`: batches as in
-    `pipelined_train.build_fit_program` with one update; the outfeed is the per-step logs
+    `training.build_fit_program` with one update; the outfeed is the per-step logs
     (evaluate) or outputs (predict), `[1, replicas, steps, ...]`.
     """
     p, model = pipelined, pipelined.model
@@ -482,14 +480,14 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
         fwd = jnp.zeros((stages, micro, *p.bundle_shape(mb)), jnp.float32)
         out_shape = jax.eval_shape(
-            lambda: last(trainable, non_trainable, metrics, fwd[0, 0], _index(data, 0)))[0]
+            lambda: last(trainable, non_trainable, metrics, fwd[0, 0], micro_batch_at(data, 0)))[0]
         outputs = jax.tree_util.tree_map(
             lambda leaf: jnp.zeros((micro, *leaf.shape), leaf.dtype), out_shape)
 
         def forward(s):
             def op(c, j):
                 non_trainable, metrics, fwd, outputs = c
-                batch = _index(data, j)
+                batch = micro_batch_at(data, j)
                 if s == stages - 1:
                     result, non_trainable, metrics = last(trainable, non_trainable, metrics,
                                                           fwd[s, j], batch)
@@ -510,11 +508,11 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         def tick(c, row):
             kinds, stage_of, micro_of = row
             kind, s, j = kinds[me], stage_of[me], micro_of[me]
-            c, message = jax.lax.switch(jnp.where(kind == _FORWARD, 1 + s, 0), branches, c, j)
+            c, message = jax.lax.switch(jnp.where(kind == FORWARD, 1 + s, 0), branches, c, j)
             non_trainable, metrics, fwd, outputs = c
             messages = jax.lax.all_gather(message, IPU_AXIS)
             for i in range(p.num_ipus):
-                fwd = _receive(fwd, messages[i], kinds[i] == _FORWARD, stage_of[i] + 1,
+                fwd = _receive(fwd, messages[i], kinds[i] == FORWARD, stage_of[i] + 1,
                                micro_of[i], mapping, me, stages)
             return (non_trainable, metrics, fwd, outputs), None
 

@@ -1,0 +1,29 @@
+"""How a `PipelinePlan` runs on IPUs: program building, the state layout, training, gradients.
+
+The face of the package, for the trainer: `plan_of(model, x)` (the stage
+plan, or `None` when the model is not pipelined), `device_mapping`,
+`accumulation_steps` and `program_for` (the cache key and builder of a run's
+pipelined program).
+
+Modules: `program` (the trainer's side: checks, schedule, cost model, the
+`Run`), `model` (the model split over IPUs: packed state, the stage runner,
+the inference program, codec and layout), `training` (the pipelined fit
+program), `gradients` (how gradients accumulate per IPU).
+
+Example:
+
+>>> from keras_ipu.keras import pipelined
+>>> plan = pipelined.plan_of(model, x)
+>>> pipelined.device_mapping(plan, options)
+(0, 1)
+"""
+
+from keras_ipu.keras.pipelined.program import (
+    accumulation_steps,
+    device_mapping,
+    plan_of,
+    program_for,
+    schedule_of,
+)
+
+__all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]

@@ -1,0 +1,229 @@
+"""What a pipelined model runs: its layer calls split into stages, and how one call runs.
+
+`PipelinePlan` is what a pipelined executor reads: the layer calls (Keras
+`Node`s) of each stage in execution order, with the tensors flowing between
+stages named by integer keys. `make_plan` builds it from a checked
+assignment tree (`stages.tree`); `call_arguments` is the one rule for the
+arguments a stage passes to a layer call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from keras.src.ops.node import Node
+from keras.src.ops.operation import Operation
+
+from keras_ipu.keras.stages import assignments, graph, tree
+
+TensorKey = int  # names one tensor of the (nested-model-expanded) model graph
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageCall:
+    """One layer (or op) call that a pipeline stage executes.
+
+    Args:
+        node: The Keras `Node` of the call: `node.operation` is the layer,
+            `node.arguments` its recorded arguments.
+        stage: The pipeline stage that runs the call.
+        input_keys: Keys of the call's input tensors, one per entry of
+            `node.arguments.keras_tensors` (same order).
+        output_keys: Keys of the call's outputs, one per `node.outputs`.
+        path: Names of the nested models the call is inside, outermost
+            first (`()` for a call of the model itself).
+
+    Example:
+
+    >>> call = plan.stages[0][0]
+    >>> call.operation.name, call.input_keys, call.output_keys
+    ('dense', (0,), (1,))
+    """
+
+    node: Node
+    stage: int
+    input_keys: tuple[TensorKey, ...]
+    output_keys: tuple[TensorKey, ...]
+    path: tuple[str, ...] = ()
+
+    @property
+    def operation(self) -> Operation:
+        """The called layer or op."""
+        return self.node.operation
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """What a pipelined model runs: its layer calls split into stages.
+
+    Tensors are named by integer keys: a key names one tensor of the model
+    graph in which nested models have been replaced by their own layer calls
+    (a nested model called twice gives two sets of keys).
+
+    Args:
+        model_name: The model's name.
+        num_stages: The number of stages, `max stage + 1` (every stage below
+            it has at least one call).
+        stages: For each stage, its calls in execution order.
+        input_keys: Keys of the model inputs, in the order of `inputs`.
+        output_keys: Keys of the model outputs, in the order of `outputs`.
+        inputs: The model's flat input `KerasTensor`s (`keras.tree.flatten`
+            order of `inputs_struct`).
+        outputs: The model's flat output `KerasTensor`s.
+        inputs_struct: The nested structure of the inputs (data given to
+            the model has this structure).
+        outputs_struct: The nested structure of the outputs (predictions are
+            packed into it).
+        tensors: For every key, a `KerasTensor` with its shape and dtype.
+        stage_inputs: For each stage, the keys it reads that it does not
+            produce (model inputs or outputs of earlier stages), sorted.
+        stage_outputs: For each stage, the keys it produces that later
+            stages read or that are model outputs, sorted.
+        live_after: For each stage `s`, the keys produced by stages `<= s`
+            that stages `> s` read or that are model outputs, sorted: the
+            bundle stage `s` forwards to stage `s + 1` (model inputs are not
+            in it; every stage can read them from the infeed).
+
+    Example:
+
+    >>> plan = pipeline_plan(model)
+    >>> plan.num_stages, [len(calls) for calls in plan.stages]
+    (2, [2, 2])
+    """
+
+    model_name: str
+    num_stages: int
+    stages: tuple[tuple[StageCall, ...], ...]
+    input_keys: tuple[TensorKey, ...]
+    output_keys: tuple[TensorKey, ...]
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    inputs_struct: Any
+    outputs_struct: Any
+    tensors: Mapping[TensorKey, Any]
+    stage_inputs: tuple[tuple[TensorKey, ...], ...]
+    stage_outputs: tuple[tuple[TensorKey, ...], ...]
+    live_after: tuple[tuple[TensorKey, ...], ...]
+
+    def stage_layers(self, stage: int) -> list[Operation]:
+        """The distinct layers and ops a stage calls, in first-call order.
+
+        Args:
+            stage: The stage, `0..num_stages - 1`.
+
+        Returns:
+            The operations (their variables are the stage's weights).
+
+        Example:
+
+        >>> [layer.name for layer in plan.stage_layers(0)]
+        ['dense', 'dense_1']
+        """
+        seen: dict[int, Operation] = {}
+        for call in self.stages[stage]:
+            seen.setdefault(id(call.operation), call.operation)
+        return list(seen.values())
+
+
+def call_arguments(
+    call: StageCall, values: Mapping[TensorKey, Any], training: bool | None
+) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of one layer call on concrete values.
+
+    The call's recorded arguments with its input tensors replaced by
+    `values`; as in a Functional model's `call`, a non-`None` `training`
+    overrides the recorded `training` argument of layers that take one.
+
+    Args:
+        call: The layer call.
+        values: Values for (at least) `call.input_keys`.
+        training: The training flag, or `None` to keep the recorded one.
+
+    Returns:
+        `(args, kwargs)` for `call.operation(*args, **kwargs)`.
+
+    Raises:
+        KeyError: When `values` lacks one of the call's inputs.
+
+    Example:
+
+    >>> args, kwargs = call_arguments(call, {call.input_keys[0]: x}, training=True)
+    >>> y = call.operation(*args, **kwargs)
+    """
+    node = call.node
+    by_id = {id(t): values[k] for t, k in zip(node.arguments.keras_tensors, call.input_keys)}
+    args, kwargs = node.arguments.fill_in(by_id)
+    if training is not None and getattr(call.operation, "_call_has_training_arg", False):
+        kwargs = {**kwargs, "training": training}
+    return args, kwargs
+
+
+def make_plan(
+    model: Any,
+    model_graph: graph.Graph,
+    leaves: list[tree.Leaf],
+    input_keys: list[int],
+    output_keys: list[int],
+    keys: tree.TensorKeys,
+) -> PipelinePlan:
+    """The plan of a checked assignment tree (the expansion `tree.check_assigned` returns).
+
+    Args:
+        model: The model.
+        model_graph: Its graph.
+        leaves: The layer calls with their stages and tensor keys, in order.
+        input_keys: Keys of the model inputs.
+        output_keys: Keys of the model outputs.
+        keys: The tensor keys and their tensors.
+
+    Returns:
+        The `PipelinePlan`.
+
+    Example:
+
+    >>> plan = make_plan(model, model_graph, *tree.check_assigned(level, runtime=True))
+    """
+    num_stages = max(leaf.entry.stage for leaf in leaves) + 1
+    stages: list[list[StageCall]] = [[] for _ in range(num_stages)]
+    produced_in: dict[int, int] = {}
+    last_use: dict[int, int] = {key: num_stages for key in output_keys}
+    for leaf in leaves:
+        stage = leaf.entry.stage
+        stages[stage].append(
+            StageCall(leaf.entry.node, stage, leaf.input_keys, leaf.output_keys, leaf.path)
+        )
+        for key in leaf.input_keys:
+            last_use[key] = max(last_use.get(key, -1), stage)
+        produced_in.update({key: stage for key in leaf.output_keys})
+    stage_inputs = [
+        sorted({k for c in calls for k in c.input_keys if produced_in.get(k) != s})
+        for s, calls in enumerate(stages)
+    ]
+    stage_outputs = [
+        sorted(k for k, p in produced_in.items() if p == s and last_use.get(k, -1) > s)
+        for s in range(num_stages)
+    ]
+    live_after = [
+        sorted(k for k, p in produced_in.items() if p <= s < last_use.get(k, -1))
+        for s in range(num_stages)
+    ]
+    return PipelinePlan(
+        model_name=assignments.name_of(model),
+        num_stages=num_stages,
+        stages=tuple(tuple(calls) for calls in stages),
+        input_keys=tuple(input_keys),
+        output_keys=tuple(output_keys),
+        inputs=model_graph.inputs,
+        outputs=model_graph.outputs,
+        inputs_struct=model_graph.inputs_struct,
+        outputs_struct=model_graph.outputs_struct,
+        tensors=dict(keys.tensors),
+        stage_inputs=tuple(map(tuple, stage_inputs)),
+        stage_outputs=tuple(map(tuple, stage_outputs)),
+        live_after=tuple(map(tuple, live_after)),
+    )
+
+
+__all__ = ["PipelinePlan", "StageCall", "TensorKey", "call_arguments", "make_plan"]
