@@ -37,6 +37,11 @@ class PoplarFlags:
             synthetic data is initialised; None when not given.
         executable_cache_path: `--executable_cache_path=DIR`: where compiled
             programs are cached; None when not given.
+        execution_loop: `--execution_loop=auto|scan|host` (keras_ipu's own):
+            how an execution strings its steps together: `scan` (an
+            on-device loop), `host` (one compiled step dispatched per step),
+            or `auto` (the default: chosen per program and platform, see
+            `keras_ipu.device.loops`).
         unknown: The flags not understood, as written.
 
     Example:
@@ -50,6 +55,7 @@ class PoplarFlags:
     use_synthetic_data: bool = False
     synthetic_data_initializer: str | None = None
     executable_cache_path: str | None = None
+    execution_loop: str = "auto"
     unknown: tuple[str, ...] = ()
 
 
@@ -74,6 +80,13 @@ def _count(text: str | None) -> int:
     return count
 
 
+def _loop_form(text: str | None) -> str:
+    forms = ("auto", "scan", "host")
+    if text not in forms:
+        raise ValueError(f"expects one of {', '.join(forms)}, e.g. --execution_loop=scan")
+    return text
+
+
 def _text(text: str | None) -> str:
     if not text:
         raise ValueError("expects a value, written --flag=value")
@@ -86,6 +99,7 @@ _PARSERS: dict[str, Callable[[str | None], object]] = {
     "use_synthetic_data": _switch,
     "synthetic_data_initializer": _text,
     "executable_cache_path": _text,
+    "execution_loop": _loop_form,
 }
 
 

@@ -209,4 +209,5 @@ def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
         "use_synthetic_data": flags.use_synthetic_data,
         "synthetic_data_initializer": flags.synthetic_data_initializer,
         "executable_cache_path": flags.executable_cache_path,
+        "execution_loop": flags.execution_loop,
     }

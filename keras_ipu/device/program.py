@@ -1,11 +1,13 @@
-"""Device programs: one execution = one compiled on-device loop over steps.
+"""Device programs: one execution = `steps` steps with the state on the device.
 
 An execution takes the program state (weights, optimizer slots, metric
 state, ...) and the stacked batches of `steps` steps (the infeed), runs the
-step function `steps` times in a `lax.scan` on the IPU's device without
-returning to Python, and gives back the new state and the stacked per-step
-outputs (the outfeed). Each distinct input signature is compiled once,
-measured, and checked against the IPU's memory before it first runs.
+step function `steps` times, and gives back the new state and the outfeed.
+The steps run in the loop form `loops.choose_loop` picks for the program and
+platform: an on-device `lax.scan`, or one compiled step dispatched per step
+without waiting (see `device/loops.py`). Each distinct input signature is
+compiled once, measured, and checked against the IPU's memory before it
+first runs; the report says which loop form ran and why.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import jax
 
-from keras_ipu.device import accounting
+from keras_ipu.device import accounting, loops
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
@@ -39,6 +41,7 @@ DEFAULT_MAX_IN_FLIGHT = 4
 class _Executable:
     compiled: Any
     report: ExecutionReport
+    loop: loops.LoopChoice
 
 
 class ExecutionProgram:
@@ -71,6 +74,8 @@ class ExecutionProgram:
         replica_count: The replication factor to report, when the program's
             IPUs are not one replica each (pipelines).
         max_in_flight: Executions dispatched but not finished, at most.
+        loop: The loop form: `"auto"` (by `loops.choose_loop`), `"scan"`
+            or `"host"`. Programs that bring their own `execution` keep it.
 
     Example:
 
@@ -95,6 +100,7 @@ class ExecutionProgram:
         pipeline: Callable[[IPUHardware], tuple[float, Any]] | None = None,
         replica_count: int | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        loop: str = loops.AUTO,
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -105,6 +111,8 @@ class ExecutionProgram:
         self.micro_batches_per_step = micro_batches_per_step
         self._pipeline = pipeline
         self.replica_count = replica_count or replicas.count
+        self._loop_request = loops.check_request(loop)
+        self._own_execution = execution is not None
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
 
@@ -152,9 +160,22 @@ class ExecutionProgram:
         """Runs one execution (asynchronously) and returns state and outfeed."""
         executable = self._executable(state, batches)
         self.report = executable.report
-        new_state, outfeed = executable.compiled(state, batches)
-        self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else new_state)
-        return new_state, outfeed
+        if executable.loop.form != loops.HOST:
+            new_state, outfeed = executable.compiled(state, batches)
+            self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else new_state)
+            return new_state, outfeed
+        outfeeds = []
+        for step in range(_leading(batches)):
+            state, outfeed = executable.compiled(state, _step_slice(batches, step))
+            self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else state)
+            outfeeds.append(outfeed)
+        return state, self._joined(outfeeds)
+
+    def _joined(self, outfeeds: list) -> Any:
+        """One execution's outfeed from its steps': predictions in order, else the last logs."""
+        if self.mode != "predict":
+            return outfeeds[-1]
+        return jax.tree_util.tree_map(lambda *parts: jax.numpy.concatenate(parts), *outfeeds)
 
     def wait(self) -> None:
         """Blocks until every dispatched execution has finished."""
@@ -176,19 +197,33 @@ class ExecutionProgram:
             self._executables[key] = executable
         return executable
 
+    def _trace(self, state: State, batches: Batch) -> tuple[Any, Batch, loops.LoopChoice]:
+        """Traces the program in its loop form: `(traced, batches it takes, choice)`."""
+        if self._own_execution:
+            choice = loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
+            return self._jitted.trace(state, batches), batches, choice
+        one_step = jax.tree_util.tree_map(_one_step_spec, batches)
+        traced = self._jitted.trace(state, one_step)
+        choice = loops.choose_loop(traced.jaxpr, self.device.platform, self._loop_request)
+        if choice.form == loops.HOST:
+            return traced, one_step, choice
+        return self._jitted.trace(state, batches), batches, choice
+
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()
-        compiled = self._jitted.lower(state, batches).compile()
+        traced, compiled_batches, loop = self._trace(state, batches)
+        compiled = traced.lower().compile()
         seconds = time.perf_counter() - started
         count = self.replicas.count
         # XLA counts a loop body once: one step's cost stands for each batch.
-        steps = jax.tree_util.tree_leaves(batches)[0].shape[0] * self.micro_batches_per_step
+        steps = _leading(batches) * self.micro_batches_per_step
+        compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
-        execution_io = accounting.tree_bytes((batches, compiled.out_info[1]))
+        execution_io = accounting.tree_bytes((compiled_batches, compiled.out_info[1]))
         memory = accounting.memory_use(
             compiled,
             state_bytes=accounting.tree_bytes(state) // count,
-            io_bytes=execution_io // (steps * count),
+            io_bytes=execution_io // (compiled_steps * count),
         )
         cost = accounting.step_cost(compiled)
         step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
@@ -221,9 +256,11 @@ class ExecutionProgram:
             compile_seconds=seconds,
             replicas=self.replica_count,
             pipeline=pipeline_report,
+            loop=loop.form,
+            loop_reason=loop.reason,
         )
         check_memory(report)
-        return _Executable(compiled, report)
+        return _Executable(compiled, report, loop)
 
 
 def check_memory(report: ExecutionReport) -> None:
@@ -233,6 +270,21 @@ def check_memory(report: ExecutionReport) -> None:
             raise IPUOutOfMemoryError(
                 ipu.index, ipu.memory_bytes, ipu.memory_capacity_bytes, report.mode
             )
+
+
+def _leading(batches: Batch) -> int:
+    return jax.tree_util.tree_leaves(batches)[0].shape[0]
+
+
+def _step_slice(batches: Batch, step: int) -> Batch:
+    """The batches of one step, keeping the leading steps axis (length 1)."""
+    return jax.tree_util.tree_map(lambda a: a[step : step + 1], batches)
+
+
+def _one_step_spec(leaf: Any) -> jax.ShapeDtypeStruct:
+    """The shape of one step's slice of a stacked leaf (array or shape struct)."""
+    sharding = getattr(leaf, "sharding", None)
+    return jax.ShapeDtypeStruct((1, *leaf.shape[1:]), leaf.dtype, sharding=sharding)
 
 
 def _signature(tree: Any) -> Sequence[Any]:

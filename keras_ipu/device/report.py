@@ -106,6 +106,11 @@ class ExecutionReport:
         flops_per_step: Floating point operations of one step (per IPU).
         compile_seconds: Host time spent compiling the program.
         replicas: The replication factor.
+        pipeline: The pipeline's report, for pipelined programs.
+        loop: How the steps ran: `"scan"` (an on-device loop), `"host"`
+            (one compiled step dispatched per step) or `"schedule"`
+            (pipelined programs: the schedule table is the loop).
+        loop_reason: Why that loop form.
 
     Example:
 
@@ -124,6 +129,8 @@ class ExecutionReport:
     compile_seconds: float = 0.0
     replicas: int = 1
     pipeline: PipelineReport | None = None
+    loop: str = "scan"
+    loop_reason: str = ""
 
     @property
     def estimated_cycles(self) -> int:
@@ -155,7 +162,8 @@ class ExecutionReport:
         header = (
             f"Execution report: {self.mode}, {self.steps_per_execution} step(s) per "
             f"execution on {self.hardware} at {self.clock_hz / 1e9:.2f} GHz, "
-            f"{self.replicas} replica(s)"
+            f"{self.replicas} replica(s); loop: {self.loop}"
+            + (f" ({self.loop_reason})" if self.loop_reason else "")
         )
         columns = ("IPU", "device", "memory", "capacity", "used", "state", "temporary",
                    "io", "est. cycles")

@@ -352,7 +352,8 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     """The cache key and builder of a (replicated) step-loop program."""
     micro = options.gradient_accumulation_steps if mode == "fit" else None
     custom = mode == "fit" and _overrides(model, "train_step")
-    key = (mode, replicas, hardware, micro, custom,
+    loop = ipu_system.require().option("execution_loop", "auto")
+    key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            options.replicated_metric_reduction_method)
 
@@ -367,6 +368,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
+            loop=loop,
         )
         return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count)
 

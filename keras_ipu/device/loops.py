@@ -1,0 +1,153 @@
+"""How an execution strings its steps together: the loop forms, and the rule that picks one.
+
+An execution runs `steps_per_execution` steps with the state on the device.
+The steps can be strung together in two ways:
+
+- `scan`: one compiled program loops over the steps on the device
+  (`lax.scan`); nothing returns to the host between steps.
+- `host`: one compiled step, dispatched once per step from the host without
+  waiting for the previous one (the state stays on the device; the host only
+  queues work, as plain Keras does).
+
+Both give the same numbers. Which is faster depends on the program and the
+platform: XLA's CPU backend rewrites the convolutions of a program's entry
+computation into the layout its fast convolution kernels need, but not those
+inside a loop body, where a convolution in any other layout (the weight and
+input gradients autodiff emits) runs on a slow generic path (JAX issue 12868;
+measured in BENCHMARKS.md). The rule: the on-device loop, unless the platform
+is a CPU and the step holds such a convolution. `--execution_loop=scan|host`
+in `KERAS_IPU_FLAGS` forces a form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+SCAN = "scan"
+HOST = "host"
+SCHEDULE = "schedule"  # pipelined programs: the schedule table is the loop
+AUTO = "auto"
+FORMS = (SCAN, HOST)
+REQUESTS = (AUTO, *FORMS)
+
+# Layouts (jaxpr dimension numbers) XLA:CPU's fast convolution path takes as
+# they are: batch first and features last for the input and the output,
+# spatial dims then input then output features for the kernel.
+_CANONICAL_SPECS = {
+    n: ((0, n + 1, *range(1, n + 1)), (n + 1, n, *range(n)), (0, n + 1, *range(1, n + 1)))
+    for n in (1, 2, 3)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopChoice:
+    """The loop form of an execution, and why it was chosen.
+
+    Args:
+        form: `"scan"`, `"host"` or `"schedule"` (pipelined programs).
+        reason: Why, in words (shown in the execution report).
+
+    Example:
+
+    >>> choose_loop(jaxpr, platform="gpu").form
+    'scan'
+    """
+
+    form: str
+    reason: str
+
+
+def check_request(request: str) -> str:
+    """Validates a requested loop form.
+
+    Args:
+        request: `"auto"`, `"scan"` or `"host"`.
+
+    Returns:
+        The request.
+
+    Raises:
+        ValueError: For anything else, naming the valid forms.
+
+    Example:
+
+    >>> check_request("host")
+    'host'
+    """
+    if request not in REQUESTS:
+        raise ValueError(f"Unknown execution loop {request!r}; valid: {', '.join(REQUESTS)}.")
+    return request
+
+
+def choose_loop(jaxpr: Any, platform: str, request: str = AUTO) -> LoopChoice:
+    """Picks the loop form for a step program.
+
+    Args:
+        jaxpr: The (closed) jaxpr of the program, loop included or not.
+        platform: The JAX platform of its devices (`"cpu"`, `"gpu"`, ...).
+        request: `"auto"` to decide by the rule, or a form to force.
+
+    Returns:
+        The `LoopChoice`.
+
+    Raises:
+        ValueError: For an unknown request.
+
+    Example:
+
+    >>> choose_loop(jax.make_jaxpr(step)(state, batch), platform="cpu").form
+    'host'
+    """
+    if check_request(request) != AUTO:
+        return LoopChoice(request, f"forced (--execution_loop={request})")
+    if platform != "cpu":
+        return LoopChoice(SCAN, f"on-device loop ({platform})")
+    slow = slow_in_loops(jaxpr)
+    if slow:
+        return LoopChoice(
+            HOST,
+            f"{slow} convolution(s) of the step would leave XLA:CPU's fast path inside a "
+            f"loop body",
+        )
+    return LoopChoice(SCAN, "on-device loop: nothing in the step is slow inside an XLA:CPU loop")
+
+
+def slow_in_loops(jaxpr: Any) -> int:
+    """Counts the convolutions that XLA:CPU runs slowly inside a loop body.
+
+    Args:
+        jaxpr: A jaxpr or closed jaxpr (sub-jaxprs are searched too).
+
+    Returns:
+        The number of convolutions not in the layout of XLA:CPU's fast path.
+
+    Example:
+
+    >>> slow_in_loops(jax.make_jaxpr(jax.grad(conv_loss))(kernel))
+    2
+    """
+    return sum(1 for eqn in _equations(jaxpr)
+               if eqn.primitive.name == "conv_general_dilated" and not _canonical(eqn))
+
+
+def _canonical(eqn: Any) -> bool:
+    numbers = eqn.params["dimension_numbers"]
+    spatial = len(numbers.lhs_spec) - 2
+    specs = (tuple(numbers.lhs_spec), tuple(numbers.rhs_spec), tuple(numbers.out_spec))
+    return (
+        specs == _CANONICAL_SPECS.get(spatial)
+        and eqn.params.get("batch_group_count", 1) == 1
+        and str(eqn.invars[0].aval.dtype) in ("float32", "float16")
+    )
+
+
+def _equations(jaxpr: Any) -> Iterator[Any]:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from _equations(sub)

@@ -1,0 +1,109 @@
+"""The loop form of an execution: chosen per program and platform, the same numbers either way."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.device import loops
+
+from conftest import assert_weights_close, configure
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv_loss(kernel, x):
+    return jnp.sum(jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                                dimension_numbers=NHWC) ** 2)
+
+
+def _conv_grad_jaxpr():
+    return jax.make_jaxpr(jax.grad(_conv_loss))(jnp.ones((3, 3, 2, 4)), jnp.ones((1, 6, 6, 2)))
+
+
+def test_gradients_of_a_convolution_are_slow_in_loops_and_its_forward_is_not():
+    forward = jax.make_jaxpr(_conv_loss)(jnp.ones((3, 3, 2, 4)), jnp.ones((1, 6, 6, 2)))
+    assert loops.slow_in_loops(forward) == 0
+    assert loops.slow_in_loops(_conv_grad_jaxpr()) >= 1
+    # Found inside nested jaxprs too (a scan body).
+    scanned = jax.make_jaxpr(
+        lambda k, x: jax.lax.scan(lambda c, _: (c, jax.grad(_conv_loss)(k, x)), 0.0, None,
+                                  length=2))(jnp.ones((3, 3, 2, 4)), jnp.ones((1, 6, 6, 2)))
+    assert loops.slow_in_loops(scanned) == loops.slow_in_loops(_conv_grad_jaxpr())
+
+
+def test_the_rule_keeps_the_device_loop_except_for_slow_convolutions_on_cpu():
+    mlp = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))(
+        jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert loops.choose_loop(mlp, "cpu").form == loops.SCAN
+    assert loops.choose_loop(_conv_grad_jaxpr(), "gpu").form == loops.SCAN
+    choice = loops.choose_loop(_conv_grad_jaxpr(), "cpu")
+    assert choice.form == loops.HOST and "convolution" in choice.reason
+    forced = loops.choose_loop(_conv_grad_jaxpr(), "cpu", "scan")
+    assert forced == loops.LoopChoice("scan", "forced (--execution_loop=scan)")
+    with pytest.raises(ValueError, match="Unknown execution loop 'unrolled'; valid: auto, scan"):
+        loops.choose_loop(mlp, "cpu", "unrolled")
+
+
+def test_a_bad_flag_names_the_valid_forms(monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--execution_loop=fast")
+    with pytest.raises(ValueError, match="--execution_loop=fast.*auto, scan, host"):
+        configure(1)
+
+
+def _convnet(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 2)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.DepthwiseConv2D(3, padding="same"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3),
+    ])
+
+
+def _train(strategy, form: str, monkeypatch, accumulation: int = 1):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(1)
+    with strategy.scope():
+        model = _convnet()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=4)
+    if accumulation > 1:
+        model.set_gradient_accumulation_options(
+            gradient_accumulation_steps_per_replica=accumulation,
+            gradient_accumulation_reduction_method="mean")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8, 8, 2)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    report = ipu.utils.execution_report(model, mode="fit")
+    outputs = model.predict(x, batch_size=4, verbose=0)
+    loss = model.evaluate(x, y, batch_size=4, verbose=0)
+    return model.get_weights(), history.history["loss"], outputs, loss, report
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_every_loop_form_gives_the_same_model(strategy, monkeypatch, accumulation):
+    runs = {form: _train(strategy, form, monkeypatch, accumulation)
+            for form in ("scan", "host", "auto")}
+    weights, losses, outputs, loss, _ = runs["scan"]
+    for form in ("host", "auto"):
+        other_weights, other_losses, other_outputs, other_loss, _ = runs[form]
+        assert_weights_close(weights, other_weights, atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(other_losses, losses, rtol=1e-5)
+        np.testing.assert_allclose(other_outputs, outputs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(other_loss, loss, rtol=1e-5)
+    # The report says which form ran, and why; its figures come from one step either way.
+    scan_report, host_report = runs["scan"][4], runs["host"][4]
+    assert (scan_report.loop, host_report.loop) == ("scan", "host")
+    assert "forced" in host_report.loop_reason
+    assert host_report.steps_per_execution == scan_report.steps_per_execution == 4
+    assert host_report.flops_per_step == pytest.approx(scan_report.flops_per_step, rel=0.05)
+    assert host_report.estimated_cycles == pytest.approx(scan_report.estimated_cycles, rel=0.05)
+    assert runs["auto"][4].loop in ("scan", "host") and runs["auto"][4].loop_reason
