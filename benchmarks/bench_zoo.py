@@ -32,13 +32,15 @@ Pipelined (mobilenetv2 and resnet50; `--no-pipeline` skips it): keras_ipu on 2 I
 pipeline (the layer calls of `get_pipeline_stage_assignment()` split in half by index),
 `set_pipelining_options(gradient_accumulation_steps_per_replica=4, "mean")`, against plain
 Keras with `SGD(..., gradient_accumulation_steps=4)` (the same update), same micro-batch and
-`steps_per_execution`. The IPU system is reconfigured (2 IPUs) for this section, in the same
-process, as benchmarks/bench_pipeline.py does; the single-IPU section runs first with 1 IPU (with
-2 IPUs a model without stages would be replicated twice). When keras_ipu's 2 IPUs cannot get one
-accelerator each (a machine with one GPU), they run on CPU devices, and plain Keras is then run
-on a CPU device too, so that both sides use the same kind of device (noted in the output).
+`steps_per_execution`. ResNet50's micro-batch is 16 there: at 32 its fit program needs more
+than IPU 0's memory in the device model, and keras_ipu refuses it. The IPU system is
+reconfigured (2 IPUs) for this section, in the same process, as benchmarks/bench_pipeline.py
+does; the single-IPU section runs first with 1 IPU (with 2 IPUs a model without stages would be
+replicated twice). When keras_ipu's 2 IPUs cannot get one accelerator each (a machine with one
+GPU), they run on CPU devices, and plain Keras is then run on a CPU device too, so that both
+sides use the same kind of device (noted in the output).
 
-Measured, per model and section:
+Measured, per model and section (sizes: the ZOO table below; `--quick` cuts them):
 
     warm        after a first (compiling) fit and one untimed warm fit, `fit` of one epoch of
                 a fixed number of steps (a multiple of steps_per_execution), `shuffle=False`,
@@ -48,10 +50,17 @@ Measured, per model and section:
     first step  the wall time of the very first `fit` (one execution: steps_per_execution
                 steps) of a freshly created and compiled model, tracing and XLA compilation
                 included; `--first-rounds` fresh models per variant, order alternating, median.
-                The model being warmed has already compiled the same architecture, so caches
-                shared by all models of the process are warm for both variants alike. JAX's
-                persistent compilation cache is never enabled. XLA compilations during the
-                fit are counted (JAX monitoring) and saved with `--json`.
+                Before any of it an optimizer is built once on a throwaway model, so the small
+                per-shape compilations of its slot variables, which every later model of the
+                process reuses, land on neither side. JAX's persistent compilation cache is
+                never enabled. XLA compilations during each fit are counted (JAX monitoring)
+                and saved with `--json`.
+
+`--quick` (a smoke run): one execution or two per measurement, 1 round, no untimed warm fit,
+and the first fits of the two warm models stand in for the fresh-model rounds
+(`--first-rounds 0`). On a 2-core CPU machine the big models alone take minutes: MobileNetV2 and
+ResNet50 compile for 20-90 s per model there, so `--quick` stays under 2 minutes only for the
+small models (convnet, resnet_bn, lstm, transformer, mlp).
 
 Targets, keras_ipu / plain:
     single IPU    warm steps/s ratio   >= 1.0      first-step time ratio  <= 1.3
@@ -77,14 +86,14 @@ import traceback
 from collections.abc import Callable
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Compile times must be real: never read a persistent compilation cache (main() also turns
+# JAX's switch for it off).
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 try:
     import keras_ipu as ipu  # must come before keras: it selects the JAX backend
 except ImportError:
     sys.path.insert(0, _REPO)
     import keras_ipu as ipu
-
-# Compile times must be real: never read a persistent compilation cache.
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 SEED = 0
 PIPELINE_GA = 4
@@ -226,7 +235,8 @@ class Spec:
     """One model of the zoo: how to build it, its data, and its run sizes.
 
     `steps` is the number of steps of one warm measurement (a multiple of `spe`); the
-    `quick_` fields replace `spe` and `steps` with `--quick`.
+    `quick_` fields replace `spe` and `steps` with `--quick`; `pipeline_batch`, when given,
+    is the micro-batch of the pipelined section.
     """
 
     name: str
@@ -240,24 +250,42 @@ class Spec:
     optimizer: Callable
     loss: str = "sparse_categorical_crossentropy"
     metrics: tuple = ("accuracy",)
+    pipeline_batch: int | None = None
 
     def sizes(self, quick):
         """(steps_per_execution, steps per warm measurement)."""
         return (self.quick_spe, self.quick_steps) if quick else (self.spe, self.steps)
 
+    def batch_in(self, section):
+        """The (micro-)batch size in `section`."""
+        return (self.pipeline_batch or self.batch) if section.pipelined else self.batch
+
 
 ZOO = {
     s.name: s
+    # name, build, data, batch, spe, steps, quick spe, quick steps, optimizer[, loss, metrics]
     for s in (
-        Spec("convnet", build_convnet, float_inputs((28, 28, 1)), 64, 64, 256, 8, 16, adam),
-        Spec("mobilenetv2", build_mobilenetv2, float_inputs((64, 64, 3)), 8, 4, 32, 4, 8, adam),
-        Spec("resnet50", build_resnet50, float_inputs((32, 32, 3)), 32, 8, 32, 4, 4, sgd_momentum),
+        Spec("convnet", build_convnet, float_inputs((28, 28, 1)), 64, 64, 256, 8, 8, adam),
+        Spec("mobilenetv2", build_mobilenetv2, float_inputs((64, 64, 3)), 8, 4, 16, 4, 4, adam),
+        # Pipelined at micro-batch 32, IPU 0 of the device model runs out of memory.
+        Spec(
+            "resnet50",
+            build_resnet50,
+            float_inputs((32, 32, 3)),
+            32,
+            8,
+            16,
+            4,
+            4,
+            sgd_momentum,
+            pipeline_batch=16,
+        ),
         Spec(
             "resnet_bn", build_resnet_bn, float_inputs((32, 32, 3)), 32, 8, 64, 4, 8, sgd_momentum
         ),
         Spec("lstm", build_lstm, token_sequences, 32, 8, 64, 4, 8, adam),
         Spec("transformer", build_transformer, float_inputs((32, 64)), 32, 8, 64, 4, 8, adam),
-        Spec("mlp", build_mlp, regression, 32, 100, 2000, 10, 100, sgd, "mse", ()),
+        Spec("mlp", build_mlp, regression, 32, 100, 5000, 10, 1000, sgd, "mse", ()),
     )
 }
 
@@ -306,26 +334,28 @@ class Section:
     plain_place: Callable = contextlib.nullcontext
     note: str = ""
 
+    def optimizer(self, spec):
+        """The optimizer factory of `spec` in this section."""
+        return sgd_momentum if self.pipelined else spec.optimizer
+
     def make(self, keras, spec, weights, spe, *, ipu_scope):
         """A compiled model of this section: plain Keras, or keras_ipu when `ipu_scope`."""
         place = contextlib.nullcontext if ipu_scope else self.plain_place
         model = build_model(keras, spec, weights, ipu_scope=ipu_scope, place=place)
-        optimizer = spec.optimizer
-        if self.pipelined:
-            optimizer = sgd_momentum
-        kwargs = {}
-        if self.pipelined and not ipu_scope:
-            kwargs["gradient_accumulation_steps"] = PIPELINE_GA
-        if self.pipelined and ipu_scope:
+        pipelined_ipu = self.pipelined and ipu_scope
+        accumulation = {}
+        if self.pipelined and not ipu_scope:  # plain Keras accumulates in the optimizer
+            accumulation["gradient_accumulation_steps"] = PIPELINE_GA
+        if pipelined_ipu:
             split_in_two(model)
         with place():
             model.compile(
-                optimizer=optimizer(keras, **kwargs),
+                optimizer=self.optimizer(spec)(keras, **accumulation),
                 loss=spec.loss,
                 metrics=list(spec.metrics),
                 steps_per_execution=spe,
             )
-        if self.pipelined and ipu_scope:
+        if pipelined_ipu:
             model.set_pipelining_options(
                 gradient_accumulation_steps_per_replica=PIPELINE_GA,
                 gradient_accumulation_reduction_method="mean",
@@ -404,12 +434,22 @@ class Case:
         self.section, self.spec, self.keras, self.jax = section, spec, keras, jax
         self.counter = counter
         self.spe, self.steps = spec.sizes(args.quick)
-        self.x, self.y = spec.data(np, self.steps * spec.batch, seed=1)
-        rows = self.spe * spec.batch
+        self.batch = spec.batch_in(section)
+        self.x, self.y = spec.data(np, self.steps * self.batch, seed=1)
+        rows = self.spe * self.batch
         self.first_x, self.first_y = self.x[:rows], self.y[:rows]
-        self.weights = build_model(
-            keras, spec, None, ipu_scope=False, place=section.plain_place
-        ).get_weights()
+        reference = build_model(keras, spec, None, ipu_scope=False, place=section.plain_place)
+        self.weights = reference.get_weights()
+        self._warm_shared_caches(reference)
+
+    def _warm_shared_caches(self, reference):
+        """Builds an optimizer on the reference model, untimed.
+
+        Its slot variables are made eagerly, one small XLA compilation per variable shape,
+        cached for the whole process: now neither variant's first fit pays for them.
+        """
+        with self.section.plain_place():
+            self.section.optimizer(self.spec)(self.keras).build(reference.trainable_variables)
 
     def runner(self, variant):
         """A freshly built and compiled runner of `variant` ("plain" or "ipu")."""
@@ -418,7 +458,7 @@ class Case:
             self.keras, self.spec, self.weights, self.spe, ipu_scope=ipu_scope
         )
         place = contextlib.nullcontext if ipu_scope else self.section.plain_place
-        return Runner(model, self.spec.batch, place, self.jax)
+        return Runner(model, self.batch, place, self.jax)
 
     def first_fit(self, runner):
         """(seconds, XLA compilations) of the runner's first fit of one execution."""
@@ -433,15 +473,16 @@ class Case:
 
 def run_case(case, args, log):
     """Warm and first-step measurements of one case, as a result dict."""
-    result = {"unit": case.section.unit, "spe": case.spe, "batch": case.spec.batch}
+    result = {"unit": case.section.unit, "spe": case.spe, "batch": case.batch}
     result["steps_per_measurement"] = case.steps
     warm = {v: case.runner(v) for v in Case.VARIANTS}
     for variant, runner in warm.items():
         seconds, compiles = case.first_fit(runner)
         result[f"{variant}_cold_first_fit_s"] = seconds
         result[f"{variant}_cold_first_fit_compiles"] = compiles
-        runner.fit(case.x, case.y)  # one untimed warm epoch
-    result["ipu_devices"] = ipu_devices(warm["ipu"].model)
+        if not args.quick:
+            runner.fit(case.x, case.y)  # one untimed warm epoch
+    result.update(ipu_report(warm["ipu"].model))
     log(
         f"  {case.spec.name}: compiled and warm (cold first fits: plain "
         f"{result['plain_cold_first_fit_s']:.2f} s, "
@@ -450,7 +491,7 @@ def run_case(case, args, log):
     result.update(measure_warm(case, warm, args.rounds))
     del warm
     gc.collect()
-    result.update(measure_first(case, args.first_rounds))
+    result.update(measure_first(case, args.first_rounds, result))
     add_ratios(result, case.section)
     log(
         f"  {case.spec.name}: warm ratio {result['warm_ratio']:.3f}, "
@@ -461,7 +502,7 @@ def run_case(case, args, log):
 
 def measure_warm(case, runners, rounds):
     """Median throughput of each variant over interleaved rounds of one warm epoch each."""
-    per_second = case.steps * (case.spec.batch if case.section.pipelined else 1)
+    per_second = case.steps * (case.batch if case.section.pipelined else 1)
     samples = {v: [] for v in Case.VARIANTS}
     compiles_before = case.counter.count
     for round_ in range(rounds):
@@ -474,8 +515,26 @@ def measure_warm(case, runners, rounds):
     return out
 
 
-def measure_first(case, rounds):
-    """Median first-fit time of fresh models of each variant, `rounds` per variant."""
+def measure_first(case, rounds, result):
+    """Median first-fit time of each variant over `rounds` fresh models per variant.
+
+    With no rounds, the cold first fits of the warm models (in `result`) stand in.
+    """
+    if rounds:
+        times, compiles = fresh_first_fits(case, rounds)
+    else:
+        times = {v: [result[f"{v}_cold_first_fit_s"]] for v in Case.VARIANTS}
+        compiles = {v: [result[f"{v}_cold_first_fit_compiles"]] for v in Case.VARIANTS}
+    out = {}
+    for variant in Case.VARIANTS:
+        out[f"{variant}_first_s"] = statistics.median(times[variant])
+        out[f"{variant}_first_all"] = times[variant]
+        out[f"{variant}_first_compiles"] = compiles[variant]
+    return out
+
+
+def fresh_first_fits(case, rounds):
+    """First-fit seconds and XLA compilations of fresh models, variants alternating."""
     times = {v: [] for v in Case.VARIANTS}
     compiles = {v: [] for v in Case.VARIANTS}
     for round_ in range(rounds):
@@ -484,12 +543,7 @@ def measure_first(case, rounds):
             times[variant].append(seconds)
             compiles[variant].append(count)
             gc.collect()
-    out = {}
-    for variant in Case.VARIANTS:
-        out[f"{variant}_first_s"] = statistics.median(times[variant])
-        out[f"{variant}_first_all"] = times[variant]
-        out[f"{variant}_first_compiles"] = compiles[variant]
-    return out
+    return times, compiles
 
 
 def add_ratios(result, section):
@@ -502,13 +556,17 @@ def add_ratios(result, section):
     result["first_verdict"] = "PASS" if result["first_ratio"] <= section.first_target else "FAIL"
 
 
-def ipu_devices(model):
-    """The JAX devices keras_ipu's IPUs ran on, from the execution report (None if absent)."""
+def ipu_report(model):
+    """Per IPU: its JAX device and the memory the fit program needs (execution report)."""
     try:
-        report = ipu.utils.execution_report(model, mode="fit")
-        return [ipu_report.device for ipu_report in report.ipus]
+        ipus = ipu.utils.execution_report(model, mode="fit").ipus
     except Exception:  # a report is optional for the measurement
-        return None
+        return {"ipu_devices": None, "ipu_memory_bytes": None, "ipu_memory_fraction": None}
+    return {
+        "ipu_devices": [getattr(r, "device", "?") for r in ipus],
+        "ipu_memory_bytes": [getattr(r, "memory_bytes", None) for r in ipus],
+        "ipu_memory_fraction": [getattr(r, "memory_fraction", None) for r in ipus],
+    }
 
 
 # --------------------------------------------------------------------------
@@ -527,7 +585,8 @@ def parse_args(argv=None):
         "--first-rounds",
         type=int,
         default=None,
-        help="fresh models per variant for the first-step time (default 3; quick 1)",
+        help="fresh models per variant for the first-step time (default 3; quick 0: "
+        "the first fits of the warm models instead)",
     )
     parser.add_argument(
         "--pipeline",
@@ -545,9 +604,9 @@ def parse_args(argv=None):
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
     if args.first_rounds is None:
-        args.first_rounds = 1 if args.quick else 3
-    if args.rounds < 1 or args.first_rounds < 1:
-        parser.error("--rounds and --first-rounds must be at least 1")
+        args.first_rounds = 0 if args.quick else 3
+    if args.rounds < 1 or args.first_rounds < 0:
+        parser.error("--rounds must be at least 1 and --first-rounds at least 0")
     return args
 
 
@@ -579,6 +638,17 @@ def run_section(section, names, args, modules, results, log):
         gc.collect()
 
 
+def run_sections(args, modules, results, log):
+    """The single-IPU section, then the pipelined one when asked for and it has models."""
+    run_section(single_section(), args.models, args, modules, results, log)
+    piped = [name for name in args.models if name in PIPELINE_MODELS]
+    if args.pipeline and piped:
+        section = pipelined_section(modules[1])
+        if section.note:
+            results["notes"].append(section.note)
+        run_section(section, piped, args, modules, results, log)
+
+
 def meta(args, keras, jax, counter):
     """Machine, versions and settings of the run."""
     device = jax.devices()[0]
@@ -597,6 +667,7 @@ def meta(args, keras, jax, counter):
         "rounds": args.rounds,
         "first_rounds": args.first_rounds,
         "compile_counter": counter.available,
+        "persistent_compilation_cache": jax.config.jax_enable_compilation_cache,
         "statistic": "median over interleaved rounds",
         "loadavg_start": _loadavg(),
     }
@@ -609,10 +680,6 @@ def _loadavg():
         return None
 
 
-def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(results):
     """The one results table, the notes, and any errors."""
     m = results["meta"]
@@ -620,21 +687,25 @@ def print_table(results):
         f"\n{m['platform']}, Python {m['python']}, jax {m['jax']}, keras {m['keras']}, "
         f"keras_ipu {m['keras_ipu']}; device {m['device_kind']} ({m['device']}), "
         f"{m['devices']} JAX devices, {m['cpus']} CPUs; rounds {m['rounds']}, "
-        f"first-step rounds {m['first_rounds']}{', QUICK' if m['quick'] else ''}"
+        f"first-step rounds {m['first_rounds'] or '0 (first fits of the warm models)'}"
+        f"{', QUICK' if m['quick'] else ''}"
     )
     header = (
-        f"{'model':<22} | {'unit':<9} | {'plain':>9} | {'keras_ipu':>9} | {'ratio':>6} | "
-        f"{'warm':>10} | {'plain 1st s':>11} | {'ipu 1st s':>9} | {'ratio':>6} | {'1st step':>10}"
+        f"{'model':<22} | {'batch/spe':>9} | {'unit':<9} | {'plain':>9} | {'keras_ipu':>9} | "
+        f"{'ratio':>6} | {'warm':>10} | {'plain 1st s':>11} | {'ipu 1st s':>9} | "
+        f"{'ratio':>6} | {'1st step':>10}"
     )
     print(header)
     print("-" * len(header))
     for key, r in results["cases"].items():
+        sizes = f"{r['batch']}/{r['spe']}"
         warm = f"{r['warm_verdict']} >={r['warm_target']:g}"
         first = f"{r['first_verdict']} <={r['first_target']:g}"
         print(
-            f"{key:<22} | {r['unit']:<9} | {r['plain_warm']:>9.2f} | {r['ipu_warm']:>9.2f} | "
-            f"{r['warm_ratio']:>6.3f} | {warm:>10} | {r['plain_first_s']:>11.2f} | "
-            f"{r['ipu_first_s']:>9.2f} | {r['first_ratio']:>6.3f} | {first:>10}"
+            f"{key:<22} | {sizes:>9} | {r['unit']:<9} | {r['plain_warm']:>9.2f} | "
+            f"{r['ipu_warm']:>9.2f} | {r['warm_ratio']:>6.3f} | {warm:>10} | "
+            f"{r['plain_first_s']:>11.2f} | {r['ipu_first_s']:>9.2f} | "
+            f"{r['first_ratio']:>6.3f} | {first:>10}"
         )
     for key in results["errors"]:
         print(f"{key:<22} | ERROR (traceback below)")
@@ -652,6 +723,11 @@ def print_table(results):
 def notes(results):
     """Things worth a second look: recompiles in warm rounds, cache hits, device mismatch."""
     out = list(results.get("notes", []))
+    devices = {}
+    for key, r in results["cases"].items():
+        devices.setdefault(key.split("/")[1], set()).add(", ".join(r["ipu_devices"] or ["?"]))
+    for section, found in devices.items():
+        out.append(f"{section}: keras_ipu's IPUs ran on JAX device(s) {' | '.join(sorted(found))}")
     for key, r in results["cases"].items():
         if r.get("warm_compiles_in_rounds"):
             out.append(f"{key}: {r['warm_compiles_in_rounds']} XLA compile(s) in the warm rounds")
@@ -674,6 +750,7 @@ def main(argv=None):
     import keras
     import numpy as np
 
+    jax.config.update("jax_enable_compilation_cache", False)
     counter = CompileCounter(jax)
     results = {"meta": meta(args, keras, jax, counter), "cases": {}, "errors": {}, "notes": []}
     log(
@@ -681,14 +758,7 @@ def main(argv=None):
         f"{jax.devices()[0].device_kind} devices; warming up the process"
     )
     warm_up_process(keras, jax, np)
-    modules = (keras, jax, np, counter)
-    run_section(single_section(), args.models, args, modules, results, log)
-    piped = [name for name in args.models if name in PIPELINE_MODELS]
-    if args.pipeline and piped:
-        section = pipelined_section(jax)
-        if section.note:
-            results["notes"].append(section.note)
-        run_section(section, piped, args, modules, results, log)
+    run_sections(args, (keras, jax, np, counter), results, log)
     results["meta"]["total_seconds"] = time.perf_counter() - started
     results["meta"]["loadavg_end"] = _loadavg()
     print_table(results)
