@@ -793,6 +793,7 @@ def test_configure_passes_hardware_order_and_options(device):
         "use_synthetic_data": False,
         "synthetic_data_initializer": None,
         "executable_cache_path": None,
+        "execution_loop": "auto",
     }
 
 
