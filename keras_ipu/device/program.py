@@ -202,12 +202,17 @@ class ExecutionProgram:
         if self._own_execution:
             choice = loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
             return self._jitted.trace(state, batches), batches, choice
+        traced = None
+        if self._loop_request != loops.HOST:
+            # Decided on the whole execution's trace, which the on-device
+            # loop then compiles: one trace in the common case.
+            traced = self._jitted.trace(state, batches)
+        jaxpr = traced.jaxpr if traced is not None else None
+        choice = loops.choose_loop(jaxpr, self.device.platform, self._loop_request)
+        if choice.form != loops.HOST:
+            return traced, batches, choice
         one_step = jax.tree_util.tree_map(_one_step_spec, batches)
-        traced = self._jitted.trace(state, one_step)
-        choice = loops.choose_loop(traced.jaxpr, self.device.platform, self._loop_request)
-        if choice.form == loops.HOST:
-            return traced, one_step, choice
-        return self._jitted.trace(state, batches), batches, choice
+        return self._jitted.trace(state, one_step), one_step, choice
 
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()

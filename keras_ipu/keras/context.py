@@ -108,7 +108,10 @@ def state_of(model: Any) -> IPUModelState:
     >>> state_of(model).programs.keys()
     dict_keys(['fit'])
     """
-    return vars(model).setdefault(STATE_ATTRIBUTE, IPUModelState())
+    state = vars(model).get(STATE_ATTRIBUTE)
+    if state is None:
+        state = vars(model)[STATE_ATTRIBUTE] = IPUModelState()
+    return state
 
 
 def model_scope(model: Any) -> contextlib.AbstractContextManager:

@@ -90,9 +90,15 @@ def train_step(
             return (non_trainable, metrics_vars, acc, n + 1), logs
 
         zeros = [jnp.zeros(v.shape, accumulator_dtype) for v in trainable]
-        (non_trainable, metrics_vars, acc, _), logs = jax.lax.scan(
-            micro_step, (non_trainable, metrics_vars, zeros, jnp.float32(0)), data
-        )
+        carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
+        if micro_batches == 1:
+            # No loop of one: a loop costs compile time, and on XLA:CPU keeps
+            # convolutions off their fast path (see device/loops.py).
+            carry, logs = micro_step(carry, jax.tree_util.tree_map(lambda a: a[0], data))
+            logs = jax.tree_util.tree_map(lambda a: a[None], logs)
+        else:
+            carry, logs = jax.lax.scan(micro_step, carry, data)
+        non_trainable, metrics_vars, acc, _ = carry
         grads = [g.astype(v.dtype) for g, v in zip(replicas.sum(acc), trainable)]
         trainable, optimizer_vars = model.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
