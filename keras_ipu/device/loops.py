@@ -14,9 +14,13 @@ platform: XLA's CPU backend rewrites the convolutions of a program's entry
 computation into the layout its fast convolution kernels need, but not those
 inside a loop body, where a convolution in any other layout (the weight and
 input gradients autodiff emits) runs on a slow generic path (JAX issue 12868;
-measured in BENCHMARKS.md). The rule: the on-device loop, unless the platform
-is a CPU and the step holds such a convolution. `--execution_loop=scan|host`
-in `KERAS_IPU_FLAGS` forces a form.
+measured in BENCHMARKS.md). On CPUs keras_ipu traces programs with
+`device.convolutions`, whose convolutions and gradients all keep the fast
+layout, so the on-device loop stays fast; a step whose convolutions could not
+be issued that way (forward-mode autodiff through one, code that calls XLA's
+convolution by another route) is caught by the rule: the on-device loop,
+unless the platform is a CPU and the step holds a convolution in another
+layout. `--execution_loop=scan|host` in `KERAS_IPU_FLAGS` forces a form.
 """
 
 from __future__ import annotations
@@ -111,6 +115,10 @@ def choose_loop(jaxpr: Any, platform: str, request: str = AUTO) -> LoopChoice:
             f"{slow} convolution(s) of the step would leave XLA:CPU's fast path inside a "
             f"loop body",
         )
+    kept = convolution_count(jaxpr)
+    if kept:
+        return LoopChoice(
+            SCAN, f"on-device loop: its {kept} convolution(s) keep XLA:CPU's fast path in loops")
     return LoopChoice(SCAN, "on-device loop: nothing in the step is slow inside an XLA:CPU loop")
 
 
@@ -130,6 +138,17 @@ def slow_in_loops(jaxpr: Any) -> int:
     """
     return sum(1 for eqn in _equations(jaxpr)
                if eqn.primitive.name == "conv_general_dilated" and not _canonical(eqn))
+
+
+def convolution_count(jaxpr: Any) -> int:
+    """Counts the convolutions of a jaxpr (sub-jaxprs included).
+
+    Example:
+
+    >>> convolution_count(jax.make_jaxpr(jax.grad(conv_loss))(kernel))
+    3
+    """
+    return sum(1 for eqn in _equations(jaxpr) if eqn.primitive.name == "conv_general_dilated")
 
 
 def _canonical(eqn: Any) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from keras_ipu.device import accounting, loops
+from keras_ipu.device import accounting, convolutions, loops
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
@@ -201,18 +201,29 @@ class ExecutionProgram:
         """Traces the program in its loop form: `(traced, batches it takes, choice)`."""
         if self._own_execution:
             choice = loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
-            return self._jitted.trace(state, batches), batches, choice
+            return self._traced(state, batches), batches, choice
         traced = None
         if self._loop_request != loops.HOST:
             # Decided on the whole execution's trace, which the on-device
             # loop then compiles: one trace in the common case.
-            traced = self._jitted.trace(state, batches)
+            traced = self._traced(state, batches)
         jaxpr = traced.jaxpr if traced is not None else None
         choice = loops.choose_loop(jaxpr, self.device.platform, self._loop_request)
         if choice.form != loops.HOST:
             return traced, batches, choice
         one_step = jax.tree_util.tree_map(_one_step_spec, batches)
-        return self._jitted.trace(state, one_step), one_step, choice
+        return self._traced(state, one_step), one_step, choice
+
+    def _traced(self, state: State, batches: Batch) -> Any:
+        """The program traced; on CPUs with convolutions that keep XLA:CPU's fast path in loops."""
+        if self.device.platform != "cpu":
+            return self._jitted.trace(state, batches)
+        try:
+            with convolutions.canonical_convolutions():
+                return self._jitted.trace(state, batches)
+        except Exception:  # noqa: BLE001 - e.g. forward-mode autodiff of a convolution
+            # The convolutions as they are: the loop rule then sees them.
+            return self._jitted.trace(state, batches)
 
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()
