@@ -216,3 +216,29 @@ def test_losses_override_and_stateless_loss_collection():
     with keras.StatelessScope(collect_losses=True) as scope:
         layer(np.ones((2, 2), "float32"))
     assert [float(loss) for loss in scope.losses] == [4.0]
+
+
+def test_keras_convolutions_look_up_lax_convolution_when_they_run():
+    # keras_ipu.device.convolutions replaces `jax.lax.conv_general_dilated` while
+    # programs are traced on CPUs: Keras' JAX backend must look it up at call time.
+    import jax
+
+    from keras_ipu.device import convolutions, loops
+
+    layers = [keras.layers.Conv2D(2, 3), keras.layers.DepthwiseConv2D(3),
+              keras.layers.SeparableConv2D(2, 3), keras.layers.Conv1D(2, 2)]
+    inputs = [np.ones((1, 6, 6, 2), "float32")] * 3 + [np.ones((1, 6, 2), "float32")]
+    for layer, x in zip(layers, inputs):
+        layer.build(x.shape)
+        weights = [v.value for v in layer.trainable_variables]
+
+        def loss(weights, x, layer=layer):
+            outputs, _ = layer.stateless_call(weights, [], x)
+            return (outputs ** 2).sum()
+
+        plain = jax.make_jaxpr(jax.grad(loss))(weights, x)
+        with convolutions.canonical_convolutions():
+            routed = jax.make_jaxpr(jax.grad(loss))(weights, x)
+        assert loops.slow_in_loops(plain) > 0, layer.name
+        assert loops.slow_in_loops(routed) == 0, layer.name
+        assert loops.convolution_count(routed) > 0, layer.name
