@@ -51,7 +51,7 @@ def test_a_keras_applications_convnet_pipelined_equals_plain_keras_accumulating(
     expected = plain.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
     actual = model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
     assert ipu.utils.execution_report(model, "fit").pipeline.num_stages == 2
-    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-4)
     np.testing.assert_allclose(model.predict(x, batch_size=MICRO, verbose=0),
                                plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
     # The deep layers see 1x1 maps normalized over 4 samples: rounding differences
