@@ -34,9 +34,12 @@ def _resolve(importer: str, node: ast.ImportFrom) -> str:
     return f"{package}.{node.module}" if node.module else package
 
 
-def _imports(module: str) -> list[tuple[str, str]]:
-    """`(imported module, name or "")` for every keras_ipu import, functions included."""
-    tree = ast.parse(MODULES[module].read_text())
+def _imports(module: str, source: str | None = None) -> list[tuple[str, str]]:
+    """`(imported module, name or "")` for every keras_ipu import, functions included.
+
+    `source` stands in for the module's file (to test the walker itself).
+    """
+    tree = ast.parse(MODULES[module].read_text() if source is None else source)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -125,9 +128,12 @@ def test_modules_stay_short():
 def test_the_checks_see_circles_and_private_names():
     # The walker itself: a two-module circle and a private import are found.
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-    tree = ast.parse("def f():\n    from keras_ipu.keras import _hidden\n")
-    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
-    assert node.names[0].name == "_hidden"
+    source = ("def f():\n    from keras_ipu.keras import _hidden, run\n"
+              "    from .stages import graph\n")
+    assert _imports("keras_ipu.keras.trainer", source) == [
+        ("keras_ipu.keras", "_hidden"), ("keras_ipu.keras.run", ""),
+        ("keras_ipu.keras.stages.graph", ""),
+    ]
 
 
 @pytest.mark.parametrize("module", ["keras_ipu.keras.strategy", "keras_ipu.keras.context"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
-from keras_ipu.device import loops
+from keras_ipu.device import convolutions, loops
 
 from conftest import assert_weights_close, configure
 
@@ -34,6 +34,11 @@ def test_gradients_of_a_convolution_are_slow_in_loops_and_its_forward_is_not():
         lambda k, x: jax.lax.scan(lambda c, _: (c, jax.grad(_conv_loss)(k, x)), 0.0, None,
                                   length=2))(jnp.ones((3, 3, 2, 4)), jnp.ones((1, 6, 6, 2)))
     assert loops.slow_in_loops(scanned) == loops.slow_in_loops(_conv_grad_jaxpr())
+    # keras_ipu's own convolutions stay canonical in every dtype it issues, bfloat16 too.
+    with convolutions.canonical_convolutions():
+        routed = jax.make_jaxpr(jax.grad(_conv_loss))(jnp.ones((3, 3, 2, 4), jnp.bfloat16),
+                                                      jnp.ones((1, 6, 6, 2), jnp.bfloat16))
+    assert loops.convolution_count(routed) >= 3 and loops.slow_in_loops(routed) == 0
 
 
 def test_the_rule_keeps_the_device_loop_except_for_slow_convolutions_on_cpu():

@@ -29,20 +29,16 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
+from keras_ipu.device import conv_geometry
+
 SCAN = "scan"
 HOST = "host"
 SCHEDULE = "schedule"  # pipelined programs: the schedule table is the loop
 AUTO = "auto"
 FORMS = (SCAN, HOST)
 REQUESTS = (AUTO, *FORMS)
-
-# Layouts (jaxpr dimension numbers) XLA:CPU's fast convolution path takes as
-# they are: batch first and features last for the input and the output,
-# spatial dims then input then output features for the kernel.
-_CANONICAL_SPECS = {
-    n: ((0, n + 1, *range(1, n + 1)), (n + 1, n, *range(n)), (0, n + 1, *range(1, n + 1)))
-    for n in (1, 2, 3)
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +148,16 @@ def convolution_count(jaxpr: Any) -> int:
 
 
 def _canonical(eqn: Any) -> bool:
+    """Whether a convolution is in the layout `conv_geometry` issues (XLA:CPU's fast path)."""
     numbers = eqn.params["dimension_numbers"]
     spatial = len(numbers.lhs_spec) - 2
-    specs = (tuple(numbers.lhs_spec), tuple(numbers.rhs_spec), tuple(numbers.out_spec))
+    if not 1 <= spatial <= conv_geometry.MAX_SPATIAL_DIMS:
+        return False
+    canonical = conv_geometry.canonical_dimension_numbers(spatial)
     return (
-        specs == _CANONICAL_SPECS.get(spatial)
+        tuple(map(tuple, numbers)) == tuple(map(tuple, canonical))
         and eqn.params.get("batch_group_count", 1) == 1
-        and str(eqn.invars[0].aval.dtype) in ("float32", "float16")
+        and np.dtype(eqn.invars[0].aval.dtype) in conv_geometry.CANONICAL_DTYPES
     )
 
 

@@ -161,15 +161,18 @@ class ExecutionProgram:
         executable = self._executable(state, batches)
         self.report = executable.report
         if executable.loop.form != loops.HOST:
-            new_state, outfeed = executable.compiled(state, batches)
-            self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else new_state)
-            return new_state, outfeed
+            return self._dispatch(executable, state, batches)
         outfeeds = []
         for step in range(_leading(batches)):
-            state, outfeed = executable.compiled(state, _step_slice(batches, step))
-            self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else state)
+            state, outfeed = self._dispatch(executable, state, _step_slice(batches, step))
             outfeeds.append(outfeed)
         return state, self._joined(outfeeds)
+
+    def _dispatch(self, executable: _Executable, state: State, batches: Batch):
+        """One call of the compiled program, keeping the calls in flight bounded."""
+        state, outfeed = executable.compiled(state, batches)
+        self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else state)
+        return state, outfeed
 
     def _joined(self, outfeeds: list) -> Any:
         """One execution's outfeed from its steps': predictions in order, else the last logs."""

@@ -23,7 +23,6 @@ from keras_ipu.keras.pipelined.program import (
     device_mapping,
     plan_of,
     program_for,
-    schedule_of,
 )
 
-__all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]
+__all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for"]
