@@ -594,6 +594,12 @@ def parse_args(argv=None):
         default=True,
         help=f"also run the pipelined section ({', '.join(PIPELINE_MODELS)}; default on)",
     )
+    parser.add_argument(
+        "--single",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the single-IPU section (default on; --no-single runs the pipelines alone)",
+    )
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     args = parser.parse_args(argv)
@@ -640,7 +646,8 @@ def run_section(section, names, args, modules, results, log):
 
 def run_sections(args, modules, results, log):
     """The single-IPU section, then the pipelined one when asked for and it has models."""
-    run_section(single_section(), args.models, args, modules, results, log)
+    if args.single:
+        run_section(single_section(), args.models, args, modules, results, log)
     piped = [name for name in args.models if name in PIPELINE_MODELS]
     if args.pipeline and piped:
         section = pipelined_section(modules[1])

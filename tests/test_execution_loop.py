@@ -112,3 +112,72 @@ def test_every_loop_form_gives_the_same_model(strategy, monkeypatch, accumulatio
     assert host_report.flops_per_step == pytest.approx(scan_report.flops_per_step, rel=0.05)
     assert host_report.estimated_cycles == pytest.approx(scan_report.estimated_cycles, rel=0.05)
     assert runs["auto"][4].loop in ("scan", "host") and runs["auto"][4].loop_reason
+
+
+def test_the_pipeline_rule_dispatches_convolutional_stages_on_cpu_only():
+    conv = _conv_grad_jaxpr()
+    mlp = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    choice = loops.choose_pipeline_loop([mlp, conv], "cpu")
+    assert choice.form == loops.HOST and "2 convolution(s)" in choice.reason
+    assert loops.choose_pipeline_loop([mlp, mlp], "cpu").form == loops.SCHEDULE
+    assert loops.choose_pipeline_loop([conv], "gpu").form == loops.SCHEDULE
+    assert loops.choose_pipeline_loop([mlp], "cpu", "host").form == loops.HOST
+    assert loops.choose_pipeline_loop([conv], "cpu", "scan").form == loops.SCHEDULE
+    with pytest.raises(ValueError, match="valid: auto, scan, host"):
+        loops.choose_pipeline_loop([conv], "cpu", "fast")
+
+
+def _train_pipelined(strategy, form: str, monkeypatch, build=_convnet, recompute=False):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    if recompute:
+        config = ipu.config.IPUConfig()
+        config.auto_select_ipus = 2
+        config.allow_recompute = True
+        config.configure_ipu_system()
+    with strategy.scope():
+        model = build()
+    model.set_pipeline_stage_assignment([0] * 2 + [1] * (len(model.layers) - 2))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="running_mean")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, *model.input_shape[1:])).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    report = ipu.utils.execution_report(model, mode="fit")
+    return model.get_weights(), history.history, model.predict(x, batch_size=4, verbose=0), report
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stash", "recompute"])
+def test_a_pipeline_gives_the_same_model_in_every_loop_form(strategy, monkeypatch, recompute):
+    runs = {form: _train_pipelined(strategy, form, monkeypatch, recompute=recompute)
+            for form in ("scan", "host", "auto")}
+    weights, history, outputs, _ = runs["scan"]
+    for form in ("host", "auto"):
+        other_weights, other_history, other_outputs, _ = runs[form]
+        assert_weights_close(weights, other_weights, atol=1e-6, rtol=1e-5)
+        for name, values in history.items():
+            np.testing.assert_allclose(other_history[name], values, rtol=1e-5)
+        np.testing.assert_allclose(other_outputs, outputs, rtol=1e-5, atol=1e-6)
+    reports = {form: run[3] for form, run in runs.items()}
+    assert (reports["scan"].loop, reports["host"].loop) == ("schedule", "host")
+    assert reports["auto"].loop == "host" and "convolution" in reports["auto"].loop_reason
+    # Cycles follow the schedule in both forms; each IPU holds its own state in both.
+    assert reports["host"].estimated_cycles == reports["scan"].estimated_cycles
+    assert reports["host"].pipeline == reports["scan"].pipeline
+    for host_ipu, scan_ipu in zip(reports["host"].ipus, reports["scan"].ipus):
+        assert host_ipu.state_bytes == scan_ipu.state_bytes
+        assert 0 < host_ipu.memory_bytes <= host_ipu.memory_capacity_bytes
+
+
+def _dense_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+
+
+def test_a_dense_pipeline_keeps_its_schedule_on_the_device(strategy, monkeypatch):
+    report = _train_pipelined(strategy, "auto", monkeypatch, build=_dense_model)[3]
+    assert report.loop == "schedule" and "no per-op dispatch" in report.loop_reason

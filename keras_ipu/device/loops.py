@@ -118,6 +118,55 @@ def choose_loop(jaxpr: Any, platform: str, request: str = AUTO) -> LoopChoice:
     return LoopChoice(SCAN, "on-device loop: nothing in the step is slow inside an XLA:CPU loop")
 
 
+def choose_pipeline_loop(jaxprs: Any, platform: str, request: str = AUTO) -> LoopChoice:
+    """Picks how a pipelined training execution walks its schedule table.
+
+    `"schedule"`: one program runs the table on the device (each IPU picks
+    its ops per block of ticks with `lax.switch`, so a stage's code appears
+    once per block pattern that holds it). `"host"`: the host walks the
+    table and dispatches each stage op, compiled once, to its IPU. Both give
+    the same numbers. The device schedule has no per-op dispatch, which
+    small stages need; but on CPUs compiling it for a convolutional model
+    takes 2.4-2.8x plain Keras' first fit (BENCHMARKS.md), where per-op
+    programs compile like one training step and their host dispatch costs
+    nothing next to convolutions. So: the host form on CPUs when the stages
+    hold convolutions, the device schedule otherwise; `--execution_loop=host`
+    or `scan` forces one.
+
+    Args:
+        jaxprs: The forward ops of the stages (jaxprs or closed jaxprs).
+        platform: The JAX platform of the IPUs' devices.
+        request: `"auto"`, `"host"` or `"scan"` (the device schedule).
+
+    Returns:
+        The `LoopChoice` (`"host"` or `"schedule"`).
+
+    Raises:
+        ValueError: For an unknown request.
+
+    Example:
+
+    >>> choose_pipeline_loop([forward_0, forward_1], platform="cpu").form
+    'host'
+    """
+    request = check_request(request)
+    if request == HOST:
+        return LoopChoice(HOST, "forced (--execution_loop=host): the host walks the schedule")
+    if request == SCAN:
+        return LoopChoice(SCHEDULE, "forced (--execution_loop=scan): the schedule runs on the "
+                                    "device")
+    if platform != "cpu":
+        return LoopChoice(SCHEDULE, f"the schedule runs on the device ({platform})")
+    convolutions = sum(convolution_count(jaxpr) for jaxpr in jaxprs)
+    if convolutions:
+        return LoopChoice(
+            HOST,
+            f"the host walks the schedule, one program per stage op: on CPUs the stages' "
+            f"{convolutions} convolution(s) compile much faster so than in a schedule program",
+        )
+    return LoopChoice(SCHEDULE, "the schedule runs on the device: no per-op dispatch")
+
+
 def slow_in_loops(jaxpr: Any) -> int:
     """Counts the convolutions that XLA:CPU runs slowly inside a loop body.
 

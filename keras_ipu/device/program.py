@@ -13,7 +13,7 @@ first runs; the report says which loop form ran and why.
 from __future__ import annotations
 
 import collections
-import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from keras_ipu.device import accounting, convolutions, loops
+from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
@@ -37,11 +38,24 @@ StepFn = Callable[[State, Batch], tuple[Outputs, State]]
 DEFAULT_MAX_IN_FLIGHT = 4
 
 
-@dataclasses.dataclass(frozen=True)
 class _Executable:
-    compiled: Any
-    report: ExecutionReport
-    loop: loops.LoopChoice
+    """A compiled execution, and its report, worked out when first read.
+
+    The report's cycle estimate can take seconds (a pipeline's cost model
+    traces each stage again), and nothing in a run reads it; memory is
+    checked when compiling, before anything runs.
+    """
+
+    def __init__(self, compiled: Any, make_report: Callable[[], ExecutionReport],
+                 loop: loops.LoopChoice, dispatched: bool = False):
+        self.compiled = compiled  # `(state, batches) -> (state, outfeed)`
+        self.loop = loop
+        self.dispatched = dispatched  # compiled is a `DispatchedExecutable.run`
+        self._make_report = make_report
+
+    @functools.cached_property
+    def report(self) -> ExecutionReport:
+        return self._make_report()
 
 
 class ExecutionProgram:
@@ -75,7 +89,11 @@ class ExecutionProgram:
             IPUs are not one replica each (pipelines).
         max_in_flight: Executions dispatched but not finished, at most.
         loop: The loop form: `"auto"` (by `loops.choose_loop`), `"scan"`
-            or `"host"`. Programs that bring their own `execution` keep it.
+            or `"host"`. Programs that bring their own `execution` keep it,
+            unless they bring a `dispatched` form too.
+        dispatched: For programs that bring their own `execution`, the same
+            execution as separately compiled programs the host dispatches;
+            its `choose` decides which of the two runs.
 
     Example:
 
@@ -101,6 +119,7 @@ class ExecutionProgram:
         replica_count: int | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         loop: str = loops.AUTO,
+        dispatched: DispatchedExecution | None = None,
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -113,8 +132,10 @@ class ExecutionProgram:
         self.replica_count = replica_count or replicas.count
         self._loop_request = loops.check_request(loop)
         self._own_execution = execution is not None
+        self._dispatched = dispatched
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
+        self._finalize = jax.jit(finalize)
 
         def execution(state, batches):
             state, outfeed = replicated(state, batches)
@@ -124,7 +145,7 @@ class ExecutionProgram:
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
         self._max_in_flight = max_in_flight
-        self.report: ExecutionReport | None = None
+        self._current: _Executable | None = None
 
     @property
     def ipu(self) -> VirtualIPU:
@@ -143,23 +164,29 @@ class ExecutionProgram:
 
         return jax.lax.scan(body, state, batches)
 
-    def prepare(self, state: State, batches: Batch) -> ExecutionReport:
-        """Compiles and measures the program for these inputs (cached).
+    @property
+    def report(self) -> ExecutionReport | None:
+        """The report of the last execution prepared or run (`None` before any)."""
+        return self._current.report if self._current is not None else None
 
-        Returns:
-            The `ExecutionReport` for this input signature, which also
-            becomes the program's `report`.
+    def prepare(self, state: State, batches: Batch) -> None:
+        """Compiles the program for these inputs (cached) and checks its memory.
+
+        Its report becomes the program's `report`.
 
         Raises:
             IPUOutOfMemoryError: When the program does not fit an IPU.
         """
-        self.report = self._executable(state, batches).report
-        return self.report
+        self._current = self._executable(state, batches)
 
     def __call__(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """Runs one execution (asynchronously) and returns state and outfeed."""
-        executable = self._executable(state, batches)
-        self.report = executable.report
+        executable = self._current = self._executable(state, batches)
+        if executable.dispatched:
+            state, outfeed = executable.compiled(state, batches)
+            outfeed = self._finalize(outfeed)
+            self._bound_in_flight(outfeed)
+            return state, outfeed
         if executable.loop.form != loops.HOST:
             return self._dispatch(executable, state, batches)
         outfeeds = []
@@ -200,10 +227,11 @@ class ExecutionProgram:
             self._executables[key] = executable
         return executable
 
-    def _trace(self, state: State, batches: Batch) -> tuple[Any, Batch, loops.LoopChoice]:
+    def _trace(self, state: State, batches: Batch,
+               choice: loops.LoopChoice | None = None) -> tuple[Any, Batch, loops.LoopChoice]:
         """Traces the program in its loop form: `(traced, batches it takes, choice)`."""
         if self._own_execution:
-            choice = loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
+            choice = choice or loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
             return self._traced(state, batches), batches, choice
         traced = None
         if self._loop_request != loops.HOST:
@@ -230,12 +258,17 @@ class ExecutionProgram:
 
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()
-        traced, compiled_batches, loop = self._trace(state, batches)
+        choice = None
+        if self._dispatched is not None:
+            choice = self._dispatched.choose(state, batches, self.device.platform,
+                                             self._loop_request)
+            if choice.form == loops.HOST:
+                executable = self._dispatched.compile(state, batches)()
+                return self._checked(executable.run, batches, executable.memory, executable.cost,
+                                     choice, started, dispatched=True)
+        traced, compiled_batches, loop = self._trace(state, batches, choice)
         compiled = traced.lower().compile()
-        seconds = time.perf_counter() - started
         count = self.replicas.count
-        # XLA counts a loop body once: one step's cost stands for each batch.
-        steps = _leading(batches) * self.micro_batches_per_step
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
         execution_io = accounting.tree_bytes((compiled_batches, compiled.out_info[1]))
@@ -244,7 +277,28 @@ class ExecutionProgram:
             state_bytes=accounting.tree_bytes(state) // count,
             io_bytes=execution_io // (compiled_steps * count),
         )
-        cost = accounting.step_cost(compiled)
+        return self._checked(compiled, batches, (memory,) * count,
+                             accounting.step_cost(compiled), loop, started)
+
+    def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
+                 cost: accounting.StepCost, loop: loops.LoopChoice, started: float,
+                 dispatched: bool = False) -> _Executable:
+        """The executable, once each IPU's memory is checked; its report comes when read."""
+        seconds = time.perf_counter() - started
+        for ipu, use in zip(self.replicas.ipus, memory):
+            if use.total_bytes > self.hardware.memory_capacity_bytes:
+                raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
+                                          self.hardware.memory_capacity_bytes, self.mode)
+        report = functools.partial(self._report, batches, memory, cost, loop, seconds)
+        return _Executable(compiled, report, loop, dispatched)
+
+    def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
+                cost: accounting.StepCost, loop: loops.LoopChoice,
+                seconds: float) -> ExecutionReport:
+        """The execution report, from each IPU's memory and the cost of a step."""
+        count = self.replicas.count
+        # XLA counts a loop body once: one step's cost stands for each batch.
+        steps = _leading(batches) * self.micro_batches_per_step
         step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
             self.exchange_bytes_per_step, count, self.hardware
         )
@@ -261,15 +315,15 @@ class ExecutionProgram:
             ipus=tuple(
                 IPUReport(
                     index=ipu.index,
-                    memory_bytes=memory.total_bytes,
+                    memory_bytes=use.total_bytes,
                     memory_capacity_bytes=self.hardware.memory_capacity_bytes,
                     estimated_cycles=cycles,
-                    state_bytes=memory.state_bytes,
-                    temporary_bytes=memory.temporary_bytes + memory.code_bytes,
-                    io_bytes=memory.io_bytes,
+                    state_bytes=use.state_bytes,
+                    temporary_bytes=use.temporary_bytes + use.code_bytes,
+                    io_bytes=use.io_bytes,
                     device=str(ipu.device),
                 )
-                for ipu in self.replicas.ipus
+                for ipu, use in zip(self.replicas.ipus, memory)
             ),
             flops_per_step=cost.flops,
             compile_seconds=seconds,
@@ -278,17 +332,7 @@ class ExecutionProgram:
             loop=loop.form,
             loop_reason=loop.reason,
         )
-        check_memory(report)
-        return _Executable(compiled, report, loop)
-
-
-def check_memory(report: ExecutionReport) -> None:
-    """Raises `IPUOutOfMemoryError` for the first IPU over its capacity."""
-    for ipu in report.ipus:
-        if ipu.memory_bytes > ipu.memory_capacity_bytes:
-            raise IPUOutOfMemoryError(
-                ipu.index, ipu.memory_bytes, ipu.memory_capacity_bytes, report.mode
-            )
+        return report
 
 
 def _leading(batches: Batch) -> int:

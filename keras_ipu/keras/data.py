@@ -241,7 +241,6 @@ class ArrayFeed:
         self.batch_size = batch_size
         self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs, replicas)
         self._shuffle = shuffle
-        self._rng = np.random.default_rng()
         self._order: np.ndarray | None = None
         self._offset = self.plan.num_batches  # start a new pass first
 
@@ -265,13 +264,17 @@ class ArrayFeed:
             yield begin, begin + plan.steps_per_execution - 1, chunk
 
     def _new_pass(self) -> None:
+        # Drawn from NumPy's global generator, which `keras.utils.set_random_seed`
+        # seeds, in the order plain Keras' array adapter draws: one permutation
+        # of the rows per pass, or (`"batch"`) one of each batch's rows.
         self._offset = 0
-        num_batches = self.plan.num_batches
+        num_batches, size = self.plan.num_batches, self.batch_size
         if self._shuffle == "batch":
-            batches = self._rng.permutation(num_batches)
-            self._order = (batches[:, None] * self.batch_size + np.arange(self.batch_size)).ravel()
+            self._order = np.concatenate(
+                [np.random.permutation(size) + b * size for b in range(num_batches)])
         elif self._shuffle:
-            self._order = self._rng.permutation(num_batches * self.batch_size)
+            rows = len(jax.tree_util.tree_leaves(self._data)[0])
+            self._order = np.random.permutation(rows)[: num_batches * size]
 
     def _rows(self, start: int, count: int) -> slice | np.ndarray:
         if self._order is None:

@@ -286,11 +286,17 @@ def _ignore(*args) -> None:
 
 
 def _has_batch_hooks(callbacks, *hooks: str) -> bool:
+    """Whether a callback has one of `hooks` (or a generic batch hook) of its own.
+
+    A hook is its own when its class overrides `keras.callbacks.Callback`'s
+    or when the instance holds it (`keras.callbacks.LambdaCallback` sets the
+    hooks it is given on the instance).
+    """
     from keras.src.callbacks.callback import Callback
 
     generic = ("on_batch_begin", "on_batch_end")
     return any(
-        getattr(type(callback), hook) is not getattr(Callback, hook)
+        hook in vars(callback) or getattr(type(callback), hook) is not getattr(Callback, hook)
         for callback in callbacks.callbacks
         for hook in (*hooks, *generic)
     )

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_ipu.device import accounting, schedules
+from keras_ipu.device import system as ipu_system
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
+from keras_ipu.keras.pipelined import dispatched, training
 from keras_ipu.keras.pipelined import model as pipelined_model
-from keras_ipu.keras.pipelined import training
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -112,9 +113,10 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
                                      training=mode == "fit")
     reduction = options.replicated_metric_reduction_method
     recompute = _recomputation(options)
+    loop = ipu_system.require().option("execution_loop", "auto")
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           reduction, options.pipelining_accumulate_outfeed, recompute)
+           reduction, options.pipelining_accumulate_outfeed, recompute, loop)
 
     def build():
         used = max(mapping) + 1
@@ -126,10 +128,13 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         pipe = pipelined_model.PipelinedModel(model, plan, mapping)
         state = pipelined_model.PipelineState(pipe, mesh, STATE_PARTS[mode])
         state.to_device(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
+        host_form = None
         if mode == "fit":
-            execution = training.build_fit_program(
-                pipe, state, table, options.gradient_accumulation_reduction_method,
-                options.accumulator_dtype, recompute=recompute)
+            training_options = (table, options.gradient_accumulation_reduction_method,
+                                options.accumulator_dtype, recompute)
+            execution = training.build_fit_program(pipe, state, *training_options)
+            if replicas.count == 1:  # replicated pipelines run their schedule on the device
+                host_form = dispatched.DispatchedFit(pipe, state, *training_options)
         else:
             execution = pipelined_model.build_inference_program(pipe, state, table, mode)
         layout = pipelined_model.PipelineLayout(replicas.count, micro)
@@ -144,6 +149,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             execution=execution,
             pipeline=cost,
             replica_count=replicas.count,
+            loop=loop,
+            dispatched=host_form,
         )
         return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count)
 
@@ -231,8 +238,6 @@ def _recomputation(options: IPUOptions) -> bool:
     `IPUConfig.allow_recompute` turns recomputation on; `recomputation_mode`
     chooses how, so giving one turns it on too.
     """
-    from keras_ipu.device import system as ipu_system
-
     return bool(ipu_system.require().option("allow_recompute")) or (
         "recomputation_mode" in options.pipelining_kwargs)
 

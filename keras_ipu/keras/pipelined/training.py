@@ -94,6 +94,17 @@ def join_residuals(treedef, source, kept, known):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def kept_residuals(vjp_fn, aux, known, ntv):
+    """`(kept residuals, treedef, source, known)` of a stage's pullback.
+
+    `known`, `ntv` and `aux` must come from the same `Stages.for_vjp` call
+    and `jax.vjp` as `vjp_fn`: residuals are matched to them by identity.
+    The non-trainable values the stage leaves unchanged are known too.
+    """
+    known = (known, [v for i, v in ntv.items() if aux[0][i] is v])
+    return (*split_residuals(vjp_fn, known), known)
+
+
 def _stash_rows(table: schedules.ScheduleTable) -> tuple[np.ndarray, int, int]:
     """(row offset per stage, slots per stage, rows): one scratch row at the end."""
     slots = max(max(table.stash_counts()), 1)
@@ -187,7 +198,7 @@ def _slot(op, previous, num_stages: int):
 # --------------------------------------------------------------------------- the program
 
 
-class _Stages:
+class Stages:
     """Each stage as a function of its own weights and its input, for `jax.vjp`."""
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState):
@@ -199,6 +210,18 @@ class _Stages:
              for ipu, layout in enumerate(state.layouts["trainable_variables"])],
             state.lengths["trainable_variables"])
         self.metrics_layout = state.layouts["metrics_variables"][pipelined.last_ipu]
+
+    def for_vjp(self, s: int, tv: dict, non_trainable, metrics, bundle, batch):
+        """`(f, weights, known, ntv)`: stage `s` on one micro-batch, for `jax.vjp`.
+
+        `tv` is its IPU's trainable variables by index (`StageRunner.trainable`),
+        `non_trainable` the IPU's packed non-trainable flats. `known` holds what
+        a backward op can give again instead of stashing: the weights, the
+        input, the micro-batch (see `kept_residuals` for `ntv`).
+        """
+        ntv = self.runner.non_trainable(self.p.device_mapping[s], non_trainable)
+        weights = [tv[i] for i in self.own[s]]
+        return self.function(s, tv, ntv, metrics, batch), weights, (weights, bundle, batch), ntv
 
     def function(self, s: int, tv: dict, ntv: dict, metrics, batch):
         """`f(weights, bundle) -> (output, aux)`; the last stage's output is the loss.
@@ -272,34 +295,16 @@ class _Ops:
         self.program, self.trace, self.data, self.weights_of = program, trace, data, weights_of
 
     def stage(self, s: int, non_trainable, metrics, bundle, j):
-        """`(f, weights, known, ntv)`: stage `s` on micro-batch `j` for `jax.vjp`.
-
-        `known` holds what a backward op can give again instead of stashing:
-        the weights, the input, the micro-batch (and, once `ntv` is known,
-        the non-trainable values the stage leaves unchanged).
-        """
-        stages = self.program.stages
-        batch = micro_batch_at(self.data, j)
+        """`Stages.for_vjp` of stage `s` on micro-batch `j` of the update."""
         ipu = self.program.pipelined.device_mapping[s]
-        tv, ntv = self.weights_of[ipu], stages.runner.non_trainable(ipu, non_trainable)
-        weights = [tv[i] for i in stages.own[s]]
-        return stages.function(s, tv, ntv, metrics, batch), weights, (weights, bundle, batch), ntv
-
-    @staticmethod
-    def kept_residuals(vjp_fn, aux, known, ntv):
-        """`(kept residuals, treedef, source, known)` of a stage's pullback.
-
-        `known`, `ntv` and `aux` must come from the same `stage` call and
-        `jax.vjp` as `vjp_fn`: residuals are matched to them by identity.
-        """
-        known = (known, [v for i, v in ntv.items() if aux[0][i] is v])
-        return (*split_residuals(vjp_fn, known), known)
+        return self.program.stages.for_vjp(s, self.weights_of[ipu], non_trainable, metrics,
+                                           bundle, micro_batch_at(self.data, j))
 
     def stash_shapes(self, s: int, non_trainable, metrics, bundle, j):
         """What a forward op of stage `s` stashes (for `jax.eval_shape`)."""
         f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
         _, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-        return self.kept_residuals(vjp_fn, aux, known, ntv)[0]
+        return kept_residuals(vjp_fn, aux, known, ntv)[0]
 
     def forward(self, s: int, non_trainable, metrics, bundle, j):
         """`(non_trainable, metrics, logs, message, residual)` of a forward op."""
@@ -310,7 +315,7 @@ class _Ops:
             residual = trace.zero_residual()
         else:
             out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
-            kept = self.kept_residuals(vjp_fn, aux, known, ntv)[0]
+            kept = kept_residuals(vjp_fn, aux, known, ntv)[0]
             residual = trace.layouts[s].pack(kept, trace.lengths)
         new_ntv, step_logs, new_metrics = aux
         non_trainable = program.stages.runner.pack_non_trainable(
@@ -336,7 +341,7 @@ class _Ops:
             non_trainable = program.stages.runner.pack_non_trainable(
                 program.pipelined.device_mapping[s], new_ntv)
         elif not program.recompute:
-            _, treedef, source, known = self.kept_residuals(vjp_fn, aux, known, ntv)
+            _, treedef, source, known = kept_residuals(vjp_fn, aux, known, ntv)
             vjp_fn = join_residuals(treedef, source, trace.layouts[s].unpack(residual), known)
         cotangent = jnp.ones_like(out) if s == program.last else gradient
         grads, g_in = vjp_fn(cotangent)
@@ -350,7 +355,7 @@ class _FitProgram:
                  table: schedules.ScheduleTable, reduction: Reduction,
                  accumulator_dtype: str, recompute: bool):
         self.pipelined, self.state, self.recompute = pipelined, state, recompute
-        self.stages = _Stages(pipelined, state)
+        self.stages = Stages(pipelined, state)
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.plan = BlockPlan.of(table)
         self.gradient_rows = pipelined.num_stages * self.micro  # the inbox's gradient rows
@@ -422,7 +427,7 @@ class _FitProgram:
         if self.state.replicas > 1:
             acc = jax.lax.psum(acc, REPLICA_AXIS)
         trainable, optimizer_vars = jax.lax.switch(
-            me, [_apply_optimizer(p, self.state, self.stages.grads, d)
+            me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
             trainable, optimizer_vars, acc)
         # Only the last stage's IPU has the logs; the others hold zeros.
@@ -548,8 +553,13 @@ def _filled(values: list, zero) -> list:
     return [value if value is not None else zero() for value in values]
 
 
-def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState,
+def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
                      grads_layout: GradientLayout, ipu: int):
+    """`apply(trainable, optimizer_vars, acc) -> (trainable, optimizer_vars)` of one IPU.
+
+    Its optimizer clone applied to its packed variables with the summed
+    gradients of an accumulator (`grads_layout`).
+    """
     t_layout = state.layouts["trainable_variables"][ipu]
     o_layout = state.layouts["optimizer_variables"][ipu]
     optimizer = pipelined.optimizers[ipu]
@@ -565,4 +575,5 @@ def _apply_optimizer(pipelined: PipelinedModel, state: PipelineState,
     return apply
 
 
-__all__ = ["build_fit_program", "join_residuals", "split_residuals"]
+__all__ = ["Stages", "build_fit_program", "join_residuals", "kept_residuals",
+           "optimizer_update", "split_residuals"]

@@ -1,0 +1,437 @@
+"""Pipelined training with the host walking the schedule table.
+
+The same training as `pipelined.training` (the same stage functions, stash,
+gradient accumulation and optimizer clones), strung together differently:
+each stage op is its own program, compiled once for its IPU's device, and
+the host dispatches the ops of each tick of the schedule table to their IPUs
+without waiting for them (JAX dispatches asynchronously: the IPUs work at
+the same time, each in table order). Activations and their gradients go from
+IPU to IPU as device-to-device copies; what a forward op stashes for its
+backward op stays on its IPU in between. The last stage's forward op and its
+backward op on the same micro-batch run as one op: nothing from another IPU
+comes between them.
+
+`loops.choose_pipeline_loop` picks this form (on CPUs, for convolutional
+stages, whose schedule program is slow to compile); unreplicated pipelines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from keras_ipu.device import accounting, convolutions, loops, schedules
+from keras_ipu.device.dispatch import DispatchedExecutable
+from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+from keras_ipu.keras.pipelined import training
+from keras_ipu.keras.pipelined.model import (
+    TRAINING_STATE_PARTS,
+    PipelinedModel,
+    PipelineState,
+)
+from keras_ipu.keras.steps import ACCUMULATE
+
+TRAINABLE, NON_TRAINABLE, OPTIMIZER, METRICS = TRAINING_STATE_PARTS
+
+
+def _local(flats: dict) -> dict:
+    """An IPU's flats `[1, 1, length]` (its slot of the packed state) as vectors."""
+    return {dtype: a[0, 0] for dtype, a in flats.items()}
+
+
+def _slot(flats: dict) -> dict:
+    """The inverse of `_local`."""
+    return {dtype: a[None, None] for dtype, a in flats.items()}
+
+
+def _on(tree: Any, device: jax.Device) -> Any:
+    """Shape structs of `tree`'s leaves, placed on `device`."""
+    sharding = SingleDeviceSharding(device)
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def _trace(fn, args, device: jax.Device, donate=()):
+    """`jax.jit(fn).trace` on `device`, with XLA:CPU's fast convolution layout on CPUs."""
+    jitted, args = jax.jit(fn, donate_argnums=donate), _on(args, device)
+    if device.platform != "cpu":
+        return jitted.trace(*args)
+    try:
+        with convolutions.canonical_convolutions():
+            return jitted.trace(*args)
+    except Exception:  # noqa: BLE001 - as ExecutionProgram: the convolutions as they are
+        return jitted.trace(*args)
+
+
+@dataclasses.dataclass
+class _Ops:
+    """The traced (then compiled) ops of one input signature.
+
+    `forward[s]` for every stage but the last, `backward[s]` likewise, `last`
+    (the last stage's fused op), `update[ipu]` (optimizer, fresh accumulator).
+    """
+
+    forward: list
+    backward: list
+    last: Any
+    update: list
+    stash_bytes: list[int]
+
+
+class DispatchedFit:
+    """A pipelined training execution as per-op programs the host dispatches.
+
+    Args:
+        pipelined: The model's stages and their IPUs.
+        state: The packed state layout (one replica).
+        table: The training schedule table of one weight update.
+        reduction: How micro-batch gradients combine.
+        accumulator_dtype: The dtype gradients accumulate in.
+        recompute: Backward ops recompute their stage's forward pass instead
+            of taking its stashed activations.
+
+    Example:
+
+    >>> fit = DispatchedFit(pipe, state, table, Reduction.MEAN)
+    >>> fit.choose(state_spec, batches_spec, "cpu", "auto").form
+    'host'
+    >>> state, logs = fit.compile(state_spec, batches_spec)().run(state, batches)
+    """
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState,
+                 table: schedules.ScheduleTable, reduction: Reduction,
+                 accumulator_dtype: str = "float32", recompute: bool = False):
+        if state.replicas != 1:
+            raise ValueError("A dispatched pipeline runs one replica; "
+                             f"this state has {state.replicas}.")
+        self.p, self.state, self.table, self.recompute = pipelined, state, table, recompute
+        self.stages = training.Stages(pipelined, state)
+        self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
+        self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
+        self.devices = [state.mesh.devices[0, i] for i in range(pipelined.num_ipus)]
+        self._ops: dict[Any, _Ops] = {}
+
+    # ------------------------------------------------------------------ the ops
+
+    def _stage(self, s: int, tv, ntv, metrics, bundle, batch):
+        ipu = self.p.device_mapping[s]
+        weights = self.stages.runner.trainable(ipu, _local(tv))
+        return self.stages.for_vjp(s, weights, _local(ntv), metrics, bundle, batch)
+
+    def _accumulated(self, s: int, acc, grads, j):
+        n = j.astype(self.accumulator_dtype)
+        return self.stages.grads.update(
+            self.p.device_mapping[s], acc, dict(zip(self.stages.own[s], grads)),
+            lambda old, grad: self.accumulate(old, grad, n, self.micro))
+
+    def _packed_ntv(self, s: int, ntv: dict) -> dict:
+        return _slot(self.stages.runner.pack_non_trainable(self.p.device_mapping[s], ntv))
+
+    def forward_op(self, s: int):
+        """`(tv, ntv, bundle, batch) -> (ntv, message, stashed)` of a stage but the last."""
+
+        def op(tv, ntv, bundle, batch):
+            f, weights, known, values = self._stage(s, tv, ntv, None, bundle, batch)
+            if self.recompute:
+                out, aux = f(weights, bundle)
+                return self._packed_ntv(s, aux[0]), out, []
+            out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+            kept = training.kept_residuals(vjp_fn, aux, known, values)[0]
+            return self._packed_ntv(s, aux[0]), out, kept
+
+        op.__name__ = f"forward_stage_{s}"  # names the program in logs and profiles
+        return op
+
+    def backward_op(self, s: int):
+        """`(tv, ntv, bundle, batch, gradient, stashed, acc, j) -> (message, acc)`."""
+
+        def op(tv, ntv, bundle, batch, gradient, kept, acc, j):
+            f, weights, known, values = self._stage(s, tv, ntv, None, bundle, batch)
+            # Traced for the pullback's structure: XLA drops the forward
+            # computation when the residuals come from the stash.
+            _, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
+            if not self.recompute:
+                _, treedef, source, known = training.kept_residuals(vjp_fn, aux, known, values)
+                vjp_fn = training.join_residuals(treedef, source, kept, known)
+            grads, g_in = vjp_fn(gradient)
+            return (g_in if s else None), self._accumulated(s, acc, grads, j)
+
+        op.__name__ = f"backward_stage_{s}"
+        return op
+
+    def last_op(self):
+        """`(tv, ntv, metrics, bundle, batch, acc, j) -> (ntv, metrics, logs, message, acc)`."""
+        s = self.last
+
+        def op(tv, ntv, metrics, bundle, batch, acc, j):
+            f, weights, _, _ = self._stage(s, tv, ntv, _local(metrics), bundle, batch)
+            loss, vjp_fn, (new_ntv, logs, new_metrics) = jax.vjp(f, weights, bundle,
+                                                                 has_aux=True)
+            grads, g_in = vjp_fn(jnp.ones_like(loss))
+            return (self._packed_ntv(s, new_ntv), _slot(new_metrics), logs,
+                    (g_in if s else None), self._accumulated(s, acc, grads, j))
+
+        op.__name__ = f"forward_backward_stage_{s}"
+        return op
+
+    def update_op(self, ipu: int):
+        """`(tv, optimizer, acc) -> (tv, optimizer, zeroed acc)`: the IPU's optimizer step."""
+        apply = training.optimizer_update(self.p, self.state, self.stages.grads, ipu)
+
+        def op(tv, optimizer_vars, acc):
+            tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc)
+            return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulator_dtype)
+
+        op.__name__ = f"optimizer_ipu_{ipu}"
+        return op
+
+    # ------------------------------------------------------------------ tracing and compiling
+
+    def _specs(self, state, batches):
+        """Per part, per IPU, the IPU's slot; one micro-batch; a stage input; `j`; `acc`."""
+        local = {part: [{dtype: jax.ShapeDtypeStruct((1, 1, a.shape[2]), a.dtype)
+                         for dtype, a in state[part].items()} for _ in self.devices]
+                 for part in TRAINING_STATE_PARTS}
+        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype),
+                                       batches)
+        size = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        bundle = jax.ShapeDtypeStruct(self.p.bundle_shape(size), jnp.float32)
+        acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulator_dtype))
+        return local, batch, bundle, jax.ShapeDtypeStruct((), jnp.int32), acc
+
+    def _key(self, batches):
+        leaves, treedef = jax.tree_util.tree_flatten(batches)
+        return treedef, tuple((leaf.shape[3:], str(leaf.dtype)) for leaf in leaves)
+
+    def _traced_forward(self, state, batches) -> list:
+        key = ("forward", self._key(batches))
+        if key not in self._ops:
+            local, batch, bundle, _, _ = self._specs(state, batches)
+            forward = []
+            for s in range(self.last):
+                ipu = self.p.device_mapping[s]
+                args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch)
+                forward.append(_trace(self.forward_op(s), args, self.devices[ipu], donate=(1,)))
+            self._ops[key] = forward
+        return self._ops[key]
+
+    def choose(self, state, batches, platform: str, request: str) -> loops.LoopChoice:
+        """The loop form by `loops.choose_pipeline_loop` on the stages' forward ops.
+
+        Example:
+
+        >>> fit.choose(state_spec, batches_spec, "cpu", "auto").reason
+        """
+        forward = self._traced_forward(state, batches)
+        return loops.choose_pipeline_loop([t.jaxpr for t in forward], platform, request)
+
+    def compile(self, state, batches) -> Callable[[], DispatchedExecutable]:
+        """Traces every op for these inputs and starts compiling them.
+
+        Ops are traced one after the other here (tracing holds Python's
+        lock); each compiles on a background thread as soon as it is traced,
+        while the next is traced.
+
+        Returns:
+            A function that waits for the compilations and returns the
+            `DispatchedExecutable` for this signature.
+        """
+        local, batch, bundle, j, acc = self._specs(state, batches)
+        workers = os.cpu_count() or 1
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+
+        def started(traced):
+            return pool.submit(traced.lower().compile), traced.out_info
+
+        forward = [started(traced) for traced in self._traced_forward(state, batches)]
+        backward, stash_bytes = [], []
+        for s in range(self.last):
+            ipu = self.p.device_mapping[s]
+            stashed = forward[s][1][2]
+            stash_bytes.append(accounting.tree_bytes((stashed, bundle)))
+            args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch, bundle,
+                    stashed, acc, j)
+            backward.append(started(_trace(self.backward_op(s), args, self.devices[ipu],
+                                           donate=(6,))))
+        ipu = self.p.device_mapping[self.last]
+        args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], local[METRICS][ipu], bundle,
+                batch, acc, j)
+        last = started(_trace(self.last_op(), args, self.devices[ipu], donate=(1, 2, 5)))
+        update = [started(_trace(self.update_op(d),
+                                 (local[TRAINABLE][d], local[OPTIMIZER][d], acc),
+                                 self.devices[d], donate=(0, 1, 2)))
+                  for d in range(self.p.num_ipus)]
+        pool.shutdown(wait=False)
+
+        def executable():
+            ops = _Ops([f.result() for f, _ in forward], [f.result() for f, _ in backward],
+                       last[0].result(), [f.result() for f, _ in update],
+                       stash_bytes + [0])  # the fused last op keeps nothing
+            return DispatchedExecutable(
+                run=_Runner(self, ops).run,
+                memory=self._memory(ops, local, batch, last[1][2]),
+                cost=self._cost(ops),
+            )
+
+        return executable
+
+    def _memory(self, ops: _Ops, local, batch, logs) -> tuple[accounting.MemoryUse, ...]:
+        """Per IPU: its state, its largest op's temporaries plus its stash, its io."""
+        by_ipu: list[list] = [[] for _ in self.devices]
+        stash = [0] * len(self.devices)
+        counts = self.table.stash_counts()
+        for s in range(self.p.num_stages):
+            ipu = self.p.device_mapping[s]
+            by_ipu[ipu] += [ops.forward[s], ops.backward[s]] if s < self.last else [ops.last]
+            stash[ipu] += counts[s] * ops.stash_bytes[s]
+        memory = []
+        for d, compiled in enumerate(by_ipu):
+            uses = [accounting.memory_use(c, state_bytes=0, io_bytes=0)
+                    for c in [*compiled, ops.update[d]]]
+            memory.append(accounting.MemoryUse(
+                state_bytes=sum(accounting.tree_bytes(local[part][d]) for part in local),
+                temporary_bytes=max(u.temporary_bytes for u in uses) + stash[d],
+                io_bytes=accounting.tree_bytes((batch, logs)),
+                code_bytes=sum(u.code_bytes for u in uses),
+            ))
+        return tuple(memory)
+
+    def _cost(self, ops: _Ops) -> accounting.StepCost:
+        """One micro-batch through every stage, and its share of the optimizer steps."""
+        parts = [(c, 1.0) for c in [*ops.forward, *ops.backward, ops.last]]
+        parts += [(c, 1.0 / self.micro) for c in ops.update]
+        costs = [(accounting.step_cost(c), w) for c, w in parts]
+        return accounting.StepCost(
+            flops=sum(c.flops * w for c, w in costs),
+            transcendentals=sum(c.transcendentals * w for c, w in costs),
+            bytes_accessed=sum(c.bytes_accessed * w for c, w in costs),
+        )
+
+
+class _Runner:
+    """Dispatches one execution's ops in table order (see `DispatchedFit`)."""
+
+    def __init__(self, fit: DispatchedFit, ops: _Ops):
+        self.fit, self.ops = fit, ops
+        self.mapping, self.devices = fit.p.device_mapping, fit.devices
+        self.ticks = [[op for op in tick if op is not None] for tick in fit.table.ticks]
+        self.js = [[jax.device_put(np.int32(j), device) for j in range(fit.micro)]
+                   for device in self.devices]
+        self._zeros = [jax.jit(lambda: fit.stages.grads.zeros(fit.accumulator_dtype),
+                               out_shardings=SingleDeviceSharding(device))
+                       for device in self.devices]
+
+    def run(self, state, batches):
+        """One execution: `(packed state, batches) -> (packed state, outfeed)`."""
+        fit = self.fit
+        local = {part: _split(state[part], len(self.devices)) for part in TRAINING_STATE_PARTS}
+        acc = [zeros() for zeros in self._zeros]
+        size = jax.tree_util.tree_leaves(batches)[0].shape[3]
+        first_input = jax.device_put(np.zeros(fit.p.bundle_shape(size), np.float32),
+                                     self.devices[self.mapping[0]])
+        for u in range(jax.tree_util.tree_leaves(batches)[0].shape[0]):
+            data = [jax.tree_util.tree_map(lambda a, u=u, j=j: a[u, 0, j], batches)
+                    for j in range(fit.micro)]
+            logs = _Update(self, local, acc, data, first_input).run()
+        new_state = {part: _joined(state[part], local[part]) for part in TRAINING_STATE_PARTS}
+        # The last update's logs, as the schedule program's `[updates, replicas, micro]`.
+        outfeed = jax.tree_util.tree_map(lambda *v: jnp.stack(v)[None, None], *logs)
+        return new_state, outfeed
+
+    def send(self, value, stage: int):
+        """`value` on the IPU of `stage` (a copy when it is another IPU)."""
+        device = self.devices[self.mapping[stage]]
+        return value if device in value.devices() else jax.device_put(value, device)
+
+
+class _Update:
+    """One weight update: the table's ops, then each IPU's optimizer step.
+
+    Holds the messages in flight (`inbox`: stage inputs, `gradients`: output
+    gradients) and the stash, keyed by `(stage, micro-batch)`; `local` (per
+    part, per IPU) and `acc` (per IPU) are updated in place.
+    """
+
+    def __init__(self, runner: _Runner, local: dict, acc: list, data: list, first_input):
+        self.runner, self.local, self.acc, self.data = runner, local, acc, data
+        self.first_input = first_input
+        self.inbox: dict = {}
+        self.gradients: dict = {}
+        self.stash: dict = {}
+        self.logs: list = [None] * runner.fit.micro
+
+    def run(self) -> list:
+        """Dispatches the update; returns its logs per micro-batch."""
+        last = self.runner.fit.last
+        for tick in self.runner.ticks:
+            for op in tick:
+                if op.stage == last:
+                    if op.phase == "F":  # its backward op runs with it
+                        self.last_op(op.micro_batch)
+                elif op.phase == "F":
+                    self.forward(op.stage, op.micro_batch)
+                else:
+                    self.backward(op.stage, op.micro_batch)
+        tv, opt = self.local[TRAINABLE], self.local[OPTIMIZER]
+        for d, update in enumerate(self.runner.ops.update):
+            tv[d], opt[d], self.acc[d] = update(tv[d], opt[d], self.acc[d])
+        return self.logs
+
+    def _input(self, s: int, j: int):
+        return self.inbox.pop((s, j)) if s else self.first_input
+
+    def _send_gradient(self, message, s: int, j: int) -> None:
+        if s:
+            self.gradients[(s - 1, j)] = self.runner.send(message, s - 1)
+
+    def forward(self, s: int, j: int) -> None:
+        ipu, (tv, ntv) = self.runner.mapping[s], (self.local[TRAINABLE], self.local[NON_TRAINABLE])
+        bundle = self._input(s, j)
+        ntv[ipu], message, kept = self.runner.ops.forward[s](tv[ipu], ntv[ipu], bundle,
+                                                             self.data[j])
+        self.stash[(s, j)] = (bundle, kept)
+        self.inbox[(s + 1, j)] = self.runner.send(message, s + 1)
+
+    def backward(self, s: int, j: int) -> None:
+        ipu, (tv, ntv) = self.runner.mapping[s], (self.local[TRAINABLE], self.local[NON_TRAINABLE])
+        bundle, kept = self.stash.pop((s, j))
+        message, self.acc[ipu] = self.runner.ops.backward[s](
+            tv[ipu], ntv[ipu], bundle, self.data[j], self.gradients.pop((s, j)), kept,
+            self.acc[ipu], self.runner.js[ipu][j])
+        self._send_gradient(message, s, j)
+
+    def last_op(self, j: int) -> None:
+        s = self.runner.fit.last
+        ipu = self.runner.mapping[s]
+        tv, ntv, met = (self.local[part] for part in (TRAINABLE, NON_TRAINABLE, METRICS))
+        ntv[ipu], met[ipu], self.logs[j], message, self.acc[ipu] = self.runner.ops.last(
+            tv[ipu], ntv[ipu], met[ipu], self._input(s, j), self.data[j], self.acc[ipu],
+            self.runner.js[ipu][j])
+        self._send_gradient(message, s, j)
+
+
+def _split(flats: dict, ipus: int) -> list[dict]:
+    """Per IPU, its slot `[1, 1, length]` of each packed array (no copies)."""
+    per_ipu: list[dict] = [{} for _ in range(ipus)]
+    for dtype, array in flats.items():
+        for shard in array.addressable_shards:
+            per_ipu[shard.index[1].start][dtype] = shard.data
+    return per_ipu
+
+
+def _joined(like: dict, per_ipu: list[dict]) -> dict:
+    """The packed arrays again, from each IPU's slot (no copies)."""
+    return {dtype: jax.make_array_from_single_device_arrays(
+                array.shape, array.sharding, [slots[dtype] for slots in per_ipu])
+            for dtype, array in like.items()}
+
+
+__all__ = ["DispatchedFit"]

@@ -1,0 +1,69 @@
+"""Callbacks during fit: which batch hooks run, and when (issue 9's defects)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from conftest import assert_weights_close
+from models import data_for, twin
+
+
+def _batch_ends(model, x, y):
+    ends = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(batch))
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    return ends
+
+
+def test_a_lambda_callback_alone_gets_the_batch_hooks_plain_keras_calls(strategy):
+    plain, model = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+    expected = _batch_ends(plain, x, y)
+    assert expected == [3, 7]
+    assert _batch_ends(model, x, y) == expected
+
+
+def _shuffled_fit(model, x, y, seed: int, shuffle):
+    keras.utils.set_random_seed(seed)
+    return model.fit(x, y, batch_size=8, epochs=3, shuffle=shuffle, verbose=0).history["loss"]
+
+
+def test_seeded_shuffled_fits_repeat_each_other(strategy):
+    x, y = data_for("sequential", samples=64)
+    runs = {}
+    for shuffle in (True, "batch"):
+        first, second = (twin("sequential", strategy, steps_per_execution=4)[1]
+                         for _ in range(2))
+        losses = [_shuffled_fit(m, x, y, 7, shuffle) for m in (first, second)]
+        assert losses[0] == losses[1]
+        assert_weights_close(first.get_weights(), second.get_weights(), atol=0)
+        runs[shuffle] = losses[0]
+    # Another seed, another order.
+    third = twin("sequential", strategy, steps_per_execution=4)[1]
+    assert _shuffled_fit(third, x, y, 8, True) != runs[True]
+
+
+def _rows_seen(batches) -> list[int]:
+    return [int(v) for batch in batches for v in np.asarray(batch).ravel()]
+
+
+def test_the_shuffled_order_is_plain_kerases_for_the_same_seed():
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    from keras_ipu.keras import data
+
+    x = np.arange(64, dtype="float32")[:, None]
+    for shuffle in (True, "batch"):
+        expected = []
+        keras.utils.set_random_seed(3)
+        adapter = ArrayDataAdapter(x, x, batch_size=8, shuffle=shuffle)
+        for _ in range(2):  # two epochs, one iterator each (as Keras' epoch iterator)
+            expected += _rows_seen(batch[0] for batch in adapter.get_numpy_iterator())
+        keras.utils.set_random_seed(3)
+        feed = data.make_feed(x, x, batch_size=8, shuffle=shuffle, steps_per_execution=4,
+                              epochs=2)
+        actual = [row for _ in range(2)
+                  for _, _, chunk in feed.executions() for row in _rows_seen(chunk[0])]
+        assert actual == expected
