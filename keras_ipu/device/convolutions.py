@@ -125,6 +125,34 @@ def canonical_convolutions() -> Iterator[None]:
         lax.conv_general_dilated = original
 
 
+def trace_for(platform: str, jitted: Any, *args: Any) -> Any:
+    """`jitted.trace(*args)`, with `canonical_convolutions` on CPUs.
+
+    Should the rewrite not trace (forward-mode autodiff through a
+    convolution, say), the program is traced with lax's convolutions as
+    they are; on other platforms always.
+
+    Args:
+        platform: The JAX platform the program will run on.
+        jitted: A `jax.jit`-wrapped function.
+        *args: Its arguments (arrays or shape structs).
+
+    Returns:
+        The `jax.stages.Traced` program.
+
+    Example:
+
+    >>> traced = trace_for("cpu", jax.jit(train_step), state, batch)
+    """
+    if platform != "cpu":
+        return jitted.trace(*args)
+    try:
+        with canonical_convolutions():
+            return jitted.trace(*args)
+    except Exception:  # noqa: BLE001 - e.g. forward-mode autodiff of a convolution
+        return jitted.trace(*args)
+
+
 def _raw_canonical_conv(
     x: jax.Array,
     w: jax.Array,
@@ -538,4 +566,5 @@ def _transpose_if_needed(x: jax.Array, perm: IntTuple) -> jax.Array:
     return jnp.transpose(x, perm)
 
 
-__all__ = ["DEPTHWISE_TAPS_MAX_WINDOW", "canonical_convolutions", "conv_general_dilated"]
+__all__ = ["DEPTHWISE_TAPS_MAX_WINDOW", "canonical_convolutions", "conv_general_dilated",
+           "trace_for"]

@@ -246,15 +246,11 @@ class ExecutionProgram:
         return self._traced(state, one_step), one_step, choice
 
     def _traced(self, state: State, batches: Batch) -> Any:
-        """The program traced; on CPUs with convolutions that keep XLA:CPU's fast path in loops."""
-        if self.device.platform != "cpu":
-            return self._jitted.trace(state, batches)
-        try:
-            with convolutions.canonical_convolutions():
-                return self._jitted.trace(state, batches)
-        except Exception:  # noqa: BLE001 - e.g. forward-mode autodiff of a convolution
-            # The convolutions as they are: the loop rule then sees them.
-            return self._jitted.trace(state, batches)
+        """The program traced; on CPUs with convolutions that keep XLA:CPU's fast path in loops.
+
+        Convolutions the rewrite could not take stay as they are: the loop rule sees them.
+        """
+        return convolutions.trace_for(self.device.platform, self._jitted, state, batches)
 
     def _compile(self, state: State, batches: Batch) -> _Executable:
         started = time.perf_counter()

@@ -273,8 +273,7 @@ class ArrayFeed:
             self._order = np.concatenate(
                 [np.random.permutation(size) + b * size for b in range(num_batches)])
         elif self._shuffle:
-            rows = len(jax.tree_util.tree_leaves(self._data)[0])
-            self._order = np.random.permutation(rows)[: num_batches * size]
+            self._order = np.random.permutation(_common_length(self._data))[: num_batches * size]
 
     def _rows(self, start: int, count: int) -> slice | np.ndarray:
         if self._order is None:

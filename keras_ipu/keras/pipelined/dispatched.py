@@ -61,19 +61,13 @@ def _on(tree: Any, device: jax.Device) -> Any:
 
 def _trace(fn, args, device: jax.Device, donate=()):
     """`jax.jit(fn).trace` on `device`, with XLA:CPU's fast convolution layout on CPUs."""
-    jitted, args = jax.jit(fn, donate_argnums=donate), _on(args, device)
-    if device.platform != "cpu":
-        return jitted.trace(*args)
-    try:
-        with convolutions.canonical_convolutions():
-            return jitted.trace(*args)
-    except Exception:  # noqa: BLE001 - as ExecutionProgram: the convolutions as they are
-        return jitted.trace(*args)
+    return convolutions.trace_for(device.platform, jax.jit(fn, donate_argnums=donate),
+                                  *_on(args, device))
 
 
 @dataclasses.dataclass
 class _Ops:
-    """The traced (then compiled) ops of one input signature.
+    """The compiled ops of one input signature, and what each stage stashes.
 
     `forward[s]` for every stage but the last, `backward[s]` likewise, `last`
     (the last stage's fused op), `update[ipu]` (optimizer, fresh accumulator).
@@ -117,7 +111,9 @@ class DispatchedFit:
         self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.devices = [state.mesh.devices[0, i] for i in range(pipelined.num_ipus)]
-        self._ops: dict[Any, _Ops] = {}
+        # The stages' forward ops traced per micro-batch signature: the loop
+        # rule reads them, and compiling starts from them.
+        self._forward_traces: dict[Any, list] = {}
 
     # ------------------------------------------------------------------ the ops
 
@@ -207,21 +203,18 @@ class DispatchedFit:
         acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulator_dtype))
         return local, batch, bundle, jax.ShapeDtypeStruct((), jnp.int32), acc
 
-    def _key(self, batches):
-        leaves, treedef = jax.tree_util.tree_flatten(batches)
-        return treedef, tuple((leaf.shape[3:], str(leaf.dtype)) for leaf in leaves)
-
     def _traced_forward(self, state, batches) -> list:
-        key = ("forward", self._key(batches))
-        if key not in self._ops:
+        leaves, treedef = jax.tree_util.tree_flatten(batches)
+        key = treedef, tuple((leaf.shape[3:], str(leaf.dtype)) for leaf in leaves)
+        if key not in self._forward_traces:
             local, batch, bundle, _, _ = self._specs(state, batches)
             forward = []
             for s in range(self.last):
                 ipu = self.p.device_mapping[s]
                 args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch)
                 forward.append(_trace(self.forward_op(s), args, self.devices[ipu], donate=(1,)))
-            self._ops[key] = forward
-        return self._ops[key]
+            self._forward_traces[key] = forward
+        return self._forward_traces[key]
 
     def choose(self, state, batches, platform: str, request: str) -> loops.LoopChoice:
         """The loop form by `loops.choose_pipeline_loop` on the stages' forward ops.
@@ -276,7 +269,7 @@ class DispatchedFit:
                        last[0].result(), [f.result() for f, _ in update],
                        stash_bytes + [0])  # the fused last op keeps nothing
             return DispatchedExecutable(
-                run=_Runner(self, ops).run,
+                run=_Runner(self, ops, bundle.shape).run,
                 memory=self._memory(ops, local, batch, last[1][2]),
                 cost=self._cost(ops),
             )
@@ -319,9 +312,12 @@ class DispatchedFit:
 class _Runner:
     """Dispatches one execution's ops in table order (see `DispatchedFit`)."""
 
-    def __init__(self, fit: DispatchedFit, ops: _Ops):
+    def __init__(self, fit: DispatchedFit, ops: _Ops, bundle_shape: tuple[int, int]):
         self.fit, self.ops = fit, ops
         self.mapping, self.devices = fit.p.device_mapping, fit.devices
+        # Stage 0's input: no additional losses come before it (never donated).
+        self.first_input = jax.device_put(np.zeros(bundle_shape, np.float32),
+                                          self.devices[self.mapping[0]])
         self.ticks = [[op for op in tick if op is not None] for tick in fit.table.ticks]
         self.js = [[jax.device_put(np.int32(j), device) for j in range(fit.micro)]
                    for device in self.devices]
@@ -334,13 +330,10 @@ class _Runner:
         fit = self.fit
         local = {part: _split(state[part], len(self.devices)) for part in TRAINING_STATE_PARTS}
         acc = [zeros() for zeros in self._zeros]
-        size = jax.tree_util.tree_leaves(batches)[0].shape[3]
-        first_input = jax.device_put(np.zeros(fit.p.bundle_shape(size), np.float32),
-                                     self.devices[self.mapping[0]])
         for u in range(jax.tree_util.tree_leaves(batches)[0].shape[0]):
             data = [jax.tree_util.tree_map(lambda a, u=u, j=j: a[u, 0, j], batches)
                     for j in range(fit.micro)]
-            logs = _Update(self, local, acc, data, first_input).run()
+            logs = _Update(self, local, acc, data).run()
         new_state = {part: _joined(state[part], local[part]) for part in TRAINING_STATE_PARTS}
         # The last update's logs, as the schedule program's `[updates, replicas, micro]`.
         outfeed = jax.tree_util.tree_map(lambda *v: jnp.stack(v)[None, None], *logs)
@@ -360,9 +353,8 @@ class _Update:
     part, per IPU) and `acc` (per IPU) are updated in place.
     """
 
-    def __init__(self, runner: _Runner, local: dict, acc: list, data: list, first_input):
+    def __init__(self, runner: _Runner, local: dict, acc: list, data: list):
         self.runner, self.local, self.acc, self.data = runner, local, acc, data
-        self.first_input = first_input
         self.inbox: dict = {}
         self.gradients: dict = {}
         self.stash: dict = {}
@@ -386,7 +378,7 @@ class _Update:
         return self.logs
 
     def _input(self, s: int, j: int):
-        return self.inbox.pop((s, j)) if s else self.first_input
+        return self.inbox.pop((s, j)) if s else self.runner.first_input
 
     def _send_gradient(self, message, s: int, j: int) -> None:
         if s:
