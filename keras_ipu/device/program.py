@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.experimental import io_callback
 
 from keras_ipu.device import accounting, convolutions, loops
 from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
+from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
 from keras_ipu.device.system import VirtualIPU
@@ -94,6 +96,10 @@ class ExecutionProgram:
         dispatched: For programs that bring their own `execution`, the same
             execution as separately compiled programs the host dispatches;
             its `choose` decides which of the two runs.
+        stream: Where each step's outputs go while the execution runs (a
+            `StepStream`, fed from inside the step loop; see
+            `device/outfeed.py`). Programs that bring their own `execution`
+            stream from it themselves.
 
     Example:
 
@@ -120,6 +126,7 @@ class ExecutionProgram:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         loop: str = loops.AUTO,
         dispatched: DispatchedExecution | None = None,
+        stream: StepStream | None = None,
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -133,6 +140,7 @@ class ExecutionProgram:
         self._loop_request = loops.check_request(loop)
         self._own_execution = execution is not None
         self._dispatched = dispatched
+        self.stream = stream
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
         self._finalize = jax.jit(finalize)
@@ -141,7 +149,9 @@ class ExecutionProgram:
             state, outfeed = replicated(state, batches)
             return state, finalize(outfeed)
 
-        self._jitted = jax.jit(execution, donate_argnums=0)
+        # A streaming execution's hooks may read the previous state while
+        # it runs: it is not donated then.
+        self._jitted = jax.jit(execution, donate_argnums=0 if stream is None else ())
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
         self._max_in_flight = max_in_flight
@@ -162,7 +172,25 @@ class ExecutionProgram:
             outputs, carry = self._step_fn(carry, batch)
             return carry, outputs
 
-        return jax.lax.scan(body, state, batches)
+        if self.stream is None:
+            return jax.lax.scan(body, state, batches)
+        return self._streamed_loop(body, state, batches)
+
+    def _streamed_loop(self, body: Callable, state: State, batches: Batch):
+        """The step loop as chunks of steps, each sent to the stream once done."""
+        steps = _leading(batches)
+        length = self.stream.chunk_length(steps)
+
+        def chunk_body(carry, chunk):
+            carry, outputs = jax.lax.scan(body, carry, chunk)
+            io_callback(self.stream.send, None, self.replicas.index(), outputs)
+            return carry, outputs
+
+        chunks = jax.tree_util.tree_map(
+            lambda a: a.reshape(steps // length, length, *a.shape[1:]), batches)
+        state, outputs = jax.lax.scan(chunk_body, state, chunks)
+        return state, jax.tree_util.tree_map(
+            lambda a: a.reshape(steps, *a.shape[2:]), outputs)
 
     @property
     def report(self) -> ExecutionReport | None:

@@ -130,6 +130,12 @@ class Replicas:
             batches,
         )
 
+    def index(self) -> Any:
+        """Inside `map`: this replica's index (0 with one replica)."""
+        if self.count == 1:
+            return 0
+        return jax.lax.axis_index(REPLICA_AXIS)
+
     def map(self, per_replica: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
         """Runs `per_replica(state, batches)` on every replica (SPMD).
 

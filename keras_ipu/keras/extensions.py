@@ -28,7 +28,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
-from keras_ipu.keras import context, options, run, stages, trainer
+from keras_ipu.keras import context, options, run, saving, stages, trainer
 from keras_ipu.keras.stages import (
     FunctionalPipelineMixin,
     ModelPipelineMixin,
@@ -177,6 +177,118 @@ class ExtensionBase:
                 options.options_of(self), replicated_metric_reduction_method
             ),
         )
+
+    def set_asynchronous_callbacks(self, asynchronous=False):
+        """Sets whether batch callbacks run for every step while the device runs.
+
+        With `True`, `fit`, `evaluate` and `predict` stream each step's logs
+        (or predictions) out of the on-device loop as it runs, and the batch
+        callbacks and the progress bar get every step, in step order, on the
+        calling thread, while the device goes on. With replication each step
+        is reported once per replica (logs reduced as
+        `set_replication_options` says; with `"NONE"` each replica's own).
+        A pipelined model reports its micro-batches once per weight update.
+        With `False` (the default) callbacks run once per execution with its
+        last step's logs. Saved with the model.
+
+        Args:
+            asynchronous: Whether callbacks run for every step.
+
+        Raises:
+            TypeError: When `asynchronous` is not a bool.
+
+        Example:
+
+        >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+        >>> model.set_asynchronous_callbacks(True)
+        >>> model.fit(x, y, batch_size=4, callbacks=[my_per_batch_callback])
+        """
+        options.set_options(
+            self, options.asynchronous_callbacks_option(options.options_of(self), asynchronous)
+        )
+
+    def set_infeed_queue_options(self, **kwargs):
+        """Sets the options of the infeed that moves the data to the IPUs.
+
+        `prefetch_depth` is how many executions' inputs are prepared and
+        staged on the device ahead of the running one (default 2), on a host
+        thread, so a slow `PyDataset` or generator overlaps with the device's
+        work. `data_to_prefetch`, `feed_name`, `device_ordinal` and
+        `replication_factor` are accepted for ported code and have no
+        effect. Each call replaces the previous options. Saved with the model.
+
+        Args:
+            **kwargs: The options, as for the reference's `IPUInfeedQueue`.
+
+        Raises:
+            ValueError: For `dataset`, `infeed_spec` and `element_spec` (set
+                by Keras), an unknown key (naming the closest valid one), or
+                a `prefetch_depth` that is not an integer from 1 to 255.
+
+        Example:
+
+        >>> model.set_infeed_queue_options(prefetch_depth=2)
+        """
+        self._set_feed_options(infeed=kwargs)
+
+    def set_outfeed_queue_options(self, **kwargs):
+        """Sets the options of the outfeed that brings the step results to the host.
+
+        `buffer_depth` is how many steps of results the device holds before
+        the host must take them; it matters with asynchronous callbacks,
+        where the device sends its steps' results in chunks of at most that
+        many steps (a divisor of `steps_per_execution`; by default about a
+        tenth of an execution) while it runs. Smaller chunks reach the
+        callbacks sooner; each costs a host transfer. `feed_name`,
+        `replication_factor` and `io_batch_size` are accepted for ported
+        code and have no effect. Each call replaces the previous options.
+        Saved with the model.
+
+        Args:
+            **kwargs: The options, as for the reference's `IPUOutfeedQueue`.
+
+        Raises:
+            ValueError: For `outfeed_mode` and `device_ordinal` (not
+                compatible with Keras), an unknown key (naming the closest
+                valid one), or a `buffer_depth` that is not an integer from
+                1 to 255.
+
+        Example:
+
+        >>> model.set_outfeed_queue_options(buffer_depth=2)
+        """
+        self._set_feed_options(outfeed=kwargs)
+
+    def _set_feed_options(self, **feeds):
+        options.set_options(self, options.feed_queue_options(options.options_of(self), **feeds))
+        run.forget_programs(self)
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Saves the model as `keras.Model.save` does, with its IPU options.
+
+        The file is written next to the target and moved into place once
+        complete: a save that fails leaves the previous file as it was.
+
+        Example:
+
+        >>> model.save("model.keras")
+        """
+        return saving.write_whole(filepath, overwrite, lambda path: super(
+            ExtensionBase, self).save(path, overwrite=True, zipped=zipped, **kwargs))
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the weights as `keras.Model.save_weights` does, replacing the file whole.
+
+        Sharded saves (`max_shard_size`) write their files as Keras does.
+
+        Example:
+
+        >>> model.save_weights("model.weights.h5")
+        """
+        if kwargs.get("max_shard_size") is not None:
+            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
+        return saving.write_whole(filepath, overwrite, lambda path: super(
+            ExtensionBase, self).save_weights(path, overwrite=True, **kwargs))
 
     def _pipeline_assignment_changed(self):
         # Called by the stage assignment methods: compiled programs are stale.
@@ -407,6 +519,8 @@ def install() -> None:
         Model.__new__ = staticmethod(_new_model)
     # PipelineStage scopes record stages on the layers and calls they see.
     stages.install()
+    # Inside a scope, a bad .keras file is named for what is wrong with it.
+    saving.install()
 
 
 def _new_model(cls, *args, **kwargs):

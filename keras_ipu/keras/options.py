@@ -14,7 +14,7 @@ from typing import Any
 
 from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod, parse_enum
-from keras_ipu.keras import context
+from keras_ipu.keras import context, feed_options
 
 
 class ReplicatedMetricReductionMethod(enum.Enum):
@@ -92,6 +92,8 @@ class IPUOptions:
         pipelining_device_mapping: Stage -> IPU (`None`: stage i on IPU i).
         pipelining_accumulate_outfeed: Accumulate metrics on the device.
         pipelining_kwargs: The pass-through pipeline options (not saved).
+        infeed_kwargs: The infeed queue options (`feed_options`).
+        outfeed_kwargs: The outfeed queue options (`feed_options`).
     """
 
     gradient_accumulation_steps_per_replica: int | None = None
@@ -110,6 +112,8 @@ class IPUOptions:
     pipelining_device_mapping: tuple[int, ...] | None = None
     pipelining_accumulate_outfeed: bool | None = None
     pipelining_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    infeed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    outfeed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -141,8 +145,8 @@ class IPUOptions:
                 else None
             ),
             "pipelining_accumulate_outfeed": self.pipelining_accumulate_outfeed,
-            "infeed_kwargs": {},
-            "outfeed_kwargs": {},
+            "infeed_kwargs": dict(self.infeed_kwargs),
+            "outfeed_kwargs": dict(self.outfeed_kwargs),
         }
 
     @classmethod
@@ -168,6 +172,8 @@ class IPUOptions:
                 else None
             ),
             pipelining_accumulate_outfeed=config.get("pipelining_accumulate_outfeed"),
+            infeed_kwargs=feed_options.infeed_options(config.get("infeed_kwargs") or {}),
+            outfeed_kwargs=feed_options.outfeed_options(config.get("outfeed_kwargs") or {}),
         )
 
 
@@ -396,3 +402,31 @@ def options_of(model: Any) -> IPUOptions:
 def set_options(model: Any, options: IPUOptions) -> None:
     """Replaces a model's IPU options."""
     context.state_of(model).options = options
+
+
+def asynchronous_callbacks_option(options: IPUOptions, asynchronous: Any) -> IPUOptions:
+    """Validated new options from `set_asynchronous_callbacks`.
+
+    Raises:
+        TypeError: When `asynchronous` is not a bool.
+    """
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"`asynchronous` must be a bool, got {asynchronous!r}.")
+    return dataclasses.replace(options, asynchronous_callbacks=asynchronous)
+
+
+def feed_queue_options(options: IPUOptions, infeed: Any = None, outfeed: Any = None) -> IPUOptions:
+    """Validated new options from `set_infeed_queue_options` / `set_outfeed_queue_options`.
+
+    Each call replaces that queue's options, as in the reference.
+
+    Raises:
+        ValueError, TypeError: See `feed_options.infeed_options`.
+    """
+    if infeed is not None:
+        options = dataclasses.replace(options, infeed_kwargs=feed_options.infeed_options(infeed))
+    if outfeed is not None:
+        options = dataclasses.replace(
+            options, outfeed_kwargs=feed_options.outfeed_options(outfeed)
+        )
+    return options

@@ -48,6 +48,13 @@ class Run:
             its outfeed; a `replication.Layout` or a pipelined layout.
         codec: Moves the Keras state to and from the program's device state.
         replica_count: The replication factor.
+        batches_per_step: Batches one program step consumes, when its
+            outputs have a leading axis of that many batches (gradient
+            accumulation); `None` when a step is one batch without one.
+        split_steps: For programs that return every step's outputs with
+            the execution instead of streaming them (asynchronous
+            callbacks): `outfeed -> (outfeed as without them, per-step
+            outputs [steps, replicas, ...])`.
 
     Example:
 
@@ -58,6 +65,8 @@ class Run:
     layout: Any
     codec: Any
     replica_count: int
+    batches_per_step: int | None = None
+    split_steps: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 def cached_run(model: Any, mode: str, key: Any, build: Callable[[], Run]) -> Run:

@@ -26,12 +26,14 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
+from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import context, data, pipelined, replication, steps
+from keras_ipu.keras import context, data, feed_options, pipelined, replication, steps
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Placement, Run, cached_run
+from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery, returned_chunk
 from keras_ipu.keras.steps import STATE_PARTS
 
 logger = logging.getLogger("keras_ipu")
@@ -238,32 +240,106 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
     hooked = _has_batch_hooks(callbacks, begin_hook, end_hook)
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
+    delivery = _step_delivery(model, run, mode, on_begin, on_end) if hooked else None
+    stream = run.program.stream
+    if stream is not None:
+        # Nobody reads a stream without hooks: the device drops its steps.
+        stream.unmute() if delivery is not None else stream.mute()
+    hooks = CallbackThread(delivery, stream.mute if stream else _ignore) if delivery else None
     parts = STATE_PARTS[mode]
     codec, layout = run.codec, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     place = _synthetic_placer(codec, layout) if synthetic else _placer(codec, layout)
+    depth = feed_options.prefetch_depth(options_of(model).infeed_kwargs)
     logs: Any = {}
     model._jax_state_synced = True
-    with Infeed(feed.executions(), place=place, threaded=feed.prefetch_in_thread) as infeed:
-        for begin, end, batches in infeed:
-            on_begin(begin)
-            if model._jax_state_synced:
-                # First execution, or a callback synced the variables.
-                state = codec.to_device(
-                    model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=True)
-                )
-                model._jax_state_synced = False
-            state, outfeed = run.program(state, batches)
-            _keep_state(model, state, codec)
-            if synthetic:  # --use_synthetic_data: nothing comes back to the host
-                outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
-            logs = outfeed  # the program returns the last step's logs (or predictions)
-            if collect is not None:
-                collect(outfeed)
-            on_end(end, as_logs(outfeed))
-            if getattr(model, stop_flag, False):
-                break
+    try:
+        with Infeed(feed.executions(), place=place, depth=depth,
+                    threaded=feed.prefetch_in_thread) as infeed:
+            for begin, end, batches in infeed:
+                if hooks is None:
+                    on_begin(begin)
+                if model._jax_state_synced:
+                    # First execution, or a callback synced the variables.
+                    state = codec.to_device(model._get_jax_state(
+                        **dict.fromkeys(parts, True), purge_model_variables=True))
+                    model._jax_state_synced = False
+                ended = _submit_streamed(hooks, stream, begin, batches)
+                new_state, outfeed = run.program(state, batches)
+                outfeed, returned = _split_steps(run, outfeed)
+                if synthetic:  # --use_synthetic_data: nothing comes back to the host
+                    outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
+                if hooks is None or stream is None:
+                    # The old state was donated: the new one is the model's now.
+                    _keep_state(model, new_state, codec)
+                logs = outfeed  # the program returns the last step's logs (or predictions)
+                if collect is not None:
+                    collect(outfeed)
+                if hooks is None:
+                    on_end(end, as_logs(outfeed))
+                else:
+                    _await_hooks(hooks, ended, outfeed, returned, begin, run.replica_count)
+                    # The device's state wins over a hook's sync during the execution.
+                    model._jax_state_synced = False
+                    _keep_state(model, new_state, codec)
+                state = new_state
+                if getattr(model, stop_flag, False):
+                    break
+    except BaseException:
+        if stream is not None:
+            # Whatever stopped the run, the device must not wait for a reader.
+            stream.mute()
+            run.program.wait()
+        raise
+    finally:
+        if hooks is not None:
+            hooks.close()
     return logs
+
+
+def _submit_streamed(hooks, stream, begin: int, batches) -> list:
+    """Hands the steps an execution will stream to the hooks' thread, before it runs.
+
+    Returns a list that receives the execution's outfeed once dispatched:
+    the stream is broken if that is ready and steps are missing.
+    """
+    ended: list = []
+    if hooks is not None and stream is not None:
+        chunks = stream.chunks(_leading(batches),
+                               finished=lambda: bool(ended) and ended[0].is_ready())
+        hooks.submit(begin, chunks)
+    return ended
+
+
+def _await_hooks(hooks, ended: list, outfeed, returned, begin: int, replicas: int) -> None:
+    """Waits for an execution's hooks (its steps streamed, or returned with it)."""
+    if returned is None:
+        ended.append(jax.tree_util.tree_leaves(outfeed)[0])
+    else:
+        hooks.submit(begin, returned_chunk(returned, replicas))
+    hooks.wait()
+
+
+def _step_delivery(model, run: Run, mode: str, on_begin, on_end):
+    """The per-step delivery of a run with asynchronous callbacks, else `None`."""
+    options = options_of(model)
+    if not options.asynchronous_callbacks:
+        return None
+    if run.program.stream is None and run.split_steps is None:
+        return None  # the reference's exception: pipelines accumulating their outfeed
+    return StepDelivery(mode, run.replica_count, run.batches_per_step,
+                        options.replicated_metric_reduction_method, on_begin, on_end)
+
+
+def _split_steps(run: Run, outfeed):
+    """`(outfeed, per-step outputs or None)`: programs that return every step split them."""
+    if run.split_steps is None:
+        return outfeed, None
+    return run.split_steps(outfeed)
+
+
+def _leading(batches) -> int:
+    return jax.tree_util.tree_leaves(batches)[0].shape[0]
 
 
 def _callback_list(model, callbacks, verbose, epochs, feed, add_history=False):
@@ -359,9 +435,11 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     micro = options.gradient_accumulation_steps if mode == "fit" else None
     custom = mode == "fit" and _overrides(model, "train_step")
     loop = ipu_system.require().option("execution_loop", "auto")
+    buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
+    streamed = options.asynchronous_callbacks
     key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           options.replicated_metric_reduction_method)
+           options.replicated_metric_reduction_method, streamed, buffer_depth)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
@@ -375,8 +453,10 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
             loop=loop,
+            stream=StepStream(replicas.count, buffer_depth) if streamed else None,
         )
-        return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count)
+        return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count,
+                   batches_per_step=micro)
 
     return key, build
 

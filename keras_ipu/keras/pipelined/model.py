@@ -625,3 +625,18 @@ class PipelineLayout:
             return jax.tree_util.tree_map(reduce, last)
 
         return last_logs
+
+    def with_steps(self, finalize):
+        """`finalize` that also returns every micro-batch's logs, `[updates, replicas, micro]`."""
+        return lambda out: (finalize(out), out)
+
+    def predictions_by_step(self, steps: int):
+        """`predictions -> (predictions, [steps, replicas, batch, ...])`, from the input order."""
+
+        def split(predictions):
+            def by_step(a):
+                return np.asarray(a).reshape(steps, self.replicas, -1, *a.shape[1:])
+
+            return predictions, jax.tree_util.tree_map(by_step, predictions)
+
+        return split

@@ -114,9 +114,12 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     reduction = options.replicated_metric_reduction_method
     recompute = _recomputation(options)
     loop = ipu_system.require().option("execution_loop", "auto")
+    accumulate_outfeed = bool(options.pipelining_accumulate_outfeed)
+    # As in the reference, accumulated logs have no steps to report one by one.
+    stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           reduction, options.pipelining_accumulate_outfeed, recompute, loop)
+           reduction, accumulate_outfeed, recompute, loop, stepwise)
 
     def build():
         used = max(mapping) + 1
@@ -139,20 +142,28 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             execution = pipelined_model.build_inference_program(pipe, state, table, mode)
         layout = pipelined_model.PipelineLayout(replicas.count, micro)
         cost = _pipeline_cost(pipe, state, table, feed.first_batch(), mode, options)
+        finalize = layout.finalize(mode, REPLICA_REDUCTIONS[reduction], accumulate_outfeed)
+        if stepwise and mode != "predict":
+            finalize = layout.with_steps(finalize)
         program = ExecutionProgram(
             mode=mode,
             replicas=Replicas(ipus),
             hardware=hardware,
             micro_batches_per_step=micro,
-            finalize=layout.finalize(mode, REPLICA_REDUCTIONS[reduction],
-                                     bool(options.pipelining_accumulate_outfeed)),
+            finalize=finalize,
             execution=execution,
             pipeline=cost,
             replica_count=replicas.count,
             loop=loop,
             dispatched=host_form,
         )
-        return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count)
+        split_steps = None
+        if stepwise:
+            split_steps = (layout.predictions_by_step(feed.plan.steps_per_execution)
+                           if mode == "predict" else tuple)
+        return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count,
+                       batches_per_step=None if mode == "predict" else micro,
+                       split_steps=split_steps)
 
     return key, build
 

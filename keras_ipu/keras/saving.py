@@ -1,0 +1,157 @@
+"""Saving inside the scope: files are replaced whole, and bad files are named for what is wrong.
+
+`write_whole` makes `model.save` and `model.save_weights` (and so
+`keras.callbacks.ModelCheckpoint`) write to a temporary file next to the
+target and move it into place only once complete: a save that fails leaves
+the previous file as it was. `check_model_file` explains why a `.keras` file
+cannot be a Keras model (Keras itself says "File not found" for a file that
+exists but is not a zip archive); `install` makes `keras.models.load_model`
+run it first inside a strategy scope (outside, Keras is left as it is).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+# The extensions Keras recognises, longest first.
+_EXTENSIONS = (".weights.h5", ".keras", ".h5", ".hdf5")
+_CONFIG = "config.json"
+
+
+def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> Any:
+    """Calls `write(temporary path)`, then moves the file to `filepath` in one step.
+
+    Args:
+        filepath: The target file.
+        overwrite: Keras' `overwrite`: when `False` and the file exists, the
+            user is asked first (Keras' prompt).
+        write: Writes the file at the path it is given.
+
+    Returns:
+        What `write` returned (`None` when the user declined to overwrite).
+
+    Raises:
+        Whatever `write` raised; the target is then untouched and the
+        temporary file removed.
+
+    Example:
+
+    >>> write_whole("m.keras", True, lambda path: keras.Model.save(model, path))
+    """
+    path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+    suffix = _extension(path) if path is not None else None
+    if suffix is None or "://" in path or os.path.isdir(path):
+        return write(filepath)  # remote paths, directories, unknown formats: as Keras does
+    if not overwrite and os.path.exists(path):
+        from keras.src.utils import io_utils
+
+        if not io_utils.ask_to_proceed_with_overwrite(path):
+            return None
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(
+        dir=folder, prefix=f".{os.path.basename(path)}.", suffix=suffix)
+    os.close(handle)
+    try:
+        result = write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    return result
+
+
+def check_model_file(filepath: Any) -> None:
+    """Raises an error that says what is wrong with a `.keras` file that exists.
+
+    Files that do not exist, directories and other formats are left to Keras.
+
+    Args:
+        filepath: The file given to `load_model`.
+
+    Raises:
+        ValueError: For an empty file, one that is not a zip archive, a
+            damaged archive, or an archive without the model's `config.json`.
+
+    Example:
+
+    >>> check_model_file("weights.bin.keras")
+    ValueError: weights.bin.keras is not a valid .keras archive: it is not a zip file ...
+    """
+    if not isinstance(filepath, (str, os.PathLike)):
+        return
+    path = os.fspath(filepath)
+    if not path.endswith(".keras") or not os.path.isfile(path):
+        return
+    problem = _archive_problem(path)
+    if problem:
+        raise ValueError(
+            f"{path} is not a valid .keras archive: {problem}. A .keras file is the zip "
+            f"archive `model.save(...)` writes."
+        )
+
+
+def install() -> None:
+    """Makes `keras.models.load_model` (and `keras.saving.load_model`) check the file in a scope.
+
+    Idempotent. Outside every strategy scope the wrapped function is Keras' own.
+
+    Example:
+
+    >>> install()
+    """
+    import keras
+
+    for namespace in (keras.models, keras.saving):
+        original = namespace.load_model
+        if getattr(original, "_keras_ipu_checked", False):
+            continue
+        namespace.load_model = _checked_loader(original)
+
+
+def _checked_loader(original: Callable[..., Any]) -> Callable[..., Any]:
+    import functools
+
+    from keras_ipu.keras import context
+
+    @functools.wraps(original)
+    def load_model(filepath, *args, **kwargs):
+        if context.current_strategy() is not None:
+            check_model_file(filepath)
+        return original(filepath, *args, **kwargs)
+
+    load_model._keras_ipu_checked = True
+    return load_model
+
+
+def _archive_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    if size == 0:
+        return "it is empty (0 bytes)"
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            start = f.read(16)
+        return f"it is not a zip file ({size} bytes, starting {start!r})"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"the zip archive is damaged ({error})"
+    if damaged is not None:
+        return f"the zip archive is damaged (member {damaged!r} fails its checksum)"
+    if _CONFIG not in names:
+        held = ", ".join(sorted(names)[:5]) or "nothing"
+        return f"the zip archive has no {_CONFIG} (it holds: {held})"
+    return None
+
+
+def _extension(path: str) -> str | None:
+    return next((ext for ext in _EXTENSIONS if path.endswith(ext)), None)
+
+
+__all__ = ["check_model_file", "install", "write_whole"]

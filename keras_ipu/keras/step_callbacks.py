@@ -1,0 +1,204 @@
+"""Asynchronous callbacks: every step's results, to the batch callbacks, while the device runs.
+
+With `set_asynchronous_callbacks(True)` a run's program streams its steps'
+outputs out of its on-device loop in chunks (`device/outfeed.py`), and a host
+thread of the run (`CallbackThread`) calls the batch hooks for each batch, in
+order, while the device runs the later steps: `on_*_batch_begin(i)` then
+`on_*_batch_end(i, logs)`, once per replica (as the reference's polling thread
+does), with the logs reduced over the replicas as `set_replication_options`
+says (`NONE`: each replica its own). Programs that do not stream (pipelines)
+return every step's results with the execution; they are delivered the same
+way when it ends.
+
+The hooks need a thread of their own: on a CPU an execution that streams runs
+on the thread that dispatched it. The run waits for an execution's hooks
+before it dispatches the next one, so `stop_training` set by a hook ends
+training at the next execution boundary. An exception in a hook mutes the
+stream (the running execution finishes without waiting for a reader) and
+reaches the caller of `fit` as it was raised, when the execution ends.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
+
+# One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
+_HOST_REDUCTIONS = {
+    Reduction.SUM: lambda values: np.sum(values, axis=0),
+    Reduction.MEAN: lambda values: np.mean(values, axis=0),
+}
+
+
+class StepDelivery:
+    """Calls a run's batch hooks once per batch and replica, from chunks of steps.
+
+    Args:
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        replicas: The replication factor.
+        batches_per_step: Batches in one program step, when its outputs
+            have a leading axis of that many batches (gradient
+            accumulation); `None` when a step is one batch without one.
+        reduction: How the replicas' logs are combined.
+        on_begin: The mode's `on_*_batch_begin`.
+        on_end: The mode's `on_*_batch_end`.
+
+    Example:
+
+    >>> delivery = StepDelivery("fit", 1, None, Reduction.NONE, cbs.on_train_batch_begin,
+    ...                         cbs.on_train_batch_end)
+    >>> delivery.deliver(begin=0, chunks=stream.chunks(16, finished=marker.is_ready))
+    """
+
+    def __init__(self, mode: str, replicas: int, batches_per_step: int | None,
+                 reduction: Reduction, on_begin: Callable[..., Any],
+                 on_end: Callable[..., Any]):
+        self.mode = mode
+        self.replicas = replicas
+        self.batches_per_step = batches_per_step
+        self.reduction = reduction
+        self._on_begin = on_begin
+        self._on_end = on_end
+
+    def deliver(self, begin: int, chunks: Iterable[list[Any]]) -> None:
+        """Calls the hooks for each batch of `chunks`, from index `begin`.
+
+        Each chunk is its replicas' outputs of some consecutive program steps
+        (leading axis: the steps).
+        """
+        index = begin
+        for per_replica in chunks:
+            per_batch = self._per_batch_logs(per_replica)
+            for logs_of_replicas in zip(*per_batch):
+                for logs in logs_of_replicas:
+                    self._on_begin(index)
+                    self._on_end(index, logs)
+                index += 1
+
+    def _per_batch_logs(self, per_replica: list[Any]) -> list[list[Any]]:
+        """For each replica's call, the logs of each batch of the chunk (converted once)."""
+        treedef = jax.tree_util.tree_structure(per_replica[0])
+        leaves = [[self._by_batch(leaf) for leaf in jax.tree_util.tree_leaves(values)]
+                  for values in per_replica]
+        if self.mode == "predict":
+            return [[{"outputs": treedef.unflatten(batch)} for batch in zip(*replica)]
+                    for replica in leaves]
+        if self.replicas > 1 and self.reduction != Reduction.NONE:
+            leaves = [self._reduced(leaves)] * self.replicas
+        return [[treedef.unflatten(batch) for batch in zip(*(_python(leaf) for leaf in replica))]
+                for replica in leaves]
+
+    def _by_batch(self, leaf: Any) -> np.ndarray:
+        """A chunk's leaf with one entry per batch: `[steps × batches_per_step, ...]`."""
+        leaf = np.asarray(leaf)
+        if self.batches_per_step is None:
+            return leaf
+        return leaf.reshape(-1, *leaf.shape[2:])
+
+    def _reduced(self, leaves: list[list[np.ndarray]]) -> list[Any]:
+        """Each log entry reduced over the replicas (`LIST`: the list of their values)."""
+        by_entry = [np.stack(values) for values in zip(*leaves)]  # [R, batches, ...]
+        if self.reduction == Reduction.LIST:
+            return [_ListOfReplicas(values) for values in by_entry]
+        return [_HOST_REDUCTIONS[self.reduction](values) for values in by_entry]
+
+
+class _ListOfReplicas:
+    """`LIST` reduction of one log entry: per batch, the list of the replicas' values."""
+
+    def __init__(self, values: np.ndarray):
+        self._values = values.tolist()  # [R][batches]
+
+    def __iter__(self):
+        return (list(batch) for batch in zip(*self._values))
+
+
+def _python(leaf: Any) -> Any:
+    """A log entry's per-batch values as Python floats when they are scalars."""
+    if isinstance(leaf, np.ndarray) and leaf.ndim == 1:
+        return leaf.tolist()
+    return leaf
+
+
+class CallbackThread:
+    """The host thread that runs a run's batch hooks, one execution's steps at a time.
+
+    Args:
+        delivery: Calls the hooks.
+        on_error: Called on the thread when a hook raises (e.g. to mute the
+            stream the execution sends its steps to).
+
+    Example:
+
+    >>> with CallbackThread(delivery, stream.mute) as hooks:
+    ...     hooks.submit(begin, stream.chunks(16, finished=lambda: done[0]))
+    ...     state, outfeed = program(state, batches)
+    ...     hooks.wait()  # raises a hook's exception
+    """
+
+    def __init__(self, delivery: StepDelivery, on_error: Callable[[], None]):
+        self._delivery = delivery
+        self._on_error = on_error
+        self._jobs: queue.Queue = queue.Queue()
+        self._done = threading.Semaphore(0)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="keras_ipu-callbacks",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, begin: int, chunks: Iterable[list[Any]]) -> None:
+        """Hands over one execution's chunks of steps, numbered from `begin`."""
+        self._jobs.put((begin, chunks))
+
+    def wait(self) -> None:
+        """Blocks until the submitted execution's hooks have run.
+
+        Raises:
+            BaseException: What a hook raised, as it was raised.
+        """
+        self._done.acquire()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            begin, chunks = job
+            try:
+                if self._error is None:
+                    self._delivery.deliver(begin, chunks)
+            except BaseException as error:  # handed to the run's thread
+                self._on_error()
+                self._error = error
+            finally:
+                self._done.release()
+
+    def close(self) -> None:
+        """Ends the thread (after the submitted work)."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> CallbackThread:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def returned_chunk(per_step: Any, replicas: int) -> list[list[Any]]:
+    """An execution's returned per-step outputs `[steps, replicas, ...]` as one chunk.
+
+    For programs that do not stream; the form `StepStream.chunks` yields.
+    """
+    per_step = jax.tree_util.tree_map(np.asarray, per_step)
+    return [[jax.tree_util.tree_map(lambda a, r=r: a[:, r], per_step) for r in range(replicas)]]
+
+
+__all__ = ["CallbackThread", "StepDelivery", "returned_chunk"]

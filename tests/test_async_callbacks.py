@@ -1,0 +1,222 @@
+"""Asynchronous callbacks: every step's results reach the batch hooks while the device runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import assert_weights_close, configure
+from models import data_for, twin
+
+SPE, BATCHES, BATCH = 16, 64, 4
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records every batch hook: (hook, index, logs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def _record(self, hook, batch, logs):
+        self.calls.append((hook, batch, dict(logs or {})))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._record("train_begin", batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._record("train_end", batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._record("test_end", batch, logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._record("predict_end", batch, logs)
+
+    def indices(self, hook):
+        return [batch for name, batch, _ in self.calls if name == hook]
+
+    def logs(self, hook):
+        return [logs for name, _, logs in self.calls if name == hook]
+
+
+def _run_all(model, x, y, asynchronous):
+    model.set_asynchronous_callbacks(asynchronous)
+    recorder = Recorder()
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[recorder])
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[recorder])
+    predicted = model.predict(x, batch_size=BATCH, verbose=0, callbacks=[recorder])
+    return recorder, history.history, evaluated, predicted
+
+
+def test_every_step_reaches_the_hooks_in_order_with_the_synchronous_results(strategy):
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    results = {}
+    for asynchronous in (False, True):
+        _, model = twin("sequential", strategy, steps_per_execution=SPE)
+        results[asynchronous] = _run_all(model, x, y, asynchronous)
+    sync, streamed = results[False][0], results[True][0]
+    assert sync.indices("train_end") == [15, 31, 47, 63]
+    assert sync.indices("test_end") == sync.indices("predict_end") == [15, 31, 47, 63]
+    every = list(range(BATCHES))
+    assert streamed.indices("train_begin") == streamed.indices("train_end") == every
+    assert streamed.indices("test_end") == streamed.indices("predict_end") == every
+    # The final logs, evaluation and predictions are the synchronous run's.
+    assert results[True][1] == results[False][1]
+    np.testing.assert_allclose(results[True][2], results[False][2], rtol=1e-6)
+    np.testing.assert_allclose(results[True][3], results[False][3], rtol=1e-6)
+    # The last step's logs are the execution's; each step has its own loss.
+    assert streamed.logs("train_end")[-1] == pytest.approx(sync.logs("train_end")[-1])
+    losses = [logs["loss"] for logs in streamed.logs("train_end")]
+    assert len(set(losses)) > BATCHES // 2
+    # Each predict hook gets that step's predictions.
+    steps = np.concatenate([logs["outputs"] for logs in streamed.logs("predict_end")])
+    np.testing.assert_allclose(steps, results[True][3], rtol=1e-6)
+
+
+def test_replicas_report_each_step_once_each_with_the_reduced_logs(strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", ipu.ipu_strategy.IPUStrategy(), steps_per_execution=SPE // 2)
+    model.set_replication_options("mean")
+    recorder, history, _, predicted = _run_all(model, x, y, True)
+    # The reference's counts: 32 steps per replica, each reported by both.
+    pairs = [i for i in range(BATCHES // 2) for _ in range(2)]
+    assert recorder.indices("train_end") == recorder.indices("test_end") == pairs
+    assert recorder.indices("predict_end") == pairs
+    logs = recorder.logs("train_end")
+    assert all(logs[i] == logs[i + 1] for i in range(0, len(logs), 2))
+    assert logs[-1]["loss"] == pytest.approx(history["loss"][-1], rel=1e-6)
+    # Replica r's step s holds input batch 2s + r: the predictions in order.
+    steps = np.concatenate([logs["outputs"] for logs in recorder.logs("predict_end")])
+    np.testing.assert_allclose(steps, predicted, rtol=1e-6)
+
+
+def _two_stage_mlp():
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    model.set_pipeline_stage_assignment([0, 1])
+    return model
+
+
+@pytest.mark.parametrize("accumulate_outfeed", [False, True])
+def test_a_pipelined_model_reports_every_micro_batch(accumulate_outfeed, strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    with strategy.scope():
+        model = _two_stage_mlp()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], steps_per_execution=SPE)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=SPE // 2,
+                                 accumulate_outfeed=accumulate_outfeed)
+    recorder, history, _, predicted = _run_all(model, x, y, True)
+    every = list(range(BATCHES))
+    # As in the reference, accumulated logs are reported once per execution.
+    expected = [15, 31, 47, 63] if accumulate_outfeed else every
+    assert recorder.indices("train_end") == recorder.indices("test_end") == expected
+    assert recorder.indices("predict_end") == every
+    if not accumulate_outfeed:
+        assert recorder.logs("train_end")[-1]["loss"] == pytest.approx(history["loss"][-1])
+    steps = np.concatenate([logs["outputs"] for logs in recorder.logs("predict_end")])
+    np.testing.assert_allclose(steps, predicted, rtol=1e-6)
+
+
+def test_steps_arrive_while_the_execution_runs(strategy):
+    # A model whose 64-step execution takes well over half a second here.
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((256,))] + [
+            keras.layers.Dense(512, activation="tanh") for _ in range(4)] + [
+            keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=64)
+    model.set_asynchronous_callbacks(True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 192, 256)).astype("float32")
+    y = rng.normal(size=(64 * 192, 1)).astype("float32")
+    model.fit(x, y, batch_size=192, epochs=1, verbose=0)  # compiled
+
+    arrivals: list = []
+    stamps = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: arrivals.append(time.perf_counter()),
+        on_train_batch_end=lambda batch, logs: arrivals.append(time.perf_counter()),
+        on_epoch_end=lambda epoch, logs: arrivals.append(time.perf_counter()))
+    model.fit(x, y, batch_size=192, epochs=1, verbose=0, callbacks=[stamps])
+    begin, first, end = arrivals[0], arrivals[1], arrivals[-1]
+    assert len(arrivals) == 64 + 2
+    assert end - begin >= 0.5, "the execution is too fast to show streaming"
+    assert first - begin < 0.6 * (end - begin)
+
+
+class RaiseAt(keras.callbacks.Callback):
+    def __init__(self, step, error=ValueError):
+        super().__init__()
+        self.step, self.error = step, error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.step:
+            raise self.error(f"stop at {batch}")
+
+
+def _callback_threads():
+    return [t for t in threading.enumerate() if t.name == "keras_ipu-callbacks"]
+
+
+def test_an_exception_in_a_hook_stops_the_run_and_leaves_the_model_usable(strategy):
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    _, reference = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="stop at 21") as raised:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[RaiseAt(SPE + 5)])
+    assert time.perf_counter() - started < 5
+    assert raised.traceback[-1].name == "on_train_batch_end"  # the original traceback
+    assert _callback_threads() == []
+    # The weights are those after the last execution whose hooks all ran.
+    reference.fit(x[: SPE * BATCH], y[: SPE * BATCH], batch_size=BATCH, epochs=1,
+                  shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), model.get_weights(), atol=1e-6)
+    assert model.predict(x, batch_size=BATCH, verbose=0).shape == (BATCHES * BATCH, 3)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Recorder()])
+    assert np.isfinite(history.history["loss"][-1])
+
+
+def test_stop_training_ends_at_the_next_execution_boundary(strategy):
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    _, reference = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    recorder = Recorder()
+
+    def stop(batch, logs):
+        if batch == SPE + 5:
+            model.stop_training = True
+
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+              callbacks=[recorder, keras.callbacks.LambdaCallback(on_train_batch_end=stop)])
+    assert recorder.indices("train_end") == list(range(2 * SPE))
+    reference.fit(x[: 2 * SPE * BATCH], y[: 2 * SPE * BATCH], batch_size=BATCH, epochs=1,
+                  shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def test_the_option_is_saved_and_checked(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        with pytest.raises(TypeError, match="must be a bool"):
+            model.set_asynchronous_callbacks("yes")
+        model.set_asynchronous_callbacks(True)
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    from keras_ipu.keras import options
+
+    assert options.options_of(loaded).asynchronous_callbacks is True

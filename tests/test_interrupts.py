@@ -1,0 +1,96 @@
+"""Interrupts during fit: the weights are those after the last completed execution."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import assert_weights_close, configure
+from models import data_for
+
+SPE, BATCH, DONE = 4, 4, 3  # interrupted after 3 executions
+
+
+def _model(setup: str):
+    configure(2 if setup != "one_ipu" else 1)
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(3),
+        ])
+        if setup == "pipelined":
+            model.set_pipeline_stage_assignment([0, 1])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  steps_per_execution=SPE)
+    if setup == "pipelined":
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=SPE)
+    return model
+
+
+def _batches_per_execution(setup: str) -> int:
+    return SPE * (2 if setup == "replicated" else 1)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise KeyboardInterrupt  # what Ctrl-C raises in a notebook
+
+
+class _FailingBatches(keras.utils.PyDataset):
+    def __init__(self, x, y, fail_at):
+        super().__init__()
+        self.x, self.y, self.fail_at = x, y, fail_at
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, index):
+        if index == self.fail_at:
+            raise OSError(f"batch {index} could not be read")
+        rows = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+
+@pytest.mark.parametrize("source", ["callback", "data"])
+@pytest.mark.parametrize("setup", ["one_ipu", "replicated", "pipelined"])
+def test_weights_after_an_interrupt_are_the_last_completed_executions(setup, source, tmp_path):
+    x, y = data_for("sequential", samples=16 * _batches_per_execution(setup) * BATCH)
+    completed = DONE * _batches_per_execution(setup) * BATCH
+    expected_model = _model(setup)
+    expected_model.fit(x[:completed], y[:completed], batch_size=BATCH, epochs=1,
+                       shuffle=False, verbose=0)
+    expected = expected_model.get_weights()
+
+    model = _model(setup)
+    if source == "callback":
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[_Interrupt(DONE * SPE - 1)])
+    else:
+        # The first batch of execution DONE + 1 cannot be made.
+        with pytest.raises(OSError, match="could not be read"):
+            model.fit(_FailingBatches(x, y, completed // BATCH + 1), epochs=1, verbose=0,
+                      shuffle=False)
+    assert_weights_close(expected, model.get_weights(), atol=1e-6)
+
+    # The model is usable: it saves, evaluates, and trains on like the other.
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model.save(tmp_path / "interrupted.keras")
+        reloaded = keras.models.load_model(tmp_path / "interrupted.keras")
+    assert_weights_close(expected, reloaded.get_weights(), atol=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               expected_model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               rtol=1e-5)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    expected_model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(expected_model.get_weights(), model.get_weights(), atol=1e-5)

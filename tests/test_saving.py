@@ -1,0 +1,191 @@
+"""Saving and loading inside the scope: every IPU option, the stages, weights, optimizer, files."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.keras import options
+
+from conftest import assert_weights_close, configure
+from models import data_for
+
+
+def _sequential():
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    model.set_pipeline_stage_assignment([0, 1])
+    return model
+
+
+def _functional():
+    inputs = keras.Input((6,))
+    with ipu.keras.PipelineStage(0):
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+    with ipu.keras.PipelineStage(1):
+        out = keras.layers.Dense(3)(h)
+    return keras.Model(inputs, out)
+
+
+@keras.saving.register_keras_serializable("keras_ipu_tests")
+class TwoStages(keras.Model):
+    """A subclassed model whose `call` names its two stages."""
+
+    def __init__(self, units=8, staged=True, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.staged = units, staged
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        if not self.staged:
+            return self.out(self.hidden(x))
+        with ipu.keras.PipelineStage(0):
+            x = self.hidden(x)
+        with ipu.keras.PipelineStage(1):
+            return self.out(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "staged": self.staged}
+
+
+BUILDERS = {"sequential": _sequential, "functional": _functional, "subclassed": TwoStages}
+
+
+def _build(kind: str, pipelined: bool):
+    if kind == "subclassed":
+        return TwoStages(staged=pipelined)
+    model = BUILDERS[kind]()
+    if not pipelined:
+        model.reset_pipeline_stage_assignment()
+    return model
+
+
+def _set_every_option(model, pipelined: bool):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=8)
+    if pipelined:
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     device_mapping=[1, 0], accumulate_outfeed=False,
+                                     gradient_accumulation_reduction_method="mean")
+    else:
+        model.set_gradient_accumulation_options(
+            gradient_accumulation_steps_per_replica=2,
+            gradient_accumulation_reduction_method="running_mean")
+    model.set_replication_options("mean")
+    model.set_asynchronous_callbacks(True)
+    model.set_infeed_queue_options(prefetch_depth=3)
+    model.set_outfeed_queue_options(buffer_depth=2)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one_ipu", "pipelined"])
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_a_model_round_trips_with_every_option(kind, pipelined, strategy, tmp_path):
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    with strategy.scope():
+        model = _build(kind, pipelined)
+        model(x[:1])
+        _set_every_option(model, pipelined)
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    saved, restored = options.options_of(model), options.options_of(loaded)
+    assert restored.to_config() == saved.to_config()
+    assert restored.asynchronous_callbacks and restored.infeed_kwargs == {"prefetch_depth": 3}
+    assert [a.pipeline_stage for a in loaded.get_pipeline_stage_assignment()] == [
+        a.pipeline_stage for a in model.get_pipeline_stage_assignment()]
+    assert_weights_close(model.get_weights(), loaded.get_weights(), atol=0)
+    # The optimizer state and the compiled settings come back too.
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) > 0
+    assert_weights_close([v.numpy() for v in model.optimizer.variables],
+                         [v.numpy() for v in loaded.optimizer.variables], atol=0)
+    assert loaded.steps_per_execution == 8
+    np.testing.assert_allclose(loaded.predict(x, batch_size=4, verbose=0),
+                               model.predict(x, batch_size=4, verbose=0), atol=1e-6)
+    # The loaded model trains on, as the saved one does.
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    assert_weights_close(model.get_weights(), loaded.get_weights(), atol=1e-6)
+
+
+def test_loaded_outside_the_scope_is_a_plain_model_with_the_same_weights(strategy, tmp_path):
+    # A subclassed model that opens PipelineStage scopes cannot run outside
+    # an IPUStrategy (as in the reference): the other kinds can.
+    with strategy.scope():
+        model = _functional()
+        model.save(tmp_path / "m.keras")
+    plain = keras.models.load_model(tmp_path / "m.keras")
+    assert not isinstance(plain, ipu.keras.extensions.FunctionalExtension)
+    assert_weights_close(model.get_weights(), plain.get_weights(), atol=0)
+    x = np.ones((4, 6), "float32")
+    np.testing.assert_allclose(plain.predict(x, verbose=0), np.asarray(model(x)),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize("setup", ["one_ipu", "replicated", "pipelined"])
+def test_model_checkpoint_saves_each_epochs_weights(setup, weights_only, strategy, tmp_path):
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    with strategy.scope():
+        model = _sequential() if setup == "pipelined" else keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    if setup == "pipelined":
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    path = str(tmp_path / ("ckpt_{epoch}.weights.h5" if weights_only else "ckpt_{epoch}.keras"))
+    seen = []
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(path, save_weights_only=weights_only),
+        keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: seen.append(model.get_weights()))])
+    for epoch, expected in enumerate(seen, start=1):
+        with strategy.scope():
+            if weights_only:
+                restored = keras.models.clone_model(model)
+                restored.load_weights(path.format(epoch=epoch))
+            else:
+                restored = keras.models.load_model(path.format(epoch=epoch))
+        assert_weights_close(expected, restored.get_weights(), atol=0)
+
+
+def test_a_file_that_is_not_a_keras_archive_says_what_is_wrong(strategy, tmp_path):
+    with strategy.scope():
+        for name, content in [("text.keras", b"not a zip file"), ("empty.keras", b"")]:
+            (tmp_path / name).write_bytes(content)
+            with pytest.raises(ValueError, match="not a valid .keras archive"):
+                keras.models.load_model(tmp_path / name)
+        with zipfile.ZipFile(tmp_path / "foreign.keras", "w") as archive:
+            archive.writestr("readme.txt", "a zip, but not a Keras model")
+        with pytest.raises(ValueError, match="config.json"):
+            keras.models.load_model(tmp_path / "foreign.keras")
+
+
+def test_a_failed_save_leaves_the_previous_file_in_place(strategy, tmp_path, monkeypatch):
+    x, y = data_for("sequential", samples=16)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        target = tmp_path / "m.keras"
+        model.save(target)
+        good = target.read_bytes()
+
+        def broken(*args, **kwargs):
+            raise OSError("disk full")
+
+        import keras.src.saving.saving_lib as saving_lib
+
+        monkeypatch.setattr(saving_lib, "_save_state", broken)
+        with pytest.raises(OSError, match="disk full"):
+            model.save(target)
+    assert target.read_bytes() == good
+    assert sorted(os.listdir(tmp_path)) == ["m.keras"]
