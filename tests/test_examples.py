@@ -21,6 +21,7 @@ RUNNABLE = [
     "example_19_4_2_functional_pipeline.py",
     "example_19_4_2_existing_resnet50.py",
     "example_19_4_3_subclass_pipeline.py",
+    "example_19_7_feed_options.py",
 ]
 
 
