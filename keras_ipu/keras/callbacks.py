@@ -1,0 +1,193 @@
+"""Callbacks for IPU models: TensorBoard logging without TensorFlow.
+
+`keras.callbacks.TensorBoard` needs TensorFlow, also on Keras 3 with JAX.
+`TensorBoard` here takes Keras' arguments and writes TensorBoard event files
+through tensorboardX (the optional extra `keras_ipu[tensorboard]`), in the
+layout Keras uses (`log_dir/train`, `log_dir/validation`, tags such as
+`epoch_loss`), plus what an IPU user looked at in PopVision: each IPU's
+memory and estimated cycles from the execution report.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from keras.src.callbacks.callback import Callback
+
+# Keras arguments accepted for ported code; the device model has nothing to
+# write for them.
+_NO_EFFECT = ("profile_batch", "embeddings_freq", "embeddings_metadata")
+
+
+class TensorBoard(Callback):
+    """Writes TensorBoard logs of training, without TensorFlow.
+
+    Scalars (per epoch: `epoch_<metric>`, with `val_` metrics in the
+    `validation` run; per batch with `update_freq`: `batch_<metric>`, every
+    step with asynchronous callbacks), the learning rate, weight histograms
+    (`histogram_freq`), kernels as images (`write_images`), the model summary
+    as text (`write_graph`: there is no TensorFlow graph), and the IPUs of the
+    execution report: `ipu/memory_bytes/ipu_<i>`,
+    `ipu/memory_fraction/ipu_<i>` and `ipu/estimated_cycles/ipu_<i>`, each
+    epoch.
+
+    Args:
+        log_dir: Where the runs' event files go.
+        histogram_freq: Epochs between weight histograms (0: none).
+        write_graph: Write the model summary (text).
+        write_images: Write 2-D kernels as images.
+        write_steps_per_second: Write `epoch_steps_per_second`.
+        update_freq: `"epoch"`, `"batch"`, or a number of batches between
+            batch-level scalars.
+        profile_batch, embeddings_freq, embeddings_metadata: Accepted for
+            ported code; no effect.
+
+    Raises:
+        ImportError: When tensorboardX is not installed (`pip install
+            keras_ipu[tensorboard]`).
+        ValueError: For an unknown `update_freq` or a negative frequency.
+
+    Example:
+
+    >>> model.fit(x, y, callbacks=[keras_ipu.keras.callbacks.TensorBoard("logs")])
+    """
+
+    def __init__(self, log_dir: str = "logs", histogram_freq: int = 0, write_graph: bool = True,
+                 write_images: bool = False, write_steps_per_second: bool = False,
+                 update_freq: str | int = "epoch", profile_batch: Any = 0,
+                 embeddings_freq: int = 0, embeddings_metadata: Any = None):
+        super().__init__()
+        _writer_class()  # fail now, not at the first epoch
+        if not (update_freq in ("epoch", "batch") or
+                (isinstance(update_freq, int) and update_freq > 0)):
+            raise ValueError(
+                f"`update_freq` must be 'epoch', 'batch' or a positive integer, got "
+                f"{update_freq!r}.")
+        if not isinstance(histogram_freq, int) or histogram_freq < 0:
+            raise ValueError(f"`histogram_freq` must be an integer >= 0, got {histogram_freq!r}.")
+        self.log_dir = os.fspath(log_dir)
+        self.histogram_freq = histogram_freq
+        self.write_graph = write_graph
+        self.write_images = write_images
+        self.write_steps_per_second = write_steps_per_second
+        self.update_freq = 1 if update_freq == "batch" else update_freq
+        self.ignored = {name: value for name, value in zip(
+            _NO_EFFECT, (profile_batch, embeddings_freq, embeddings_metadata)) if value}
+        self._writers: dict[str, Any] = {}
+        self._train_step = 0
+        self._epoch_started = 0.0
+        self._epoch_batches = 0
+
+    def _writer(self, run: str) -> Any:
+        if run not in self._writers:
+            self._writers[run] = _writer_class()(os.path.join(self.log_dir, run))
+        return self._writers[run]
+
+    def on_train_begin(self, logs=None):
+        self._train_step = 0
+        if self.write_graph:
+            lines: list[str] = []
+            self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+            self._writer("train").add_text("model_summary", "\n".join(
+                f"    {line}" for line in lines), 0)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_started = time.perf_counter()
+        self._epoch_batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._train_step += 1
+        self._epoch_batches = batch + 1
+        if self.update_freq == "epoch" or self._train_step % self.update_freq:
+            return
+        writer = self._writer("train")
+        for name, value in _scalars(logs).items():
+            writer.add_scalar(f"batch_{name}", value, self._train_step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        train, validation = self._writer("train"), None
+        for name, value in _scalars(logs).items():
+            if name.startswith("val_"):
+                validation = validation or self._writer("validation")
+                validation.add_scalar(f"epoch_{name[4:]}", value, epoch)
+            else:
+                train.add_scalar(f"epoch_{name}", value, epoch)
+        rate = _learning_rate(self.model)
+        if rate is not None:
+            train.add_scalar("epoch_learning_rate", rate, epoch)
+        if self.write_steps_per_second and self._epoch_batches:
+            seconds = time.perf_counter() - self._epoch_started
+            train.add_scalar("epoch_steps_per_second", self._epoch_batches / seconds, epoch)
+        self._write_ipus(train, epoch)
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            self._write_weights(train, epoch)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def on_train_end(self, logs=None):
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+    def _write_ipus(self, writer: Any, epoch: int) -> None:
+        """Each IPU's memory and estimated cycles, from the fit's execution report."""
+        from keras_ipu.keras import report
+
+        try:
+            execution = report.execution_report(self.model, "fit")
+        except (ValueError, AttributeError):
+            return  # not an IPU model, or nothing compiled
+        for ipu in execution.ipus:
+            writer.add_scalar(f"ipu/memory_bytes/ipu_{ipu.index}", ipu.memory_bytes, epoch)
+            writer.add_scalar(f"ipu/memory_fraction/ipu_{ipu.index}", ipu.memory_fraction, epoch)
+            writer.add_scalar(f"ipu/estimated_cycles/ipu_{ipu.index}", ipu.estimated_cycles,
+                              epoch)
+
+    def _write_weights(self, writer: Any, epoch: int) -> None:
+        for layer in self.model.layers:
+            for weight in layer.weights:
+                name = weight.path.replace(":", "_")
+                values = np.asarray(weight.numpy())
+                writer.add_histogram(name, values, epoch)
+                if self.write_images and values.ndim == 2:
+                    span = float(values.max() - values.min()) or 1.0
+                    writer.add_image(f"{name}/image", (values - values.min()) / span, epoch,
+                                     dataformats="HW")
+
+
+def _scalars(logs: Any) -> dict[str, float]:
+    """The scalar entries of Keras logs, as floats."""
+    scalars = {}
+    for name, value in (logs or {}).items():
+        if np.ndim(value) == 0:
+            try:
+                scalars[name] = float(value)
+            except (TypeError, ValueError):
+                continue
+    return scalars
+
+
+def _learning_rate(model: Any) -> float | None:
+    optimizer = getattr(model, "optimizer", None)
+    rate = getattr(optimizer, "learning_rate", None)
+    try:
+        return float(np.asarray(rate))
+    except (TypeError, ValueError):
+        return None
+
+
+def _writer_class() -> type:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as error:
+        raise ImportError(
+            "keras_ipu.keras.callbacks.TensorBoard writes event files with tensorboardX: "
+            "`pip install keras_ipu[tensorboard]` (or `pip install tensorboardX`)."
+        ) from error
+    return SummaryWriter
+
+
+__all__ = ["TensorBoard"]

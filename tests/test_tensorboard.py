@@ -1,0 +1,82 @@
+"""TensorBoard logs without TensorFlow, read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+import keras_ipu as ipu
+
+from conftest import configure
+from models import data_for
+
+
+def _read(run_dir):
+    accumulator = event_accumulator.EventAccumulator(
+        str(run_dir), size_guidance={event_accumulator.SCALARS: 0,
+                                     event_accumulator.HISTOGRAMS: 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def _values(accumulator, tag):
+    return [event.value for event in accumulator.Scalars(tag)]
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_event_files_hold_the_epoch_logs_and_each_ipus_memory(pipelined, strategy, tmp_path):
+    configure(2 if pipelined else 1)
+    x, y = data_for("sequential", samples=64)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3)])
+        if pipelined:
+            model.set_pipeline_stage_assignment([0, 1])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                  steps_per_execution=4)
+    if pipelined:
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    board = ipu.keras.callbacks.TensorBoard(tmp_path, histogram_freq=1, update_freq="batch",
+                                            write_steps_per_second=True)
+    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[board],
+                        validation_data=(x, y)).history
+    train, validation = _read(tmp_path / "train"), _read(tmp_path / "validation")
+    np.testing.assert_allclose(_values(train, "epoch_loss"), history["loss"], rtol=1e-6)
+    np.testing.assert_allclose(_values(train, "epoch_mae"), history["mae"], rtol=1e-6)
+    np.testing.assert_allclose(_values(validation, "epoch_loss"), history["val_loss"], rtol=1e-6)
+    np.testing.assert_allclose(_values(train, "epoch_learning_rate"), [0.05] * 3, rtol=1e-6)
+    assert len(_values(train, "epoch_steps_per_second")) == 3
+    # Batch logs once per execution (4 per epoch), as the callbacks get them.
+    assert [e.step for e in train.Scalars("batch_loss")] == list(range(1, 13))
+    report = ipu.utils.execution_report(model, "fit")
+    for ipu_report in report.ipus:
+        memory = _values(train, f"ipu/memory_bytes/ipu_{ipu_report.index}")
+        assert memory == [float(ipu_report.memory_bytes)] * 3 and memory[0] > 0
+        cycles = _values(train, f"ipu/estimated_cycles/ipu_{ipu_report.index}")
+        assert cycles == pytest.approx([float(ipu_report.estimated_cycles)] * 3, rel=1e-6)
+    assert len(report.ipus) == (2 if pipelined else 1)
+    assert any("kernel" in tag for tag in train.Tags()["histograms"])
+    assert all(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "train"))
+
+
+def test_asynchronous_callbacks_log_every_step(strategy, tmp_path):
+    x, y = data_for("sequential", samples=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_asynchronous_callbacks(True)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[ipu.keras.callbacks.TensorBoard(tmp_path, update_freq=2)])
+    steps = [e.step for e in _read(tmp_path / "train").Scalars("batch_loss")]
+    assert steps == list(range(2, 17, 2))
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="update_freq"):
+        ipu.keras.callbacks.TensorBoard(update_freq="sometimes")
+    with pytest.raises(ValueError, match="histogram_freq"):
+        ipu.keras.callbacks.TensorBoard(histogram_freq=-1)
