@@ -220,3 +220,45 @@ def test_the_option_is_saved_and_checked(strategy, tmp_path):
     from keras_ipu.keras import options
 
     assert options.options_of(loaded).asynchronous_callbacks is True
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one_stage", "pipelined"])
+def test_the_references_counts(pipelined, replicas):
+    """The reference's test: batch 12, 64 steps per epoch, 2 epochs, spe = GA = 16 / R."""
+    configure(replicas * (2 if pipelined else 1))
+    spe = 16 // replicas
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 12, 6)).astype("float32")
+    y = rng.normal(size=(64 * 12, 3)).astype("float32")
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = _two_stage_mlp() if pipelined else keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=spe)
+    if pipelined:
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=spe)
+    else:
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=spe)
+    model.set_asynchronous_callbacks(True)
+    recorder = Recorder()
+    model.fit(x, y, batch_size=12, steps_per_epoch=64, epochs=2, verbose=0,
+              callbacks=[recorder])
+    model.evaluate(x, y, batch_size=12, steps=64, verbose=0, callbacks=[recorder])
+    model.predict(x, batch_size=12, steps=64, verbose=0, callbacks=[recorder])
+    assert len(recorder.indices("train_begin")) == len(recorder.indices("train_end")) == 128
+    assert len(recorder.indices("test_end")) == len(recorder.indices("predict_end")) == 64
+
+
+def test_accumulated_pipeline_logs_are_reported_per_execution():
+    """The reference: R=2, spe=8, accumulate_outfeed -> evaluate hooks 64 // (spe × R) = 4."""
+    configure(4)
+    x, y = data_for("sequential", samples=64 * 4)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = _two_stage_mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=8,
+                                 accumulate_outfeed=True)
+    model.set_asynchronous_callbacks(True)
+    recorder = Recorder()
+    model.evaluate(x, y, batch_size=4, steps=64, verbose=0, callbacks=[recorder])
+    assert len(recorder.indices("test_end")) == 4

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.experimental import io_callback
 
 from keras_ipu.device import accounting, convolutions, loops
 from keras_ipu.device.dispatch import DispatchedExecution
@@ -183,7 +182,7 @@ class ExecutionProgram:
 
         def chunk_body(carry, chunk):
             carry, outputs = jax.lax.scan(body, carry, chunk)
-            io_callback(self.stream.send, None, self.replicas.index(), outputs)
+            self.stream.emit(self.replicas.index(), outputs)
             return carry, outputs
 
         chunks = jax.tree_util.tree_map(

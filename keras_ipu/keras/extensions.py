@@ -238,7 +238,7 @@ class ExtensionBase:
         the host must take them; it matters with asynchronous callbacks,
         where the device sends its steps' results in chunks of at most that
         many steps (a divisor of `steps_per_execution`; by default about a
-        tenth of an execution) while it runs. Smaller chunks reach the
+        fifth of an execution) while it runs. Smaller chunks reach the
         callbacks sooner; each costs a host transfer. `feed_name`,
         `replication_factor` and `io_batch_size` are accepted for ported
         code and have no effect. Each call replaces the previous options.

@@ -4,7 +4,7 @@ The keys are those of the reference's `IPUInfeedQueue` and `IPUOutfeedQueue`
 constructors. Two act on keras_ipu's data path: `prefetch_depth` (how many
 executions' inputs are staged on the device ahead of the running one) and
 `buffer_depth` (how many steps of results the device holds before the host
-must take them, with asynchronous callbacks; by default about a tenth of an
+must take them, with asynchronous callbacks; by default about a fifth of an
 execution). The others are accepted for
 ported code and have no effect; keys Keras sets itself, keys that cannot work
 with Keras and unknown keys are refused.
