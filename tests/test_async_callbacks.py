@@ -262,3 +262,30 @@ def test_accumulated_pipeline_logs_are_reported_per_execution():
     recorder = Recorder()
     model.evaluate(x, y, batch_size=4, steps=64, verbose=0, callbacks=[recorder])
     assert len(recorder.indices("test_end")) == 4
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_a_pipeline_streams_each_weight_update_and_trains_the_same(form, monkeypatch):
+    """Both pipeline forms (schedule program, host-dispatched ops) stream per update."""
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    weights = {}
+    for asynchronous in (False, True):
+        configure(2)
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            keras.utils.set_random_seed(1)
+            model = _two_stage_mlp()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+        model.set_asynchronous_callbacks(asynchronous)
+        recorder = Recorder()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        weights[asynchronous] = model.get_weights()
+    assert recorder.indices("train_end") == list(range(BATCHES))
+    assert_weights_close(weights[False], weights[True], atol=0)
+    from keras_ipu.keras import run
+
+    program = run.program_for(model, "fit")
+    assert program.stream is not None and program.report.steps_per_execution == SPE
+    assert program.report.loop == {"scan": "schedule", "host": "host"}[form]

@@ -30,6 +30,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 _POLL_S = 0.05
+# The replica of a chunk that holds every replica's values (`send_replicated`).
+_ALL_REPLICAS = -1
 # Chunks sent but not yet taken by the host, per replica, before the device waits.
 _CHUNKS_AHEAD = 2
 # Without a buffer depth, an execution sends about this many chunks.
@@ -95,6 +97,14 @@ class StepStream:
         layout_index, replica = data[:_HEADER_BYTES].view(np.int32)
         self.send(int(replica), self._layouts[layout_index].unpack(data[_HEADER_BYTES:]))
 
+    def send_replicated(self, values: Any) -> None:
+        """Queues every replica's chunk at once: arrays `[steps, replicas, ...]`, maybe not ready.
+
+        For programs the host dispatches a chunk at a time: the reader waits
+        for the arrays, not the dispatching thread.
+        """
+        self.send(_ALL_REPLICAS, values)
+
     def send(self, replica: int, values: Any) -> None:
         """Queues one replica's chunk for the host (waits while the host is behind)."""
         entry = (replica, values)
@@ -134,7 +144,12 @@ class StepStream:
                         f"The execution ended after sending {taken} of its {count} steps."
                     ) from None
                 continue
-            pending[replica].append(values)
+            if replica == _ALL_REPLICAS:
+                values = jax.tree_util.tree_map(np.asarray, values)
+                for r, replica_chunks in enumerate(pending):
+                    replica_chunks.append(jax.tree_util.tree_map(lambda a, r=r: a[:, r], values))
+            else:
+                pending[replica].append(values)
             while taken < count and all(pending):
                 chunk = [replica_chunks.popleft() for replica_chunks in pending]
                 taken += _length(chunk[0])

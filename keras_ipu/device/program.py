@@ -96,9 +96,12 @@ class ExecutionProgram:
             execution as separately compiled programs the host dispatches;
             its `choose` decides which of the two runs.
         stream: Where each step's outputs go while the execution runs (a
-            `StepStream`, fed from inside the step loop; see
-            `device/outfeed.py`). Programs that bring their own `execution`
-            stream from it themselves.
+            `StepStream`, see `device/outfeed.py`): the step loop sends them
+            from inside, in chunks. Programs that bring their own
+            `execution` are dispatched one leading slice (a weight update)
+            at a time instead, their `finalize` returning `(outfeed,
+            streamed)`; `streamed`, `[slices, replicas, ...]`, goes to the
+            stream as each dispatch is queued.
 
     Example:
 
@@ -148,13 +151,20 @@ class ExecutionProgram:
             state, outfeed = replicated(state, batches)
             return state, finalize(outfeed)
 
-        # A streaming execution's hooks may read the previous state while
-        # it runs: it is not donated then.
-        self._jitted = jax.jit(execution, donate_argnums=0 if stream is None else ())
+        self._jitted = jax.jit(execution, donate_argnums=0 if self.donates_state else ())
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
         self._max_in_flight = max_in_flight
         self._current: _Executable | None = None
+
+    @property
+    def donates_state(self) -> bool:
+        """Whether an execution consumes the state it is given.
+
+        Not when it streams from inside its loop: the host may read the
+        previous state while it runs.
+        """
+        return self.stream is None or self._own_execution
 
     @property
     def ipu(self) -> VirtualIPU:
@@ -208,6 +218,8 @@ class ExecutionProgram:
 
     def __call__(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """Runs one execution (asynchronously) and returns state and outfeed."""
+        if self.stream is not None and self._own_execution:
+            return self._streamed_slices(state, batches)
         executable = self._current = self._executable(state, batches)
         if executable.dispatched:
             state, outfeed = executable.compiled(state, batches)
@@ -221,6 +233,19 @@ class ExecutionProgram:
             state, outfeed = self._dispatch(executable, state, _step_slice(batches, step))
             outfeeds.append(outfeed)
         return state, self._joined(outfeeds)
+
+    def _streamed_slices(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+        """An own execution, one leading slice per dispatch, each slice's outputs streamed."""
+        executable = self._current = self._executable(state, batches)
+        outfeed = None
+        for index in range(_leading(batches)):
+            state, finalized = executable.compiled(state, _step_slice(batches, index))
+            if executable.dispatched:
+                finalized = self._finalize(finalized)
+            outfeed, streamed = finalized
+            self._bound_in_flight(outfeed)
+            self.stream.send_replicated(streamed)
+        return state, outfeed
 
     def _dispatch(self, executable: _Executable, state: State, batches: Batch):
         """One call of the compiled program, keeping the calls in flight bounded."""
@@ -254,12 +279,19 @@ class ExecutionProgram:
             self._executables[key] = executable
         return executable
 
+    def _compiled_batches(self, batches: Batch) -> Batch:
+        """What an own execution is compiled for: one leading slice when it streams."""
+        if self.stream is not None and self._own_execution:
+            return jax.tree_util.tree_map(_one_step_spec, batches)
+        return batches
+
     def _trace(self, state: State, batches: Batch,
                choice: loops.LoopChoice | None = None) -> tuple[Any, Batch, loops.LoopChoice]:
         """Traces the program in its loop form: `(traced, batches it takes, choice)`."""
         if self._own_execution:
             choice = choice or loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
-            return self._traced(state, batches), batches, choice
+            compiled_batches = self._compiled_batches(batches)
+            return self._traced(state, compiled_batches), compiled_batches, choice
         traced = None
         if self._loop_request != loops.HOST:
             # Decided on the whole execution's trace, which the on-device
@@ -286,7 +318,7 @@ class ExecutionProgram:
             choice = self._dispatched.choose(state, batches, self.device.platform,
                                              self._loop_request)
             if choice.form == loops.HOST:
-                executable = self._dispatched.compile(state, batches)()
+                executable = self._dispatched.compile(state, self._compiled_batches(batches))()
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
                                      choice, started, dispatched=True)
         traced, compiled_batches, loop = self._trace(state, batches, choice)

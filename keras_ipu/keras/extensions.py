@@ -187,7 +187,8 @@ class ExtensionBase:
         calling thread, while the device goes on. With replication each step
         is reported once per replica (logs reduced as
         `set_replication_options` says; with `"NONE"` each replica's own).
-        A pipelined model reports its micro-batches once per weight update.
+        A pipelined model streams its micro-batches once per weight update
+        when training, and with the execution when evaluating or predicting.
         With `False` (the default) callbacks run once per execution with its
         last step's logs. Saved with the model.
 

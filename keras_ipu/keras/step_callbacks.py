@@ -6,8 +6,10 @@ thread of the run (`CallbackThread`) calls the batch hooks for each batch, in
 order, while the device runs the later steps: `on_*_batch_begin(i)` then
 `on_*_batch_end(i, logs)`, once per replica (as the reference's polling thread
 does), with the logs reduced over the replicas as `set_replication_options`
-says (`NONE`: each replica its own). Programs that do not stream (pipelines)
-return every step's results with the execution; they are delivered the same
+says (`NONE`: each replica its own). A pipeline's training program is
+dispatched one weight update at a time, each update's results streamed as it
+is queued; programs that do not stream (pipeline inference, one pass per
+execution) return every step's results with the execution, delivered the same
 way when it ends.
 
 The hooks need a thread of their own: on a CPU an execution that streams runs

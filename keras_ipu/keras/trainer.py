@@ -269,8 +269,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                 outfeed, returned = _split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
                     outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
-                if hooks is None or stream is None:
-                    # The old state was donated: the new one is the model's now.
+                if hooks is None or run.program.donates_state:
+                    # The old state was consumed: the new one is the model's now.
                     _keep_state(model, new_state, codec)
                 logs = outfeed  # the program returns the last step's logs (or predictions)
                 if collect is not None:
@@ -281,7 +281,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                     _await_hooks(hooks, ended, outfeed, returned, begin, run.replica_count)
                     # The device's state wins over a hook's sync during the execution.
                     model._jax_state_synced = False
-                    _keep_state(model, new_state, codec)
+                    if not run.program.donates_state:
+                        _keep_state(model, new_state, codec)
                 state = new_state
                 if getattr(model, stop_flag, False):
                     break

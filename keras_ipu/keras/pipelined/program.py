@@ -10,6 +10,7 @@ import numpy as np
 
 from keras_ipu.device import accounting, schedules
 from keras_ipu.device import system as ipu_system
+from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
@@ -145,6 +146,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         finalize = layout.finalize(mode, REPLICA_REDUCTIONS[reduction], accumulate_outfeed)
         if stepwise and mode != "predict":
             finalize = layout.with_steps(finalize)
+        # Training streams one weight update per dispatch; an inference pass
+        # is the whole execution: its steps come with it.
+        streamed = stepwise and mode == "fit"
         program = ExecutionProgram(
             mode=mode,
             replicas=Replicas(ipus),
@@ -156,9 +160,10 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             replica_count=replicas.count,
             loop=loop,
             dispatched=host_form,
+            stream=StepStream(replicas.count) if streamed else None,
         )
         split_steps = None
-        if stepwise:
+        if stepwise and not streamed:
             split_steps = (layout.predictions_by_step(feed.plan.steps_per_execution)
                            if mode == "predict" else tuple)
         return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count,
