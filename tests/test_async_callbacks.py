@@ -139,16 +139,16 @@ def test_steps_arrive_while_the_execution_runs(strategy):
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=64)
     model.set_asynchronous_callbacks(True)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(64 * 192, 256)).astype("float32")
-    y = rng.normal(size=(64 * 192, 1)).astype("float32")
-    model.fit(x, y, batch_size=192, epochs=1, verbose=0)  # compiled
+    x = rng.normal(size=(64 * 384, 256)).astype("float32")
+    y = rng.normal(size=(64 * 384, 1)).astype("float32")
+    model.fit(x, y, batch_size=384, epochs=1, verbose=0)  # compiled
 
     arrivals: list = []
     stamps = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: arrivals.append(time.perf_counter()),
         on_train_batch_end=lambda batch, logs: arrivals.append(time.perf_counter()),
         on_epoch_end=lambda epoch, logs: arrivals.append(time.perf_counter()))
-    model.fit(x, y, batch_size=192, epochs=1, verbose=0, callbacks=[stamps])
+    model.fit(x, y, batch_size=384, epochs=1, verbose=0, callbacks=[stamps])
     begin, first, end = arrivals[0], arrivals[1], arrivals[-1]
     assert len(arrivals) == 64 + 2
     assert end - begin >= 0.5, "the execution is too fast to show streaming"
