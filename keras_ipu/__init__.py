@@ -61,6 +61,7 @@ _SUBMODULES = (
     "keras",
     "ops",
     "pipelining_ops",
+    "serving",
     "utils",
 )
 _LAZY_NAMES = {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -22,16 +24,56 @@ RUNNABLE = [
     "example_19_4_2_existing_resnet50.py",
     "example_19_4_3_subclass_pipeline.py",
     "example_19_7_feed_options.py",
+    "example_19_9_1_export_non_pipelined.py",
+    "example_19_9_2_export_pipelined.py",
 ]
 
 
-@pytest.mark.parametrize("script", RUNNABLE)
-def test_example_runs_unchanged(script):
+def _run(args, cwd):
     env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run(
-        [sys.executable, script], cwd=EXAMPLES, env=env, capture_output=True, text=True,
-        timeout=600,
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "Program ran successfully" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.parametrize("script", RUNNABLE)
+def test_example_runs_unchanged(script, tmp_path):
+    # A copy, so the examples' outputs (exports) land in a temporary folder.
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    stdout = _run([script], tmp_path / "examples")
+    assert "Program ran successfully" in stdout
+    if script in EXPORTS:
+        export_dir, expected = EXPORTS[script]
+        assert _printed_numbers(stdout) == expected
+        # The export alone, in a fresh process without Keras: the same numbers.
+        loaded = _run(["-c", _LOAD_AND_RUN.format(export_dir=export_dir)],
+                      tmp_path / "examples")
+        assert _printed_numbers(loaded) == expected
+
+
+# The seed's exports: where they write, and the numbers they print (one row each).
+EXPORTS = {
+    "example_19_9_1_export_non_pipelined.py": ("my_saved_model_ipu/003", list(range(2, 18))),
+    "example_19_9_2_export_pipelined.py": ("my_saved_model_ipu/004", list(range(2, 33, 2))),
+}
+
+_LOAD_AND_RUN = """
+import sys
+import numpy as np
+import keras_ipu as ipu
+runtime = ipu.serving.load({export_dir!r})
+for i in range(16):
+    print(runtime(np.ones((1, 4), np.float32) * i, np.ones((1, 4), np.float32) * 2))
+assert "keras" not in sys.modules, sorted(m for m in sys.modules if m.startswith("keras"))
+"""
+
+
+def _printed_numbers(stdout: str) -> list[int]:
+    """The value of each printed `[[v v v v]]` row."""
+    rows = re.findall(r"\[\[([-0-9. ]+)\]\]", stdout)
+    values = [sorted(set(float(v) for v in row.split())) for row in rows]
+    assert all(len(v) == 1 for v in values), rows
+    return [int(v[0]) for v in values]

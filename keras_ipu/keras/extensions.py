@@ -291,6 +291,53 @@ class ExtensionBase:
         return saving.write_whole(filepath, overwrite, lambda path: super(
             ExtensionBase, self).save_weights(path, overwrite=True, **kwargs))
 
+    def export_for_ipu_serving(self, export_dir, batch_size=None, output_names=None,
+                               preprocessing_step=None, preprocessing_step_signature=None,
+                               postprocessing_step=None, postprocessing_step_signature=None,
+                               purge_export_dir=False, platforms=None):
+        """Exports the model's inference program for serving.
+
+        Writes `export_dir`: the program for a fixed batch size as serialized
+        StableHLO (`jax.export`), once for one batch per call and once as a
+        loop of `steps_per_execution` batches (from `compile()`), the
+        weights (a NumPy archive), and the signatures and metadata. Load it
+        with `keras_ipu.serving.load` (no Keras needed) or run it with
+        `keras-ipu run`.
+
+        Args:
+            export_dir: An empty (or missing) directory.
+            batch_size: The batch size (needed when the inputs do not fix it).
+            output_names: A name, or one per output (default `output_0`, ...).
+            preprocessing_step: A JAX-traceable function of the inputs, run
+                before the model inside the exported program.
+            preprocessing_step_signature: Accepted for ported code; the
+                signature comes from the model's inputs.
+            postprocessing_step: A JAX-traceable function of the outputs.
+            postprocessing_step_signature: Accepted for ported code.
+            purge_export_dir: Empty a non-empty `export_dir` first.
+            platforms: Platforms the export runs on (default: this one),
+                e.g. `("cpu", "cuda")`.
+
+        Returns:
+            The export's `keras_ipu.serving.ServingRuntime`: call it with one
+            batch.
+
+        Raises:
+            ValueError: Model not created in an IPUStrategy, unknown batch
+                size, non-empty directory without `purge_export_dir`.
+            RuntimeError: Model not built.
+
+        Example:
+
+        >>> runtime = model.export_for_ipu_serving("my_export", batch_size=1)
+        >>> runtime(np.ones((1, 4), "float32"))
+        """
+        from keras_ipu.keras import export
+
+        return export.export_model(self, export_dir, batch_size, output_names,
+                                   preprocessing_step, postprocessing_step, purge_export_dir,
+                                   platforms)
+
     def _pipeline_assignment_changed(self):
         # Called by the stage assignment methods: compiled programs are stale.
         run.forget_programs(self)

@@ -1,0 +1,193 @@
+"""Exporting a model for serving: its inference program, frozen, with a Keras-free runtime.
+
+An export directory holds what `keras_ipu.serving.runtime` needs and nothing
+of Keras: the inference program for a fixed batch size as serialized
+StableHLO (`jax.export`), twice (`step.jaxexport`: one batch per call;
+`loop.jaxexport`: `steps_per_execution` batches per call, the exported loop),
+the weights as a NumPy archive (`weights.npz`, loaded without pickle), and
+`metadata.json` (signatures, batch size, iterations, IPUs, stage mapping,
+platforms, keras_ipu version). The program takes the weights as arguments, so
+the StableHLO stays small and the weights stay a plain archive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from keras import tree
+
+from keras_ipu.keras import context, options
+from keras_ipu.serving import runtime
+
+_SIGNATURE_ERROR = (
+    "Cannot get model's input signature. Please specify the input shape using "
+    "`model.build()` or invoke your model using real data."
+)
+_BATCH_ERROR = (
+    "Not all dimensions of inputs can be determined. Please specify batch size in model's "
+    "input layer or specify `batch_size` parameter when exporting model."
+)
+
+
+def export_model(model: Any, export_dir: str, batch_size: int | None = None,
+                 output_names: str | Sequence[str] | None = None,
+                 preprocessing_step: Callable[..., Any] | None = None,
+                 postprocessing_step: Callable[..., Any] | None = None,
+                 purge_export_dir: bool = False,
+                 platforms: Sequence[str] | None = None) -> runtime.ServingRuntime:
+    """Writes a serving export of `model`; returns its runtime (see `export_for_ipu_serving`).
+
+    Raises:
+        ValueError: Model not created in an IPUStrategy, unknown batch size,
+            non-empty directory without `purge_export_dir`, bad output names.
+        RuntimeError: Model not built.
+    """
+    if context.state_of(model).strategy is None:
+        raise ValueError(
+            f"Model {model.name!r} was not created inside an IPU strategy scope: create "
+            f"it in `IPUStrategy().scope()` to export it for IPU serving."
+        )
+    structure, specs, names = _input_signature(model, batch_size)
+    batch = specs[0].shape[0]
+    _prepare_directory(export_dir, purge_export_dir)
+    trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
+    non_trainable = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
+
+    def step(trainable, non_trainable, *inputs):
+        if preprocessing_step is not None:
+            inputs = _as_tuple(preprocessing_step(*inputs))
+        outputs, _ = model.stateless_call(trainable, non_trainable,
+                                          tree.pack_sequence_as(structure, list(inputs)),
+                                          training=False)
+        if postprocessing_step is not None:
+            outputs = postprocessing_step(outputs)
+        return tuple(tree.flatten(outputs))
+
+    iterations = int(getattr(model, "steps_per_execution", 1) or 1)
+
+    def loop(trainable, non_trainable, *stacked):
+        return jax.lax.map(lambda xs: step(trainable, non_trainable, *xs), stacked)
+
+    weight_specs = (_specs(trainable), _specs(non_trainable))
+    loop_specs = [jax.ShapeDtypeStruct((iterations, *s.shape), s.dtype) for s in specs]
+    platforms = tuple(platforms) if platforms else (jax.default_backend(),)
+    with context.model_scope(model):
+        exported_step = jax.export.export(jax.jit(step), platforms=platforms)(
+            *weight_specs, *specs)
+        exported_loop = jax.export.export(jax.jit(loop), platforms=platforms)(
+            *weight_specs, *loop_specs)
+    outputs = [s for s in exported_step.out_avals]
+    metadata = {
+        "format": runtime.FORMAT,
+        "keras_ipu_version": _version(),
+        "model_name": model.name,
+        "batch_size": batch,
+        "iterations": iterations,
+        "inputs": [_signature_entry(n, s) for n, s in zip(names, specs)],
+        "outputs": [_signature_entry(n, s) for n, s in
+                    zip(_output_names(output_names, len(outputs)), outputs)],
+        "platforms": list(platforms),
+        "num_weights": [len(trainable), len(non_trainable)],
+        **_pipeline_metadata(model),
+    }
+    with open(os.path.join(export_dir, runtime.STEP_FILE), "wb") as f:
+        f.write(exported_step.serialize())
+    with open(os.path.join(export_dir, runtime.LOOP_FILE), "wb") as f:
+        f.write(exported_loop.serialize())
+    np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE),
+             **{f"t{i}": w for i, w in enumerate(trainable)},
+             **{f"n{i}": w for i, w in enumerate(non_trainable)})
+    with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+    return runtime.load(export_dir)
+
+
+def _input_signature(model: Any, batch_size: int | None):
+    """`(input structure, flat input specs with the batch size, names)`."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        structure = None
+    if structure is None:
+        shape = (getattr(model, "_build_shapes_dict", None) or {}).get("input_shape")
+        if shape is None:
+            raise RuntimeError(_SIGNATURE_ERROR)
+        # A subclassed model built with `build(input_shape)`: one float input.
+        structure = jax.ShapeDtypeStruct(tuple(shape), "float32")
+        names, flat = ["input_0"], [structure]
+    else:
+        flat = tree.flatten(structure)
+        names = [getattr(t, "name", None) or f"input_{i}" for i, t in enumerate(flat)]
+    specs = []
+    for name, tensor in zip(names, flat):
+        shape = tuple(tensor.shape)
+        if batch_size is not None:
+            shape = (batch_size, *shape[1:])
+        if any(d is None for d in shape):
+            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape})")
+        specs.append(jax.ShapeDtypeStruct(shape, np.dtype(str(tensor.dtype))))
+    return structure, specs, names
+
+
+def _prepare_directory(export_dir: str, purge: bool) -> None:
+    if os.path.isdir(export_dir) and os.listdir(export_dir):
+        if not purge:
+            raise ValueError(
+                f"Directory {export_dir!r} is not empty. Please specify an empty directory "
+                f"or set `purge_export_dir` to True."
+            )
+        shutil.rmtree(export_dir)
+    os.makedirs(export_dir, exist_ok=True)
+
+
+def _output_names(names: str | Sequence[str] | None, count: int) -> list[str]:
+    if names is None:
+        return [f"output_{i}" for i in range(count)]
+    names = [names] if isinstance(names, str) else list(names)
+    if len(names) != count or len(set(names)) != count:
+        raise ValueError(
+            f"`output_names` must name each of the model's {count} outputs once, got {names}.")
+    return names
+
+
+def _pipeline_metadata(model: Any) -> dict:
+    """The stage mapping of a pipelined model (IPUs: one, or one per mapped stage)."""
+    from keras_ipu.keras import stages
+
+    try:
+        plan = stages.pipeline_plan(model, None)
+    except (RuntimeError, ValueError):
+        plan = None
+    if plan is None:
+        return {"num_ipus": 1, "pipeline_stages": 1, "device_mapping": [0]}
+    mapping = options.options_of(model).pipelining_device_mapping or tuple(
+        range(plan.num_stages))
+    return {"num_ipus": max(mapping) + 1, "pipeline_stages": plan.num_stages,
+            "device_mapping": list(mapping)}
+
+
+def _signature_entry(name: str, spec: Any) -> dict:
+    return {"name": name, "shape": list(spec.shape), "dtype": str(np.dtype(spec.dtype))}
+
+
+def _specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _version() -> str:
+    import keras_ipu
+
+    return keras_ipu.__version__
+
+
+__all__ = ["export_model"]

@@ -1,0 +1,210 @@
+"""The serving runtime: loads an export and runs it, without Keras.
+
+It imports JAX and NumPy only, so a serving process that loads and runs an
+export never imports Keras. See `keras_ipu.keras.export` for what an export
+directory holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = "keras_ipu.serving/1"
+STEP_FILE = "step.jaxexport"
+LOOP_FILE = "loop.jaxexport"
+WEIGHTS_FILE = "weights.npz"
+METADATA_FILE = "metadata.json"
+
+
+class ServingRuntime:
+    """A loaded export: call it with one batch, or `run_many` with many.
+
+    Args:
+        export_dir: The export directory.
+
+    Raises:
+        FileNotFoundError: When a file of the export is missing.
+        ValueError: When the directory is not a keras_ipu export.
+
+    Example:
+
+    >>> runtime = keras_ipu.serving.load("my_export")
+    >>> runtime(np.ones((1, 4), "float32"), input_2=np.ones((1, 4), "float32"))
+    """
+
+    def __init__(self, export_dir: str):
+        self.export_dir = export_dir
+        self.metadata = _read_metadata(export_dir)
+        self.inputs = self.metadata["inputs"]
+        self.outputs = self.metadata["outputs"]
+        self.batch_size = int(self.metadata["batch_size"])
+        self.iterations = int(self.metadata["iterations"])
+        self._step = _deserialize(export_dir, STEP_FILE)
+        self._loop = _deserialize(export_dir, LOOP_FILE)
+        with np.load(os.path.join(export_dir, WEIGHTS_FILE), allow_pickle=False) as archive:
+            counts = self.metadata["num_weights"]
+            self._weights = tuple(
+                [jax.device_put(archive[f"{prefix}{i}"]) for i in range(count)]
+                for prefix, count in zip("tn", counts))
+        self._call_step = jax.jit(self._step.call)
+        self._call_loop = jax.jit(self._loop.call)
+
+    @property
+    def input_names(self) -> list[str]:
+        """The inputs' names, in order."""
+        return [entry["name"] for entry in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """The outputs' names, in order."""
+        return [entry["name"] for entry in self.outputs]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs one batch of `batch_size` rows.
+
+        Args:
+            *args, **kwargs: The inputs, positionally or by name.
+
+        Returns:
+            The output as a NumPy array (one output), else a dict by name.
+
+        Raises:
+            ValueError, TypeError: For missing, unknown, misshapen or
+                mistyped inputs, naming the expected signature.
+        """
+        inputs = self._checked(self._bind(args, kwargs), leading=())
+        return self._named(self._call_step(*self._weights, *inputs))
+
+    def run_many(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs many batches, `iterations` per device call (the exported loop).
+
+        Args:
+            *args, **kwargs: The inputs with a leading batches axis:
+                `[n, batch_size, ...]`, `n` a multiple of `iterations`.
+
+        Returns:
+            The outputs with the same leading axis, as `__call__` returns them.
+
+        Raises:
+            ValueError, TypeError: As `__call__`, or when `n` is not a multiple
+                of `iterations`.
+        """
+        inputs = self._bind(args, kwargs)
+        count = np.shape(inputs[0])[0] if np.ndim(inputs[0]) else 0
+        if count == 0 or count % self.iterations:
+            raise ValueError(
+                f"run_many takes a leading axis of batches that is a multiple of the export's "
+                f"{self.iterations} iterations, got {count}."
+            )
+        inputs = self._checked(inputs, leading=(count,))
+        results = []
+        for start in range(0, count, self.iterations):
+            chunk = [x[start:start + self.iterations] for x in inputs]
+            results.append(self._call_loop(*self._weights, *chunk))
+        joined = [np.concatenate([np.asarray(r[i]) for r in results])
+                  for i in range(len(self.outputs))]
+        return self._named(joined)
+
+    def signature(self) -> str:
+        """The expected inputs and outputs, in words."""
+        def entries(items):
+            return ", ".join(f"{e['name']}: {e['dtype']}{list(e['shape'])}" for e in items)
+
+        return f"inputs ({entries(self.inputs)}) -> outputs ({entries(self.outputs)})"
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        names = self.input_names
+        if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+            args, kwargs = (), args[0]
+        if len(args) == 1 and len(names) > 1 and isinstance(args[0], (list, tuple)):
+            args = tuple(args[0])
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"Unknown inputs {unknown}; the export expects {self.signature()}.")
+        if len(args) > len(names):
+            raise TypeError(
+                f"{len(args)} inputs given; the export expects {self.signature()}.")
+        bound = dict(zip(names, args))
+        twice = sorted(set(bound) & set(kwargs))
+        if twice:
+            raise TypeError(f"Inputs {twice} given twice; the export expects {self.signature()}.")
+        bound.update(kwargs)
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise TypeError(f"Missing inputs {missing}; the export expects {self.signature()}.")
+        return [bound[n] for n in names]
+
+    def _checked(self, inputs: list[Any], leading: tuple[int, ...]) -> list[Any]:
+        checked = []
+        for entry, value in zip(self.inputs, inputs):
+            array = value if isinstance(value, jax.Array) else np.asarray(value)
+            expected = (*leading, *entry["shape"])
+            if tuple(array.shape) != expected:
+                raise ValueError(
+                    f"Input {entry['name']!r} has shape {tuple(array.shape)}, expected "
+                    f"{expected}; the export expects {self.signature()}.")
+            if str(array.dtype) != entry["dtype"]:
+                if not np.can_cast(array.dtype, entry["dtype"], casting="same_kind"):
+                    raise TypeError(
+                        f"Input {entry['name']!r} has dtype {array.dtype}, expected "
+                        f"{entry['dtype']}; the export expects {self.signature()}.")
+                array = np.asarray(array, entry["dtype"])
+            checked.append(array)
+        return checked
+
+    def _named(self, outputs: Sequence[Any]) -> Any:
+        arrays = [np.asarray(o) for o in outputs]
+        if len(arrays) == 1:
+            return arrays[0]
+        return dict(zip(self.output_names, arrays))
+
+
+def load(export_dir: str) -> ServingRuntime:
+    """Loads an export written by `export_for_ipu_serving` or `export_keras`.
+
+    Args:
+        export_dir: The export directory.
+
+    Returns:
+        A `ServingRuntime`.
+
+    Raises:
+        FileNotFoundError, ValueError: As `ServingRuntime`.
+
+    Example:
+
+    >>> predict = keras_ipu.serving.load("my_export")
+    >>> predict(np.ones((1, 4), "float32"), np.ones((1, 4), "float32"))
+    """
+    return ServingRuntime(export_dir)
+
+
+def _read_metadata(export_dir: str) -> dict:
+    path = os.path.join(export_dir, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{export_dir!r} is not a keras_ipu export: it has no {METADATA_FILE}.")
+    with open(path) as f:
+        metadata = json.load(f)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(
+            f"{export_dir!r} holds an export of format {metadata.get('format')!r}; this "
+            f"runtime reads {FORMAT!r}.")
+    return metadata
+
+
+def _deserialize(export_dir: str, name: str) -> Any:
+    path = os.path.join(export_dir, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"The export in {export_dir!r} has no {name}.")
+    with open(path, "rb") as f:
+        return jax.export.deserialize(bytearray(f.read()))
+
+
+__all__ = ["ServingRuntime", "load"]

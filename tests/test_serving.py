@@ -1,0 +1,143 @@
+"""Serving exports: equal to predict, Keras-free runtime, the reference's errors and numbers."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import configure
+
+
+def _two_input_model():
+    a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Concatenate()([a, b])
+    h = keras.layers.Dense(16, activation="relu")(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.5)(h)
+    return keras.Model([a, b], [keras.layers.Dense(2, name="p")(h),
+                                keras.layers.Dense(1, name="q")(h)])
+
+
+def _data(rows=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(rows, 5)).astype("float32"),
+            rng.normal(size=(rows, 3)).astype("float32")]
+
+
+def test_an_export_equals_predict_for_two_inputs_batchnorm_and_dropout(strategy, tmp_path):
+    x = _data()
+    with strategy.scope():
+        model = _two_input_model()
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+    model.fit(x, [np.ones((32, 2), "float32"), np.zeros((32, 1), "float32")], batch_size=4,
+              epochs=2, verbose=0)  # BatchNormalization's statistics move
+    runtime = model.export_for_ipu_serving(tmp_path / "export", batch_size=4,
+                                           output_names=["p", "q"])
+    expected = model.predict(x, batch_size=4, verbose=0)
+    first = runtime(x[0][:4], b=x[1][:4])
+    np.testing.assert_allclose(first["p"], expected[0][:4], atol=1e-6)
+    np.testing.assert_allclose(first["q"], expected[1][:4], atol=1e-6)
+    # The exported loop: 4 batches per device call, 8 batches in all.
+    many = runtime.run_many(*(a.reshape(8, 4, -1) for a in x))
+    np.testing.assert_allclose(many["p"].reshape(32, 2), expected[0], atol=1e-6)
+    np.testing.assert_allclose(many["q"].reshape(32, 1), expected[1], atol=1e-6)
+    metadata = json.loads((tmp_path / "export" / "metadata.json").read_text())
+    assert metadata["batch_size"] == 4 and metadata["iterations"] == 4
+    assert [i["name"] for i in metadata["inputs"]] == ["a", "b"]
+    assert [o["name"] for o in metadata["outputs"]] == ["p", "q"]
+    assert metadata["platforms"] == ["cpu"] and metadata["num_ipus"] == 1
+
+
+def test_a_pipelined_export_equals_predict(strategy, tmp_path):
+    configure(2)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((6,))
+        with ipu.keras.PipelineStage(0):
+            h = keras.layers.Dense(8, activation="tanh")(inputs)
+        with ipu.keras.PipelineStage(1):
+            out = keras.layers.Dense(3)(h)
+        model = keras.Model(inputs, out)
+        model.set_pipelining_options(device_mapping=[1, 0])
+        model.compile(steps_per_execution=4)
+    runtime = ipu.serving.export_keras(model, str(tmp_path / "export"), batch_size=2)
+    expected = model.predict(x, batch_size=2, verbose=0)
+    np.testing.assert_allclose(runtime.run_many(x.reshape(8, 2, 6)).reshape(16, 3), expected,
+                               atol=1e-6)
+    assert runtime.metadata["device_mapping"] == [1, 0]
+    assert runtime.metadata["num_ipus"] == 2 and runtime.metadata["pipeline_stages"] == 2
+
+
+def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
+    with strategy.scope():
+        inputs = keras.Input((3, 1), batch_size=1)
+        out = keras.layers.Conv1D(2, 2, kernel_initializer=keras.initializers.Constant(3),
+                                  activation="relu")(inputs)
+        model = keras.Model(inputs, out)
+    x = np.array([[[-1], [2], [-3]]], "float32")
+    assert model.export_for_ipu_serving(tmp_path / "a")(x).tolist() == [[[3, 3], [0, 0]]]
+    scaled = model.export_for_ipu_serving(tmp_path / "b", preprocessing_step=lambda v: v * 10)
+    assert scaled(x).tolist() == [[[30, 30], [0, 0]]]
+    summed = model.export_for_ipu_serving(tmp_path / "c", preprocessing_step=lambda v: v * 10,
+                                          postprocessing_step=lambda v: jnp.sum(v))
+    assert float(summed(x)) == 60
+
+
+def test_one_export_for_cpu_and_cuda(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), batch_size=2), keras.layers.Dense(3)])
+    runtime = model.export_for_ipu_serving(tmp_path / "e", platforms=("cpu", "cuda"))
+    assert runtime.metadata["platforms"] == ["cpu", "cuda"]
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=2, verbose=0), atol=1e-6)
+
+
+def test_the_references_errors(strategy, tmp_path):
+    with strategy.scope():
+        unbuilt = keras.Sequential([keras.layers.Dense(3)])
+        no_batch = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(RuntimeError, match="Cannot get model's input signature"):
+        unbuilt.export_for_ipu_serving(tmp_path / "a")
+    with pytest.raises(ValueError, match="specify `batch_size` parameter"):
+        no_batch.export_for_ipu_serving(tmp_path / "b")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="is not empty"):
+        no_batch.export_for_ipu_serving(tmp_path / "full", batch_size=2)
+    assert (tmp_path / "full" / "keep.txt").exists()
+    no_batch.export_for_ipu_serving(tmp_path / "full", batch_size=2, purge_export_dir=True)
+    assert not (tmp_path / "full" / "keep.txt").exists()
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="IPU strategy"):
+        ipu.serving.export_keras(plain, str(tmp_path / "c"), batch_size=2)
+
+
+def test_the_runtime_checks_its_inputs(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Model(*_inputs_and_sum())
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    ones = np.ones((2, 4), "float32")
+    assert runtime(x=ones, y=ones).tolist() == (ones * 2).tolist()
+    assert runtime(ones, y=ones.astype("float16")).dtype == np.float32  # safe cast
+    with pytest.raises(ValueError, match=r"has shape \(3, 4\), expected \(2, 4\).*inputs \(x"):
+        runtime(np.ones((3, 4), "float32"), ones)
+    with pytest.raises(TypeError, match="dtype complex64"):
+        runtime(ones.astype("complex64"), ones)
+    with pytest.raises(TypeError, match=r"Missing inputs \['y'\]"):
+        runtime(ones)
+    with pytest.raises(TypeError, match=r"Unknown inputs \['z'\]"):
+        runtime(ones, ones, z=ones)
+    with pytest.raises(ValueError, match="multiple of the export's 1 iterations"):
+        runtime.run_many(np.ones((0, 2, 4), "float32"), np.ones((0, 2, 4), "float32"))
+
+
+def _inputs_and_sum():
+    x, y = keras.Input((4,), name="x"), keras.Input((4,), name="y")
+    return [x, y], keras.layers.Add()([x, y])
