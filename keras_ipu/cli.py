@@ -1,21 +1,54 @@
-"""The `keras-ipu` command line tool."""
+"""The `keras-ipu` command line tool (also `python -m keras_ipu`)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-_COMMANDS = {"demo": "keras_ipu.demo"}
+# Command -> (module, function): each takes the command's arguments, returns the exit status.
+_COMMANDS = {
+    "demo": ("keras_ipu.demo", "main"),
+    "show": ("keras_ipu.serving.commands", "show_main"),
+    "run": ("keras_ipu.serving.commands", "run_main"),
+}
+_HELP = {
+    "demo": "train a model on virtual IPUs and print its report",
+    "show": "show an export's signatures and metadata",
+    "run": "run one batch through an export",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `keras-ipu COMMAND [ARGS]`; commands: `demo`."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in _COMMANDS:
-        print(f"usage: keras-ipu {{{','.join(_COMMANDS)}}} [args]", file=sys.stderr)
-        return 2
-    import importlib
+    """Runs `keras-ipu COMMAND [ARGS]`.
 
-    return importlib.import_module(_COMMANDS[argv[0]]).main(argv[1:])
+    Args:
+        argv: The arguments after the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        The exit status.
+
+    Example:
+
+    >>> main(["show", "--dir", "my_export"])
+    0
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] not in _COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; commands: {', '.join(_COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    module, function = _COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), function)(argv[1:])
+
+
+def _usage() -> str:
+    lines = [f"usage: keras-ipu {{{','.join(_COMMANDS)}}} [args]", "", "commands:"]
+    lines += [f"  {name:6s} {text}" for name, text in _HELP.items()]
+    lines.append("\nRun `keras-ipu COMMAND --help` for a command's arguments.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

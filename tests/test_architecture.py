@@ -139,3 +139,16 @@ def test_the_checks_see_circles_and_private_names():
 @pytest.mark.parametrize("module", ["keras_ipu.keras.strategy", "keras_ipu.keras.context"])
 def test_modules_the_issue_names_exist(module):
     assert module in MODULES
+
+
+def test_the_serving_runtime_imports_neither_keras_nor_the_keras_integration():
+    # A serving process loads exports with the runtime alone (tested in a fresh
+    # process by test_examples too).
+    for module in ("keras_ipu.serving", "keras_ipu.serving.runtime"):
+        tree = ast.parse(MODULES[module].read_text())
+        top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        names = [alias.name for node in top_level if isinstance(node, ast.Import)
+                 for alias in node.names]
+        names += [node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)]
+        assert [n for n in names if n.split(".")[0] == "keras" or
+                n.startswith("keras_ipu.keras")] == [], module

@@ -1,0 +1,154 @@
+"""`keras-ipu show` and `keras-ipu run`: look into an export and run it, without Keras.
+
+Modelled on the SavedModel command line tool: `show --dir DIR` prints the
+signatures, batch size, iterations, IPUs, stage mapping and platforms;
+`run --dir DIR --inputs name=file.npy[,...] | --input_exprs 'name=np.ones((1, 4))'`
+runs one batch and prints the outputs, or saves them as `.npy` files with
+`--outdir`. Bad input exits with status 2 and a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class CommandError(Exception):
+    """A one-line error for the user (no traceback)."""
+
+
+def show_main(argv: Sequence[str]) -> int:
+    """`keras-ipu show --dir DIR`."""
+    parser = argparse.ArgumentParser(
+        prog="keras-ipu show", description="Show an export's signatures and metadata.")
+    parser.add_argument("--dir", required=True, help="the export directory")
+    args = parser.parse_args(argv)
+    return _guarded(lambda: print(_describe(_load(args.dir))))
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """`keras-ipu run --dir DIR (--inputs ... | --input_exprs ...) [--outdir DIR] [--overwrite]`."""
+    parser = argparse.ArgumentParser(
+        prog="keras-ipu run", description="Run one batch through an export.")
+    parser.add_argument("--dir", required=True, help="the export directory")
+    parser.add_argument("--inputs", default="",
+                        help="name=file.npy pairs, comma separated "
+                             "(a .npz file: name=file.npz[key])")
+    parser.add_argument("--input_exprs", default="",
+                        help="name=expression pairs, semicolon separated; NumPy constructors only, "
+                             "e.g. \"x=np.ones((1, 4), dtype=np.float32)\"")
+    parser.add_argument("--outdir", help="save each output as OUTDIR/<name>.npy")
+    parser.add_argument("--overwrite", action="store_true", help="overwrite existing output files")
+    args = parser.parse_args(argv)
+    return _guarded(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    runtime = _load(args.dir)
+    inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs)}
+    if not inputs:
+        raise CommandError("give the inputs with --inputs or --input_exprs")
+    try:
+        outputs = runtime(**inputs)
+    except (TypeError, ValueError) as error:
+        raise CommandError(str(error)) from None
+    outputs = outputs if isinstance(outputs, dict) else {runtime.output_names[0]: outputs}
+    if args.outdir is None:
+        for name, value in outputs.items():
+            print(f"{name}: {np.array2string(value, threshold=64)}")
+        return
+    os.makedirs(args.outdir, exist_ok=True)
+    for name, value in outputs.items():
+        path = os.path.join(args.outdir, f"{name}.npy")
+        if os.path.exists(path) and not args.overwrite:
+            raise CommandError(f"{path} exists; pass --overwrite to replace it")
+        np.save(path, value)
+        print(f"{name}: saved to {path}")
+
+
+def _file_inputs(spec: str) -> dict:
+    inputs = {}
+    for name, value in _pairs(spec, ",", "--inputs"):
+        key = None
+        if value.endswith("]") and "[" in value:
+            value, key = value[:-1].split("[", 1)
+        if not os.path.isfile(value):
+            raise CommandError(f"--inputs {name}: no file {value!r}")
+        try:
+            loaded = np.load(value, allow_pickle=False)
+        except (ValueError, OSError) as error:
+            raise CommandError(
+                f"--inputs {name}: {value!r} is not a NumPy file ({error})") from None
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            if key is None and len(loaded.files) != 1:
+                raise CommandError(f"--inputs {name}: name the array of {value!r}: {loaded.files}")
+            loaded = loaded[key or loaded.files[0]]
+        inputs[name] = loaded
+    return inputs
+
+
+def _expression_inputs(spec: str) -> dict:
+    from keras_ipu.serving import expressions
+
+    inputs = {}
+    for name, expression in _pairs(spec, ";", "--input_exprs"):
+        try:
+            inputs[name] = expressions.evaluate(expression)
+        except ValueError as error:
+            raise CommandError(f"--input_exprs {name}: {error}") from None
+    return inputs
+
+
+def _pairs(spec: str, separator: str, option: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in filter(None, (part.strip() for part in spec.split(separator))):
+        name, equals, value = item.partition("=")
+        if not equals or not name.strip() or not value.strip():
+            raise CommandError(f"{option}: expected name=value, got {item!r}")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+def _load(export_dir: str):
+    from keras_ipu.serving import runtime
+
+    try:
+        return runtime.load(export_dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise CommandError(str(error)) from None
+
+
+def _describe(runtime) -> str:
+    meta = runtime.metadata
+
+    def entries(items):
+        return [f"    {e['name']}: dtype {e['dtype']}, shape {tuple(e['shape'])}" for e in items]
+
+    lines = [
+        f"export: {runtime.export_dir} (model {meta.get('model_name')!r}, keras_ipu "
+        f"{meta.get('keras_ipu_version')})",
+        f"batch size: {meta['batch_size']}",
+        f"iterations per device call (run_many): {meta['iterations']}",
+        f"IPUs: {meta.get('num_ipus', 1)}; pipeline stages: {meta.get('pipeline_stages', 1)}; "
+        f"stage -> IPU: {meta.get('device_mapping', [0])}",
+        f"platforms: {', '.join(meta['platforms'])}",
+        "inputs:", *entries(meta["inputs"]),
+        "outputs:", *entries(meta["outputs"]),
+    ]
+    return "\n".join(lines)
+
+
+def _guarded(action) -> int:
+    try:
+        action()
+    except CommandError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["run_main", "show_main"]

@@ -1,0 +1,114 @@
+"""The `keras-ipu` command, through a subprocess: show, run, help and errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_ipu.serving import expressions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "keras_ipu", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    import keras_ipu as ipu
+
+    from conftest import configure
+
+    configure(1)
+    directory = tmp_path_factory.mktemp("cli") / "export"
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x, y = keras.Input((4,), batch_size=1, name="x"), keras.Input((4,), batch_size=1, name="y")
+        model = keras.Model([x, y], keras.layers.Add()([x, y]))
+        model.compile(steps_per_execution=4)
+    model.export_for_ipu_serving(directory)
+    return directory
+
+
+def test_show_prints_the_signatures_and_metadata(export_dir):
+    result = _cli("show", "--dir", str(export_dir))
+    assert result.returncode == 0, result.stderr
+    for text in ("batch size: 1", "iterations per device call (run_many): 4",
+                 "x: dtype float32, shape (1, 4)", "output_0: dtype float32, shape (1, 4)",
+                 "platforms: cpu", "stage -> IPU: [0]"):
+        assert text in result.stdout
+
+
+def test_run_prints_or_saves_the_outputs(export_dir, tmp_path):
+    np.save(tmp_path / "x.npy", np.full((1, 4), 2, "float32"))
+    result = _cli("run", "--dir", str(export_dir), "--inputs", f"x={tmp_path / 'x.npy'}",
+                  "--input_exprs", "y=np.ones((1, 4), dtype=np.float32) * 3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "output_0: [[5. 5. 5. 5.]]"
+    out = tmp_path / "out"
+    args = ("run", "--dir", str(export_dir), "--input_exprs",
+            "x=np.zeros((1, 4)); y=np.arange(4.0).reshape((1, 4))")
+    refused = _cli(*args)
+    assert refused.returncode == 2 and "np.arange(4.0).reshape" in refused.stderr
+    args = ("run", "--dir", str(export_dir), "--input_exprs",
+            "x=np.zeros((1, 4)); y=np.array([[0, 1, 2, 3]])", "--outdir", str(out))
+    assert _cli(*args).returncode == 0
+    np.testing.assert_array_equal(np.load(out / "output_0.npy"), [[0, 1, 2, 3]])
+    again = _cli(*args)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    assert _cli(*args, "--overwrite").returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--dir", "{export}", "--input_exprs", "x=__import__('os').getcwd()"],
+     "Only NumPy constructors"),
+    (["run", "--dir", "{export}", "--input_exprs", "x=np.load('secret.npy')"],
+     "`np.load` is not allowed"),
+    (["run", "--dir", "{export}", "--input_exprs", "x=np.ones((2, 4)); y=np.ones((1, 4))"],
+     "has shape (2, 4), expected (1, 4)"),
+    (["run", "--dir", "{export}", "--inputs", "x=missing.npy"], "no file 'missing.npy'"),
+    (["run", "--dir", "{export}"], "give the inputs"),
+    (["show", "--dir", "no/such/export"], "is not a keras_ipu export"),
+    (["serve-everything"], "unknown command"),
+])
+def test_bad_input_is_one_line_and_status_2(args, message, export_dir):
+    result = _cli(*(a.format(export=export_dir) for a in args))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["show", "run", "demo"])
+def test_every_command_has_help(command):
+    result = _cli(command, "--help")
+    assert result.returncode == 0 and "usage: keras-ipu" in result.stdout
+
+
+def test_show_and_run_never_import_keras(export_dir):
+    code = ("import sys; from keras_ipu.cli import main; "
+            f"assert main(['run', '--dir', {str(export_dir)!r}, '--input_exprs', "
+            "'x=np.ones((1, 4)); y=np.ones((1, 4))']) == 0; "
+            "assert 'keras' not in sys.modules")
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env["PYTHONPATH"] = ROOT
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_expressions_allow_numpy_constructors_only():
+    assert expressions.evaluate("np.full((2,), -1.5)").tolist() == [-1.5, -1.5]
+    assert expressions.evaluate("[[1, 2], [3, 4]]").shape == (2, 2)
+    assert expressions.evaluate("np.ones(2, dtype=np.int32) * 3").dtype == np.int32
+    for bad in ("open('x')", "np.ones(2).tofile('x')", "np.fromfile('x')", "(lambda: 1)()",
+                "np.ones(**{'shape': 2})", "x"):
+        with pytest.raises(ValueError):
+            expressions.evaluate(bad)
