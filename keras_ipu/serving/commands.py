@@ -1,10 +1,12 @@
-"""`keras-ipu show` and `keras-ipu run`: look into an export and run it, without Keras.
+"""`keras-ipu show`, `run` and `serve`: look into an export, run it, serve it, without Keras.
 
 Modelled on the SavedModel command line tool: `show --dir DIR` prints the
 signatures, batch size, iterations, IPUs, stage mapping and platforms;
 `run --dir DIR --inputs name=file.npy[,...] | --input_exprs 'name=np.ones((1, 4))'`
 runs one batch and prints the outputs, or saves them as `.npy` files with
-`--outdir`. Bad input exits with status 2 and a one-line error.
+`--outdir`; `serve --dir DIR` serves it with TensorFlow Serving's REST API
+(`keras_ipu.serving.server`). Bad input exits with status 2 and a one-line
+error.
 """
 
 from __future__ import annotations
@@ -45,6 +47,39 @@ def run_main(argv: Sequence[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
     return _guarded(lambda: _run(args))
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """`keras-ipu serve --dir DIR [--model_name N] [--port P] [--host H] [...]`."""
+    parser = argparse.ArgumentParser(
+        prog="keras-ipu serve",
+        description="Serve an export with TensorFlow Serving's REST API (Ctrl-C stops it).")
+    parser.add_argument("--dir", required=True, help="the export directory")
+    parser.add_argument("--model_name", help="the model's name in URLs (default: the directory's)")
+    parser.add_argument("--port", type=int, default=8501, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--max_batch_delay_ms", type=float, default=2.0,
+                        help="how long a batch waits for more requests' rows")
+    args = parser.parse_args(argv)
+    return _guarded(lambda: _serve(args))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from keras_ipu.serving import server
+
+    if not 0 <= args.port <= 65535 or args.max_batch_delay_ms < 0:
+        raise CommandError("--port must be 0-65535 and --max_batch_delay_ms >= 0")
+    runtime = _load(args.dir)
+    name = args.model_name or os.path.basename(os.path.normpath(args.dir))
+    try:
+        asyncio.run(server.serve(runtime, name, args.host, args.port, args.max_batch_delay_ms,
+                                 announce=lambda line: print(line, flush=True)))
+    except KeyboardInterrupt:
+        print("keras-ipu serve: stopped", flush=True)
+    except (ImportError, OSError) as error:
+        raise CommandError(str(error)) from None
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -151,4 +186,4 @@ def _guarded(action) -> int:
     return 0
 
 
-__all__ = ["run_main", "show_main"]
+__all__ = ["run_main", "serve_main", "show_main"]

@@ -1,0 +1,349 @@
+"""A model server speaking TensorFlow Serving's REST API, for one export.
+
+`GET /v1/models/NAME` (status), `GET /v1/models/NAME/metadata` (the
+signature) and `POST /v1/models/NAME:predict` with `instances` (row format)
+or `inputs` (columnar format), so TensorFlow Serving clients work unchanged.
+Requests are batched dynamically: the rows of waiting requests are gathered
+up to the export's batch size (waiting at most `max_batch_delay_ms` for more),
+a partial batch is padded, and each request gets its own rows back; one device
+call runs at a time. Errors use TensorFlow Serving's form, `{"error": "..."}`,
+with status 400 (bad request), 404 (unknown model), 413 (body too large).
+
+The HTTP side is aiohttp (the optional extra `keras_ipu[serve]`); the model
+side is the Keras-free `ServingRuntime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from keras_ipu.serving.runtime import ServingRuntime
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_TF_DTYPES = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "float16": "DT_HALF",
+              "bfloat16": "DT_BFLOAT16", "int32": "DT_INT32", "int64": "DT_INT64",
+              "int8": "DT_INT8", "uint8": "DT_UINT8", "int16": "DT_INT16", "bool": "DT_BOOL"}
+
+
+class RequestError(Exception):
+    """A bad request: its message and HTTP status."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One request's rows, waiting for a batch."""
+
+    rows: dict[str, np.ndarray]  # name -> [n, ...]
+    future: asyncio.Future
+    count: int
+    done: dict[int, dict] = dataclasses.field(default_factory=dict)  # first row -> outputs
+
+
+class DynamicBatcher:
+    """Gathers requests' rows into full batches and runs them one device call at a time.
+
+    Args:
+        runtime: The export's runtime.
+        max_batch_delay_ms: How long a batch waits for more rows.
+
+    Example:
+
+    >>> batcher = DynamicBatcher(runtime, max_batch_delay_ms=2)
+    >>> outputs = await batcher.predict({"x": rows})  # inside the server's event loop
+    """
+
+    def __init__(self, runtime: ServingRuntime, max_batch_delay_ms: float = 2.0):
+        self.runtime = runtime
+        self.delay_s = max_batch_delay_ms / 1000
+        self._queue: asyncio.Queue | None = None
+        self._device = concurrent.futures.ThreadPoolExecutor(1, "keras_ipu-serve")
+        self._task: asyncio.Task | None = None
+        self.device_calls = 0
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._device.shutdown(wait=True)
+
+    async def predict(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs for `rows` (each input `[n, ...]`), by output name."""
+        count = len(next(iter(rows.values())))
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(rows, future, count))
+        return await future
+
+    async def _run(self) -> None:
+        batch = self.runtime.batch_size
+        carry: list[tuple[_Pending, int]] = []  # (request, first row not yet run)
+        while True:
+            if not carry:
+                first = await self._queue.get()
+                carry.append((first, 0))
+            deadline = time.monotonic() + self.delay_s
+            while _rows_waiting(carry) < batch:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    carry.append((await asyncio.wait_for(self._queue.get(), timeout), 0))
+                except TimeoutError:
+                    break
+            pieces, carry = _take(carry, batch)
+            await self._run_batch(pieces)
+
+    async def _run_batch(self, pieces: list[tuple[_Pending, int, int]]) -> None:
+        """Runs one padded batch and hands each piece its rows."""
+        batch = self.runtime.batch_size
+        inputs = {}
+        for entry in self.runtime.inputs:
+            name = entry["name"]
+            rows = [p.rows[name][start:stop] for p, start, stop in pieces]
+            filled = sum(len(r) for r in rows)
+            pad = np.zeros((batch - filled, *entry["shape"][1:]), entry["dtype"])
+            inputs[name] = np.concatenate([*rows, pad]) if filled < batch else np.concatenate(rows)
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self._device, lambda: self.runtime(**inputs))
+            self.device_calls += 1
+        except Exception as error:  # the device failed: every waiting request hears of it
+            for pending, _, _ in pieces:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            return
+        outputs = outputs if isinstance(outputs, dict) else {self.runtime.output_names[0]: outputs}
+        offset = 0
+        for pending, start, stop in pieces:
+            part = {n: o[offset:offset + stop - start] for n, o in outputs.items()}
+            offset += stop - start
+            _deliver(pending, start, part)
+
+
+def _rows_waiting(carry: list[tuple[_Pending, int]]) -> int:
+    return sum(p.count - start for p, start in carry)
+
+
+def _take(carry, batch: int):
+    """`(pieces of at most batch rows, what is left)`; a piece is `(request, start, stop)`."""
+    pieces, left, room = [], [], batch
+    for pending, start in carry:
+        if room == 0:
+            left.append((pending, start))
+            continue
+        stop = min(pending.count, start + room)
+        pieces.append((pending, start, stop))
+        room -= stop - start
+        if stop < pending.count:
+            left.append((pending, stop))
+    return pieces, left
+
+
+def _deliver(pending: _Pending, start: int, part: dict[str, np.ndarray]) -> None:
+    """Adds a piece's outputs to its request; resolves it when its rows are all done."""
+    pending.done[start] = part
+    if sum(len(next(iter(p.values()))) for p in pending.done.values()) == pending.count:
+        ordered = [pending.done[k] for k in sorted(pending.done)]
+        result = {n: np.concatenate([p[n] for p in ordered]) for n in ordered[0]}
+        if not pending.future.done():
+            pending.future.set_result(result)
+
+
+# --------------------------------------------------------------------------
+# TensorFlow Serving's REST API.
+
+
+def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.ndarray], bool]:
+    """`(rows by input name, row format?)` from a predict request's body.
+
+    Raises:
+        RequestError: Malformed JSON, missing keys, wrong shapes or dtypes.
+    """
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"JSON Parse error: {error}") from None
+    if not isinstance(request, dict) or ("instances" in request) == ("inputs" in request):
+        raise RequestError("Missing 'inputs' or 'instances' keys (exactly one of them).")
+    names = runtime.input_names
+    if "instances" in request:
+        instances = request["instances"]
+        if not isinstance(instances, list) or not instances:
+            raise RequestError("'instances' must be a non-empty list.")
+        if len(names) == 1 and not all(isinstance(i, dict) for i in instances):
+            columns = {names[0]: instances}
+        else:
+            if not all(isinstance(i, dict) for i in instances):
+                raise RequestError(f"Each instance must be an object with the inputs {names}.")
+            columns = {n: [i.get(n) for i in instances] for n in names}
+        return _arrays(columns, runtime), True
+    inputs = request["inputs"]
+    columns = inputs if isinstance(inputs, dict) else {names[0]: inputs}
+    if len(names) > 1 and not isinstance(inputs, dict):
+        raise RequestError(f"'inputs' must be an object with the inputs {names}.")
+    return _arrays(columns, runtime), False
+
+
+def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.ndarray]:
+    unknown = sorted(set(columns) - set(runtime.input_names))
+    missing = [n for n in runtime.input_names if n not in columns or columns[n] is None]
+    if unknown or missing:
+        raise RequestError(f"Inputs do not match the signature {runtime.signature()}: "
+                           f"unknown {unknown}, missing {missing}.")
+    arrays, count = {}, None
+    for entry in runtime.inputs:
+        name = entry["name"]
+        try:
+            array = np.asarray(columns[name], dtype=entry["dtype"])
+        except (TypeError, ValueError) as error:
+            raise RequestError(f"Input {name!r} is not {entry['dtype']} data: {error}") from None
+        row_shape = tuple(entry["shape"][1:])
+        if array.ndim != len(row_shape) + 1 or array.shape[1:] != row_shape:
+            raise RequestError(
+                f"Input {name!r} has rows of shape {array.shape[1:]}, expected {row_shape} "
+                f"({runtime.signature()}).")
+        if count is not None and len(array) != count:
+            raise RequestError("Inputs have different numbers of rows.")
+        count = len(array)
+        arrays[name] = array
+    return arrays
+
+
+def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> dict:
+    """TensorFlow Serving's predict response: `predictions` (rows) or `outputs` (columns)."""
+    if rows:
+        if len(outputs) == 1:
+            return {"predictions": next(iter(outputs.values())).tolist()}
+        count = len(next(iter(outputs.values())))
+        return {"predictions": [{n: o[i].tolist() for n, o in outputs.items()}
+                                for i in range(count)]}
+    if len(outputs) == 1:
+        return {"outputs": next(iter(outputs.values())).tolist()}
+    return {"outputs": {n: o.tolist() for n, o in outputs.items()}}
+
+
+def status_response() -> dict:
+    return {"model_version_status": [{"version": "1", "state": "AVAILABLE",
+                                      "status": {"error_code": "OK", "error_message": ""}}]}
+
+
+def metadata_response(name: str, runtime: ServingRuntime) -> dict:
+    def tensors(entries):
+        return {e["name"]: {"dtype": _TF_DTYPES.get(e["dtype"], e["dtype"]), "name": e["name"],
+                            "tensor_shape": {"dim": [{"size": "-1"}] + [
+                                {"size": str(d)} for d in e["shape"][1:]],
+                                "unknown_rank": False}}
+                for e in entries}
+
+    signature = {"inputs": tensors(runtime.inputs), "outputs": tensors(runtime.outputs),
+                 "method_name": "tensorflow/serving/predict"}
+    return {"model_spec": {"name": name, "signature_name": "", "version": "1"},
+            "metadata": {"signature_def": {"signature_def": {"serving_default": signature}}}}
+
+
+def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float = 2.0):
+    """The aiohttp application serving `runtime` as `model_name`.
+
+    Raises:
+        ImportError: Without aiohttp (`pip install keras_ipu[serve]`).
+
+    Example:
+
+    >>> app = make_app(keras_ipu.serving.load("my_export"), "my_model")
+    """
+    web = _aiohttp_web()
+    batcher = DynamicBatcher(runtime, max_batch_delay_ms)
+
+    def error(message: str, status: int):
+        return web.json_response({"error": message}, status=status)
+
+    def known(request) -> bool:
+        return request.match_info["name"] == model_name
+
+    def unknown(request):
+        return error(f"Servable not found for request: Latest({request.match_info['name']})",
+                     404)
+
+    async def status(request):
+        return web.json_response(status_response()) if known(request) else unknown(request)
+
+    async def metadata(request):
+        if not known(request):
+            return unknown(request)
+        return web.json_response(metadata_response(model_name, runtime))
+
+    async def predict(request):
+        if not known(request):
+            return unknown(request)
+        try:
+            body = await request.read()
+            rows, row_format = parse_predict(body, runtime)
+        except RequestError as bad:
+            return error(str(bad), bad.status)
+        except web.HTTPRequestEntityTooLarge:
+            return error(f"Request body larger than {MAX_BODY_BYTES} bytes.", 413)
+        try:
+            outputs = await batcher.predict(rows)
+        except Exception as failed:  # a device failure answers this request only
+            return error(f"Prediction failed: {failed}", 500)
+        return web.json_response(predict_response(outputs, row_format))
+
+    async def on_startup(app):
+        batcher.start()
+
+    async def on_cleanup(app):
+        await batcher.stop()
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app["batcher"] = batcher
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_get("/v1/models/{name:[^/:]+}", status)
+    app.router.add_get("/v1/models/{name:[^/:]+}/metadata", metadata)
+    app.router.add_post("/v1/models/{name:[^/:]+}:predict", predict)
+    return app
+
+
+async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
+                max_batch_delay_ms: float, announce=print) -> None:
+    """Serves until cancelled (Ctrl-C); announces the address it listens on."""
+    web = _aiohttp_web()
+    runner = web.AppRunner(make_app(runtime, model_name, max_batch_delay_ms),
+                           handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    announce(f"keras-ipu serve: model {model_name!r} at "
+             f"http://{bound_host}:{bound_port}/v1/models/{model_name}")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def _aiohttp_web():
+    try:
+        from aiohttp import web
+    except ImportError as error:
+        raise ImportError(
+            "keras-ipu serve needs aiohttp: `pip install keras_ipu[serve]` "
+            "(or `pip install aiohttp`)."
+        ) from error
+    return web
+
+
+__all__ = ["DynamicBatcher", "make_app", "serve"]

@@ -1,0 +1,152 @@
+"""`keras-ipu serve`: TensorFlow Serving's REST API on loopback, with a real HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import configure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENTS, REQUESTS = 32, 100
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """An export of a two-input model, its expected predictions, and a server process."""
+    configure(1)
+    directory = tmp_path_factory.mktemp("serve") / "adder"
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+        h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([a, b]))
+        model = keras.Model([a, b], keras.layers.Dense(3)(h))
+    model.export_for_ipu_serving(directory, batch_size=8)
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keras_ipu", "serve", "--dir", str(directory), "--port", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+    assert match, line + process.stderr.read()
+    yield model, f"http://127.0.0.1:{match.group(1)}/v1/models/adder", process
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _rows(rng, count):
+    return (rng.normal(size=(count, 4)).astype("float32"),
+            rng.normal(size=(count, 2)).astype("float32"))
+
+
+def test_status_and_metadata(served):
+    _, url, _ = served
+
+    async def get():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url) as status, session.get(url + "/metadata") as meta:
+                return await status.json(), await meta.json()
+
+    status, meta = asyncio.run(get())
+    assert status["model_version_status"][0]["state"] == "AVAILABLE"
+    signature = meta["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert signature["inputs"]["a"]["tensor_shape"]["dim"] == [{"size": "-1"}, {"size": "4"}]
+    assert signature["inputs"]["b"]["dtype"] == "DT_FLOAT"
+
+
+def test_concurrent_clients_get_their_own_rows(served):
+    model, url, _ = served
+    rng = np.random.default_rng(0)
+    requests = [[_rows(rng, int(rng.integers(1, 4))) for _ in range(REQUESTS)]
+                for _ in range(CLIENTS)]
+    flat_a = np.concatenate([a for client in requests for a, _ in client])
+    flat_b = np.concatenate([b for client in requests for _, b in client])
+    padded = -len(flat_a) % 8
+    expected_all = model.predict(
+        [np.concatenate([flat_a, np.zeros((padded, 4), "float32")]),
+         np.concatenate([flat_b, np.zeros((padded, 2), "float32")])],
+        batch_size=8, verbose=0)[:len(flat_a)]
+
+    async def client(session, index):
+        answers = []
+        for n, (a, b) in enumerate(requests[index]):
+            if n % 2:  # row format
+                body = {"instances": [{"a": ra.tolist(), "b": rb.tolist()}
+                                      for ra, rb in zip(a, b)]}
+            else:      # columnar format
+                body = {"inputs": {"a": a.tolist(), "b": b.tolist()}}
+            async with session.post(url + ":predict", json=body) as response:
+                assert response.status == 200, await response.text()
+                reply = await response.json()
+            answers.append(np.asarray(reply["predictions" if n % 2 else "outputs"], "float32"))
+        return answers
+
+    async def everyone():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(client(session, i) for i in range(CLIENTS)))
+
+    answers = asyncio.run(everyone())
+    got = np.concatenate([row for client in answers for row in client])
+    assert got.shape == expected_all.shape  # none lost
+    np.testing.assert_allclose(got, expected_all, atol=1e-5)  # none mixed up
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b'{"instances": [1, 2', 400, "JSON Parse error"),
+    (b'{"instances": [{"a": [1, 2, 3], "b": [1, 2]}]}', 400, "rows of shape (3,)"),
+    (b'{"inputs": {"a": [["x", "y", "z", "w"]], "b": [[1, 2]]}}', 400, "is not float32 data"),
+    (b'{"signature": 1}', 400, "Missing 'inputs' or 'instances'"),
+    (b'{"inputs": {"a": [[1, 2, 3, 4]]}}', 400, "missing ['b']"),
+    (b"[" * 20_000_000, 413, "larger than"),
+])
+def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
+    model, url, _ = served
+
+    async def post():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + ":predict", data=body) as response:
+                answer = (response.status, await response.json())
+            ok = {"inputs": {"a": [[0.0] * 4], "b": [[0.0] * 2]}}
+            async with session.post(url + ":predict", json=ok) as response:
+                return answer, response.status, await response.json()
+
+    (code, reply), after, good = asyncio.run(post())
+    assert code == status and message in reply["error"]
+    assert after == 200
+    np.testing.assert_allclose(
+        good["outputs"],
+        model.predict([np.zeros((8, 4)), np.zeros((8, 2))], batch_size=8, verbose=0)[:1],
+        atol=1e-5)
+
+
+def test_an_unknown_model_is_404(served):
+    _, url, _ = served
+
+    async def post():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url.replace("adder", "other") + ":predict",
+                                    json={"instances": [[1]]}) as response:
+                return response.status, await response.json()
+
+    code, reply = asyncio.run(post())
+    assert code == 404 and "Servable not found" in reply["error"]
+
+
+def test_ctrl_c_stops_the_server_cleanly(served):
+    _, _, process = served
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 0
+    assert "stopped" in process.stdout.read()
