@@ -151,6 +151,7 @@ def _pairs(spec: str, separator: str, option: str) -> list[tuple[str, str]]:
 def _load(export_dir: str):
     from keras_ipu.serving import runtime
 
+    runtime.run_inline_on_cpu()  # a serving process: small programs, one at a time
     try:
         return runtime.load(export_dir)
     except (FileNotFoundError, ValueError) as error:
