@@ -11,12 +11,14 @@ _COMMANDS = {
     "show": ("keras_ipu.serving.commands", "show_main"),
     "run": ("keras_ipu.serving.commands", "run_main"),
     "serve": ("keras_ipu.serving.commands", "serve_main"),
+    "convert": ("keras_ipu.serving.commands", "convert_main"),
 }
 _HELP = {
     "demo": "train a model on virtual IPUs and print its report",
     "show": "show an export's signatures and metadata",
     "run": "run one batch through an export",
     "serve": "serve an export with TensorFlow Serving's REST API",
+    "convert": "turn a saved Keras model into an export (pipeline: manual, load or auto)",
 }
 
 

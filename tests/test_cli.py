@@ -86,7 +86,7 @@ def test_bad_input_is_one_line_and_status_2(args, message, export_dir):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("command", ["show", "run", "serve", "demo"])
+@pytest.mark.parametrize("command", ["show", "run", "serve", "convert", "demo"])
 def test_every_command_has_help(command):
     result = _cli(command, "--help")
     assert result.returncode == 0 and "usage: keras-ipu" in result.stdout

@@ -132,3 +132,17 @@ def test_cycles_follow_the_hardware(strategy):
     # Same chip, faster clock: same cycles, less time.
     assert cycles["ipu2"][0] == cycles["ipu21"][0]
     assert cycles["ipu21"][1] < cycles["ipu2"][1]
+
+
+def test_the_balanced_split_is_the_best_contiguous_one():
+    from keras_ipu.device import partition
+
+    split = partition.balanced_split([5, 1, 1, 1, 1, 1], [1] * 6, 2)
+    assert split.stage_of_layer == (0, 1, 1, 1, 1, 1) and split.stage_costs == (5, 5)
+    assert partition.balanced_split([1] * 6, [1] * 6, 3).stage_of_layer == (0, 0, 1, 1, 2, 2)
+    # The fewest stages whose memory fits: 2 stages of 30 do not fit 25, 3 of 20 do.
+    assert len(partition.fewest_stages([1] * 6, [10] * 6, 25).stage_costs) == 3
+    with pytest.raises(ValueError, match="largest stage needs 20 bytes"):
+        partition.fewest_stages([1] * 6, [10] * 6, 15, minimum=2, maximum=3)
+    with pytest.raises(ValueError, match="Cannot split 2 layers into 3"):
+        partition.balanced_split([1, 1], [1, 1], 3)

@@ -40,8 +40,12 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
                  preprocessing_step: Callable[..., Any] | None = None,
                  postprocessing_step: Callable[..., Any] | None = None,
                  purge_export_dir: bool = False,
-                 platforms: Sequence[str] | None = None) -> runtime.ServingRuntime:
+                 platforms: Sequence[str] | None = None,
+                 int64_to_int32: bool = False) -> runtime.ServingRuntime:
     """Writes a serving export of `model`; returns its runtime (see `export_for_ipu_serving`).
+
+    `int64_to_int32` exports int64 inputs as int32 (`keras-ipu convert
+    --int64_to_int32_conversion`).
 
     Raises:
         ValueError: Model not created in an IPUStrategy, unknown batch size,
@@ -54,6 +58,9 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
             f"it in `IPUStrategy().scope()` to export it for IPU serving."
         )
     structure, specs, names = _input_signature(model, batch_size)
+    if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
+        specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
+                 for s in specs]
     batch = specs[0].shape[0]
     _prepare_directory(export_dir, purge_export_dir)
     trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]

@@ -82,6 +82,73 @@ def _serve(args: argparse.Namespace) -> None:
         raise CommandError(str(error)) from None
 
 
+def convert_main(argv: Sequence[str]) -> int:
+    """`keras-ipu convert --model MODEL.keras --dir DIR [options]` (needs Keras)."""
+    parser = argparse.ArgumentParser(
+        prog="keras-ipu convert",
+        description="Turn a saved Keras model into an IPU serving export (the SavedModel "
+                    "tool's `convert ipu` options).")
+    parser.add_argument("--model", required=True, help="the .keras file")
+    parser.add_argument("--dir", required=True, help="the export directory (new or empty)")
+    parser.add_argument("--batch_size", type=int, help="the export's batch size (default 1)")
+    parser.add_argument("--batch_per_step", type=int,
+                        help="batches per device call of the exported loop (default 0: 1)")
+    parser.add_argument("--num_ipus", type=int, help="IPUs (default 1)")
+    parser.add_argument("--precision_mode", help="FP32 (default) or FP16")
+    parser.add_argument("--precision_conversion_excluded_nodes", nargs="+",
+                        help="regexes of layers kept in float32 with FP16")
+    parser.add_argument("--int64_to_int32_conversion", action="store_true", default=None,
+                        help="export int64 inputs as int32")
+    parser.add_argument("--manual_sharding", nargs="+",
+                        help="one regex per IPU: layers matching the i-th go to stage i")
+    parser.add_argument("--pipeline_cfg", help="the pipeline configuration, JSON "
+                                               "(converter auto, manual or load)")
+    parser.add_argument("--config_file", help="a JSON file with any of these options")
+    for name in ("excluded_nodes", "matmul_amp", "conv_amp", "matmul_partial_type",
+                 "conv_partial_type", "gelu_replacement", "embedded_runtime_save_config"):
+        parser.add_argument(f"--{name}", nargs="*", help="accepted; no effect on the device model")
+    for name in ("no_ipu_placement", "remove_excluded_nodes", "merge_subgraphs"):
+        parser.add_argument(f"--{name}", action="store_true", default=None,
+                            help="accepted; no effect on the device model")
+    args = parser.parse_args(argv)
+    return _guarded(lambda: _convert(args))
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from keras_ipu.keras import convert
+
+    try:
+        values = convert.read_config_file(args.config_file) if args.config_file else {}
+        given = {k: v for k, v in vars(args).items()
+                 if v is not None and k not in ("model", "dir", "config_file")}
+        if "pipeline_cfg" in given:
+            given["pipeline_cfg"] = _json_option("--pipeline_cfg", given["pipeline_cfg"])
+        if "manual_sharding" in given:  # one regex per IPU on the command line
+            given["manual_sharding"] = [[regex] for regex in given["manual_sharding"]]
+        options = convert.ConvertOptions.from_mapping({**values, **given})
+        if not os.path.isfile(args.model):
+            raise CommandError(f"--model: no file {args.model!r}")
+        summary = convert.convert(args.model, args.dir, options)
+    except (ValueError, RuntimeError, TypeError) as error:
+        raise CommandError(str(error).splitlines()[0]) from None
+    print(f"export written to {args.dir}")
+    for key, value in summary.items():
+        if value:
+            print(f"  {key}: {value}")
+
+
+def _json_option(name: str, text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CommandError(f"{name} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise CommandError(f"{name} must be a JSON object")
+    return value
+
+
 def _run(args: argparse.Namespace) -> None:
     runtime = _load(args.dir)
     inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs)}
@@ -187,4 +254,4 @@ def _guarded(action) -> int:
     return 0
 
 
-__all__ = ["run_main", "serve_main", "show_main"]
+__all__ = ["convert_main", "run_main", "serve_main", "show_main"]

@@ -1,0 +1,287 @@
+"""`keras-ipu convert`: a saved Keras model to an IPU serving export, with its pipeline configured.
+
+Modelled on the SavedModel tool's `convert ipu` subcommand. The model is
+loaded inside an `IPUStrategy`; `precision_mode="FP16"` recasts its layers to
+float16 (but those named by `precision_conversion_excluded_nodes`);
+`manual_sharding` (one regex list per IPU) or `pipeline_cfg` (`manual`,
+`load` or `auto`) assigns each layer to a pipeline stage; the export is
+written by `export.export_model` with `batch_size` and `batch_per_step`
+iterations. `auto` estimates each layer's cycles and memory with the device
+model and splits the chain of layers into the fewest stages, from
+`min_ipu_quantity` to `max_ipu_quantity`, whose stages fit an IPU, balancing
+cycles (`priority: "cycle"`) or memory (`"memory"`); the solution is written
+in the seed's solution-file format. Options that mean nothing on the device
+model are accepted and reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+# Options of the SavedModel tool that keras_ipu accepts without effect.
+NO_EFFECT = ("excluded_nodes", "remove_excluded_nodes", "matmul_amp", "conv_amp",
+             "matmul_partial_type", "conv_partial_type", "gelu_replacement",
+             "no_ipu_placement", "merge_subgraphs", "embedded_runtime_save_config")
+_PIPELINE_NO_EFFECT = ("fine_tune_iter", "ipu_model", "profiling_root_dir", "profiling_enable")
+SOLUTION_FILE = "greedy_search.pipeconfig"
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    """The options of `keras-ipu convert` (the SavedModel tool's names).
+
+    Example:
+
+    >>> ConvertOptions(batch_size=4, pipeline_cfg={"converter": "auto"})
+    """
+
+    batch_size: int = 1
+    batch_per_step: int = 0
+    num_ipus: int = 1
+    precision_mode: str = "FP32"
+    precision_conversion_excluded_nodes: Sequence[str] = ()
+    int64_to_int32_conversion: bool = False
+    manual_sharding: Sequence[Sequence[str]] | None = None
+    pipeline_cfg: Mapping[str, Any] | None = None
+    ignored: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> ConvertOptions:
+        """Options from a configuration (file or command line); unknown keys raise.
+
+        Raises:
+            ValueError: For unknown keys and bad values.
+        """
+        known = {f.name for f in dataclasses.fields(cls)} - {"ignored"}
+        unknown = sorted(set(values) - known - set(NO_EFFECT))
+        if unknown:
+            raise ValueError(f"Unknown convert options {unknown}; valid: {sorted(known)}.")
+        options = cls(**{k: v for k, v in values.items() if k in known},
+                      ignored={k: v for k, v in values.items() if k in NO_EFFECT})
+        options.check()
+        return options
+
+    def check(self) -> None:
+        if self.precision_mode.upper() not in ("FP16", "FP32"):
+            raise ValueError(f"--precision_mode must be FP16 or FP32, got {self.precision_mode!r}.")
+        for name in ("batch_size", "num_ipus"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be a positive integer.")
+        if not isinstance(self.batch_per_step, int) or self.batch_per_step < 0:
+            raise ValueError("--batch_per_step must be an integer >= 0.")
+        if self.manual_sharding is not None and self.pipeline_cfg is not None:
+            raise ValueError("Give --manual_sharding or --pipeline_cfg, not both.")
+
+
+def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
+    """Converts a saved Keras model into an export; returns what was done.
+
+    Returns:
+        A summary: the stage of each layer, the device mapping, the
+        per-stage cost estimates (`auto`), the solution file and the
+        ignored options.
+
+    Raises:
+        ValueError: Bad options, or a split that does not fit.
+        RuntimeError: A stage assignment the model's graph does not allow.
+    """
+    import keras
+
+    import keras_ipu as ipu
+
+    _configure(options.num_ipus)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.models.load_model(model_path, compile=False)
+        if options.precision_mode.upper() == "FP16":
+            model = _half_precision(model, options.precision_conversion_excluded_nodes)
+    summary = {"ignored": dict(options.ignored)}
+    plan = _stage_plan(model, options, summary)
+    if plan is not None:
+        stage_of, mapping = plan
+        _configure(max(options.num_ipus, max(mapping) + 1))
+        _assign(model, stage_of)
+        model.set_pipelining_options(device_mapping=list(mapping))
+        summary.update(stage_of_layer=stage_of, device_mapping=list(mapping))
+    model.compile(steps_per_execution=max(options.batch_per_step, 1))
+    from keras_ipu.keras import export
+
+    export.export_model(model, export_dir, batch_size=options.batch_size, purge_export_dir=False,
+                        int64_to_int32=options.int64_to_int32_conversion)
+    return summary
+
+
+def _configure(num_ipus: int) -> None:
+    import keras_ipu as ipu
+
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = num_ipus
+    config.configure_ipu_system()
+
+
+def _stage_plan(model, options: ConvertOptions, summary: dict):
+    """`(stage of each layer name, device mapping)`, or `None` for one IPU."""
+    if options.manual_sharding is not None:
+        patterns = [_patterns(p) for p in options.manual_sharding]
+        if len(patterns) != options.num_ipus:
+            raise ValueError(
+                f"--manual_sharding gives {len(patterns)} regex lists for --num_ipus "
+                f"{options.num_ipus}: give one per IPU.")
+        return _by_patterns(model, patterns), tuple(range(len(patterns)))
+    config = options.pipeline_cfg
+    if config is None:
+        return None
+    converter = config.get("converter")
+    summary["ignored"].update({k: config[k] for k in _PIPELINE_NO_EFFECT if k in config})
+    if converter == "manual":
+        patterns = [_patterns(p) for p in config.get("manual_pipeline_config") or []]
+        mapping = config.get("device_info")
+        if not patterns or mapping is None or len(mapping) != len(patterns):
+            raise ValueError("The manual converter needs `manual_pipeline_config` (one regex list "
+                             "per stage) and `device_info` (one IPU per stage).")
+        stage_of = _by_patterns(model, patterns)
+        _write_solution(config.get("solution_dir"), stage_of, mapping, summary)
+        return stage_of, tuple(mapping)
+    if converter == "load":
+        return _load_solution(config.get("solution_path"))
+    if converter == "auto":
+        return _auto(model, options, config, summary)
+    raise ValueError(f"pipeline_cfg `converter` must be auto, manual or load, got {converter!r}.")
+
+
+def _chain(model) -> list:
+    """The model's layers in execution order, without its inputs."""
+    return [layer for layer in model.layers if type(layer).__name__ != "InputLayer"]
+
+
+def _by_patterns(model, patterns: list[list[re.Pattern]]) -> dict[str, int]:
+    """Stage of each layer: the first regex list that matches its name, else stage 0."""
+    stage_of = {}
+    for layer in _chain(model):
+        stage_of[layer.name] = next(
+            (s for s, regexes in enumerate(patterns) if any(r.search(layer.name)
+                                                           for r in regexes)), 0)
+    return stage_of
+
+
+def _patterns(value: Any) -> list[re.Pattern]:
+    regexes = [value] if isinstance(value, str) else list(value)
+    try:
+        return [re.compile(r) for r in regexes]
+    except re.error as error:
+        raise ValueError(f"Bad regular expression in the configuration: {error}.") from None
+
+
+def _auto(model, options: ConvertOptions, config: Mapping[str, Any], summary: dict):
+    from keras_ipu.device import partition
+    from keras_ipu.device import system as ipu_system
+
+    priority = config.get("priority", "cycle")
+    if priority not in ("cycle", "memory"):
+        raise ValueError(f"pipeline_cfg `priority` must be cycle or memory, got {priority!r}.")
+    hardware = ipu_system.require().hardware
+    layers = _chain(model)
+    cycles, memory = zip(*(_layer_cost(layer, options.batch_size, hardware) for layer in layers))
+    split = partition.fewest_stages(
+        cycles if priority == "cycle" else memory, memory, hardware.memory_capacity_bytes,
+        minimum=int(config.get("min_ipu_quantity", 2)),
+        maximum=int(config.get("max_ipu_quantity", 64)))
+    stage_of = {layer.name: stage for layer, stage in zip(layers, split.stage_of_layer)}
+    mapping = tuple(range(len(split.stage_costs)))
+    summary.update(priority=priority, stage_costs=list(split.stage_costs),
+                   stage_memory=list(split.stage_memory))
+    _write_solution(config.get("solution_dir"), stage_of, mapping, summary)
+    return stage_of, mapping
+
+
+def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
+    """A layer's estimated cycles (XLA's cost analysis on the device model) and memory bytes."""
+    from keras_ipu.device import accounting
+
+    specs = jax.tree_util.tree_map(
+        lambda t: jax.ShapeDtypeStruct((batch, *t.shape[1:]), str(t.dtype)), layer.input)
+    lowered = jax.jit(lambda x: layer(x)).lower(specs)
+    outputs = jax.eval_shape(lambda x: layer(x), specs)
+    weights = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights)
+    activations = accounting.tree_bytes(outputs)
+    return accounting.step_cost(lowered).work_cycles(hardware), weights + activations
+
+
+def _assign(model, stage_of: Mapping[str, int]) -> None:
+    assignments = model.get_pipeline_stage_assignment()
+    for assignment in assignments:
+        assignment.pipeline_stage = stage_of.get(assignment.layer.name, 0)
+    model.set_pipeline_stage_assignment(assignments)
+
+
+def _write_solution(directory, stage_of, mapping, summary: dict) -> None:
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, SOLUTION_FILE)
+    solution = {"device_mapping": list(mapping), "pipeline_mapping": dict(stage_of),
+                **{k: summary[k] for k in ("priority", "stage_costs", "stage_memory")
+                   if k in summary}}
+    with open(path, "w") as f:
+        json.dump(solution, f, indent=2)
+    summary["solution_path"] = path
+
+
+def _load_solution(path) -> tuple[dict[str, int], tuple[int, ...]]:
+    if not path or not os.path.isfile(path):
+        raise ValueError(f"The load converter needs an existing `solution_path`, got {path!r}.")
+    with open(path) as f:
+        solution = json.load(f)
+    # The seed's own example spells it "device_maping".
+    mapping = solution.get("device_mapping", solution.get("device_maping"))
+    stage_of = solution.get("pipeline_mapping")
+    if mapping is None or not isinstance(stage_of, dict):
+        raise ValueError(f"{path} is not a pipeline solution file: it needs `device_mapping` "
+                         f"and `pipeline_mapping`.")
+    return {str(k): int(v) for k, v in stage_of.items()}, tuple(int(i) for i in mapping)
+
+
+def _half_precision(model, excluded: Sequence[str]):
+    """The model with its layers in float16, but those whose names match `excluded`."""
+    import keras
+
+    patterns = _patterns(list(excluded))
+
+    def clone(layer):
+        config = layer.get_config()
+        if not any(p.search(layer.name) for p in patterns) and "dtype" in config:
+            config["dtype"] = "float16"
+        return layer.__class__.from_config(config)
+
+    half = keras.models.clone_model(model, clone_function=clone)
+    half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in
+                      zip(model.get_weights(), half.weights)])
+    return half
+
+
+def read_config_file(path: str) -> dict:
+    """The JSON configuration file of the SavedModel tool (`//` comments allowed).
+
+    Raises:
+        ValueError: When it cannot be read or parsed.
+    """
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as error:
+        raise ValueError(f"Cannot read --config_file {path!r}: {error.strerror}.") from None
+    text = re.sub(r"^\s*//.*$", "", text, flags=re.MULTILINE)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config_file {path!r} is not JSON: {error}.") from None
+
+
+__all__ = ["ConvertOptions", "convert", "read_config_file"]

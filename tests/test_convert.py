@@ -1,0 +1,135 @@
+"""`keras-ipu convert`: a saved Keras model to an export; manual, loaded and automatic stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+
+from conftest import configure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 4
+
+
+def _cli(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "keras_ipu", "convert", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory):
+    """A 6-block MLP saved as .keras, and inputs with its predictions."""
+    configure(1)
+    path = tmp_path_factory.mktemp("convert") / "mlp.keras"
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((64,), name="features")
+        h = inputs
+        for i in range(6):  # the last block is the output
+            h = keras.layers.Dense(64, activation="relu" if i < 5 else None,
+                                   name=f"block_{i}")(h)
+        model = keras.Model(inputs, h)
+        model.save(path)
+    x = np.random.default_rng(0).normal(size=(4 * BATCH, 64)).astype("float32")
+    return path, x, model.predict(x, batch_size=BATCH, verbose=0)
+
+
+def _run_export(export_dir, x):
+    return ipu.serving.load(str(export_dir)).run_many(x.reshape(-1, BATCH, 64)).reshape(len(x), -1)
+
+
+@pytest.mark.parametrize("priority", ["cycle", "memory"])
+def test_auto_balances_the_stages_and_the_export_matches_predict(priority, saved_mlp, tmp_path):
+    path, x, expected = saved_mlp
+    config = {"converter": "auto", "priority": priority, "min_ipu_quantity": 2,
+              "max_ipu_quantity": 4, "solution_dir": str(tmp_path / "solution")}
+    result = _cli("--model", str(path), "--dir", str(tmp_path / "export"), "--batch_size",
+                  str(BATCH), "--batch_per_step", "4", "--pipeline_cfg", json.dumps(config))
+    assert result.returncode == 0, result.stderr
+    solution = json.loads((tmp_path / "solution" / "greedy_search.pipeconfig").read_text())
+    assert solution["device_mapping"] == [0, 1]
+    stages = solution["pipeline_mapping"]
+    assert sorted(set(stages.values())) == [0, 1] and stages["block_0"] == 0
+    np.testing.assert_allclose(_run_export(tmp_path / "export", x), expected, atol=1e-5)
+    metadata = ipu.serving.load(str(tmp_path / "export")).metadata
+    assert metadata["device_mapping"] == [0, 1] and metadata["iterations"] == 4
+    # The device model's own report of the split pipeline: the stages balance.
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.models.load_model(path)
+    assignments = model.get_pipeline_stage_assignment()
+    for assignment in assignments:
+        assignment.pipeline_stage = stages[assignment.layer.name]
+    model.set_pipeline_stage_assignment(assignments)
+    model.compile(steps_per_execution=4)
+    model.predict(x, batch_size=BATCH, verbose=0)
+    pipeline = ipu.utils.execution_report(model, "predict").pipeline
+    measured = (pipeline.stage_forward_cycles if priority == "cycle"
+                else solution["stage_memory"])
+    assert max(measured) <= 1.25 * min(measured), measured
+
+
+def test_manual_sharding_and_the_solution_file_round_trip(saved_mlp, tmp_path):
+    path, x, expected = saved_mlp
+    manual = _cli("--model", str(path), "--dir", str(tmp_path / "manual"), "--batch_size",
+                  str(BATCH), "--num_ipus", "2", "--manual_sharding", "^block_[0-1]$",
+                  "^block_[2-5]$|head")
+    assert manual.returncode == 0, manual.stderr
+    assert "'block_0': 0" in manual.stdout and "'block_2': 1" in manual.stdout
+    np.testing.assert_allclose(_run_export(tmp_path / "manual", x), expected, atol=1e-5)
+    solution = tmp_path / "s.pipeconfig"
+    solution.write_text(json.dumps({"device_maping": [1, 0],  # the seed's spelling
+                                    "pipeline_mapping": {"block_0": 0, "block_5": 1}}))
+    loaded = _cli("--model", str(path), "--dir", str(tmp_path / "loaded"), "--batch_size",
+                  str(BATCH), "--pipeline_cfg",
+                  json.dumps({"converter": "load", "solution_path": str(solution)}))
+    assert loaded.returncode == 0, loaded.stderr
+    assert ipu.serving.load(str(tmp_path / "loaded")).metadata["device_mapping"] == [1, 0]
+    np.testing.assert_allclose(_run_export(tmp_path / "loaded", x), expected, atol=1e-5)
+
+
+def test_a_config_file_with_comments_fp16_and_ignored_options(saved_mlp, tmp_path):
+    path, x, expected = saved_mlp
+    config = tmp_path / "config.json"
+    config.write_text("""{
+        // the seed's format: comments allowed
+        "batch_size": 4,
+        "precision_mode": "FP16",
+        "precision_conversion_excluded_nodes": ["^head$"],
+        "matmul_amp": 0.6,
+        "gelu_replacement": {"nodes": []}
+    }""")
+    result = _cli("--model", str(path), "--dir", str(tmp_path / "half"), "--config_file",
+                  str(config))
+    assert result.returncode == 0, result.stderr
+    assert "matmul_amp" in result.stdout and "gelu_replacement" in result.stdout
+    outputs = _run_export(tmp_path / "half", x)
+    np.testing.assert_allclose(outputs, expected, atol=0.05, rtol=0.05)  # float16 blocks
+    assert not np.allclose(outputs, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_ipus", "2", "--manual_sharding", "^block_0$"], "gives 1 regex lists for --num_ipus 2"),
+    (["--precision_mode", "FP8"], "must be FP16 or FP32"),
+    (["--pipeline_cfg", "{not json"], "--pipeline_cfg is not JSON"),
+    (["--pipeline_cfg", '{"converter": "magic"}'], "must be auto, manual or load"),
+    (["--pipeline_cfg", '{"converter": "load", "solution_path": "nope.json"}'],
+     "needs an existing `solution_path`"),
+    (["--config_file", "missing.json"], "Cannot read --config_file"),
+])
+def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
+    path, _, _ = saved_mlp
+    result = _cli("--model", str(path), "--dir", str(tmp_path / "e"), *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
