@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -73,6 +74,10 @@ def test_a_pipelined_export_equals_predict(strategy, tmp_path):
                                atol=1e-6)
     assert runtime.metadata["device_mapping"] == [1, 0]
     assert runtime.metadata["num_ipus"] == 2 and runtime.metadata["pipeline_stages"] == 2
+    # Each stage runs on its own IPU's device: stage 0 on IPU 1, stage 1 on IPU 0.
+    devices = runtime.devices
+    assert len(devices) == 2 and devices[0] != devices[1]
+    assert devices == [jax.devices()[1], jax.devices()[0]]
 
 
 def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):

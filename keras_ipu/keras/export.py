@@ -4,6 +4,8 @@ An export directory holds what `keras_ipu.serving.runtime` needs and nothing
 of Keras: the inference program for a fixed batch size as serialized
 StableHLO (`jax.export`), twice (`step.jaxexport`: one batch per call;
 `loop.jaxexport`: `steps_per_execution` batches per call, the exported loop),
+or for a pipelined model one program per stage (`stage_<s>.jaxexport`, run on
+the stage's IPU; `export_pipeline.py`),
 the weights as a NumPy archive (`weights.npz`, loaded without pickle), and
 `metadata.json` (signatures, batch size, iterations, IPUs, stage mapping,
 platforms, keras_ipu version). The program takes the weights as arguments, so
@@ -61,8 +63,44 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
                  for s in specs]
-    batch = specs[0].shape[0]
+    iterations = int(getattr(model, "steps_per_execution", 1) or 1)
+    platforms = tuple(platforms) if platforms else (jax.default_backend(),)
+    plan = _plan(model)
+    with context.model_scope(model):
+        if plan is None:
+            programs, weights, outputs, layout = _single_programs(
+                model, structure, specs, iterations, preprocessing_step, postprocessing_step,
+                platforms)
+        else:
+            programs, weights, outputs, layout = _pipeline_programs(
+                model, plan, specs, preprocessing_step, postprocessing_step, platforms)
+    metadata = {
+        "format": runtime.FORMAT,
+        "keras_ipu_version": _version(),
+        "model_name": model.name,
+        "batch_size": specs[0].shape[0],
+        "iterations": iterations,
+        "inputs": [_signature_entry(n, s) for n, s in zip(names, specs)],
+        "outputs": [_signature_entry(n, s) for n, s in
+                    zip(_output_names(output_names, len(outputs)), outputs)],
+        "platforms": list(platforms),
+        **layout,
+        **_pipeline_metadata(model, plan),
+    }
+    # Only now, with every program built, is the directory emptied and written.
     _prepare_directory(export_dir, purge_export_dir)
+    for name, exported in programs.items():
+        with open(os.path.join(export_dir, name), "wb") as f:
+            f.write(exported.serialize())
+    np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE), **weights)
+    with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+    return runtime.load(export_dir)
+
+
+def _single_programs(model, structure, specs, iterations: int, preprocessing_step,
+                     postprocessing_step, platforms):
+    """The one-device programs (one batch; the loop of `iterations`), weights, outputs, layout."""
     trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
     non_trainable = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
 
@@ -76,43 +114,36 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
             outputs = postprocessing_step(outputs)
         return tuple(tree.flatten(outputs))
 
-    iterations = int(getattr(model, "steps_per_execution", 1) or 1)
-
     def loop(trainable, non_trainable, *stacked):
         return jax.lax.map(lambda xs: step(trainable, non_trainable, *xs), stacked)
 
     weight_specs = (_specs(trainable), _specs(non_trainable))
     loop_specs = [jax.ShapeDtypeStruct((iterations, *s.shape), s.dtype) for s in specs]
-    platforms = tuple(platforms) if platforms else (jax.default_backend(),)
-    with context.model_scope(model):
-        exported_step = jax.export.export(jax.jit(step), platforms=platforms)(
-            *weight_specs, *specs)
-        exported_loop = jax.export.export(jax.jit(loop), platforms=platforms)(
-            *weight_specs, *loop_specs)
-    outputs = [s for s in exported_step.out_avals]
-    metadata = {
-        "format": runtime.FORMAT,
-        "keras_ipu_version": _version(),
-        "model_name": model.name,
-        "batch_size": batch,
-        "iterations": iterations,
-        "inputs": [_signature_entry(n, s) for n, s in zip(names, specs)],
-        "outputs": [_signature_entry(n, s) for n, s in
-                    zip(_output_names(output_names, len(outputs)), outputs)],
-        "platforms": list(platforms),
-        "num_weights": [len(trainable), len(non_trainable)],
-        **_pipeline_metadata(model),
-    }
-    with open(os.path.join(export_dir, runtime.STEP_FILE), "wb") as f:
-        f.write(exported_step.serialize())
-    with open(os.path.join(export_dir, runtime.LOOP_FILE), "wb") as f:
-        f.write(exported_loop.serialize())
-    np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE),
-             **{f"t{i}": w for i, w in enumerate(trainable)},
-             **{f"n{i}": w for i, w in enumerate(non_trainable)})
-    with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
-        json.dump(metadata, f, indent=2)
-    return runtime.load(export_dir)
+    exported_step = jax.export.export(jax.jit(step), platforms=platforms)(*weight_specs, *specs)
+    exported_loop = jax.export.export(jax.jit(loop), platforms=platforms)(
+        *weight_specs, *loop_specs)
+    weights = {**{f"t{i}": w for i, w in enumerate(trainable)},
+               **{f"n{i}": w for i, w in enumerate(non_trainable)}}
+    layout = {"num_weights": [len(trainable), len(non_trainable)]}
+    programs = {runtime.STEP_FILE: exported_step, runtime.LOOP_FILE: exported_loop}
+    return programs, weights, list(exported_step.out_avals), layout
+
+
+def _pipeline_programs(model, plan, specs, preprocessing_step, postprocessing_step, platforms):
+    """One program per stage, run on its IPU by the runtime; weights, outputs, layout."""
+    from keras_ipu.keras import export_pipeline
+
+    mapping = _device_mapping(model, plan)
+    built = export_pipeline.stage_programs(model, plan, specs, preprocessing_step,
+                                           postprocessing_step, platforms)
+    programs, weights, stages_meta = {}, {}, []
+    for stage, (exported, stage_weights) in enumerate(built):
+        name = runtime.STAGE_FILE.format(stage=stage)
+        programs[name] = exported
+        weights.update({f"s{stage}_{i}": w for i, w in enumerate(stage_weights)})
+        stages_meta.append({"file": name, "ipu": mapping[stage],
+                            "num_weights": len(stage_weights)})
+    return programs, weights, list(built[-1][0].out_avals), {"stages": stages_meta}
 
 
 def _input_signature(model: Any, batch_size: int | None):
@@ -163,18 +194,25 @@ def _output_names(names: str | Sequence[str] | None, count: int) -> list[str]:
     return names
 
 
-def _pipeline_metadata(model: Any) -> dict:
-    """The stage mapping of a pipelined model (IPUs: one, or one per mapped stage)."""
+def _plan(model: Any):
+    """The model's pipeline plan, or `None` when it is not pipelined."""
     from keras_ipu.keras import stages
 
     try:
-        plan = stages.pipeline_plan(model, None)
+        return stages.pipeline_plan(model, None)
     except (RuntimeError, ValueError):
-        plan = None
+        return None
+
+
+def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
+    return tuple(options.options_of(model).pipelining_device_mapping or range(plan.num_stages))
+
+
+def _pipeline_metadata(model: Any, plan: Any) -> dict:
+    """The stage mapping of a pipelined model (IPUs: one, or one per mapped stage)."""
     if plan is None:
         return {"num_ipus": 1, "pipeline_stages": 1, "device_mapping": [0]}
-    mapping = options.options_of(model).pipelining_device_mapping or tuple(
-        range(plan.num_stages))
+    mapping = _device_mapping(model, plan)
     return {"num_ipus": max(mapping) + 1, "pipeline_stages": plan.num_stages,
             "device_mapping": list(mapping)}
 

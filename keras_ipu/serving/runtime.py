@@ -7,6 +7,7 @@ directory holds.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ import numpy as np
 FORMAT = "keras_ipu.serving/1"
 STEP_FILE = "step.jaxexport"
 LOOP_FILE = "loop.jaxexport"
+STAGE_FILE = "stage_{stage}.jaxexport"
 WEIGHTS_FILE = "weights.npz"
 METADATA_FILE = "metadata.json"
 
@@ -45,17 +47,27 @@ class ServingRuntime:
         self.outputs = self.metadata["outputs"]
         self.batch_size = int(self.metadata["batch_size"])
         self.iterations = int(self.metadata["iterations"])
-        self._step = _deserialize(export_dir, STEP_FILE)
-        self._loop = _deserialize(export_dir, LOOP_FILE)
         with np.load(os.path.join(export_dir, WEIGHTS_FILE), allow_pickle=False) as archive:
-            counts = self.metadata["num_weights"]
-            self._weights = tuple(
-                [jax.device_put(archive[f"{prefix}{i}"]) for i in range(count)]
-                for prefix, count in zip("tn", counts))
-        self._call_step = jax.jit(self._step.call)
-        self._call_loop = jax.jit(self._loop.call)
+            if "stages" in self.metadata:
+                self._call_step = _Pipeline(export_dir, self.metadata["stages"], archive)
+                self._call_loop = None
+            else:
+                self._weights = tuple(
+                    [jax.device_put(archive[f"{prefix}{i}"]) for i in range(count)]
+                    for prefix, count in zip("tn", self.metadata["num_weights"]))
+                step = _deserialize(export_dir, STEP_FILE)
+                loop = _deserialize(export_dir, LOOP_FILE)
+                self._call_step = functools.partial(jax.jit(step.call), *self._weights)
+                self._call_loop = functools.partial(jax.jit(loop.call), *self._weights)
         # Per input: (shape, dtype), to check a call's inputs quickly.
         self._expected = [(tuple(e["shape"]), np.dtype(e["dtype"])) for e in self.inputs]
+
+    @property
+    def devices(self) -> list:
+        """The device each pipeline stage runs on (one entry for an export of one stage)."""
+        if isinstance(self._call_step, _Pipeline):
+            return self._call_step.devices
+        return [self._weights[0][0].device if self._weights[0] else jax.devices()[0]]
 
     @property
     def input_names(self) -> list[str]:
@@ -82,7 +94,7 @@ class ServingRuntime:
         """
         bound = list(args) if len(args) == len(self.inputs) and not kwargs else self._bind(
             args, kwargs)
-        return self._named(self._call_step(*self._weights, *self._checked(bound, leading=())))
+        return self._named(self._call_step(*self._checked(bound, leading=())))
 
     def run_many(self, *args: Any, **kwargs: Any) -> Any:
         """Runs many batches, `iterations` per device call (the exported loop).
@@ -107,9 +119,12 @@ class ServingRuntime:
             )
         inputs = self._checked(inputs, leading=(count,))
         results = []
-        for start in range(0, count, self.iterations):
+        if self._call_loop is None:  # a pipeline: batches dispatched one after another
+            results = [[o[None] for o in self._call_step(*(x[b] for x in inputs))]
+                       for b in range(count)]
+        for start in range(0, count if self._call_loop is not None else 0, self.iterations):
             chunk = [x[start:start + self.iterations] for x in inputs]
-            results.append(self._call_loop(*self._weights, *chunk))
+            results.append(self._call_loop(*chunk))
         joined = [np.concatenate([np.asarray(r[i]) for r in results])
                   for i in range(len(self.outputs))]
         return self._named(joined)
@@ -173,6 +188,36 @@ class ServingRuntime:
         return dict(zip(self.output_names, (np.asarray(o) for o in outputs)))
 
 
+class _Pipeline:
+    """A pipelined export's stages, each run on its IPU's device, in order.
+
+    A stage's outputs move to the next stage's device; batches dispatched
+    one after another overlap across the devices (JAX dispatches
+    asynchronously), as the pipeline's stages do.
+    """
+
+    def __init__(self, export_dir: str, stages: list[dict], archive: Any):
+        devices = jax.devices()
+        self._stages = []
+        for index, stage in enumerate(stages):
+            device = devices[stage["ipu"] % len(devices)]
+            weights = [jax.device_put(archive[f"s{index}_{i}"], device)
+                       for i in range(stage["num_weights"])]
+            program = jax.jit(_deserialize(export_dir, stage["file"]).call)
+            self._stages.append((device, weights, program))
+
+    @property
+    def devices(self) -> list:
+        return [device for device, _, _ in self._stages]
+
+    def __call__(self, *inputs: Any) -> tuple:
+        carried: tuple = ()
+        for device, weights, program in self._stages:
+            carried = program(weights, jax.device_put(list(carried), device),
+                              jax.device_put(list(inputs), device))
+        return carried
+
+
 def run_inline_on_cpu() -> None:
     """Makes this process run CPU programs on the calling thread; call before JAX starts.
 
@@ -207,7 +252,17 @@ def load(export_dir: str) -> ServingRuntime:
     >>> predict = keras_ipu.serving.load("my_export")
     >>> predict(np.ones((1, 4), "float32"), np.ones((1, 4), "float32"))
     """
+    _request_cpu_devices(int(_read_metadata(export_dir).get("num_ipus", 1)))
     return ServingRuntime(export_dir)
+
+
+def _request_cpu_devices(count: int) -> None:
+    """Asks JAX for one CPU device per IPU, when it has not started yet (else keeps its own)."""
+    if count > 1 and jax.config.jax_num_cpu_devices < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            pass  # JAX already runs: its devices are the ones there are
 
 
 def _read_metadata(export_dir: str) -> dict:

@@ -1,0 +1,89 @@
+"""The export of a pipelined model: one program per pipeline stage, each run on its IPU.
+
+Stage `s`'s program takes its weights, the values the stages before it
+forward (`plan.live_after[s - 1]`) and the model inputs, and returns what it
+forwards (`plan.live_after[s]`; the model outputs for the last stage). The
+runtime runs stage `s` on the device of IPU `device_mapping[s]` and moves the
+forwarded values between devices; batches dispatched one after another
+overlap across the IPUs, as a pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from keras import tree
+
+from keras_ipu.keras import stages
+
+
+def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeStruct],
+                   preprocessing_step: Callable | None, postprocessing_step: Callable | None,
+                   platforms: Sequence[str]) -> list[tuple[Any, list[np.ndarray]]]:
+    """`(jax.export.Exported, weights)` for each stage, in order.
+
+    Example:
+
+    >>> programs = stage_programs(model, plan, specs, None, None, ("cpu",))
+    """
+    batch = input_specs[0].shape[0]
+    programs = []
+    for stage in range(plan.num_stages):
+        variables = _stage_variables(plan, stage)
+        weights = [np.asarray(v.numpy()) for v in variables]
+        carried = plan.live_after[stage - 1] if stage else ()
+        run = _stage_function(plan, stage, variables, carried, preprocessing_step,
+                              postprocessing_step)
+        carried_specs = [_spec(plan.tensors[key], batch) for key in carried]
+        exported = jax.export.export(jax.jit(run), platforms=tuple(platforms))(
+            [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights],
+            carried_specs, list(input_specs))
+        programs.append((exported, weights))
+    return programs
+
+
+def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
+                    preprocessing_step, postprocessing_step):
+    last = stage == plan.num_stages - 1
+    forwarded = plan.output_keys if last else plan.live_after[stage]
+
+    def run(weights, carried_values, inputs):
+        if preprocessing_step is not None:
+            inputs = _as_list(preprocessing_step(*inputs))
+        values = dict(zip(carried, carried_values))
+        values.update(zip(plan.input_keys, inputs))
+        with keras.StatelessScope(state_mapping=list(zip(variables, weights))):
+            for call in plan.stages[stage]:
+                args, kwargs = stages.call_arguments(call, values, training=False)
+                values.update(zip(call.output_keys, tree.flatten(call.operation(*args, **kwargs))))
+        result = [values[key] for key in forwarded]
+        if last and postprocessing_step is not None:
+            result = tree.flatten(postprocessing_step(
+                tree.pack_sequence_as(plan.outputs_struct, result)))
+        return tuple(result)
+
+    return run
+
+
+def _stage_variables(plan, stage: int) -> list:
+    """The variables of a stage's layers, each once."""
+    seen: dict[int, Any] = {}
+    for operation in plan.stage_layers(stage):
+        for variable in getattr(operation, "variables", []):
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
+
+
+def _spec(tensor: Any, batch: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((batch, *tensor.shape[1:]), np.dtype(str(tensor.dtype)))
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+__all__ = ["stage_programs"]
