@@ -20,7 +20,7 @@ def test_demo_trains_replicated_and_prints_the_report():
 
 def test_cli_rejects_unknown_commands(capsys):
     assert cli.main(["train"]) == 2
-    assert "usage: keras-ipu" in capsys.readouterr().err
+    assert "unknown command 'train'; commands: demo, show, run" in capsys.readouterr().err
 
 
 def test_demo_trains_pipelined_and_replicated():
