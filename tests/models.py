@@ -55,6 +55,17 @@ def subclassed(features: int = 6, norm: bool = True) -> keras.Model:
     return model
 
 
+def two_stage_mlp() -> keras.Model:
+    """Dense(8, relu) then Dense(3), one layer per pipeline stage (create it in a scope)."""
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    model.set_pipeline_stage_assignment([0, 1])
+    return model
+
+
 BUILDERS = {
     "sequential": sequential,
     "functional": functional_two_in_two_out,

@@ -12,7 +12,7 @@ import pytest
 import keras_ipu as ipu
 
 from conftest import assert_weights_close, configure
-from models import data_for, twin
+from models import data_for, twin, two_stage_mlp
 
 SPE, BATCHES, BATCH = 16, 64, 4
 
@@ -99,22 +99,12 @@ def test_replicas_report_each_step_once_each_with_the_reduced_logs(strategy):
     np.testing.assert_allclose(steps, predicted, rtol=1e-6)
 
 
-def _two_stage_mlp():
-    model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(3),
-    ])
-    model.set_pipeline_stage_assignment([0, 1])
-    return model
-
-
 @pytest.mark.parametrize("accumulate_outfeed", [False, True])
 def test_a_pipelined_model_reports_every_micro_batch(accumulate_outfeed, strategy):
     configure(2)
     x, y = data_for("sequential", samples=BATCHES * BATCH)
     with strategy.scope():
-        model = _two_stage_mlp()
+        model = two_stage_mlp()
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"], steps_per_execution=SPE)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=SPE // 2,
                                  accumulate_outfeed=accumulate_outfeed)
@@ -232,7 +222,7 @@ def test_the_references_counts(pipelined, replicas):
     x = rng.normal(size=(64 * 12, 6)).astype("float32")
     y = rng.normal(size=(64 * 12, 3)).astype("float32")
     with ipu.ipu_strategy.IPUStrategy().scope():
-        model = _two_stage_mlp() if pipelined else keras.Sequential(
+        model = two_stage_mlp() if pipelined else keras.Sequential(
             [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=spe)
     if pipelined:
@@ -254,7 +244,7 @@ def test_accumulated_pipeline_logs_are_reported_per_execution():
     configure(4)
     x, y = data_for("sequential", samples=64 * 4)
     with ipu.ipu_strategy.IPUStrategy().scope():
-        model = _two_stage_mlp()
+        model = two_stage_mlp()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=8,
                                  accumulate_outfeed=True)
@@ -274,7 +264,7 @@ def test_a_pipeline_streams_each_weight_update_and_trains_the_same(form, monkeyp
         configure(2)
         with ipu.ipu_strategy.IPUStrategy().scope():
             keras.utils.set_random_seed(1)
-            model = _two_stage_mlp()
+            model = two_stage_mlp()
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
         model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
         model.set_asynchronous_callbacks(asynchronous)

@@ -13,17 +13,7 @@ import keras_ipu as ipu
 from keras_ipu.keras import options
 
 from conftest import assert_weights_close, configure
-from models import data_for
-
-
-def _sequential():
-    model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(3),
-    ])
-    model.set_pipeline_stage_assignment([0, 1])
-    return model
+from models import data_for, two_stage_mlp
 
 
 def _functional():
@@ -57,7 +47,7 @@ class TwoStages(keras.Model):
         return {**super().get_config(), "units": self.units, "staged": self.staged}
 
 
-BUILDERS = {"sequential": _sequential, "functional": _functional, "subclassed": TwoStages}
+BUILDERS = {"sequential": two_stage_mlp, "functional": _functional, "subclassed": TwoStages}
 
 
 def _build(kind: str, pipelined: bool):
@@ -137,7 +127,7 @@ def test_model_checkpoint_saves_each_epochs_weights(setup, weights_only, strateg
     configure(2)
     x, y = data_for("sequential", samples=64)
     with strategy.scope():
-        model = _sequential() if setup == "pipelined" else keras.Sequential(
+        model = two_stage_mlp() if setup == "pipelined" else keras.Sequential(
             [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
     if setup == "pipelined":
