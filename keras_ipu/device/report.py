@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 from typing import Any
 
 
@@ -158,13 +159,23 @@ class ExecutionReport:
             "ipus": [dataclasses.asdict(ipu) for ipu in self.ipus],
         }
 
-    def __str__(self) -> str:
-        header = (
+    def _header(self) -> str:
+        return (
             f"Execution report: {self.mode}, {self.steps_per_execution} step(s) per "
             f"execution on {self.hardware} at {self.clock_hz / 1e9:.2f} GHz, "
             f"{self.replicas} replica(s); loop: {self.loop}"
             + (f" ({self.loop_reason})" if self.loop_reason else "")
         )
+
+    def _footer(self) -> str:
+        return (
+            f"Estimated {self.estimated_seconds * 1e3:.3f} ms per execution "
+            f"({self.estimated_steps_per_second:,.0f} steps/s); "
+            f"{self.flops_per_step:,.0f} flops per step; compiled in "
+            f"{self.compile_seconds:.2f} s."
+        )
+
+    def _rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         columns = ("IPU", "device", "memory", "capacity", "used", "state", "temporary",
                    "io", "est. cycles")
         rows = [
@@ -181,18 +192,91 @@ class ExecutionReport:
             )
             for ipu in self.ipus
         ]
+        return columns, rows
+
+    def __str__(self) -> str:
+        columns, rows = self._rows()
         widths = [max(len(r[i]) for r in (columns, *rows)) for i in range(len(columns))]
-        lines = [header, "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        lines = [self._header(), "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-        lines.append(
-            f"Estimated {self.estimated_seconds * 1e3:.3f} ms per execution "
-            f"({self.estimated_steps_per_second:,.0f} steps/s); "
-            f"{self.flops_per_step:,.0f} flops per step; compiled in "
-            f"{self.compile_seconds:.2f} s."
-        )
+        lines.append(self._footer())
         if self.pipeline is not None:
             lines.append(str(self.pipeline))
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The report as an HTML table (how Jupyter shows it)."""
+        columns, rows = self._rows()
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>"
+                       for row in rows)
+        pipeline = (f"<pre>{html.escape(str(self.pipeline))}</pre>"
+                    if self.pipeline is not None else "")
+        return (f"<p>{html.escape(self._header())}</p><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table><p>{html.escape(self._footer())}</p>{pipeline}")
+
+    def plot_timeline(self, path: str | None = None):
+        """Draws the execution in estimated cycles: a pipeline's schedule, or each IPU's steps.
+
+        Args:
+            path: Also save the picture there (PNG, or any matplotlib format).
+
+        Returns:
+            The matplotlib `Figure`.
+
+        Raises:
+            ImportError: Without matplotlib (`pip install keras_ipu[plot]`).
+
+        Example:
+
+        >>> keras_ipu.utils.execution_report(model, "fit").plot_timeline("timeline.png")
+        """
+        from keras_ipu.device import plot, schedules
+
+        pipeline = self.pipeline
+        if pipeline is not None:
+            table = schedules.build_schedule(pipeline.schedule, pipeline.num_stages,
+                                             pipeline.micro_batches, pipeline.device_mapping,
+                                             training=self.mode == "fit")
+            figure = plot.timeline(table, pipeline.stage_forward_cycles,
+                                   pipeline.stage_backward_cycles if self.mode == "fit"
+                                   else None,
+                                   title=f"{pipeline.schedule} pipeline ({self.mode}), "
+                                         f"utilisation {pipeline.utilisation:.0%}")
+        else:
+            steps = self.steps_per_execution
+            figure = plot.steps_timeline([ipu.index for ipu in self.ipus], steps,
+                                         self.estimated_cycles / max(steps, 1),
+                                         f"{self.mode}: {steps} steps per execution")
+        if path is not None:
+            figure.savefig(path)
+        return figure
+
+    def plot_memory(self, path: str | None = None):
+        """Draws each IPU's memory (state, temporaries, stash, io) against its capacity.
+
+        Args:
+            path: Also save the picture there.
+
+        Returns:
+            The matplotlib `Figure`.
+
+        Example:
+
+        >>> keras_ipu.utils.execution_report(model, "fit").plot_memory("memory.png")
+        """
+        from keras_ipu.device import plot
+
+        stash = [0] * len(self.ipus)
+        if self.pipeline is not None and self.pipeline.stash_bytes:
+            positions = {ipu.index: i for i, ipu in enumerate(self.ipus)}
+            for stage, ipu in enumerate(self.pipeline.device_mapping):
+                if ipu in positions:
+                    stash[positions[ipu]] += self.pipeline.stash_bytes[stage]
+        figure = plot.memory(self.ipus, stash, title=f"Memory per IPU ({self.mode})")
+        if path is not None:
+            figure.savefig(path)
+        return figure
 
 
 def _mib(n: int) -> str:
