@@ -321,8 +321,9 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
                 max_batch_delay_ms: float, announce=print) -> None:
     """Serves until cancelled (Ctrl-C); announces the address it listens on."""
     web = _aiohttp_web()
+    # No access log: formatting a line per request costs more than a small model's call.
     runner = web.AppRunner(make_app(runtime, model_name, max_batch_delay_ms),
-                           handle_signals=False)
+                           handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
