@@ -34,3 +34,10 @@ def demo(session):
     """The demo: trains on virtual IPUs and prints the execution report."""
     session.install(".")
     session.run("keras-ipu", "demo")
+
+
+@nox.session(python=PYTHON)
+def docs(session):
+    """The guide: `mkdocs build --strict` (the configuration reference is generated)."""
+    session.install("-e", ".[test]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
