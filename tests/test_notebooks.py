@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import nbformat
 import pytest
@@ -48,3 +49,69 @@ def test_the_porting_notebook_holds_the_examples_verbatim():
     for name, source in zip(named, code):
         path = ROOT / name.strip("`")
         assert source.strip() == path.read_text().strip(), path.name
+
+
+def test_interrupting_the_kernel_during_fit_leaves_the_model_usable(tmp_path, monkeypatch):
+    """Ctrl-C in Jupyter (a kernel interrupt) while `fit` runs; the next cells go on."""
+    from jupyter_client.manager import start_new_kernel
+
+    for name in ("KERAS_BACKEND", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    started = tmp_path / "started"
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        def run(code, timeout=120):
+            reply = client.execute_interactive(code, timeout=timeout, output_hook=lambda m: None)
+            return reply["content"]
+
+        assert run(_SETUP)["status"] == "ok"
+        client.execute(_LONG_FIT.format(started=str(started)))
+        for _ in range(600):  # until the fit has run a few executions
+            if started.exists():
+                break
+            time.sleep(0.1)
+        assert started.exists()
+        manager.interrupt_kernel()
+        reply = client.get_shell_msg(timeout=60)["content"]
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+        check = run(_AFTER)
+        assert check["status"] == "ok", check.get("traceback")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+_SETUP = """
+import keras_ipu as ipu
+import keras
+import numpy as np
+config = ipu.config.IPUConfig()
+config.auto_select_ipus = 1
+config.configure_ipu_system()
+x = np.random.rand(4096, 32).astype("float32")
+y = np.random.rand(4096, 1).astype("float32")
+with ipu.ipu_strategy.IPUStrategy().scope():
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(1)])
+model.compile(optimizer="adam", loss="mse", steps_per_execution=8)
+"""
+
+_LONG_FIT = """
+import pathlib, time
+def mark(batch, logs):
+    if batch >= 16:
+        pathlib.Path({started!r}).touch()
+    time.sleep(0.01)
+model.fit(x, y, batch_size=8, epochs=1000, verbose=0,
+          callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=mark)])
+"""
+
+_AFTER = """
+weights = model.get_weights()
+assert all(np.isfinite(w).all() for w in weights)
+loss = model.evaluate(x, y, batch_size=8, verbose=0)
+model.fit(x[:512], y[:512], batch_size=8, epochs=1, verbose=0)
+assert np.isfinite(loss)
+"""
