@@ -242,3 +242,19 @@ def test_keras_convolutions_look_up_lax_convolution_when_they_run():
         assert loops.slow_in_loops(plain) > 0, layer.name
         assert loops.slow_in_loops(routed) == 0, layer.name
         assert loops.convolution_count(routed) > 0, layer.name
+
+
+def test_a_built_subclassed_model_records_its_build_shape():
+    # keras_ipu.keras.export reads `_build_shapes_dict` for the input signature of a
+    # subclassed model built with `model.build(input_shape)`.
+    class Small(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Small()
+    model.build((3, 4))
+    assert model._build_shapes_dict == {"input_shape": (3, 4)}

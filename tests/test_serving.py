@@ -146,3 +146,20 @@ def test_the_runtime_checks_its_inputs(strategy, tmp_path):
 def _inputs_and_sum():
     x, y = keras.Input((4,), name="x"), keras.Input((4,), name="y")
     return [x, y], keras.layers.Add()([x, y])
+
+
+def test_a_subclassed_model_built_with_its_input_shape_exports(strategy, tmp_path):
+    class Small(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    with strategy.scope():
+        model = Small()
+        model.build((3, 4))
+    runtime = model.export_for_ipu_serving(tmp_path / "e")
+    x = np.arange(12, dtype="float32").reshape(3, 4)
+    np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=3, verbose=0), atol=1e-6)

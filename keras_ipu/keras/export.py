@@ -14,6 +14,7 @@ the StableHLO stays small and the weights stay a plain archive.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -103,13 +104,16 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
     """The one-device programs (one batch; the loop of `iterations`), weights, outputs, layout."""
     trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
     non_trainable = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
+    # Inference behaviour (Dropout off, BatchNormalization's moving statistics), for
+    # models whose `call` takes `training`.
+    flags = {"training": False} if _takes_training(model) else {}
 
     def step(trainable, non_trainable, *inputs):
         if preprocessing_step is not None:
             inputs = _as_tuple(preprocessing_step(*inputs))
         outputs, _ = model.stateless_call(trainable, non_trainable,
                                           tree.pack_sequence_as(structure, list(inputs)),
-                                          training=False)
+                                          **flags)
         if postprocessing_step is not None:
             outputs = postprocessing_step(outputs)
         return tuple(tree.flatten(outputs))
@@ -223,6 +227,11 @@ def _signature_entry(name: str, spec: Any) -> dict:
 
 def _specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def _takes_training(model: Any) -> bool:
+    parameters = inspect.signature(model.call).parameters.values()
+    return any(p.name == "training" or p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 def _as_tuple(value: Any) -> tuple:
