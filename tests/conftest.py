@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import numpy as np
 import pytest
 
 import keras_ipu as ipu
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The suite's own JAX set-up, which a user's fresh process does not have.
+_SUITE_ONLY_ENV = ("KERAS_BACKEND", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+
+
+def fresh_process_env() -> dict:
+    """The environment of a user's fresh process: no suite settings, keras_ipu importable."""
+    env = {k: v for k, v in os.environ.items() if k not in _SUITE_ONLY_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def use_fresh_process_env(monkeypatch) -> None:
+    """Makes processes started from this one (e.g. Jupyter kernels) start as a user's would."""
+    for name in _SUITE_ONLY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", fresh_process_env()["PYTHONPATH"])
 
 
 def configure(num_ipus: int = 1, **ipu_model) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,13 +11,12 @@ import pytest
 
 from keras_ipu.serving import expressions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import fresh_process_env
 
 
 def _cli(*args, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "keras_ipu", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "keras_ipu", *args], cwd=cwd,
+                          env=fresh_process_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -97,9 +95,8 @@ def test_show_and_run_never_import_keras(export_dir):
             f"assert main(['run', '--dir', {str(export_dir)!r}, '--input_exprs', "
             "'x=np.ones((1, 4)); y=np.ones((1, 4))']) == 0; "
             "assert 'keras' not in sys.modules")
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", code], env=fresh_process_env(),
+                            capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,16 +12,14 @@ import pytest
 
 import keras_ipu as ipu
 
-from conftest import configure
+from conftest import configure, fresh_process_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 4
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "keras_ipu", "convert", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "keras_ipu", "convert", *args],
+                          env=fresh_process_env(),
                           capture_output=True, text=True, timeout=300)
 
 

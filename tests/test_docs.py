@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+
+from conftest import fresh_process_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -20,26 +21,20 @@ BLOCKS = [
 ]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def test_the_docs_have_code_blocks():
     assert len(BLOCKS) >= 4
 
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_a_code_block_runs_as_written(block, tmp_path):
-    result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=_env(),
+    result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=fresh_process_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_the_guide_builds_strictly(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                             str(tmp_path / "site")], cwd=ROOT, env=_env(), capture_output=True,
-                            text=True, timeout=300)
+                             str(tmp_path / "site")], cwd=ROOT, env=fresh_process_env(),
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import fresh_process_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -30,10 +32,9 @@ RUNNABLE = [
 
 
 def _run(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, *args], cwd=cwd, env=fresh_process_env(), capture_output=True, text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,14 +11,12 @@ import pytest
 
 from keras_ipu.device import hardware, system
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import fresh_process_env
 
 
 def _run(code: str, env_overrides: dict | None = None) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter without the test suite's JAX set-up."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env.update(env_overrides or {})
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = {**fresh_process_env(), **(env_overrides or {})}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True, text=True, env=env, timeout=300,

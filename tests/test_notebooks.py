@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import time
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from conftest import use_fresh_process_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -25,10 +26,7 @@ def test_there_are_five_notebooks_stored_without_outputs():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_a_notebook_runs_top_to_bottom(path, monkeypatch):
     # The kernel starts as a user's would: no test settings, keras_ipu importable.
-    for name in ("KERAS_BACKEND", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    use_fresh_process_env(monkeypatch)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3",
@@ -55,10 +53,7 @@ def test_interrupting_the_kernel_during_fit_leaves_the_model_usable(tmp_path, mo
     """Ctrl-C in Jupyter (a kernel interrupt) while `fit` runs; the next cells go on."""
     from jupyter_client.manager import start_new_kernel
 
-    for name in ("KERAS_BACKEND", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    use_fresh_process_env(monkeypatch)
     started = tmp_path / "started"
     manager, client = start_new_kernel(kernel_name="python3")
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -16,9 +15,8 @@ import pytest
 
 import keras_ipu as ipu
 
-from conftest import configure
+from conftest import configure, fresh_process_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS, REQUESTS = 32, 100
 
 
@@ -33,11 +31,9 @@ def served(tmp_path_factory):
         h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([a, b]))
         model = keras.Model([a, b], keras.layers.Dense(3)(h))
     model.export_for_ipu_serving(directory, batch_size=8)
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     process = subprocess.Popen(
         [sys.executable, "-m", "keras_ipu", "serve", "--dir", str(directory), "--port", "0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=fresh_process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
     assert match, line + process.stderr.read()
