@@ -626,8 +626,12 @@ def warm_up_process(keras, jax, np):
         Runner(model, spec.batch, contextlib.nullcontext, jax).fit(x, y)
 
 
-def run_section(section, names, args, modules, results, log):
-    """Configures the section's IPUs and runs each named model; errors are recorded."""
+def run_section(section, names, args, modules, results, log, zoo=None):
+    """Configures the section's IPUs and runs each named model of `zoo` (default ZOO).
+
+    Errors are recorded in `results` and the next model runs.
+    """
+    zoo = zoo or ZOO
     keras, jax, np, counter = modules
     configure_ipus(section.ipus)
     log(f"section {section.name}: {section.ipus} IPU(s); models {', '.join(names)}")
@@ -636,7 +640,7 @@ def run_section(section, names, args, modules, results, log):
     for name in names:
         key = f"{name}/{section.name}"
         try:
-            case = Case(section, ZOO[name], args, keras, jax, np, counter)
+            case = Case(section, zoo[name], args, keras, jax, np, counter)
             results["cases"][key] = run_case(case, args, log)
         except Exception as exc:  # report and go on with the next model
             results["errors"][key] = traceback.format_exc()

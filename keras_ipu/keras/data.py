@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -21,6 +21,8 @@ import numpy as np
 from keras.src import backend
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_ipu.keras.resident import ResidentPasses
 
 logger = logging.getLogger("keras_ipu")
 
@@ -243,6 +245,44 @@ class ArrayFeed:
         self._shuffle = shuffle
         self._order: np.ndarray | None = None
         self._offset = self.plan.num_batches  # start a new pass first
+        self._resident: ResidentPasses | None = None
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the run's arrays."""
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(self._data))
+
+    @property
+    def execution_bytes(self) -> int:
+        """Bytes of one execution's batches."""
+        rows = self.plan.batches_per_execution * self.batch_size
+        return self.data_bytes * rows // _common_length(self._data)
+
+    def keep_on_device(self, device: jax.Device, regroup: Callable[[Any], Any]) -> None:
+        """From now on, keeps the arrays on `device` and cuts executions there.
+
+        Each execution is then given as device arrays already regrouped by
+        `regroup` (the program layout's `to_program`), the same batches in
+        the same order as the host feed's. Called again for the same device,
+        it changes nothing.
+
+        Args:
+            device: The program's (only) device.
+            regroup: Regroups one execution's batches for the program.
+        """
+        if self._resident is not None and self._resident.device == device:
+            return
+        plan = self.plan
+        self._resident = ResidentPasses(
+            self._data, device, _execution_shape(plan), self.batch_size,
+            plan.num_batches // plan.batches_per_execution, regroup)
+        if self._offset < plan.num_batches:  # a pass is under way: cut it too
+            self._resident.new_pass(self._order)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the executions come from device-resident data (`keep_on_device`)."""
+        return self._resident is not None
 
     def first_batch(self) -> Any:
         """One batch (host arrays), for building the model."""
@@ -255,12 +295,15 @@ class ArrayFeed:
         for begin in range(0, plan.steps, plan.steps_per_execution):
             if self._offset + plan.batches_per_execution > plan.num_batches:
                 self._new_pass()
-            rows = self._rows(self._offset * batch, plan.batches_per_execution * batch)
+            if self._resident is not None:
+                chunk = self._resident.execution(self._offset // plan.batches_per_execution)
+            else:
+                rows = self._rows(self._offset * batch, plan.batches_per_execution * batch)
+                chunk = jax.tree_util.tree_map(
+                    lambda a, rows=rows: a[rows].reshape(*shape, batch, *a.shape[1:]),
+                    self._data,
+                )
             self._offset += plan.batches_per_execution
-            chunk = jax.tree_util.tree_map(
-                lambda a, rows=rows: a[rows].reshape(*shape, batch, *a.shape[1:]),
-                self._data,
-            )
             yield begin, begin + plan.steps_per_execution - 1, chunk
 
     def _new_pass(self) -> None:
@@ -274,6 +317,8 @@ class ArrayFeed:
                 [np.random.permutation(size) + b * size for b in range(num_batches)])
         elif self._shuffle:
             self._order = np.random.permutation(_common_length(self._data))[: num_batches * size]
+        if self._resident is not None:
+            self._resident.new_pass(self._order)
 
     def _rows(self, start: int, count: int) -> slice | np.ndarray:
         if self._order is None:

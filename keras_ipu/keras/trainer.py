@@ -29,7 +29,15 @@ from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import context, data, feed_options, pipelined, replication, steps
+from keras_ipu.keras import (
+    context,
+    data,
+    feed_options,
+    pipelined,
+    replication,
+    resident,
+    steps,
+)
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Placement, Run, cached_run
@@ -249,13 +257,21 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
     parts = STATE_PARTS[mode]
     codec, layout = run.codec, run.layout
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
-    place = _synthetic_placer(codec, layout) if synthetic else _placer(codec, layout)
+    if synthetic:
+        place = _synthetic_placer(codec, layout)
+    elif _keep_data_on_device(feed, run):
+        place = _already_placed
+    else:
+        place = _placer(codec, layout)
     depth = feed_options.prefetch_depth(options_of(model).infeed_kwargs)
+    # Host data bound for an accelerator is copied on the infeed thread, so
+    # the copy of the next execution overlaps the device's work on this one.
+    threaded = feed.prefetch_in_thread or (
+        place is not _already_placed and run.program.device.platform != "cpu")
     logs: Any = {}
     model._jax_state_synced = True
     try:
-        with Infeed(feed.executions(), place=place, depth=depth,
-                    threaded=feed.prefetch_in_thread) as infeed:
+        with Infeed(feed.executions(), place=place, depth=depth, threaded=threaded) as infeed:
             for begin, end, batches in infeed:
                 if hooks is None:
                     on_begin(begin)
@@ -494,6 +510,29 @@ def _placer(codec, layout):
         return begin, end, codec.place(layout.to_program(batches))
 
     return place
+
+
+def _keep_data_on_device(feed, run: Run) -> bool:
+    """Keeps array data on a one-replica program's accelerator for the run, when it fits.
+
+    See `resident.py`. Pipelines and replicated programs place their batches
+    across several devices and keep the threaded host infeed.
+    """
+    if not isinstance(feed, data.ArrayFeed) or not isinstance(run.codec, ReplicaCodec):
+        return False
+    if run.replica_count != 1:
+        return False
+    device = run.program.device
+    if not feed.resident and not resident.fits_on(
+            device, feed.data_bytes, feed.execution_bytes):
+        return False
+    feed.keep_on_device(device, run.layout.to_program)
+    return True
+
+
+def _already_placed(execution):
+    """Device-resident executions come program-shaped and on the device."""
+    return execution
 
 
 def _synthetic_placer(codec, layout):
