@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from keras_ipu.device import accounting, convolutions, loops, schedules
+from keras_ipu.device import accounting, convolutions, loops, precision, schedules
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined import training
@@ -263,13 +263,13 @@ class DispatchedFit:
         pool = concurrent.futures.ThreadPoolExecutor(workers)
 
         def started(traced):
-            return pool.submit(traced.lower().compile), traced.out_info
+            return pool.submit(traced.lower().compile), traced.out_info, traced.jaxpr
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
         for s in range(self.last):
             ipu = self.p.device_mapping[s]
-            stashed = forward[s][1][2]
+            stashed = forward[s][1][2]  # the op's outputs: (ntv, message, stashed)
             stash_bytes.append(accounting.tree_bytes((stashed, bundle)))
             args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch, bundle,
                     stashed, acc, j)
@@ -290,20 +290,35 @@ class DispatchedFit:
         pool.shutdown(wait=False)
 
         def executable():
-            ops = _Ops([f.result() for f, _ in forward], [f.result() for f, _ in backward],
-                       last[0].result(), [f.result() for f, _ in update],
-                       stash_bytes + [0],  # the fused last op keeps nothing
-                       [f.result() for f, _ in finite])
+            def compiled(op):
+                return op[0].result()
+
+            def memory(op):
+                # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
+                use = accounting.memory_use(compiled(op), state_bytes=0, io_bytes=0)
+                return precision.held_in_16_bits(use, op[2], self.devices[0].platform)
+
+            def each(of):
+                return _Ops([of(op) for op in forward], [of(op) for op in backward], of(last),
+                            [of(op) for op in update],
+                            stash_bytes + [0],  # the fused last op keeps nothing
+                            [of(op) for op in finite])
+
+            ops = each(compiled)
             return DispatchedExecutable(
                 run=_Runner(self, ops, bundle.shape).run,
-                memory=self._memory(ops, local, batch, last[1][2]),
+                memory=self._memory(each(memory), local, batch, last[1][2]),
                 cost=self._cost(ops),
             )
 
         return executable
 
     def _memory(self, ops: _Ops, local, batch, logs) -> tuple[accounting.MemoryUse, ...]:
-        """Per IPU: its state, its largest op's temporaries plus its stash, its io."""
+        """Per IPU: its state, its largest op's temporaries plus its stash, its io.
+
+        `ops` holds each op's `MemoryUse` (without state or io), as `_Ops`
+        holds the compiled ops.
+        """
         by_ipu: list[list] = [[] for _ in self.devices]
         stash = [0] * len(self.devices)
         counts = self.table.stash_counts()
@@ -312,9 +327,8 @@ class DispatchedFit:
             by_ipu[ipu] += [ops.forward[s], ops.backward[s]] if s < self.last else [ops.last]
             stash[ipu] += counts[s] * ops.stash_bytes[s]
         memory = []
-        for d, compiled in enumerate(by_ipu):
-            uses = [accounting.memory_use(c, state_bytes=0, io_bytes=0)
-                    for c in [*compiled, ops.update[d]]]
+        for d, op_uses in enumerate(by_ipu):
+            uses = [*op_uses, ops.update[d]]
             memory.append(accounting.MemoryUse(
                 state_bytes=sum(accounting.tree_bytes(local[part][d]) for part in local),
                 temporary_bytes=max(u.temporary_bytes for u in uses) + stash[d],
