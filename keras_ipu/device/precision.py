@@ -109,6 +109,8 @@ def temporary_scale(jaxpr: Any, platform: str) -> float:
     if platform not in UPCASTING_PLATFORMS:
         return 1.0
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if not any(_is_half(v.aval) for eqn, _ in _equations(jaxpr, 1.0) for v in eqn.outvars):
+        return 1.0  # nothing 16-bit: the two peaks are the same
     held = peak_live_bytes(jaxpr)
     upcast = peak_live_bytes(jaxpr, _upcast_itemsize)
     return held / upcast if upcast else 1.0
@@ -180,6 +182,11 @@ def peak_live_bytes(jaxpr: Any, itemsize: Callable[[np.dtype], int] | None = Non
             if v in held and last_use.get(v, i) <= i:
                 live -= held.pop(v)
     return peak
+
+
+def _is_half(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and dtype in HALF_DTYPES
 
 
 def _upcast_itemsize(dtype: np.dtype) -> int:
