@@ -578,6 +578,11 @@ def loss_scale(pipelined: PipelinedModel, state: PipelineState, optimizer_flats)
 
     Returns:
         The factor, a float32 scalar.
+
+    Example:
+
+    >>> loss_scale(pipe, state, optimizer_flats)   # mixed_float16, at first
+    Array(32768., dtype=float32)
     """
     ipu = pipelined.last_ipu
     optimizer = pipelined.optimizers[ipu]
@@ -588,25 +593,62 @@ def loss_scale(pipelined: PipelinedModel, state: PipelineState, optimizer_flats)
 
 
 def loss_cotangent(loss, scale):
-    """The cotangent of the last stage's loss: the loss scale (1 without one)."""
+    """The cotangent of the last stage's loss.
+
+    Args:
+        loss: The last stage's loss (a float32 scalar).
+        scale: The loss scale (`loss_scale`), or `None` for none.
+
+    Returns:
+        `scale` (or 1) in the loss's shape and dtype: pulling it back gives
+        the gradients of the scaled loss, as Keras differentiates it.
+
+    Example:
+
+    >>> grads, g_in = vjp_fn(loss_cotangent(loss, scale))
+    """
     if scale is None:
         return jnp.ones_like(loss)
     return jnp.broadcast_to(scale, jnp.shape(loss)).astype(loss.dtype)
 
 
-def all_finite(tree) -> Any:
-    """Whether every value of a pytree of arrays is finite (a bool scalar)."""
+def all_finite(tree: Any) -> Any:
+    """Whether every value of a pytree of arrays is finite.
+
+    Args:
+        tree: A pytree of (traced) float arrays, e.g. an IPU's accumulator.
+
+    Returns:
+        A bool scalar.
+
+    Example:
+
+    >>> all_finite({"float32": jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
+    """
     leaves = jax.tree_util.tree_leaves(tree)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
-def skipped_unless(finite, acc):
+def skipped_unless(finite: Any, acc: Any) -> Any:
     """`acc`, or NaNs where `finite` is false (every IPU's gradients being finite).
 
     A `LossScaleOptimizer` skips an update whose gradients are not all finite.
     Each IPU applies its own clone to its own gradients: making an update's
     gradients non-finite on every IPU when they are on one skips it on all,
     as Keras' one optimizer over all the variables does.
+
+    Args:
+        finite: A bool scalar: whether the gradients of every IPU are finite.
+        acc: This IPU's accumulated gradients (a pytree).
+
+    Returns:
+        `acc` when `finite`, else the same structure filled with NaN.
+
+    Example:
+
+    >>> finite = jax.lax.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
+    >>> acc = skipped_unless(finite, acc)
     """
     return jax.tree_util.tree_map(lambda a: jnp.where(finite, a, jnp.nan).astype(a.dtype), acc)
 
