@@ -193,6 +193,32 @@ def test_pieces_the_pipelined_executor_uses():
     assert len(clone.variables) == 2 + 2  # iteration, learning rate, bias momentum/velocity
 
 
+def test_loss_scale_optimizer_pieces_the_pipelined_executor_uses():
+    # keras_ipu.keras.pipelined clones a LossScaleOptimizer per IPU, maps each
+    # clone's k-th variable of a name to the optimizer's k-th of that name,
+    # and asks the last stage's clone for the loss scale (`scale_loss` in a
+    # StatelessScope, as Keras' JAX train step does).
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                    initial_scale=8.0)
+    optimizer.build(model.trainable_variables)
+    clone = keras.optimizers.LossScaleOptimizer.from_config(optimizer.get_config())
+    clone.build(model.trainable_variables[1:])
+    names = [v.name for v in optimizer.variables]
+    assert names[:4] == ["iteration", "learning_rate", "step_counter", "dynamic_scale"]
+    assert names.count("iteration") == 2  # its own, then the inner optimizer's
+    assert [v.name for v in clone.variables] == names  # SGD without momentum: no slots
+    values = [np.asarray(v.value) for v in clone.variables]
+    values[3] = np.float32(32.0)
+    with keras.StatelessScope(state_mapping=list(zip(clone.variables, values))):
+        assert float(clone.scale_loss(np.float32(1.0))) == 32.0
+    # Non-finite gradients skip the update and halve the scale (stateless).
+    weights = [np.asarray(v.value) for v in model.trainable_variables[1:]]
+    new_weights, new_values = clone.stateless_apply(values, [np.full((2,), np.inf)], weights)
+    np.testing.assert_array_equal(new_weights[0], weights[0])
+    assert float(new_values[3]) == 16.0
+
+
 def test_losses_override_and_stateless_loss_collection():
     # keras_ipu.keras.pipelined: `_losses_override` feeds the stages' additional
     # losses to `compute_loss` of the last stage (as Keras' own JAX train step

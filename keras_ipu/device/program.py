@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from keras_ipu.device import accounting, convolutions, loops
+from keras_ipu.device import accounting, convolutions, loops, precision
 from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.outfeed import StepStream
@@ -72,7 +72,9 @@ class ExecutionProgram:
             `[steps, replicas, ...]` (see `Replicas`).
         hardware: The hardware description used for the accounting.
         half_precision: Whether the step computes in 16-bit floats (the
-            cycle estimate then uses the 16-bit peak rate).
+            cycle estimate then uses the 16-bit peak rate); `None` (the
+            default) reads it from the compiled program: whether most of its
+            matrix work takes 16-bit operands (`precision.is_half_precision`).
         exchange_bytes_per_step: Bytes each replica all-reduces per step
             (gradients), for the cycle estimate.
         micro_batches_per_step: Batches one step consumes (gradient
@@ -118,7 +120,7 @@ class ExecutionProgram:
         mode: str,
         replicas: Replicas,
         hardware: IPUHardware,
-        half_precision: bool = False,
+        half_precision: bool | None = None,
         exchange_bytes_per_step: float = 0.0,
         micro_batches_per_step: int = 1,
         finalize: Callable[[Outputs], Any] | None = None,
@@ -332,29 +334,38 @@ class ExecutionProgram:
             state_bytes=accounting.tree_bytes(state) // count,
             io_bytes=execution_io // (compiled_steps * count),
         )
+        # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
+        memory = precision.held_in_16_bits(memory, traced.jaxpr, self.device.platform)
+        half = self.half_precision
+        if half is None:
+            half = precision.is_half_precision(traced.jaxpr)
         return self._checked(compiled, batches, (memory,) * count,
-                             accounting.step_cost(compiled), loop, started)
+                             accounting.step_cost(compiled), loop, started, half_precision=half)
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
                  cost: accounting.StepCost, loop: loops.LoopChoice, started: float,
-                 dispatched: bool = False) -> _Executable:
-        """The executable, once each IPU's memory is checked; its report comes when read."""
+                 dispatched: bool = False, half_precision: bool = False) -> _Executable:
+        """The executable, once each IPU's memory is checked; its report comes when read.
+
+        `half_precision`: the step's flops count at the 16-bit rate.
+        """
         seconds = time.perf_counter() - started
         for ipu, use in zip(self.replicas.ipus, memory):
             if use.total_bytes > self.hardware.memory_capacity_bytes:
                 raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
                                           self.hardware.memory_capacity_bytes, self.mode)
-        report = functools.partial(self._report, batches, memory, cost, loop, seconds)
+        report = functools.partial(self._report, batches, memory, cost, loop, seconds,
+                                   half_precision)
         return _Executable(compiled, report, loop, dispatched)
 
     def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
                 cost: accounting.StepCost, loop: loops.LoopChoice,
-                seconds: float) -> ExecutionReport:
+                seconds: float, half_precision: bool = False) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
         count = self.replicas.count
         # XLA counts a loop body once: one step's cost stands for each batch.
         steps = _leading(batches) * self.micro_batches_per_step
-        step_cycles = cost.cycles(self.hardware, self.half_precision) + all_reduce_cycles(
+        step_cycles = cost.cycles(self.hardware, half_precision) + all_reduce_cycles(
             self.exchange_bytes_per_step, count, self.hardware
         )
         pipeline_report = None

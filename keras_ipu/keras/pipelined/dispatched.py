@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from keras_ipu.device import accounting, convolutions, loops, schedules
+from keras_ipu.device import accounting, convolutions, loops, precision, schedules
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined import training
@@ -70,7 +70,9 @@ class _Ops:
     """The compiled ops of one input signature, and what each stage stashes.
 
     `forward[s]` for every stage but the last, `backward[s]` likewise, `last`
-    (the last stage's fused op), `update[ipu]` (optimizer, fresh accumulator).
+    (the last stage's fused op), `update[ipu]` (optimizer, fresh accumulator),
+    `finite[ipu]` (whether its gradients are finite; with a
+    `LossScaleOptimizer` only).
     """
 
     forward: list
@@ -78,6 +80,7 @@ class _Ops:
     last: Any
     update: list
     stash_bytes: list[int]
+    finite: list = dataclasses.field(default_factory=list)
 
 
 class DispatchedFit:
@@ -164,14 +167,16 @@ class DispatchedFit:
         return op
 
     def last_op(self):
-        """`(tv, ntv, metrics, bundle, batch, acc, j) -> (ntv, metrics, logs, message, acc)`."""
+        """`(tv, ntv, metrics, optimizer, bundle, batch, acc, j) -> (ntv, metrics, logs, message,
+        acc)`; the optimizer's variables give the loss scale."""
         s = self.last
 
-        def op(tv, ntv, metrics, bundle, batch, acc, j):
+        def op(tv, ntv, metrics, optimizer_vars, bundle, batch, acc, j):
             f, weights, _, _ = self._stage(s, tv, ntv, _local(metrics), bundle, batch)
             loss, vjp_fn, (new_ntv, logs, new_metrics) = jax.vjp(f, weights, bundle,
                                                                  has_aux=True)
-            grads, g_in = vjp_fn(jnp.ones_like(loss))
+            scale = training.loss_scale(self.p, self.state, _local(optimizer_vars))
+            grads, g_in = vjp_fn(training.loss_cotangent(loss, scale))
             return (self._packed_ntv(s, new_ntv), _slot(new_metrics), logs,
                     (g_in if s else None), self._accumulated(s, acc, grads, j))
 
@@ -179,14 +184,30 @@ class DispatchedFit:
         return op
 
     def update_op(self, ipu: int):
-        """`(tv, optimizer, acc) -> (tv, optimizer, zeroed acc)`: the IPU's optimizer step."""
+        """`(tv, optimizer, acc, *finite) -> (tv, optimizer, zeroed acc)`: the IPU's optimizer step.
+
+        `finite`: with a `LossScaleOptimizer`, whether each IPU's gradients
+        are finite (`finite_op`); the update is skipped on every IPU unless
+        all are (`training.skipped_unless`).
+        """
         apply = training.optimizer_update(self.p, self.state, self.stages.grads, ipu)
 
-        def op(tv, optimizer_vars, acc):
+        def op(tv, optimizer_vars, acc, *finite):
+            if finite:
+                acc = training.skipped_unless(jnp.all(jnp.stack(finite)), acc)
             tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc)
             return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulator_dtype)
 
         op.__name__ = f"optimizer_ipu_{ipu}"
+        return op
+
+    def finite_op(self, ipu: int):
+        """`acc -> bool`: whether an IPU's accumulated gradients are all finite."""
+
+        def op(acc):
+            return training.all_finite(acc)
+
+        op.__name__ = f"finite_ipu_{ipu}"
         return op
 
     # ------------------------------------------------------------------ tracing and compiling
@@ -242,42 +263,62 @@ class DispatchedFit:
         pool = concurrent.futures.ThreadPoolExecutor(workers)
 
         def started(traced):
-            return pool.submit(traced.lower().compile), traced.out_info
+            return pool.submit(traced.lower().compile), traced.out_info, traced.jaxpr
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
         for s in range(self.last):
             ipu = self.p.device_mapping[s]
-            stashed = forward[s][1][2]
+            stashed = forward[s][1][2]  # the op's outputs: (ntv, message, stashed)
             stash_bytes.append(accounting.tree_bytes((stashed, bundle)))
             args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch, bundle,
                     stashed, acc, j)
             backward.append(started(_trace(self.backward_op(s), args, self.devices[ipu],
                                            donate=(6,))))
         ipu = self.p.device_mapping[self.last]
-        args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], local[METRICS][ipu], bundle,
-                batch, acc, j)
-        last = started(_trace(self.last_op(), args, self.devices[ipu], donate=(1, 2, 5)))
+        args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], local[METRICS][ipu],
+                local[OPTIMIZER][ipu], bundle, batch, acc, j)
+        last = started(_trace(self.last_op(), args, self.devices[ipu], donate=(1, 2, 6)))
+        flags = ((jax.ShapeDtypeStruct((), jnp.bool_),) * self.p.num_ipus
+                 if self.p.loss_scaled else ())
         update = [started(_trace(self.update_op(d),
-                                 (local[TRAINABLE][d], local[OPTIMIZER][d], acc),
+                                 (local[TRAINABLE][d], local[OPTIMIZER][d], acc, *flags),
                                  self.devices[d], donate=(0, 1, 2)))
                   for d in range(self.p.num_ipus)]
+        finite = [started(_trace(self.finite_op(d), (acc,), self.devices[d]))
+                  for d in range(self.p.num_ipus)] if flags else []
         pool.shutdown(wait=False)
 
         def executable():
-            ops = _Ops([f.result() for f, _ in forward], [f.result() for f, _ in backward],
-                       last[0].result(), [f.result() for f, _ in update],
-                       stash_bytes + [0])  # the fused last op keeps nothing
+            def compiled(op):
+                return op[0].result()
+
+            def memory(op):
+                # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
+                use = accounting.memory_use(compiled(op), state_bytes=0, io_bytes=0)
+                return precision.held_in_16_bits(use, op[2], self.devices[0].platform)
+
+            def each(of):
+                return _Ops([of(op) for op in forward], [of(op) for op in backward], of(last),
+                            [of(op) for op in update],
+                            stash_bytes + [0],  # the fused last op keeps nothing
+                            [of(op) for op in finite])
+
+            ops = each(compiled)
             return DispatchedExecutable(
                 run=_Runner(self, ops, bundle.shape).run,
-                memory=self._memory(ops, local, batch, last[1][2]),
+                memory=self._memory(each(memory), local, batch, last[1][2]),
                 cost=self._cost(ops),
             )
 
         return executable
 
     def _memory(self, ops: _Ops, local, batch, logs) -> tuple[accounting.MemoryUse, ...]:
-        """Per IPU: its state, its largest op's temporaries plus its stash, its io."""
+        """Per IPU: its state, its largest op's temporaries plus its stash, its io.
+
+        `ops` holds each op's `MemoryUse` (without state or io), as `_Ops`
+        holds the compiled ops.
+        """
         by_ipu: list[list] = [[] for _ in self.devices]
         stash = [0] * len(self.devices)
         counts = self.table.stash_counts()
@@ -286,9 +327,8 @@ class DispatchedFit:
             by_ipu[ipu] += [ops.forward[s], ops.backward[s]] if s < self.last else [ops.last]
             stash[ipu] += counts[s] * ops.stash_bytes[s]
         memory = []
-        for d, compiled in enumerate(by_ipu):
-            uses = [accounting.memory_use(c, state_bytes=0, io_bytes=0)
-                    for c in [*compiled, ops.update[d]]]
+        for d, op_uses in enumerate(by_ipu):
+            uses = [*op_uses, ops.update[d]]
             memory.append(accounting.MemoryUse(
                 state_bytes=sum(accounting.tree_bytes(local[part][d]) for part in local),
                 temporary_bytes=max(u.temporary_bytes for u in uses) + stash[d],
@@ -373,8 +413,12 @@ class _Update:
                 else:
                     self.backward(op.stage, op.micro_batch)
         tv, opt = self.local[TRAINABLE], self.local[OPTIMIZER]
-        for d, update in enumerate(self.runner.ops.update):
-            tv[d], opt[d], self.acc[d] = update(tv[d], opt[d], self.acc[d])
+        ops, devices = self.runner.ops, self.runner.devices
+        # Each IPU's finiteness, copied to every IPU (a `LossScaleOptimizer` only).
+        finite = [op(acc) for op, acc in zip(ops.finite, self.acc)]
+        for d, update in enumerate(ops.update):
+            flags = [jax.device_put(flag, devices[d]) for flag in finite]
+            tv[d], opt[d], self.acc[d] = update(tv[d], opt[d], self.acc[d], *flags)
         return self.logs
 
     def _input(self, s: int, j: int):
@@ -405,8 +449,8 @@ class _Update:
         ipu = self.runner.mapping[s]
         tv, ntv, met = (self.local[part] for part in (TRAINABLE, NON_TRAINABLE, METRICS))
         ntv[ipu], met[ipu], self.logs[j], message, self.acc[ipu] = self.runner.ops.last(
-            tv[ipu], ntv[ipu], met[ipu], self._input(s, j), self.data[j], self.acc[ipu],
-            self.runner.js[ipu][j])
+            tv[ipu], ntv[ipu], met[ipu], self.local[OPTIMIZER][ipu], self._input(s, j),
+            self.data[j], self.acc[ipu], self.runner.js[ipu][j])
         self._send_gradient(message, s, j)
 
 

@@ -179,16 +179,41 @@ class PipelinedModel:
             return  # inference needs no optimizer
         # One optimizer clone per IPU, built on that IPU's variables; Keras
         # names optimizer slots after their variable, which maps them back.
-        names = {v.name: i for i, v in enumerate(optimizer.variables)}
+        # Names repeat where optimizers nest (a `LossScaleOptimizer` and the
+        # optimizer it wraps each have an `iteration`): the k-th variable of
+        # a name in a clone is the k-th of that name in the optimizer, as
+        # both build their variables in the same order.
+        names = _occurrences(optimizer.variables)
         for ids in self.trainable_of:
             clone = optimizer.__class__.from_config(optimizer.get_config())
             clone.build([model.trainable_variables[i] for i in ids])
             self.optimizers.append(clone)
-            self.optimizer_of.append([names[v.name] for v in clone.variables])
+            self.optimizer_of.append([names[key] for key in _occurrences(clone.variables)])
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the optimizer is a `LossScaleOptimizer`.
+
+        Its clones must then skip an update together: one IPU's non-finite
+        gradients skip every IPU's update, as one optimizer over all the
+        variables skips it.
+        """
+        return bool(self.optimizers) and isinstance(
+            self.model.optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def _unique(values: list[int]) -> list[int]:
     return list(dict.fromkeys(values))
+
+
+def _occurrences(variables) -> dict[tuple[str, int], int]:
+    """`(name, k) -> index` of the k-th variable called `name` in `variables`."""
+    seen: dict[str, int] = {}
+    keys = {}
+    for i, variable in enumerate(variables):
+        k = seen[variable.name] = seen.get(variable.name, -1) + 1
+        keys[(variable.name, k)] = i
+    return keys
 
 
 # --------------------------------------------------------------------------- state

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import accounting, schedules
+from keras_ipu.device import accounting, precision, schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
@@ -219,8 +219,8 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
                 inputs = 2 if first and _is_float(x) else 1
                 return jax.grad(total, argnums=(0, inputs))(t, b, x)
 
-            forward.append(_cycles(jax.jit(stage).lower(*args), hardware))
-            full = _cycles(jax.jit(backward_op).lower(*args), hardware) if training else 0.0
+            forward.append(_cycles(jax.jit(stage).trace(*args), hardware))
+            full = _cycles(jax.jit(backward_op).trace(*args), hardware) if training else 0.0
             backward.append(full if recompute or not training else max(full - forward[-1], 0.0))
         per_pass = (table.total_cycles(forward, backward if training else None)
                     + table.num_ticks * hardware.sync_cycles)
@@ -235,7 +235,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             stash_counts=table.stash_counts(),
             ticks=table.num_ticks,
             stash_bytes=tuple(
-                count * batch * 4 * _stashed_width(pipe, s, x, recompute)
+                count * batch * _stashed_bytes(pipe, s, x, recompute)
                 for s, count in enumerate(table.stash_counts())
             ),
             recomputation=recompute,
@@ -258,30 +258,39 @@ def _recomputation(options: IPUOptions) -> bool:
         "recomputation_mode" in options.pipelining_kwargs)
 
 
-def _stashed_width(pipe, stage: int, x, recompute: bool) -> int:
-    """Values per sample a stage keeps for its backward pass.
+def _stashed_bytes(pipe, stage: int, x, recompute: bool) -> int:
+    """Bytes per sample a stage keeps for its backward pass, each tensor in its dtype.
 
-    With recomputation only its input (the bundle, or the model inputs for
-    the first stage); without, also every activation its layer calls produce.
+    With recomputation only its input (the tensors it receives, or the model
+    inputs for the first stage); without, also every activation its layer
+    calls produce (16-bit ones in 16 bits, under a mixed precision policy).
     """
-    width = pipe.width(pipe.bundle_in[stage]) if stage else _input_width(x)
+    kept = _tensor_bytes(pipe, pipe.bundle_in[stage]) if stage else _input_bytes(x)
     if recompute:
-        return width
-    plan = pipe.plan
-    return width + sum(pipe.width(call.output_keys) for call in plan.stages[stage])
+        return kept
+    return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in pipe.plan.stages[stage])
 
 
-def _input_width(x) -> int:
-    """Values per sample of the model inputs (what the first stage stashes)."""
-    return sum(int(np.prod(leaf.shape[1:])) for leaf in jax.tree_util.tree_leaves(x))
+def _tensor_bytes(pipe, keys) -> int:
+    """Bytes per sample of the plan's tensors named by `keys`."""
+    tensors = [pipe.plan.tensors[key] for key in keys]
+    return sum(int(np.prod(t.shape[1:])) * jnp.dtype(t.dtype).itemsize for t in tensors)
+
+
+def _input_bytes(x) -> int:
+    """Bytes per sample of the model inputs (what the first stage stashes)."""
+    return sum(int(np.prod(leaf.shape[1:])) * jnp.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree_util.tree_leaves(x))
 
 
 def _is_float(tree) -> bool:
     return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _cycles(lowered, hardware) -> float:
-    return accounting.step_cost(lowered).work_cycles(hardware)
+def _cycles(traced, hardware) -> float:
+    """A stage op's cycles: at the 16-bit rate when its matrix work is 16-bit."""
+    half = precision.is_half_precision(traced.jaxpr)
+    return accounting.step_cost(traced.lower()).work_cycles(hardware, half)
 
 
 __all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]

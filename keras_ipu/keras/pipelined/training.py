@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -289,10 +290,14 @@ class _Ops:
         data: The update's micro-batches, `(x, y, sample_weight)`.
         weights_of: Per IPU, its trainable variables (`StageRunner.trainable`),
             sliced once per update: slicing per op would copy them per op.
+        scale: The gradient of the optimizer's scaled loss by the loss
+            (`loss_scale`), for the last stage's backward ops.
     """
 
-    def __init__(self, program: _FitProgram, trace: _ShapeTrace | None, data, weights_of):
+    def __init__(self, program: _FitProgram, trace: _ShapeTrace | None, data, weights_of,
+                 scale=None):
         self.program, self.trace, self.data, self.weights_of = program, trace, data, weights_of
+        self.scale = scale
 
     def stage(self, s: int, non_trainable, metrics, bundle, j):
         """`Stages.for_vjp` of stage `s` on micro-batch `j` of the update."""
@@ -343,7 +348,7 @@ class _Ops:
         elif not program.recompute:
             _, treedef, source, known = kept_residuals(vjp_fn, aux, known, ntv)
             vjp_fn = join_residuals(treedef, source, trace.layouts[s].unpack(residual), known)
-        cotangent = jnp.ones_like(out) if s == program.last else gradient
+        cotangent = loss_cotangent(out, self.scale) if s == program.last else gradient
         grads, g_in = vjp_fn(cotangent)
         return non_trainable, metrics, step_logs, g_in, grads
 
@@ -415,7 +420,9 @@ class _FitProgram:
         # stage 0).
         trainable, non_trainable, optimizer_vars, metrics, stash, inbox = carry
         p, me = self.pipelined, trace.me
-        ops = _Ops(self, trace, data, self._weights(trainable))
+        # Read on every IPU, used by the last stage's (whose IPU's clone it reads).
+        scale = loss_scale(p, self.state, optimizer_vars)
+        ops = _Ops(self, trace, data, self._weights(trainable), scale)
         branches = [self._branch(ops, pattern) for pattern in self.plan.patterns]
         logs = jax.tree_util.tree_map(lambda a: jnp.zeros((self.micro, *a.shape), a.dtype),
                                       trace.logs_shape)
@@ -426,6 +433,9 @@ class _FitProgram:
         non_trainable, metrics, acc, inbox, logs, stash = c
         if self.state.replicas > 1:
             acc = jax.lax.psum(acc, REPLICA_AXIS)
+        if p.loss_scaled:
+            finite = jax.lax.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
+            acc = skipped_unless(finite, acc)
         trainable, optimizer_vars = jax.lax.switch(
             me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
@@ -553,6 +563,96 @@ def _filled(values: list, zero) -> list:
     return [value if value is not None else zero() for value in values]
 
 
+def loss_scale(pipelined: PipelinedModel, state: PipelineState, optimizer_flats):
+    """What the optimizer multiplies the loss by before differentiating it (a scalar).
+
+    The last stage's IPU's optimizer clone says, as Keras' train step asks
+    its optimizer to `scale_loss`: a `LossScaleOptimizer`'s dynamic scale,
+    an optimizer's `loss_scale_factor`, else 1. The clone divides its
+    gradients by the same factor when it applies them.
+
+    Args:
+        pipelined: The model's stages and their IPUs.
+        state: The packed state layout.
+        optimizer_flats: The last stage's IPU's packed optimizer variables.
+
+    Returns:
+        The factor, a float32 scalar.
+
+    Example:
+
+    >>> loss_scale(pipe, state, optimizer_flats)   # mixed_float16, at first
+    Array(32768., dtype=float32)
+    """
+    ipu = pipelined.last_ipu
+    optimizer = pipelined.optimizers[ipu]
+    values = state.layouts["optimizer_variables"][ipu].unpack(optimizer_flats)
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+        # The loss is a multiple of itself: scaling 1 gives the factor.
+        return jnp.asarray(optimizer.scale_loss(jnp.ones((), jnp.float32)), jnp.float32)
+
+
+def loss_cotangent(loss, scale):
+    """The cotangent of the last stage's loss.
+
+    Args:
+        loss: The last stage's loss (a float32 scalar).
+        scale: The loss scale (`loss_scale`), or `None` for none.
+
+    Returns:
+        `scale` (or 1) in the loss's shape and dtype: pulling it back gives
+        the gradients of the scaled loss, as Keras differentiates it.
+
+    Example:
+
+    >>> grads, g_in = vjp_fn(loss_cotangent(loss, scale))
+    """
+    if scale is None:
+        return jnp.ones_like(loss)
+    return jnp.broadcast_to(scale, jnp.shape(loss)).astype(loss.dtype)
+
+
+def all_finite(tree: Any) -> Any:
+    """Whether every value of a pytree of arrays is finite.
+
+    Args:
+        tree: A pytree of (traced) float arrays, e.g. an IPU's accumulator.
+
+    Returns:
+        A bool scalar.
+
+    Example:
+
+    >>> all_finite({"float32": jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def skipped_unless(finite: Any, acc: Any) -> Any:
+    """`acc`, or NaNs where `finite` is false (every IPU's gradients being finite).
+
+    A `LossScaleOptimizer` skips an update whose gradients are not all finite.
+    Each IPU applies its own clone to its own gradients: making an update's
+    gradients non-finite on every IPU when they are on one skips it on all,
+    as Keras' one optimizer over all the variables does.
+
+    Args:
+        finite: A bool scalar: whether the gradients of every IPU are finite.
+        acc: This IPU's accumulated gradients (a pytree).
+
+    Returns:
+        `acc` when `finite`, else the same structure filled with NaN.
+
+    Example:
+
+    >>> finite = jax.lax.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
+    >>> acc = skipped_unless(finite, acc)
+    """
+    return jax.tree_util.tree_map(lambda a: jnp.where(finite, a, jnp.nan).astype(a.dtype), acc)
+
+
 def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
                      grads_layout: GradientLayout, ipu: int):
     """`apply(trainable, optimizer_vars, acc) -> (trainable, optimizer_vars)` of one IPU.
@@ -575,5 +675,6 @@ def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
     return apply
 
 
-__all__ = ["Stages", "build_fit_program", "join_residuals", "kept_residuals",
-           "optimizer_update", "split_residuals"]
+__all__ = ["Stages", "all_finite", "build_fit_program", "join_residuals", "kept_residuals",
+           "loss_cotangent", "loss_scale", "optimizer_update", "skipped_unless",
+           "split_residuals"]

@@ -1,0 +1,282 @@
+"""Mixed precision: Keras' mixed policies and loss scaling on IPUs equal plain Keras.
+
+Under `mixed_float16` Keras wraps the optimizer in a `LossScaleOptimizer`;
+on IPUs it takes one step per weight update (as in the reference, where the
+loss scale counts `apply_gradients` calls), so a run equals plain Keras on
+the combined batch, the loss scale's skips and growth included.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.device import precision
+from keras_ipu.device.report import ExecutionReport
+
+from conftest import assert_weights_close, configure
+from models import data_for
+
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
+# Half-precision rounding differs with the batch split; float16 keeps 10
+# mantissa bits, bfloat16 7.
+ATOL = {"mixed_float16": 1e-3, "mixed_bfloat16": 4e-3}
+MICRO, GA = 4, 4  # plain Keras: batch 16
+
+
+@pytest.fixture
+def policy(request):
+    """Sets the global dtype policy for the test, and float32 again after it."""
+    keras.mixed_precision.set_global_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def with_policies(policies=POLICIES):
+    return pytest.mark.parametrize("policy", policies, indirect=True)
+
+
+def _mlp(stop_gradient: bool = False) -> keras.Model:
+    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu")]
+    if stop_gradient:  # the first layer then gets zero gradients
+        layers.append(keras.layers.Lambda(keras.ops.stop_gradient))
+    return keras.Sequential([*layers, keras.layers.Dense(3)])
+
+
+def _pair(strategy, stop_gradient: bool = False):
+    """A plain model and an IPU model with the same initial weights."""
+    keras.utils.set_random_seed(0)
+    plain = _mlp(stop_gradient)
+    with strategy.scope():
+        on_ipu = _mlp(stop_gradient)
+    on_ipu.set_weights(plain.get_weights())
+    return plain, on_ipu
+
+
+def _sgd(learning_rate: float = 0.05, loss_scale: dict | None = None, **kwargs):
+    """SGD with momentum; wrapped in a `LossScaleOptimizer` when `loss_scale` is given."""
+    optimizer = keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
+    if loss_scale is None:
+        return optimizer
+    return keras.optimizers.LossScaleOptimizer(optimizer, **loss_scale)
+
+
+def _fit(model, x, y, batch_size: int, epochs: int = 2):
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+
+
+def _assert_same_training(plain, on_ipu, atol: float) -> None:
+    """Equal weights, and under loss scaling the same loss-scale state."""
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=atol)
+    assert all(w.dtype == np.float32 for w in on_ipu.get_weights())  # mixed: float32 variables
+    assert type(on_ipu.optimizer) is type(plain.optimizer)
+    assert int(on_ipu.optimizer.iterations) == int(plain.optimizer.iterations)
+    if isinstance(plain.optimizer, keras.optimizers.LossScaleOptimizer):
+        for name in ("dynamic_scale", "step_counter"):
+            assert float(getattr(on_ipu.optimizer, name)) == float(getattr(plain.optimizer, name))
+
+
+def _pipelined(model, micro_batches: int = GA) -> None:
+    model.set_pipeline_stage_assignment([0] * (len(model.layers) - 1) + [1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
+                                 gradient_accumulation_reduction_method="mean")
+
+
+# --------------------------------------------------------------------------- equal to Keras
+
+
+@with_policies()
+def test_one_ipu_equals_plain_keras(policy, strategy):
+    plain, on_ipu = _pair(strategy)
+    plain.compile(optimizer=_sgd(), loss="mse")
+    on_ipu.compile(optimizer=_sgd(), loss="mse", steps_per_execution=4)
+    assert on_ipu.layers[0].compute_dtype == policy.removeprefix("mixed_")
+    # Keras wraps the optimizer for loss scaling under mixed_float16 only.
+    assert isinstance(on_ipu.optimizer, keras.optimizers.LossScaleOptimizer) == (
+        policy == "mixed_float16")
+    x, y = data_for("sequential", samples=64)
+    expected, actual = _fit(plain, x, y, 8), _fit(on_ipu, x, y, 8)
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-3)
+
+
+@with_policies()
+def test_replicas_equal_the_combined_batch(policy, strategy):
+    configure(2)
+    plain, on_ipu = _pair(strategy)
+    plain.compile(optimizer=_sgd(0.05), loss="mse")
+    # Replicas sum their gradients: half the learning rate for the mean.
+    on_ipu.compile(optimizer=_sgd(0.025), loss="mse", steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+    _fit(plain, x, y, 2 * MICRO)
+    _fit(on_ipu, x, y, MICRO)
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+
+
+@with_policies()
+def test_gradient_accumulation_equals_the_big_batch(policy, strategy):
+    plain, on_ipu = _pair(strategy)
+    plain.compile(optimizer=_sgd(), loss="mse")
+    on_ipu.compile(optimizer=_sgd(), loss="mse", steps_per_execution=8)
+    on_ipu.set_gradient_accumulation_options(GA, "mean")
+    x, y = data_for("sequential", samples=64)
+    expected, actual = _fit(plain, x, y, MICRO * GA), _fit(on_ipu, x, y, MICRO)
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+    # The big batch's mean loss is the mean of its micro-batches' losses.
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-3)
+    # Keras' own accumulation gives the same weights; its loss scale steps
+    # per micro-batch, the IPU's per update (see docs/performance.md).
+    keras_accumulating = _pair(strategy)[0]
+    keras_accumulating.compile(optimizer=_sgd(gradient_accumulation_steps=GA), loss="mse")
+    _fit(keras_accumulating, x, y, MICRO)
+    assert_weights_close(keras_accumulating.get_weights(), on_ipu.get_weights(),
+                         atol=ATOL[policy])
+    if policy == "mixed_float16":
+        assert int(keras_accumulating.optimizer.step_counter) == 2 * 64 // MICRO
+        assert int(on_ipu.optimizer.step_counter) == 2 * 64 // (MICRO * GA)
+
+
+@pytest.mark.parametrize("policy, form", [("mixed_float16", "scan"), ("mixed_float16", "host"),
+                                          ("mixed_bfloat16", "scan")], indirect=["policy"])
+def test_two_stage_pipeline_equals_the_big_batch(policy, form, monkeypatch):
+    """Both pipeline forms: the schedule program and the host-dispatched ops."""
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    plain, on_ipu = _pair(ipu.ipu_strategy.IPUStrategy())
+    # Without a LossScaleOptimizer, a fixed `loss_scale_factor` scales the
+    # last stage's loss and each IPU unscales its gradients, as in Keras.
+    scaling = {"loss_scale_factor": 256.0} if policy == "mixed_bfloat16" else {}
+    plain.compile(optimizer=_sgd(**scaling), loss="mse")
+    on_ipu.compile(optimizer=_sgd(**scaling), loss="mse", steps_per_execution=8)
+    _pipelined(on_ipu)
+    x, y = data_for("sequential", samples=64)
+    expected, actual = _fit(plain, x, y, MICRO * GA), _fit(on_ipu, x, y, MICRO)
+    # The loss scale, its counter and the inner optimizer's state came back.
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-3)
+    report = ipu.utils.execution_report(on_ipu, "fit")
+    assert report.pipeline.num_stages == 2
+
+
+# --------------------------------------------------------------------------- non-finite gradients
+
+
+def _overflowing_data():
+    """64 samples; sample 37 (in the third update of 16) overflows float16 gradients.
+
+    Its target is so far off that the loss's gradient, scaled and cast to
+    float16, is infinite whatever the batch it is in: the update holding it
+    is skipped, in plain Keras as on IPUs. The loss itself stays finite
+    (float32).
+    """
+    x, y = data_for("sequential", samples=64)
+    y[37] = 1e9
+    return x, y
+
+
+# A small scale, so that no other update overflows; growth after 3 steps.
+LOSS_SCALE = {"initial_scale": 16.0, "dynamic_growth_steps": 3}
+
+
+# Pipelines of one replica: `test_a_stage_with_non_finite_gradients_skips_every_stages_update`.
+@pytest.mark.parametrize("setup", ["accumulation", "replicas", "replicated_pipeline"])
+@with_policies(["mixed_float16"])
+def test_non_finite_gradients_skip_the_update_as_in_keras(policy, setup, strategy):
+    configure({"accumulation": 1, "replicas": 2, "replicated_pipeline": 4}[setup])
+    replicated = setup != "accumulation"
+    plain, on_ipu = _pair(strategy)
+    plain.compile(optimizer=_sgd(loss_scale=LOSS_SCALE), loss="mse")
+    # Two replicas sum their gradients: half the learning rate for the mean.
+    on_ipu.compile(optimizer=_sgd(0.025 if replicated else 0.05, loss_scale=LOSS_SCALE),
+                   loss="mse", steps_per_execution=4)
+    micro_batches = GA // 2 if replicated else GA
+    if setup == "replicated_pipeline":
+        _pipelined(on_ipu, micro_batches)
+    else:
+        on_ipu.set_gradient_accumulation_options(micro_batches, "mean")
+    x, y = _overflowing_data()
+    expected = _fit(plain, x, y, MICRO * GA)
+    actual = _fit(on_ipu, x, y, MICRO)
+    # Plain Keras skipped the third of each epoch's 4 updates, halving the
+    # scale (16 -> 8), and doubled it after 3 finite updates (8 -> 16 -> 8).
+    assert int(plain.optimizer.iterations) == 6
+    assert float(plain.optimizer.dynamic_scale) == 8.0
+    assert int(plain.optimizer.step_counter) == 1
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+    if not replicated:  # replicated logs are the last step's, not the epoch's
+        np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+@with_policies(["mixed_float16"])
+def test_a_stage_with_non_finite_gradients_skips_every_stages_update(policy, form, monkeypatch):
+    # The first stage's gradients are zero (finite) when the last stage's
+    # overflow: Keras' one optimizer skips the whole update, so each IPU's
+    # optimizer clone must skip it too. Weight decay shows whether the first
+    # stage's weights were updated.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    plain, on_ipu = _pair(ipu.ipu_strategy.IPUStrategy(), stop_gradient=True)
+    for model in (plain, on_ipu):
+        model.compile(optimizer=_sgd(weight_decay=0.5, loss_scale=LOSS_SCALE), loss="mse",
+                      steps_per_execution=1 if model is plain else 4)
+    _pipelined(on_ipu)
+    x, y = _overflowing_data()
+    _fit(plain, x, y, MICRO * GA)
+    _fit(on_ipu, x, y, MICRO)
+    assert int(plain.optimizer.iterations) == 6
+    _assert_same_training(plain, on_ipu, ATOL[policy])
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _report(policy: str) -> ExecutionReport:
+    """The fit report of a narrow MLP on big batches (activations dominate its memory)."""
+    keras.mixed_precision.set_global_policy(policy)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x = np.random.default_rng(0).normal(size=(1024, 16)).astype("float32")
+    model.fit(x, x[:, :4], batch_size=512, verbose=0)
+    return ipu.utils.execution_report(model, "fit")
+
+
+@with_policies(["mixed_bfloat16"])
+def test_the_report_counts_16_bit_activations_and_the_16_bit_rate(policy):
+    # Few tiles: compute dominates the cycles, not the syncs between steps.
+    configure(1, tiles_per_ipu=4)
+    half, single = _report(policy).ipus[0], _report("float32").ipus[0]
+    # Mixed precision keeps float32 variables, and 16-bit activations.
+    assert half.state_bytes == single.state_bytes
+    assert half.temporary_bytes < 0.7 * single.temporary_bytes
+    assert half.memory_bytes < single.memory_bytes
+    # Its matrix work runs at 4x the float32 rate (flops are alike).
+    assert half.estimated_cycles < 0.5 * single.estimated_cycles
+
+
+def test_half_precision_is_read_from_the_programs_matrix_work():
+    import jax
+    import jax.numpy as jnp
+
+    def step(w, x, dtype):
+        return jnp.tanh(x.astype(dtype) @ w.astype(dtype)).astype(jnp.float32).sum()
+
+    w, x = jnp.ones((64, 32)), jnp.ones((128, 64))
+    jaxprs = {dtype: jax.make_jaxpr(jax.grad(lambda w, x, d=dtype: step(w, x, d)))(w, x)
+              for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)}
+    # Two matrix products: the forward one and the kernel's gradient.
+    assert precision.matrix_flops(jaxprs[jnp.float32]) == (0.0, 2 * 2 * 128 * 64 * 32)
+    assert precision.is_half_precision(jaxprs[jnp.bfloat16])
+    assert precision.is_half_precision(jaxprs[jnp.float16])
+    assert not precision.is_half_precision(jaxprs[jnp.float32])
+    # XLA:CPU holds 16-bit values in 32 bits: an IPU's temporaries are fewer.
+    assert precision.temporary_scale(jaxprs[jnp.float32], "cpu") == 1.0
+    assert 0.4 < precision.temporary_scale(jaxprs[jnp.bfloat16], "cpu") < 0.8
+    assert precision.temporary_scale(jaxprs[jnp.bfloat16], "gpu") == 1.0
