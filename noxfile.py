@@ -45,7 +45,8 @@ def bench(session):
     """The benchmarks; figures go into BENCHMARKS.md."""
     session.install("-e", ".")
     for script in ("benchmarks/bench_single_ipu.py", "benchmarks/bench_ga_replication.py",
-                   "benchmarks/bench_pipeline.py", "benchmarks/bench_zoo.py"):
+                   "benchmarks/bench_pipeline.py", "benchmarks/bench_zoo.py",
+                   "benchmarks/bench_executable_cache.py"):
         session.run("python", script, *session.posargs)
 
 
