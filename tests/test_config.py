@@ -806,17 +806,20 @@ def test_configure_defaults(device):
     assert call["options"]["allow_recompute"] is False
 
 
-def test_configure_reads_flags(device, monkeypatch):
+def test_configure_reads_flags(device, monkeypatch, tmp_path):
     monkeypatch.setenv("TF_POPLAR_FLAGS", "--ipu_model_tiles=32 --use_synthetic_data")
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--executable_cache_path=/tmp/cache")
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--executable_cache_path={tmp_path / 'cache'}")
     config = _config(auto_select_ipus=1)
-    config.configure_ipu_system()
+    # The flag's cache replaces the suite's own JAX cache (tests/test_executable_cache.py).
+    with pytest.warns(UserWarning, match="--executable_cache_path"):
+        config.configure_ipu_system()
     config.ipu_model.tiles_per_ipu = 8  # The config wins over the flag.
     config.configure_ipu_system()
     assert device.hardware == [("ipu2", 32), ("ipu2", 8)]
     options = device.configured[-1]["options"]
     assert options["use_synthetic_data"] is True
-    assert options["executable_cache_path"] == "/tmp/cache"
+    assert options["executable_cache_path"] == str(tmp_path / "cache")
+    ipu_config.reset_ipu_configuration()  # Puts the suite's JAX cache back.
 
 
 def test_get_ipu_config_returns_a_copy_of_the_configured_config(device):

@@ -36,7 +36,9 @@ class PoplarFlags:
         synthetic_data_initializer: `--synthetic_data_initializer=X`: how
             synthetic data is initialised; None when not given.
         executable_cache_path: `--executable_cache_path=DIR`: where compiled
-            programs are cached; None when not given.
+            programs are saved, and loaded from by later processes instead
+            of compiling (JAX's persistent compilation cache, turned on by
+            `configure_ipu_system`); None when not given.
         execution_loop: `--execution_loop=auto|scan|host` (keras_ipu's own):
             how an execution strings its steps together: `scan` (an
             on-device loop), `host` (one compiled step dispatched per step),

@@ -40,7 +40,11 @@ def configure_ipu_system(
     models the hardware `config.ipu_model.version` with
     `config.ipu_model.tiles_per_ipu` tiles (0: `--ipu_model_tiles` from the
     flags, else the version's standard count). The flags in
-    `TF_POPLAR_FLAGS` and `KERAS_IPU_FLAGS` are read now.
+    `TF_POPLAR_FLAGS` and `KERAS_IPU_FLAGS` are read now: with
+    `--executable_cache_path=DIR`, compiled programs are saved in `DIR` and a
+    later process loads them instead of compiling (JAX's persistent
+    compilation cache, see `keras_ipu.device.executable_cache`); without
+    it, a cache that an earlier configuration turned on is turned off.
 
     Args:
         config: An `IPUConfig` instance. The reference also took an
@@ -56,11 +60,17 @@ def configure_ipu_system(
     Raises:
         TypeError: When `config` is not an `IPUConfig`.
         ValueError: When neither or both of `auto_select_ipus` and
-            `select_ipus` are set, `device` is not a CPU device, or a value
-            changed in place (a list or dict read back and edited) is invalid.
+            `select_ipus` are set, `device` is not a CPU device, a value
+            changed in place (a list or dict read back and edited) is
+            invalid, or the `--executable_cache_path` directory cannot be
+            created.
         RuntimeError: When a system is configured and `reset_configuration`
             is False, or when the JAX devices cannot hold the IPUs (from the
             device layer, unchanged).
+
+    Warns:
+        UserWarning: When `--executable_cache_path` replaces a different JAX
+            compilation cache directory set by the program or environment.
 
     Example:
 
@@ -81,7 +91,7 @@ def configure_ipu_system(
     device_sizes = _device_sizes(config)
     flags = read_flags()
 
-    from keras_ipu.device import hardware, system
+    from keras_ipu.device import executable_cache, hardware, system
 
     if not reset_configuration and system.current() is not None:
         raise RuntimeError(
@@ -89,13 +99,18 @@ def configure_ipu_system(
             "keras_ipu.config.reset_ipu_configuration() first, or pass "
             "reset_configuration=True."
         )
-    reset_ipu_configuration()
+    # Before the old system is forgotten, so that a cache directory that
+    # cannot be created leaves the configuration as it was. Not through
+    # reset_ipu_configuration, which would take the cache away and put it
+    # back when the flag is unchanged.
+    cache_directory = executable_cache.use(flags.executable_cache_path)
+    _forget_system()
     tiles = int(config.ipu_model.tiles_per_ipu or flags.ipu_model_tiles or 0)
     system.configure(
         device_sizes,
         hardware.hardware_for(config.ipu_model.version, tiles),
         selection_order=config.selection_order.name,
-        options=_runtime_options(config, flags),
+        options={**_runtime_options(config, flags), "executable_cache_path": cache_directory},
     )
     _configured = copy.deepcopy(config)
 
@@ -105,7 +120,9 @@ def reset_ipu_configuration() -> None:
 
     Forgets the configured system (through the device layer's
     `keras_ipu.device.system.reset()`) and the IPUConfig it was configured
-    with; the next model run needs `configure_ipu_system` again.
+    with; the next model run needs `configure_ipu_system` again. The
+    executable cache of `--executable_cache_path` is turned off (JAX's own
+    cache settings are put back); what it saved stays on disk.
 
     Returns:
         None
@@ -117,6 +134,13 @@ def reset_ipu_configuration() -> None:
     config.configure_ipu_system()
     ```
     """
+    from keras_ipu.device import executable_cache
+
+    _forget_system()
+    executable_cache.use(None)
+
+
+def _forget_system() -> None:
     global _configured
     from keras_ipu.device import system
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from keras import tree
+from keras import KerasTensor, tree
 
 from keras_ipu.keras import context, options
 from keras_ipu.serving import runtime
@@ -160,8 +160,10 @@ def _input_signature(model: Any, batch_size: int | None):
         shape = (getattr(model, "_build_shapes_dict", None) or {}).get("input_shape")
         if shape is None:
             raise RuntimeError(_SIGNATURE_ERROR)
-        # A subclassed model built with `build(input_shape)`: one float input.
-        structure = jax.ShapeDtypeStruct(tuple(shape), "float32")
+        # A subclassed model built with `build(input_shape)`: one float input. A
+        # KerasTensor, not a jax.ShapeDtypeStruct: the batch dimension may be None,
+        # which ShapeDtypeStruct refuses from jax 0.11 on.
+        structure = KerasTensor(tuple(shape), dtype="float32", name="input_0")
         names, flat = ["input_0"], [structure]
     else:
         flat = tree.flatten(structure)
