@@ -449,7 +449,6 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             mode=mode,
             replicas=replicas,
             hardware=hardware,
-            half_precision=_is_half_precision(model),
             exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
             micro_batches_per_step=micro or 1,
             finalize=_finalize(mode, layout, options),
@@ -602,10 +601,6 @@ def _unpack(batch):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     return data_adapter_utils.unpack_x_y_sample_weight(batch)
-
-
-def _is_half_precision(model) -> bool:
-    return getattr(model.dtype_policy, "compute_dtype", "float32") in ("float16", "bfloat16")
 
 
 def _gradient_bytes(model) -> int:

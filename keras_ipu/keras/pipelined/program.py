@@ -182,7 +182,7 @@ def _plan_key(plan) -> tuple:
 
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
-    """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
+    """`hardware -> (cycles per pass, PipelineReport)` from the counted cost of each stage."""
     runner = pipelined_model.StageRunner(pipe, state)
     training = mode == "fit"
     recompute = _recomputation(options)
