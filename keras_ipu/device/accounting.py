@@ -1,13 +1,15 @@
-"""Per-IPU memory and cycle estimates from a compiled XLA program."""
+"""Per-IPU memory and cycle estimates of an execution program."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
+from keras_ipu.device import cost
 from keras_ipu.device.hardware import IPUHardware
 
 
@@ -36,35 +38,104 @@ class MemoryUse:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """XLA's cost analysis of one step.
+    """The cost of one step, counted over the program before any backend lowers it.
 
-    XLA counts a loop body once, so the analysis of an execution's
-    on-device loop is the cost of one of its steps.
+    See `keras_ipu.device.cost` for what counts; the figures are per IPU and
+    the same whichever platform (CPU, GPU) runs the device model.
 
     Args:
         flops: Floating point operations.
         transcendentals: Transcendental operations (exp, tanh, ...).
         bytes_accessed: Bytes read and written.
+        half_flops: Of `flops`, matrix work on 16-bit floats, which the IPU
+            runs at its fp16 rate.
+
+    Example:
+
+    >>> mk2 = hardware_for("ipu2")  # 32 fp32 flops per cycle on each of 1,472 tiles
+    >>> StepCost(flops=4_710_400.0, transcendentals=0.0, bytes_accessed=0.0).compute_cycles(mk2)
+    100.0
     """
 
     flops: float
     transcendentals: float
     bytes_accessed: float
+    half_flops: float = 0.0
 
-    def work_cycles(self, hardware: IPUHardware, half_precision: bool = False) -> float:
-        """Compute or memory cycles, whichever is larger (no sync)."""
-        compute = (self.flops + self.transcendentals) / hardware.flops_per_cycle(half_precision)
+    def compute_cycles(self, hardware: IPUHardware) -> float:
+        """Cycles of the arithmetic at peak rates: 16-bit matrix work at the fp16 rate.
+
+        Args:
+            hardware: The IPU whose rates count.
+
+        Returns:
+            The cycles.
+        """
+        single = self.flops - self.half_flops + self.transcendentals
+        return (single / hardware.flops_per_cycle(half_precision=False)
+                + self.half_flops / hardware.flops_per_cycle(half_precision=True))
+
+    def work_cycles(self, hardware: IPUHardware) -> float:
+        """Compute or memory cycles, whichever is larger (no sync).
+
+        Args:
+            hardware: The IPU whose rates count.
+
+        Returns:
+            The cycles.
+        """
         memory = self.bytes_accessed / (hardware.memory_bytes_per_cycle_per_tile * hardware.tiles)
-        return max(compute, memory)
+        return max(self.compute_cycles(hardware), memory)
 
-    def cycles(self, hardware: IPUHardware, half_precision: bool = False) -> float:
+    def cycles(self, hardware: IPUHardware) -> float:
         """Estimated IPU cycles: the slower of compute and memory, plus a sync.
 
         A bulk-synchronous step costs at least its compute time at peak
         flops and its memory traffic at the tiles' bandwidth; they overlap,
         so the larger one counts, plus one sync and exchange set-up.
+
+        Args:
+            hardware: The IPU whose rates count.
+
+        Returns:
+            The cycles.
         """
-        return self.work_cycles(hardware, half_precision) + hardware.sync_cycles
+        return self.work_cycles(hardware) + hardware.sync_cycles
+
+    def per_step(self, steps: int) -> StepCost:
+        """This cost (of a program running `steps` steps) shared out over its steps.
+
+        Args:
+            steps: Steps the counted program runs (at least 1).
+
+        Returns:
+            The cost of one step.
+
+        Raises:
+            ValueError: For fewer than one step.
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}.")
+        return StepCost(self.flops / steps, self.transcendentals / steps,
+                        self.bytes_accessed / steps, self.half_flops / steps)
+
+    @classmethod
+    def total(cls, parts: Iterable[tuple[StepCost, float]]) -> StepCost:
+        """The weighted sum of costs (`(cost, weight)` pairs).
+
+        Args:
+            parts: The costs and how many times each counts.
+
+        Returns:
+            The sum.
+        """
+        parts = list(parts)
+        return cls(
+            flops=sum(c.flops * w for c, w in parts),
+            transcendentals=sum(c.transcendentals * w for c, w in parts),
+            bytes_accessed=sum(c.bytes_accessed * w for c, w in parts),
+            half_flops=sum(c.half_flops * w for c, w in parts),
+        )
 
 
 def tree_bytes(tree: Any) -> int:
@@ -97,13 +168,35 @@ def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int) -> MemoryUse:
     )
 
 
-def step_cost(compiled: Any) -> StepCost:
-    """The cost of one step of a compiled (or lowered) execution program."""
-    analysis = compiled.cost_analysis() or {}
-    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per device
-        analysis = analysis[0] if analysis else {}
+def step_cost(lowered: Any, steps: int = 1) -> StepCost:
+    """The cost of one step of a lowered program, the same on every platform.
+
+    Counted over the program's StableHLO (`keras_ipu.device.cost`), not by
+    a backend's cost analysis: XLA's analysis of a GPU-compiled program does
+    not see the matrix products cuBLAS runs, and `Lowered.cost_analysis()`
+    is not available on GPUs and counts a loop body once.
+
+    Args:
+        lowered: A `jax.stages.Lowered` program, or its StableHLO text.
+        steps: Steps the program runs (loops are counted with their trip
+            counts, so the count is shared out over these).
+
+    Returns:
+        A `StepCost`.
+
+    Raises:
+        ValueError: For fewer than one step, or text without a function.
+
+    Example:
+
+    >>> lowered = jax.jit(execution).lower(state, batches)  # 4 steps
+    >>> step_cost(lowered, steps=4).flops
+    """
+    text = lowered if isinstance(lowered, str) else lowered.as_text()
+    count = cost.count_stablehlo(text)
     return StepCost(
-        flops=float(analysis.get("flops", 0.0)),
-        transcendentals=float(analysis.get("transcendentals", 0.0)),
-        bytes_accessed=float(analysis.get("bytes accessed", 0.0)),
-    )
+        flops=count.flops,
+        transcendentals=count.transcendentals,
+        bytes_accessed=count.bytes_accessed,
+        half_flops=count.half_flops,
+    ).per_step(steps)

@@ -28,7 +28,7 @@ class DispatchedExecutable:
         memory: Per IPU of the execution (in the order of its IPUs), the
             memory its programs need: its state, the largest temporaries of
             its programs plus what it keeps between them, its io.
-        cost: XLA's cost of one step (one micro-batch through every stage).
+        cost: The cost of one step (one micro-batch through every stage).
 
     Example:
 

@@ -71,10 +71,6 @@ class ExecutionProgram:
             state has a leading replica axis and the batches
             `[steps, replicas, ...]` (see `Replicas`).
         hardware: The hardware description used for the accounting.
-        half_precision: Whether the step computes in 16-bit floats (the
-            cycle estimate then uses the 16-bit peak rate); `None` (the
-            default) reads it from the compiled program: whether most of its
-            matrix work takes 16-bit operands (`precision.is_half_precision`).
         exchange_bytes_per_step: Bytes each replica all-reduces per step
             (gradients), for the cycle estimate.
         micro_batches_per_step: Batches one step consumes (gradient
@@ -87,7 +83,7 @@ class ExecutionProgram:
             their own); `step_fn` is then unused.
         pipeline: For pipelined programs, a function
             `hardware -> (cycles per program step, PipelineReport)`; the
-            estimate then follows the schedule instead of XLA's loop cost.
+            estimate then follows the schedule instead of the program's count.
         replica_count: The replication factor to report, when the program's
             IPUs are not one replica each (pipelines).
         max_in_flight: Executions dispatched but not finished, at most.
@@ -120,7 +116,6 @@ class ExecutionProgram:
         mode: str,
         replicas: Replicas,
         hardware: IPUHardware,
-        half_precision: bool | None = None,
         exchange_bytes_per_step: float = 0.0,
         micro_batches_per_step: int = 1,
         finalize: Callable[[Outputs], Any] | None = None,
@@ -136,7 +131,6 @@ class ExecutionProgram:
         self.mode = mode
         self.replicas = replicas
         self.hardware = hardware
-        self.half_precision = half_precision
         self.exchange_bytes_per_step = exchange_bytes_per_step
         self.micro_batches_per_step = micro_batches_per_step
         self._pipeline = pipeline
@@ -324,7 +318,8 @@ class ExecutionProgram:
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
                                      choice, started, dispatched=True)
         traced, compiled_batches, loop = self._trace(state, batches, choice)
-        compiled = traced.lower().compile()
+        lowered = traced.lower()
+        compiled = lowered.compile()
         count = self.replicas.count
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
@@ -336,36 +331,34 @@ class ExecutionProgram:
         )
         # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.jaxpr, self.device.platform)
-        half = self.half_precision
-        if half is None:
-            half = precision.is_half_precision(traced.jaxpr)
-        return self._checked(compiled, batches, (memory,) * count,
-                             accounting.step_cost(compiled), loop, started, half_precision=half)
+        # Counted over the program before XLA lowers it for this platform, its
+        # loops with their trip counts: the execution's cost over its steps.
+        # Only the report needs it, so it is counted when the report is read.
+        cost = functools.partial(accounting.step_cost, lowered, steps=compiled_steps)
+        return self._checked(compiled, batches, (memory,) * count, cost, loop, started)
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
-                 cost: accounting.StepCost, loop: loops.LoopChoice, started: float,
-                 dispatched: bool = False, half_precision: bool = False) -> _Executable:
-        """The executable, once each IPU's memory is checked; its report comes when read.
-
-        `half_precision`: the step's flops count at the 16-bit rate.
-        """
+                 cost: accounting.StepCost | Callable[[], accounting.StepCost],
+                 loop: loops.LoopChoice, started: float,
+                 dispatched: bool = False) -> _Executable:
+        """The executable, once each IPU's memory is checked; its report comes when read."""
         seconds = time.perf_counter() - started
         for ipu, use in zip(self.replicas.ipus, memory):
             if use.total_bytes > self.hardware.memory_capacity_bytes:
                 raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
                                           self.hardware.memory_capacity_bytes, self.mode)
-        report = functools.partial(self._report, batches, memory, cost, loop, seconds,
-                                   half_precision)
+        report = functools.partial(self._report, batches, memory, cost, loop, seconds)
         return _Executable(compiled, report, loop, dispatched)
 
     def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
-                cost: accounting.StepCost, loop: loops.LoopChoice,
-                seconds: float, half_precision: bool = False) -> ExecutionReport:
+                cost: accounting.StepCost | Callable[[], accounting.StepCost],
+                loop: loops.LoopChoice, seconds: float) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
+        cost = cost() if callable(cost) else cost
         count = self.replicas.count
-        # XLA counts a loop body once: one step's cost stands for each batch.
+        # The cost is one step's (one batch's): each batch of the execution costs it.
         steps = _leading(batches) * self.micro_batches_per_step
-        step_cycles = cost.cycles(self.hardware, half_precision) + all_reduce_cycles(
+        step_cycles = cost.cycles(self.hardware) + all_reduce_cycles(
             self.exchange_bytes_per_step, count, self.hardware
         )
         pipeline_report = None

@@ -202,7 +202,7 @@ def _auto(model, options: ConvertOptions, config: Mapping[str, Any], summary: di
 
 
 def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
-    """A layer's estimated cycles (XLA's cost analysis on the device model) and memory bytes."""
+    """A layer's estimated cycles (the device model's cost count) and memory bytes."""
     from keras_ipu.device import accounting
 
     specs = jax.tree_util.tree_map(

@@ -263,7 +263,11 @@ class DispatchedFit:
         pool = concurrent.futures.ThreadPoolExecutor(workers)
 
         def started(traced):
-            return pool.submit(traced.lower().compile), traced.out_info, traced.jaxpr
+            # Costed over the lowered program, as every execution is (the
+            # compiled one's cost analysis depends on the platform).
+            lowered = traced.lower()
+            return (pool.submit(lowered.compile), traced.out_info, traced.jaxpr,
+                    accounting.step_cost(lowered))
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
@@ -308,7 +312,8 @@ class DispatchedFit:
             return DispatchedExecutable(
                 run=_Runner(self, ops, bundle.shape).run,
                 memory=self._memory(each(memory), local, batch, last[1][2]),
-                cost=self._cost(ops),
+                cost=self._cost([op[3] for op in (*forward, *backward, last)],
+                                [op[3] for op in update]),
             )
 
         return executable
@@ -337,16 +342,11 @@ class DispatchedFit:
             ))
         return tuple(memory)
 
-    def _cost(self, ops: _Ops) -> accounting.StepCost:
-        """One micro-batch through every stage, and its share of the optimizer steps."""
-        parts = [(c, 1.0) for c in [*ops.forward, *ops.backward, ops.last]]
-        parts += [(c, 1.0 / self.micro) for c in ops.update]
-        costs = [(accounting.step_cost(c), w) for c, w in parts]
-        return accounting.StepCost(
-            flops=sum(c.flops * w for c, w in costs),
-            transcendentals=sum(c.transcendentals * w for c, w in costs),
-            bytes_accessed=sum(c.bytes_accessed * w for c, w in costs),
-        )
+    def _cost(self, stage_ops: list[accounting.StepCost],
+              updates: list[accounting.StepCost]) -> accounting.StepCost:
+        """One micro-batch through every stage op, and its share of the optimizer steps."""
+        return accounting.StepCost.total(
+            [(c, 1.0) for c in stage_ops] + [(c, 1.0 / self.micro) for c in updates])
 
 
 class _Runner:

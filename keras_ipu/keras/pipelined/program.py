@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import accounting, precision, schedules
+from keras_ipu.device import accounting, schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
@@ -182,7 +182,7 @@ def _plan_key(plan) -> tuple:
 
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
-    """`hardware -> (cycles per pass, PipelineReport)` from XLA's cost of each stage."""
+    """`hardware -> (cycles per pass, PipelineReport)` from the counted cost of each stage."""
     runner = pipelined_model.StageRunner(pipe, state)
     training = mode == "fit"
     recompute = _recomputation(options)
@@ -288,9 +288,8 @@ def _is_float(tree) -> bool:
 
 
 def _cycles(traced, hardware) -> float:
-    """A stage op's cycles: at the 16-bit rate when its matrix work is 16-bit."""
-    half = precision.is_half_precision(traced.jaxpr)
-    return accounting.step_cost(traced.lower()).work_cycles(hardware, half)
+    """A stage op's cycles (16-bit matrix work at the 16-bit rate, op by op)."""
+    return accounting.step_cost(traced.lower()).work_cycles(hardware)
 
 
 __all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]
