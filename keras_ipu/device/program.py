@@ -327,13 +327,16 @@ class ExecutionProgram:
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
         execution_io = accounting.tree_bytes((compiled_batches, compiled.out_info[1]))
+        # IPUs that share a device run batched in its program: each gets its share.
+        sharing = self.replicas.ipus_per_device
         memory = accounting.memory_use(
             compiled,
             state_bytes=accounting.tree_bytes(state) // count,
             io_bytes=execution_io // (compiled_steps * count),
+            ipus_per_device=sharing,
         )
         return self._checked(compiled, batches, (memory,) * count,
-                             accounting.step_cost(compiled), loop, started)
+                             accounting.step_cost(compiled).per_ipu(sharing), loop, started)
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
                  cost: accounting.StepCost, loop: loops.LoopChoice, started: float,

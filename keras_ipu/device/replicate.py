@@ -69,9 +69,9 @@ class Replicas:
         return self.grid.mesh
 
     @property
-    def per_device(self) -> int:
-        """Replicas on each device (1 unless IPUs share devices)."""
-        return self.grid.local[0]
+    def ipus_per_device(self) -> int:
+        """IPUs on each of their devices (1 unless IPUs share devices)."""
+        return self.count // len(set(self.devices))
 
     def sum(self, tree: Any) -> Any:
         """Sums over replicas (inside a replicated step); identity for one."""
@@ -88,7 +88,7 @@ class Replicas:
         if self.count == 1:
             return jax.device_put(tree, self.devices[0])
         sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
-        local = self.per_device
+        local = self.ipus_per_device
 
         def block(leaf):
             if local == 1:

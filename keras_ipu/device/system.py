@@ -122,7 +122,7 @@ class IPUSystem:
         for device in devices:
             ipus = [ipu.index for ipu in self.ipus if ipu.device == device]
             parts.append(f"IPU {ipus[0]} runs on {device}" if len(ipus) == 1 else
-                         f"IPUs {_ranges(ipus)} share {device}")
+                         f"IPUs {ipu_ranges(ipus)} share {device}")
         return f"{self.num_ipus} IPUs on {len(devices)} JAX devices: " + "; ".join(parts)
 
 
@@ -293,8 +293,14 @@ def selection_permutation(order: str, count: int) -> list[int]:
     return natural
 
 
-def _ranges(indices: Sequence[int]) -> str:
-    """`[0, 1, 2, 5]` -> `"0-2, 5"`."""
+def ipu_ranges(indices: Sequence[int]) -> str:
+    """IPU indices as ranges, for messages.
+
+    Example:
+
+    >>> ipu_ranges([0, 1, 2, 5])
+    '0-2, 5'
+    """
     runs: list[list[int]] = []
     for i in indices:
         if runs and i == runs[-1][-1] + 1:
