@@ -85,7 +85,7 @@ def test_ipus_share_the_devices_jax_already_started_with():
         {"JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "4 IPUs on 1 JAX devices: IPUs 0-3 share cpu:0"
+    assert result.stdout.strip() == "4 IPUs on 1 JAX device: IPUs 0-3 share cpu:0"
 
 
 def test_each_ipu_gets_its_own_device():

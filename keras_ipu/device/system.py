@@ -123,7 +123,8 @@ class IPUSystem:
             ipus = [ipu.index for ipu in self.ipus if ipu.device == device]
             parts.append(f"IPU {ipus[0]} runs on {device}" if len(ipus) == 1 else
                          f"IPUs {ipu_ranges(ipus)} share {device}")
-        return f"{self.num_ipus} IPUs on {len(devices)} JAX devices: " + "; ".join(parts)
+        plural = "s" if len(devices) > 1 else ""
+        return f"{self.num_ipus} IPUs on {len(devices)} JAX device{plural}: " + "; ".join(parts)
 
 
 _current: IPUSystem | None = None
