@@ -137,6 +137,18 @@ class StepCost:
             half_flops=sum(c.half_flops * w for c, w in parts),
         )
 
+    def per_ipu(self, ipus_per_device: int) -> StepCost:
+        """One IPU's share of a device program that runs `ipus_per_device` IPUs batched.
+
+        Example:
+
+        >>> StepCost(800.0, 0.0, 80.0).per_ipu(4).flops
+        200.0
+        """
+        return StepCost(self.flops / ipus_per_device, self.transcendentals / ipus_per_device,
+                        self.bytes_accessed / ipus_per_device,
+                        self.half_flops / ipus_per_device)
+
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of all array leaves of a pytree (arrays or shape structs)."""
@@ -148,7 +160,8 @@ def tree_bytes(tree: Any) -> int:
     )
 
 
-def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int) -> MemoryUse:
+def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int,
+               ipus_per_device: int = 1) -> MemoryUse:
     """The memory a compiled execution needs on one of its IPUs.
 
     Args:
@@ -156,13 +169,19 @@ def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int) -> MemoryUse:
             analysis of a replicated program is per device already.
         state_bytes: One IPU's state (its replica's weights, slots, metrics).
         io_bytes: One IPU's infeed and outfeed buffers for one batch.
+        ipus_per_device: IPUs that share each device, batched in one device
+            program: each is accounted an equal share of its temporaries
+            (its code, which each IPU would hold, is counted whole).
+
+    Returns:
+        The `MemoryUse` of one IPU.
     """
     analysis = compiled.memory_analysis()
     temporary = getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0
     code = getattr(analysis, "generated_code_size_in_bytes", 0) if analysis else 0
     return MemoryUse(
         state_bytes=int(state_bytes),
-        temporary_bytes=int(temporary),
+        temporary_bytes=int(temporary) // ipus_per_device,
         io_bytes=int(io_bytes),
         code_bytes=int(code),
     )

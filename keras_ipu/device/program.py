@@ -324,17 +324,23 @@ class ExecutionProgram:
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
         execution_io = accounting.tree_bytes((compiled_batches, compiled.out_info[1]))
+        # IPUs that share a device run batched in its program: each gets its share.
+        sharing = self.replicas.ipus_per_device
         memory = accounting.memory_use(
             compiled,
             state_bytes=accounting.tree_bytes(state) // count,
             io_bytes=execution_io // (compiled_steps * count),
+            ipus_per_device=sharing,
         )
         # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.jaxpr, self.device.platform)
         # Counted over the program before XLA lowers it for this platform, its
-        # loops with their trip counts: the execution's cost over its steps.
-        # Only the report needs it, so it is counted when the report is read.
-        cost = functools.partial(accounting.step_cost, lowered, steps=compiled_steps)
+        # loops with their trip counts: the execution's cost over its steps,
+        # each IPU's share where IPUs share a device. Only the report needs
+        # it, so it is counted when the report is read.
+        def cost():
+            return accounting.step_cost(lowered, steps=compiled_steps).per_ipu(sharing)
+
         return self._checked(compiled, batches, (memory,) * count, cost, loop, started)
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],

@@ -4,6 +4,10 @@ A replicated program's state carries a leading replica axis that is sharded
 over the replicas' IPUs, so each replica's weights live on its own IPU. An
 execution's batches carry the replica axis second (`[steps, replicas, ...]`):
 batch `i` of the input stream is step `i // R` of replica `i % R`.
+
+Replicas whose IPUs share a JAX device (more IPUs than devices, see
+`system.configure`) run batched on it: the program is the same, over an
+`IPUMesh` whose collectives span the devices and each device's replicas.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.device.system import VirtualIPU
 
 REPLICA_AXIS = "replica"
@@ -54,15 +59,25 @@ class Replicas:
         return [ipu.device for ipu in self.ipus]
 
     @functools.cached_property
+    def grid(self) -> IPUMesh:
+        """The replicas' IPUs as a one-axis (`"replica"`) grid, shared devices batched."""
+        return IPUMesh(np.array(self.devices, dtype=object), (REPLICA_AXIS,))
+
+    @property
     def mesh(self) -> Mesh:
-        """A one-axis mesh (`"replica"`) over the replicas' devices."""
-        return Mesh(np.array(self.devices), (REPLICA_AXIS,))
+        """A one-axis mesh (`"replica"`) over the replicas' distinct devices."""
+        return self.grid.mesh
+
+    @property
+    def ipus_per_device(self) -> int:
+        """IPUs on each of their devices (1 unless IPUs share devices)."""
+        return self.count // len(set(self.devices))
 
     def sum(self, tree: Any) -> Any:
         """Sums over replicas (inside a replicated step); identity for one."""
         if self.count == 1:
             return tree
-        return jax.lax.psum(tree, REPLICA_AXIS)
+        return self.grid.psum(tree, REPLICA_AXIS)
 
     def replicate(self, tree: Any) -> Any:
         """One copy of every leaf per replica, on the replica's device.
@@ -73,9 +88,15 @@ class Replicas:
         if self.count == 1:
             return jax.device_put(tree, self.devices[0])
         sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
+        local = self.ipus_per_device
+
+        def block(leaf):
+            if local == 1:
+                return leaf[None]
+            return np.broadcast_to(np.asarray(leaf)[None], (local, *np.shape(leaf)))
 
         def copies(leaf):
-            shards = [jax.device_put(leaf[None], device) for device in self.devices]
+            shards = [jax.device_put(block(leaf), device) for device in self.mesh.devices.flat]
             return jax.make_array_from_single_device_arrays(
                 (self.count, *leaf.shape), sharding, shards
             )
@@ -134,7 +155,7 @@ class Replicas:
         """Inside `map`: this replica's index (0 with one replica)."""
         if self.count == 1:
             return 0
-        return jax.lax.axis_index(REPLICA_AXIS)
+        return self.grid.axis_index(REPLICA_AXIS)
 
     def map(self, per_replica: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
         """Runs `per_replica(state, batches)` on every replica (SPMD).
@@ -155,21 +176,20 @@ class Replicas:
                 jax.tree_util.tree_map(lambda a: a[:, None], outfeed),
             )
 
-        # check_vma is off: collectives appear only on gradients after
-        # differentiation, never inside a differentiated function.
-        return jax.shard_map(
+        return self.grid.map(
             body,
-            mesh=self.mesh,
             in_specs=(P(REPLICA_AXIS), P(None, REPLICA_AXIS)),
             out_specs=(P(REPLICA_AXIS), P(None, REPLICA_AXIS)),
-            check_vma=False,
         )
 
 
 def _shard_of(leaf: jax.Array, replica: int) -> jax.Array:
+    """Replica `replica`'s block `[1, ...]` of a replicated leaf."""
     for shard in leaf.addressable_shards:
-        if shard.index[0].start == replica:
-            return shard.data
+        start = shard.index[0].start or 0
+        if start <= replica < start + shard.data.shape[0]:
+            data = shard.data
+            return data if data.shape[0] == 1 else data[replica - start : replica - start + 1]
     raise ValueError(f"Replica {replica} has no shard on this host.")
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import html
 from typing import Any
 
+from keras_ipu.device.system import ipu_ranges
+
 
 @dataclasses.dataclass(frozen=True)
 class IPUReport:
@@ -134,6 +136,24 @@ class ExecutionReport:
     loop_reason: str = ""
 
     @property
+    def shared_devices(self) -> dict[str, tuple[int, ...]]:
+        """The IPUs of each JAX device that runs several of them (empty when none share).
+
+        IPUs that share a device run batched in one program there; each is
+        still accounted on its own (an equal share of the device program's
+        temporaries and work).
+
+        Example:
+
+        >>> report.shared_devices   # 8 IPUs on 2 CPU devices
+        {'cpu:0': (0, 1, 2, 3), 'cpu:1': (4, 5, 6, 7)}
+        """
+        by_device: dict[str, tuple[int, ...]] = {}
+        for ipu in self.ipus:
+            by_device[ipu.device] = (*by_device.get(ipu.device, ()), ipu.index)
+        return {device: ipus for device, ipus in by_device.items() if len(ipus) > 1}
+
+    @property
     def estimated_cycles(self) -> int:
         """Cycles of one execution: the slowest IPU's."""
         return max(ipu.estimated_cycles for ipu in self.ipus)
@@ -157,6 +177,7 @@ class ExecutionReport:
             "estimated_cycles": self.estimated_cycles,
             "estimated_seconds": self.estimated_seconds,
             "ipus": [dataclasses.asdict(ipu) for ipu in self.ipus],
+            "shared_devices": {d: list(ipus) for d, ipus in self.shared_devices.items()},
         }
 
     def _header(self) -> str:
@@ -172,8 +193,16 @@ class ExecutionReport:
             f"Estimated {self.estimated_seconds * 1e3:.3f} ms per execution "
             f"({self.estimated_steps_per_second:,.0f} steps/s); "
             f"{self.flops_per_step:,.0f} flops per step; compiled in "
-            f"{self.compile_seconds:.2f} s."
+            f"{self.compile_seconds:.2f} s." + self._sharing()
         )
+
+    def _sharing(self) -> str:
+        shared = self.shared_devices
+        if not shared:
+            return ""
+        return (" Shared JAX devices (each IPU accounted on its own): "
+                + "; ".join(f"IPUs {ipu_ranges(ipus)} share {device}"
+                            for device, ipus in shared.items()) + ".")
 
     def _rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         columns = ("IPU", "device", "memory", "capacity", "used", "state", "temporary",

@@ -8,6 +8,7 @@ TensorFlow API configures a process-wide system with
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import types
@@ -24,6 +25,8 @@ from keras_ipu.device.hardware import IPUHardware
 DEFAULT_CPU_DEVICES = 8
 
 _SELECTION_ORDERS = ("AUTO", "ZIGZAG", "SNAKE", "HOOF")
+
+_LOG = logging.getLogger("keras_ipu.device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,39 @@ class IPUSystem:
         """One runtime option, or `default` when it was not given."""
         return self.options.get(name, default)
 
+    @property
+    def shared_devices(self) -> dict[jax.Device, tuple[int, ...]]:
+        """The IPUs of each JAX device that runs more than one IPU (empty when none share).
+
+        Example:
+
+        >>> configure((8,), hardware_for("ipu2")).shared_devices   # JAX has 2 devices
+        {CpuDevice(id=0): (0, 1, 2, 3), CpuDevice(id=1): (4, 5, 6, 7)}
+        """
+        by_device: dict[jax.Device, tuple[int, ...]] = {}
+        for ipu in self.ipus:
+            by_device[ipu.device] = (*by_device.get(ipu.device, ()), ipu.index)
+        return {device: ipus for device, ipus in by_device.items() if len(ipus) > 1}
+
+    def describe(self) -> str:
+        """One line per JAX device: the IPUs it runs.
+
+        Example:
+
+        >>> print(configure((4,), hardware_for("ipu2")).describe())  # JAX has 2 devices
+        4 IPUs on 2 JAX devices: IPUs 0-1 share TFRT_CPU_0; IPUs 2-3 share TFRT_CPU_1
+        """
+        devices = list(dict.fromkeys(ipu.device for ipu in self.ipus))
+        if len(devices) == self.num_ipus:
+            return f"{self.num_ipus} IPU(s), each on its own JAX device"
+        parts = []
+        for device in devices:
+            ipus = [ipu.index for ipu in self.ipus if ipu.device == device]
+            parts.append(f"IPU {ipus[0]} runs on {device}" if len(ipus) == 1 else
+                         f"IPUs {ipu_ranges(ipus)} share {device}")
+        plural = "s" if len(devices) > 1 else ""
+        return f"{self.num_ipus} IPUs on {len(devices)} JAX device{plural}: " + "; ".join(parts)
+
 
 _current: IPUSystem | None = None
 
@@ -103,9 +139,15 @@ def configure(
 ) -> IPUSystem:
     """Configures the process's IPU system, replacing any earlier one.
 
-    Each virtual IPU gets one accelerator when enough exist, otherwise one
-    CPU device. When JAX has not started its backends yet, the package asks
-    it for enough CPU devices itself; no environment variable is needed.
+    The IPUs run on the accelerators when JAX has any, otherwise on CPU
+    devices; when JAX has not started its backends yet, the package asks it
+    for enough CPU devices itself (no environment variable is needed). Each
+    IPU gets its own device when enough exist. Otherwise (one GPU; JAX
+    already started with fewer CPU devices; more IPUs than that) the IPUs
+    share devices in contiguous blocks of equal size, as many devices as
+    divide the IPU count: replicas that share a device run batched, pipeline
+    stages that share a device run there, and the execution report still
+    accounts each IPU. The selection order then orders the blocks.
 
     Args:
         device_sizes: IPUs per logical device, e.g. `(1,)` or `(2, 2)`.
@@ -119,7 +161,6 @@ def configure(
     Raises:
         ValueError: For empty or non-positive `device_sizes` or an unknown
             selection order.
-        RuntimeError: When JAX already started with too few devices.
 
     Example:
 
@@ -141,8 +182,9 @@ def configure(
         )
     num_ipus = sum(sizes)
     devices = jax_devices_for(num_ipus)
-    order = selection_permutation(selection_order, num_ipus)
-    ipus = tuple(VirtualIPU(i, devices[order[i]]) for i in range(num_ipus))
+    block = num_ipus // len(devices)
+    order = selection_permutation(selection_order, len(devices))
+    ipus = tuple(VirtualIPU(i, devices[order[i // block]]) for i in range(num_ipus))
     _current = IPUSystem(
         ipus=ipus,
         device_sizes=sizes,
@@ -150,6 +192,8 @@ def configure(
         selection_order=selection_order,
         options=types.MappingProxyType(dict(options or {})),
     )
+    if block > 1:
+        _LOG.info("%s", _current.describe())
     return _current
 
 
@@ -182,27 +226,29 @@ def require() -> IPUSystem:
 
 
 def jax_devices_for(num_ipus: int) -> list[jax.Device]:
-    """JAX devices for `num_ipus` virtual IPUs: accelerators, else CPUs.
+    """The distinct JAX devices `num_ipus` virtual IPUs run on.
 
-    Raises:
-        RuntimeError: When JAX already started with fewer devices, naming
-            what to do instead.
+    Accelerators when JAX has any (all IPUs on one GPU rather than on CPU
+    devices), else CPU devices: one per IPU when enough exist, otherwise the
+    most devices that divide `num_ipus`, so that each runs an equal,
+    contiguous block of IPUs.
+
+    Args:
+        num_ipus: The number of IPUs to place.
+
+    Returns:
+        The devices, `num_ipus // len(devices)` IPUs each.
+
+    Example:
+
+    >>> len(jax_devices_for(8))   # JAX started with 3 CPU devices
+    2
     """
     _request_cpu_devices(max(num_ipus, DEFAULT_CPU_DEVICES))
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
-    if len(accelerators) >= num_ipus:
-        return accelerators
-    cpus = jax.devices("cpu")
-    if len(cpus) < num_ipus:
-        raise RuntimeError(
-            f"{num_ipus} IPUs need {num_ipus} JAX devices, but JAX already "
-            f"started with {len(cpus)} CPU device(s) and "
-            f"{len(accelerators)} accelerator(s). Configure the IPU system "
-            f"before any JAX computation runs (before creating Keras models "
-            f"or arrays), or start Python with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_ipus}."
-        )
-    return cpus
+    pool = accelerators or jax.devices("cpu")
+    count = max(n for n in range(1, min(num_ipus, len(pool)) + 1) if num_ipus % n == 0)
+    return pool[:count]
 
 
 def _request_cpu_devices(count: int) -> None:
@@ -246,6 +292,23 @@ def selection_permutation(order: str, count: int) -> list[int]:
     if order == "HOOF":
         return natural[0::2] + natural[1::2][::-1]
     return natural
+
+
+def ipu_ranges(indices: Sequence[int]) -> str:
+    """IPU indices as ranges, for messages.
+
+    Example:
+
+    >>> ipu_ranges([0, 1, 2, 5])
+    '0-2, 5'
+    """
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def _device_index(device: int | str, names: Sequence[str]) -> int:

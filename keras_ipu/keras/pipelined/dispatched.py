@@ -455,19 +455,31 @@ class _Update:
 
 
 def _split(flats: dict, ipus: int) -> list[dict]:
-    """Per IPU, its slot `[1, 1, length]` of each packed array (no copies)."""
+    """Per IPU, its slot `[1, 1, length]` of each packed array.
+
+    No copies when each IPU has its own device; IPUs that share a device
+    hold their slots in one shard, which is sliced.
+    """
     per_ipu: list[dict] = [{} for _ in range(ipus)]
     for dtype, array in flats.items():
         for shard in array.addressable_shards:
-            per_ipu[shard.index[1].start][dtype] = shard.data
+            start, block = shard.index[1].start or 0, shard.data
+            for k in range(block.shape[1]):
+                per_ipu[start + k][dtype] = block if block.shape[1] == 1 else block[:, k:k + 1]
     return per_ipu
 
 
 def _joined(like: dict, per_ipu: list[dict]) -> dict:
-    """The packed arrays again, from each IPU's slot (no copies)."""
-    return {dtype: jax.make_array_from_single_device_arrays(
-                array.shape, array.sharding, [slots[dtype] for slots in per_ipu])
-            for dtype, array in like.items()}
+    """The packed arrays again, from each IPU's slot (IPUs sharing a device: concatenated)."""
+    joined = {}
+    for dtype, array in like.items():
+        width = array.sharding.shard_shape(array.shape)[1]
+        blocks = [[slots[dtype] for slots in per_ipu[i:i + width]]
+                  for i in range(0, len(per_ipu), width)]
+        joined[dtype] = jax.make_array_from_single_device_arrays(
+            array.shape, array.sharding,
+            [b[0] if width == 1 else jnp.concatenate(b, axis=1) for b in blocks])
+    return joined
 
 
 __all__ = ["DispatchedFit"]

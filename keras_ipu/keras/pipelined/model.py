@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_ipu.device import schedules
+from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -229,10 +229,10 @@ class PipelineState:
     sharded over `("replica", "ipu")`: each IPU holds only its own slot.
     """
 
-    def __init__(self, pipelined: PipelinedModel, mesh: Mesh, parts: Sequence[str]):
+    def __init__(self, pipelined: PipelinedModel, mesh: IPUMesh, parts: Sequence[str]):
         self.pipelined, self.mesh, self.parts = pipelined, mesh, tuple(parts)
         self.replicas, self.ipus = mesh.devices.shape
-        self.sharding = NamedSharding(mesh, P(REPLICA_AXIS, IPU_AXIS))
+        self.sharding = mesh.sharding(P(REPLICA_AXIS, IPU_AXIS))
         self.layouts: dict[str, list[FlatLayout]] = {}
         self.lengths: dict[str, dict[str, int]] = {}
 
@@ -498,7 +498,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
     def per_replica(packed, batches):
         local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
         data = jax.tree_util.tree_map(lambda a: a[0, 0], batches)
-        me = jax.lax.axis_index(IPU_AXIS)
+        me = state.mesh.axis_index(IPU_AXIS)
         trainable = local["trainable_variables"]
         non_trainable = local["non_trainable_variables"]
         metrics = local.get("metrics_variables", {})
@@ -535,7 +535,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
             kind, s, j = kinds[me], stage_of[me], micro_of[me]
             c, message = jax.lax.switch(jnp.where(kind == FORWARD, 1 + s, 0), branches, c, j)
             non_trainable, metrics, fwd, outputs = c
-            messages = jax.lax.all_gather(message, IPU_AXIS)
+            messages = state.mesh.all_gather(message, IPU_AXIS)
             for i in range(p.num_ipus):
                 fwd = _receive(fwd, messages[i], kinds[i] == FORWARD, stage_of[i] + 1,
                                micro_of[i], mapping, me, stages)
@@ -543,7 +543,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
 
         (non_trainable, metrics, _, outputs), _ = jax.lax.scan(
             tick, (non_trainable, metrics, fwd, outputs), ticks)
-        outputs = jax.lax.psum(
+        outputs = state.mesh.psum(
             jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), outputs),
             IPU_AXIS)
         new = {"trainable_variables": trainable, "non_trainable_variables": non_trainable}
@@ -552,24 +552,25 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         new = {part: jax.tree_util.tree_map(lambda a: a[None, None], new[part]) for part in parts}
         return new, jax.tree_util.tree_map(lambda a: a[None, None], outputs)
 
-    return jax.shard_map(
+    return state.mesh.map(
         per_replica,
-        mesh=state.mesh,
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
-        check_vma=False,
     )
 
 
 # --------------------------------------------------------------------------- runtime glue
 
 
-def pipeline_mesh(ipus: Sequence[Any], ipus_per_replica: int, used_per_replica: int) -> Mesh:
-    """A `("replica", "ipu")` mesh: replica r uses IPUs `r·k .. r·k + used - 1`."""
+def pipeline_mesh(ipus: Sequence[Any], ipus_per_replica: int, used_per_replica: int) -> IPUMesh:
+    """A `("replica", "ipu")` grid: replica r uses IPUs `r·k .. r·k + used - 1`.
+
+    IPUs that share a JAX device run batched on it (see `device.mesh`).
+    """
     replicas = len(ipus) // ipus_per_replica
     rows = [[ipus[r * ipus_per_replica + i].device for i in range(used_per_replica)]
             for r in range(replicas)]
-    return Mesh(np.array(rows), (REPLICA_AXIS, IPU_AXIS))
+    return IPUMesh(np.array(rows, dtype=object), (REPLICA_AXIS, IPU_AXIS))
 
 
 class PipelineCodec:
@@ -577,7 +578,7 @@ class PipelineCodec:
 
     def __init__(self, state: PipelineState):
         self.state = state
-        self.batch_sharding = NamedSharding(state.mesh, P(None, REPLICA_AXIS))
+        self.batch_sharding = state.mesh.sharding(P(None, REPLICA_AXIS))
 
     def to_device(self, keras_state):
         return self.state.to_device(keras_state)

@@ -404,7 +404,7 @@ class _FitProgram:
             f, weights, _, _ = ops.stage(self.last, *args)
             return f(weights, bundle)[1][1]
 
-        return _ShapeTrace(jax.lax.axis_index(IPU_AXIS), bundle.shape, layouts,
+        return _ShapeTrace(self.state.mesh.axis_index(IPU_AXIS), bundle.shape, layouts,
                       padded_lengths(layouts) if layouts else {},
                       jax.eval_shape(last_stage_logs))
 
@@ -432,16 +432,16 @@ class _FitProgram:
                             self.plan.scanned())
         non_trainable, metrics, acc, inbox, logs, stash = c
         if self.state.replicas > 1:
-            acc = jax.lax.psum(acc, REPLICA_AXIS)
+            acc = self.state.mesh.psum(acc, REPLICA_AXIS)
         if p.loss_scaled:
-            finite = jax.lax.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
+            finite = self.state.mesh.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
             acc = skipped_unless(finite, acc)
         trainable, optimizer_vars = jax.lax.switch(
             me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
             trainable, optimizer_vars, acc)
         # Only the last stage's IPU has the logs; the others hold zeros.
-        logs = jax.lax.psum(
+        logs = self.state.mesh.psum(
             jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
             IPU_AXIS)
         return (trainable, non_trainable, optimizer_vars, metrics, stash, inbox), logs
@@ -523,7 +523,7 @@ class _FitProgram:
                 lambda b, v, kind=kind, s=s, j=j, q=q: b.at[j].set(
                     jnp.where((kind == FORWARD) & (s == self.last), v[q], b[j])),
                 logs, step_logs)
-        gathered = jax.lax.all_gather(messages, IPU_AXIS)
+        gathered = self.state.mesh.all_gather(messages, IPU_AXIS)
         for sender, q, row in routes[me]:
             inbox = inbox.at[row].set(gathered[sender, q])
         return (non_trainable, metrics, acc, inbox, logs, stash), None
@@ -549,12 +549,10 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         ...]`; logs come back per micro-batch, `[updates, replicas,
         micro_batches]`.
     """
-    return jax.shard_map(
+    return state.mesh.map(
         _FitProgram(pipelined, state, table, reduction, accumulator_dtype, recompute),
-        mesh=state.mesh,
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
-        check_vma=False,
     )
 
 

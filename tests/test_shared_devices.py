@@ -1,0 +1,116 @@
+"""More IPUs than JAX devices: IPUs share devices, replicas batched, each IPU accounted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import shared_devices_job as job
+from jax.sharding import PartitionSpec as P
+
+from keras_ipu.device import hardware, system
+from keras_ipu.device.mesh import IPUMesh
+from keras_ipu.device.replicate import Replicas
+
+from conftest import fresh_process_env
+
+
+def test_more_ipus_than_devices_share_them_in_contiguous_blocks():
+    devices = jax.devices()  # the suite's 8 CPU devices
+    configured = system.configure((16,), hardware.hardware_for("ipu2"))
+    assert [ipu.device for ipu in configured.ipus] == [d for d in devices for _ in range(2)]
+    assert configured.shared_devices[devices[1]] == (2, 3)
+    assert configured.describe().startswith("16 IPUs on 8 JAX devices: IPUs 0-1 share cpu:0;")
+    # 12 IPUs: the most devices that divide them (6), 2 IPUs each.
+    configured = system.configure((12,), hardware.hardware_for("ipu2"))
+    assert [ipu.device for ipu in configured.ipus] == [d for d in devices[:6] for _ in range(2)]
+    # A selection order orders the blocks.
+    configured = system.configure((32,), hardware.hardware_for("ipu2"), selection_order="SNAKE")
+    order = system.selection_permutation("SNAKE", 8)
+    assert [ipu.device for ipu in configured.ipus] == [devices[order[i // 4]] for i in range(32)]
+    assert system.configure((4,), hardware.hardware_for("ipu2")).shared_devices == {}
+
+
+def test_batched_replicas_have_the_collectives_of_separate_devices():
+    d = jax.devices()
+
+    def run(devices):
+        replicas = Replicas(tuple(system.VirtualIPU(i, dev) for i, dev in enumerate(devices)))
+        state = replicas.replicate({"w": np.arange(3.0, dtype=np.float32)})
+
+        def step(state, batches):
+            index = replicas.index()
+            grads = replicas.sum(batches[0] * (index + 1))
+            return {"w": state["w"] + grads.sum() + index}, batches * index
+
+        new, out = jax.jit(replicas.map(step))(state, np.ones((2, 4, 3), np.float32))
+        return replicas, np.asarray(new["w"]), np.asarray(out)
+
+    separate = run(d[:4])
+    shared = run([d[0], d[0], d[1], d[1]])
+    assert shared[0].ipus_per_device == 2 and shared[0].mesh.devices.shape == (2,)
+    np.testing.assert_array_equal(separate[1], shared[1])
+    np.testing.assert_array_equal(separate[2], shared[2])
+    replicas = shared[0]
+    slices = replicas.replica_slices(replicas.replicate({"x": np.ones(2, np.float32)}))
+    assert [s["x"].devices() for s in slices] == [{d[0]}, {d[0]}, {d[1]}, {d[1]}]
+
+
+def test_ipus_sharing_devices_must_tile_the_grid():
+    d = jax.devices()
+    IPUMesh(np.array([[d[0], d[0]], [d[1], d[1]]], dtype=object), ("replica", "ipu"))
+    with pytest.raises(ValueError, match="contiguous blocks.*'replica': 1, 'ipu': 3"):
+        IPUMesh(np.array([[d[0], d[0], d[1]]], dtype=object), ("replica", "ipu"))
+    mesh = IPUMesh(np.array([d[0]] * 2 + [d[1]] * 2, dtype=object), ("replica",))
+    gathered = jax.jit(mesh.map(lambda x: mesh.all_gather(x, "replica")[None, :, 0, 0],
+                                (P("replica"),), P("replica")))(np.arange(4.0)[:, None])
+    np.testing.assert_array_equal(np.asarray(gathered), np.tile(np.arange(4.0), (4, 1)))
+
+
+@pytest.fixture(scope="module")
+def two_device_run(tmp_path_factory):
+    """The jobs of `shared_devices_job` in a process whose JAX has 2 CPU devices."""
+    folder = tmp_path_factory.mktemp("shared")
+    weights, reports = folder / "weights.npz", folder / "reports.json"
+    script = Path(job.__file__)
+    result = subprocess.run([sys.executable, str(script), str(weights), str(reports)],
+                            env=fresh_process_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    return dict(np.load(weights)), json.loads(reports.read_text())
+
+
+def _weights(arrays: dict, name: str) -> list[np.ndarray]:
+    return [arrays[f"{name}_{i}"] for i in range(len([k for k in arrays
+                                                       if k.startswith(f"{name}_")]))]
+
+
+def test_eight_replicas_on_two_devices_train_as_on_eight(two_device_run, strategy):
+    arrays, reports = two_device_run
+    on_two = _weights(arrays, "replicated")
+    on_eight, report = job.replicated()  # this process: 8 devices
+    assert {r.device for r in report.ipus} == {str(d) for d in jax.devices()}
+    for a, b in zip(on_two, on_eight):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(on_two, _weights(arrays, "plain_replicated")):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    ipus = reports["replicated"]["ipus"]
+    assert ipus == [[i, "cpu:0" if i < 4 else "cpu:1"] for i in range(8)]
+    text = reports["replicated"]["text"]
+    assert "IPUs 0-3 share cpu:0; IPUs 4-7 share cpu:1" in text
+    assert "IPUs 0-3 share cpu:0" in reports["replicated"]["html"]
+    assert reports["system"] == (
+        "8 IPUs on 2 JAX devices: IPUs 0-3 share cpu:0; IPUs 4-7 share cpu:1")
+
+
+def test_four_stages_times_two_replicas_on_two_devices_equal_the_big_batch(two_device_run):
+    arrays, reports = two_device_run
+    for a, b in zip(_weights(arrays, "pipelined"), _weights(arrays, "plain_pipelined")):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert reports["pipelined"]["ipus"] == [[i, "cpu:0" if i < 4 else "cpu:1"] for i in range(8)]
+    assert "IPUs 0-3 share cpu:0; IPUs 4-7 share cpu:1" in reports["pipelined"]["text"]
