@@ -55,6 +55,17 @@ def subclassed(features: int = 6, norm: bool = True) -> keras.Model:
     return model
 
 
+def four_layer_mlp() -> keras.Model:
+    """6 features -> three Dense(8) (relu, tanh, relu) -> Dense(3): one layer per stage of 4."""
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+
+
 def two_stage_mlp() -> keras.Model:
     """Dense(8, relu) then Dense(3), one layer per pipeline stage (create it in a scope)."""
     model = keras.Sequential([

@@ -27,15 +27,9 @@ def data():
 
 
 def mlp():
-    import keras
+    import models  # imports Keras: only once JAX is set up
 
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(8, activation="tanh"),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(3),
-    ])
+    return models.four_layer_mlp()
 
 
 def initial_weights(model) -> list[np.ndarray]:

@@ -9,6 +9,7 @@ import pytest
 import keras_ipu as ipu
 from keras_ipu.keras import context
 
+import models
 from conftest import assert_trees_close, assert_weights_close, configure
 from models import compile_args, data_for, pair
 
@@ -16,14 +17,7 @@ SCHEDULES = list(ipu.pipelining_ops.PipelineSchedule)
 MICRO, GA = 4, 4  # plain Keras: batch 16
 
 
-def _mlp():
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(8, activation="tanh"),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(3),
-    ])
+_mlp = models.four_layer_mlp
 
 
 class FourStages(keras.Model):
