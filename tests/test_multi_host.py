@@ -1,0 +1,77 @@
+"""Multi-host training: the launcher, the distributed helpers, fit across instances.
+
+Each job runs as `keras-ipu run --num-instances 2` in fresh processes (CPU,
+gloo collectives); every subprocess has a timeout so nothing hangs the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from keras_ipu import cli
+from keras_ipu.distributed import launcher, runtime
+
+from conftest import ROOT, fresh_process_env
+
+JOBS = ROOT / "tests" / "multi_host"
+TIMEOUT = 240
+
+
+def launch(*args: str, timeout: int = TIMEOUT, env: dict | None = None):
+    """Runs `python -m keras_ipu run ARGS` as a user would; returns the completed process."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_ipu", "run", *args],
+        env={**fresh_process_env(), **(env or {})}, cwd=JOBS, capture_output=True,
+        text=True, timeout=timeout,
+    )
+
+
+def lines_of(output: str, index: int) -> str:
+    """Instance `index`'s output, joined (gloo's C++ prints may share a line with Python's)."""
+    prefix = f"[{index}] "
+    return "\n".join(line[len(prefix):] for line in output.splitlines()
+                     if line.startswith(prefix))
+
+
+def test_instance_environment_and_launcher_environment_agree():
+    env = launcher.instance_environment(1, 2, "127.0.0.1:1234", 4, 2, base={})
+    assert runtime.launcher_environment(env) == {
+        "coordinator": "127.0.0.1:1234", "num_instances": 2, "instance_index": 1}
+    assert env[runtime.NUM_REPLICAS_ENV] == "4" and env[runtime.IPUS_PER_REPLICA_ENV] == "2"
+    assert runtime.launcher_environment({}) is None
+    with pytest.raises(ValueError, match="KERAS_IPU_INSTANCE_INDEX=2"):
+        runtime.launcher_environment({**env, runtime.INSTANCE_INDEX_ENV: "2"})
+
+
+def test_cli_run_dispatches_on_num_instances(capsys):
+    assert cli._launches(["--num-instances", "2", "train.py"])
+    assert cli._launches(["--num-instances=2", "--", "train.py"])
+    assert not cli._launches(["--dir", "export", "--inputs", "x.npy"])
+    assert not cli._launches(["--", "train.py", "--num-instances", "2"])
+    assert cli.main(["run", "--num-instances", "2", "--num-replicas", "3", "x.py"]) == 2
+    assert "multiple of --num-instances" in capsys.readouterr().err
+
+
+def test_helpers_across_two_instances():
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "helpers_job.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (0, 1):
+        out = lines_of(done.stdout, index)
+        assert f"index {index} of 2 global 4" in out
+        assert "sum 3.0" in out
+        assert "mean [0.5 1. ]" in out
+        assert "gather [0, 1, 1]" in out
+        assert "bcast 5.0 6.0" in out
+
+
+def test_a_dead_instance_stops_the_job_and_is_named():
+    done = launch("--num-instances", "2", "failing_job.py", timeout=120,
+                  env={runtime.HEARTBEAT_ENV: "3"})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "keras-ipu run: instance 1 failed: it exited with status 3" in done.stderr
+    assert "dying" in lines_of(done.stdout, 1)
+    # Instance 0 never finishes its second collective: the runtime stops it.
+    assert "unreachable" not in lines_of(done.stdout, 0)
