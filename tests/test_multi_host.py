@@ -9,12 +9,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+import keras_ipu as ipu
 from keras_ipu import cli
 from keras_ipu.distributed import launcher, runtime
 
-from conftest import ROOT, fresh_process_env
+from conftest import ROOT, configure, fresh_process_env
 
 JOBS = ROOT / "tests" / "multi_host"
 TIMEOUT = 240
@@ -75,3 +77,37 @@ def test_a_dead_instance_stops_the_job_and_is_named():
     assert "dying" in lines_of(done.stdout, 1)
     # Instance 0 never finishes its second collective: the runtime stops it.
     assert "unreachable" not in lines_of(done.stdout, 0)
+
+
+def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
+    from multi_host import fit_cases
+
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
+                  str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
+
+    configure(4)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    x, y = fit_cases.data()
+    for name, kind, accumulation in fit_cases.CASES:
+        expected = fit_cases.run_case(strategy, kind, accumulation, x, y,
+                                      evaluate=name == "sequential")
+        for key, value in expected.items():
+            if key == "predict":
+                # Each instance predicts its own data, in its own order.
+                for index, results in enumerate(instances):
+                    mine = fit_cases.instance_data(index)[0]
+                    np.testing.assert_allclose(
+                        results[f"{name}/predict"], keras_predict(strategy, value, x, mine),
+                        rtol=1e-5, atol=1e-6)
+                continue
+            for index, results in enumerate(instances):
+                np.testing.assert_allclose(results[f"{name}/{key}"], value, rtol=1e-5,
+                                           atol=1e-6, err_msg=f"instance {index}: {name}/{key}")
+
+
+def keras_predict(strategy, predictions, x, mine):
+    """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
+    rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}
+    return np.stack([rows[sample.tobytes()] for sample in mine])
