@@ -111,3 +111,17 @@ def keras_predict(strategy, predictions, x, mine):
     """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
     rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}
     return np.stack([rows[sample.tobytes()] for sample in mine])
+
+
+def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path):
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "save_job.py",
+                  str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    every_epoch = "seen [['ckpt_1.weights.h5'], ['ckpt_1.weights.h5', 'ckpt_2.weights.h5']]"
+    for index, writes in ((0, 2), (1, 0)):
+        out = lines_of(done.stdout, index)
+        assert every_epoch in out  # the file exists in every instance once its epoch ends
+        assert f"written {writes}" in out  # instance 0 alone writes, once per epoch
+        assert "reloaded True True" in out  # ckpt and model.keras load the final weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
