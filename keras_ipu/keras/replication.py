@@ -47,6 +47,19 @@ def replicas_for(model: Any, ipus_per_replica: int = 1) -> Replicas:
     return Replicas(processes.global_ipus(tuple(ipus[i * per_replica] for i in range(count))))
 
 
+def local_predictions(replicas: Replicas, outfeed: Any) -> Any:
+    """This instance's predictions in its input order, from `[steps, replicas, batch, ...]`.
+
+    Example:
+
+    >>> local_predictions(replicas, outfeed)["dense"].shape   # 2 steps, 2 local replicas of 4
+    (16, 3)
+    """
+    first, last = replicas.local_replicas[0], replicas.local_replicas[-1]
+    return jax.tree_util.tree_map(
+        lambda a: np.asarray(a)[:, first : last + 1].reshape(-1, *a.shape[3:]), outfeed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How an execution's data and outfeed are arranged for its program.

@@ -221,7 +221,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     collect = outputs.append
     if replicas.spans_processes and placement.plan is None:
         def collect(outfeed):
-            outputs.append(local_predictions(replicas, outfeed))
+            outputs.append(replication.local_predictions(replicas, outfeed))
     try:
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
@@ -502,19 +502,6 @@ def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas
     return lambda outfeed: layout.last_logs(outfeed, reduction)
 
 
-def local_predictions(replicas: Replicas, outfeed: Any) -> Any:
-    """This instance's predictions in its input order, from `[steps, replicas, batch, ...]`.
-
-    Example:
-
-    >>> local_predictions(replicas, outfeed)["dense"].shape   # 2 steps, 2 local replicas of 4
-    (16, 3)
-    """
-    first, last = replicas.local_replicas[0], replicas.local_replicas[-1]
-    return jax.tree_util.tree_map(
-        lambda a: np.asarray(a)[:, first : last + 1].reshape(-1, *a.shape[3:]), outfeed)
-
-
 def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
     if mode == "evaluate":
         return steps.test_step(model)
@@ -616,6 +603,16 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
         return Placement(replication.replicas_for(model))
     mapping = pipelined.device_mapping(plan, options)
     replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
+    if replicas.spans_processes:
+        # The pipelined executor builds its stage mesh from this process's
+        # IPUs; spanning instances needs its state and batches placed
+        # globally, which it does not do yet.
+        raise NotImplementedError(
+            f"Pipelined models do not train across instances yet: the model "
+            f"{model.name} has {plan.num_stages} pipeline stages and this job "
+            f"{jax.process_count()} instances. Train the pipelined model in one instance, "
+            f"or remove the stage assignment to replicate it over all instances."
+        )
     return Placement(replicas, plan, mapping)
 
 
