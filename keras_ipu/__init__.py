@@ -55,8 +55,11 @@ _select_jax_backend()
 _SUBMODULES = (
     "config",
     "device",
+    "distributed",
     "errors",
     "gradient_accumulation",
+    "horovod",
+    "ipu_multi_worker_strategy",
     "ipu_strategy",
     "keras",
     "ops",

@@ -16,7 +16,8 @@ _COMMANDS = {
 _HELP = {
     "demo": "train a model on virtual IPUs and print its report",
     "show": "show an export's signatures and metadata",
-    "run": "run one batch through an export",
+    "run": "run one batch through an export; with --num-instances N, start N instances "
+           "of a training script",
     "serve": "serve an export with TensorFlow Serving's REST API",
     "convert": "turn a saved Keras model into an export (pipeline: manual, load or auto)",
 }
@@ -45,7 +46,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     module, function = _COMMANDS[argv[0]]
+    if argv[0] == "run" and _launches(argv[1:]):
+        module, function = "keras_ipu.distributed.launcher", "main"
     return getattr(importlib.import_module(module), function)(argv[1:])
+
+
+def _launches(args: list[str]) -> bool:
+    """Whether `run ARGS` starts instances of a script rather than running an export."""
+    options = args[: args.index("--")] if "--" in args else args
+    return any(a == "--num-instances" or a.startswith("--num-instances=") for a in options)
 
 
 def _usage() -> str:

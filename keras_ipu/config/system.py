@@ -92,6 +92,11 @@ def configure_ipu_system(
     flags = read_flags()
 
     from keras_ipu.device import executable_cache, hardware, system
+    from keras_ipu.distributed import runtime
+
+    # An instance of a multi-instance job joins it before its devices start:
+    # its IPUs are then its own devices, and replicas span all instances'.
+    runtime.initialize()
 
     if not reset_configuration and system.current() is not None:
         raise RuntimeError(

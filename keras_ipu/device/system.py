@@ -244,14 +244,17 @@ def jax_devices_for(num_ipus: int) -> list[jax.Device]:
     >>> len(jax_devices_for(8))   # JAX started with 3 CPU devices
     2
     """
-    _request_cpu_devices(max(num_ipus, DEFAULT_CPU_DEVICES))
-    accelerators = [d for d in jax.devices() if d.platform != "cpu"]
-    pool = accelerators or jax.devices("cpu")
+    request_cpu_devices(max(num_ipus, DEFAULT_CPU_DEVICES))
+    # This process's devices: in a multi-process job the others' devices run
+    # their own IPUs (see `processes.global_ipus`).
+    accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
+    pool = accelerators or jax.local_devices(backend="cpu")
     count = max(n for n in range(1, min(num_ipus, len(pool)) + 1) if num_ipus % n == 0)
     return pool[:count]
 
 
-def _request_cpu_devices(count: int) -> None:
+def request_cpu_devices(count: int) -> None:
+    """Asks JAX for at least `count` CPU devices, if its backends have not started."""
     # jax_num_cpu_devices can only be set before the backends start; once
     # they run, the devices that exist are the ones we have.
     count = max(count, _forced_host_device_count())

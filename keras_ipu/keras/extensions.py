@@ -268,28 +268,34 @@ class ExtensionBase:
         """Saves the model as `keras.Model.save` does, with its IPU options.
 
         The file is written next to the target and moved into place once
-        complete: a save that fails leaves the previous file as it was.
+        complete: a save that fails leaves the previous file as it was. In a
+        multi-host job instance 0 writes and the others wait for the file.
 
         Example:
 
         >>> model.save("model.keras")
         """
-        return saving.write_whole(filepath, overwrite, lambda path: super(
-            ExtensionBase, self).save(path, overwrite=True, zipped=zipped, **kwargs))
+        return saving.on_first_instance(lambda: saving.write_whole(
+            filepath, overwrite, lambda path: super(ExtensionBase, self).save(
+                path, overwrite=True, zipped=zipped, **kwargs)), filepath)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as `keras.Model.save_weights` does, replacing the file whole.
 
-        Sharded saves (`max_shard_size`) write their files as Keras does.
+        Sharded saves (`max_shard_size`) write their files as Keras does. In a
+        multi-host job instance 0 writes and the others wait for the file.
 
         Example:
 
         >>> model.save_weights("model.weights.h5")
         """
+        base = super()
         if kwargs.get("max_shard_size") is not None:
-            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
-        return saving.write_whole(filepath, overwrite, lambda path: super(
-            ExtensionBase, self).save_weights(path, overwrite=True, **kwargs))
+            return saving.on_first_instance(
+                lambda: base.save_weights(filepath, overwrite=overwrite, **kwargs), filepath)
+        return saving.on_first_instance(lambda: saving.write_whole(
+            filepath, overwrite, lambda path: base.save_weights(path, overwrite=True, **kwargs)),
+            filepath)
 
     def export_for_ipu_serving(self, export_dir, batch_size=None, output_names=None,
                                preprocessing_step=None, preprocessing_step_signature=None,

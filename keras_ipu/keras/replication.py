@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_ipu.device import processes
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import context
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
@@ -42,7 +43,21 @@ def replicas_for(model: Any, ipus_per_replica: int = 1) -> Replicas:
             f"requires a multiple of {per_replica} IPUs."
         )
     count = len(ipus) // per_replica
-    return Replicas(tuple(ipus[i * per_replica] for i in range(count)))
+    # In a multi-host job the replicas span every instance's IPUs.
+    return Replicas(processes.global_ipus(tuple(ipus[i * per_replica] for i in range(count))))
+
+
+def local_predictions(replicas: Replicas, outfeed: Any) -> Any:
+    """This instance's predictions in its input order, from `[steps, replicas, batch, ...]`.
+
+    Example:
+
+    >>> local_predictions(replicas, outfeed)["dense"].shape   # 2 steps, 2 local replicas of 4
+    (16, 3)
+    """
+    first, last = replicas.local_replicas[0], replicas.local_replicas[-1]
+    return jax.tree_util.tree_map(
+        lambda a: np.asarray(a)[:, first : last + 1].reshape(-1, *a.shape[3:]), outfeed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +128,14 @@ class ReplicaCodec:
         self.replicas, self.parts = replicas, parts
 
     def to_device(self, keras_state: Any) -> Any:
-        """Keras state -> one copy per replica, on the replicas' devices."""
+        """Keras state -> one copy per replica, on the replicas' devices.
+
+        Across instances every replica starts from instance 0's state.
+        """
+        if self.replicas.spans_processes:
+            from jax.experimental import multihost_utils
+
+            keras_state = multihost_utils.broadcast_one_to_all(keras_state)
         return self.replicas.replicate(keras_state)
 
     def spec(self, keras_state: Any) -> Any:
@@ -121,10 +143,15 @@ class ReplicaCodec:
         return self.replicas.state_spec(keras_state)
 
     def to_keras(self, state: Any) -> dict:
-        """Replica 0's weights; the last replica's metrics (what `NONE` reports)."""
-        last = self.replicas.count - 1
+        """Replica 0's weights; the last replica's metrics (what `NONE` reports).
+
+        In a multi-host job, of this instance's replicas: the weights are the
+        same on all, and the logs are reduced over all replicas in the program.
+        """
+        first, last = self.replicas.local_replicas[0], self.replicas.local_replicas[-1]
         return {
-            part: self.replicas.unreplicate(values, last if part == "metrics_variables" else 0)
+            part: self.replicas.unreplicate(values, last if part == "metrics_variables"
+                                            else first)
             for part, values in zip(self.parts, state)
         }
 

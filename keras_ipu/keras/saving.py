@@ -65,6 +65,50 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
     return result
 
 
+def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
+    """Runs `save` in instance 0 of a multi-host job only; every instance returns after it.
+
+    The instances hold the same weights, so one writer suffices, and on a
+    shared file system several would overwrite each other. The others wait
+    until the file is written (a collective that also tells them whether it
+    was), so that they can load it as soon as `save` returns.
+
+    Args:
+        save: Writes the file.
+        filepath: The file, for the error message.
+
+    Returns:
+        What `save` returned in instance 0; `None` in the others.
+
+    Raises:
+        RuntimeError: In the other instances, when instance 0 failed to write.
+        Whatever `save` raised, in instance 0.
+
+    Example:
+
+    >>> on_first_instance(lambda: keras.Model.save(model, "m.keras"), "m.keras")
+    """
+    import jax
+
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return save()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    result, error = None, None
+    if jax.process_index() == 0:
+        try:
+            result = save()
+        except Exception as caught:  # told to the others before it is raised
+            error = caught
+    failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+    if error is not None:
+        raise error
+    if int(failed):
+        raise RuntimeError(f"Instance 0 failed to save {filepath!r}; see its error.")
+    return result
+
+
 def check_model_file(filepath: Any) -> None:
     """Raises an error that says what is wrong with a `.keras` file that exists.
 

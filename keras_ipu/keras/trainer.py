@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
 from keras.src import tree
@@ -94,7 +96,7 @@ def fit(
         class_weight=class_weight,
         steps_per_execution=model.steps_per_execution,
         epochs=max(epochs - initial_epoch, 1),
-        replicas=replicas.count,
+        replicas=replicas.local_count,
     )
     _check_accumulation(model, feed.plan, options, placement.plan)
     val_feed = None
@@ -107,7 +109,7 @@ def fit(
             batch_size=validation_batch_size or batch_size,
             steps=validation_steps,
             steps_per_execution=model.steps_per_execution,
-            replicas=replicas.count,
+            replicas=replicas.local_count,
         )
     _log_plan(model, feed, options)
     model._symbolic_build(data_batch=feed.first_batch())
@@ -171,7 +173,7 @@ def evaluate(
         batch_size=batch_size,
         steps=steps,
         steps_per_execution=model.steps_per_execution,
-        replicas=replicas.count,
+        replicas=replicas.local_count,
     )
     model._symbolic_build(data_batch=feed.first_batch())
     run = _prepare(model, "evaluate", placement, feed, options_of(model))
@@ -208,7 +210,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         batch_size=batch_size,
         steps=steps,
         steps_per_execution=model.steps_per_execution,
-        replicas=replicas.count,
+        replicas=replicas.local_count,
     )
     _build_for_predict(model, feed.first_batch())
     run = _prepare(model, "predict", placement, feed, options_of(model))
@@ -216,8 +218,12 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs: list = []  # per execution, in input order; never reduced over replicas
+    collect = outputs.append
+    if replicas.spans_processes and placement.plan is None:
+        def collect(outfeed):
+            outputs.append(replication.local_predictions(replicas, outfeed))
     try:
-        _run_epoch(model, run, feed, "predict", callbacks, collect=outputs.append)
+        _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
         model.jax_state_sync()
         feed.close()
@@ -467,7 +473,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             hardware=hardware,
             exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
             micro_batches_per_step=micro or 1,
-            finalize=_finalize(mode, layout, options),
+            finalize=_finalize(mode, layout, options, replicas),
             loop=loop,
             stream=StepStream(replicas.count, buffer_depth) if streamed else None,
         )
@@ -477,8 +483,19 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     return key, build
 
 
-def _finalize(mode: str, layout: Layout, options: IPUOptions):
-    """What the program returns of its outfeed: last logs, or predictions in order."""
+def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):
+    """What the program returns of its outfeed: last logs, or predictions in order.
+
+    Across instances the outfeed is made whole on every device, so that each
+    instance reads it; predictions stay per replica (`local_predictions`).
+    """
+    if replicas.spans_processes:
+        everywhere = NamedSharding(replicas.mesh, P())
+        if mode == "predict":
+            return lambda outfeed: jax.lax.with_sharding_constraint(outfeed, everywhere)
+        reduction = options.replicated_metric_reduction_method
+        return lambda outfeed: jax.lax.with_sharding_constraint(
+            layout.last_logs(outfeed, reduction), everywhere)
     if mode == "predict":
         return layout.predictions
     reduction = options.replicated_metric_reduction_method
@@ -504,8 +521,14 @@ def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, cu
 def _placer(codec, layout):
     """Regroups an execution's batches and copies them to the devices (infeed)."""
 
+    # An instance with one replica of several gets batches without a replica axis.
+    lone = isinstance(codec, ReplicaCodec) and codec.replicas.spans_processes and (
+        codec.replicas.local_count == 1)
+
     def place(execution):
         begin, end, batches = execution
+        if lone:
+            batches = jax.tree_util.tree_map(lambda a: np.expand_dims(a, 1), batches)
         return begin, end, codec.place(layout.to_program(batches))
 
     return place
@@ -580,6 +603,16 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
         return Placement(replication.replicas_for(model))
     mapping = pipelined.device_mapping(plan, options)
     replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
+    if replicas.spans_processes:
+        # The pipelined executor builds its stage mesh from this process's
+        # IPUs; spanning instances needs its state and batches placed
+        # globally, which it does not do yet.
+        raise NotImplementedError(
+            f"Pipelined models do not train across instances yet: the model "
+            f"{model.name} has {plan.num_stages} pipeline stages and this job "
+            f"{jax.process_count()} instances. Train the pipelined model in one instance, "
+            f"or remove the stage assignment to replicate it over all instances."
+        )
     return Placement(replicas, plan, mapping)
 
 

@@ -1,0 +1,38 @@
+"""`update_ipu_config`: an instance's IPUConfig from the launcher's job shape."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from keras_ipu.distributed import runtime
+
+
+def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
+    """Sets `config.auto_select_ipus` to this instance's share of the job's IPUs.
+
+    Under `keras-ipu run --num-instances N --num-replicas R [--ipus-per-replica K]`
+    an instance gets `R / N × K` IPUs (as `popdist.tensorflow.set_ipu_config`).
+    Without `--num-replicas` the config is left as it is.
+
+    Args:
+        config: An `IPUConfig`, changed in place.
+        ipus_per_replica: IPUs per replica; default: the launcher's
+            `--ipus-per-replica`, else 1.
+
+    Returns:
+        `config`.
+
+    Example:
+
+    >>> config = keras_ipu.config.IPUConfig()
+    >>> update_ipu_config(config).auto_select_ipus   # --num-instances 2 --num-replicas 4
+    2
+    """
+    shape = runtime.launcher_environment()
+    replicas = os.environ.get(runtime.NUM_REPLICAS_ENV)
+    if shape is None or replicas is None:
+        return config
+    per_replica = ipus_per_replica or int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
+    config.auto_select_ipus = int(replicas) // shape["num_instances"] * per_replica
+    return config

@@ -1,0 +1,281 @@
+"""`keras-ipu run --num-instances N`: starts the instances of a job on this machine.
+
+Like Graphcore's `poprun`: each instance is the same Python script in its own
+process, told its place in the job through environment variables
+(`runtime.COORDINATOR_ENV`, ...); the instances then meet through JAX's
+distributed runtime. The launcher prefixes every line an instance prints with
+`[INDEX]` (standard output and error kept apart), forwards Ctrl-C (SIGINT)
+and SIGTERM to all of them, and exits with the status of the first instance
+that failed (0 when all succeed),
+naming it and why. When one instance fails, the others stop too: by their
+own error once the runtime misses the dead one's heartbeat, or, should they
+not, by the launcher after that time and a margin.
+
+On several machines, start the same script with the cluster's own tools
+(SLURM's `srun`, `mpirun`), which `jax.distributed.initialize()` detects, or
+set the three variables in each process yourself (see docs/multi_host.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from keras_ipu.distributed import runtime
+
+# After an instance fails, the others get this long beyond the runtime's
+# heartbeat timeout to notice and exit by themselves before they are stopped.
+STOP_MARGIN_SECONDS = 10.0
+# After Ctrl-C, instances get this long to exit before they are killed.
+INTERRUPT_GRACE_SECONDS = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def instance_environment(index: int, num_instances: int, coordinator: str,
+                         num_replicas: int | None = None, ipus_per_replica: int | None = None,
+                         base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of instance `index`: `base` (default: this process's) plus the job's.
+
+    Example:
+
+    >>> instance_environment(1, 2, "127.0.0.1:4000")["KERAS_IPU_INSTANCE_INDEX"]
+    '1'
+    """
+    env = dict(os.environ if base is None else base)
+    env.update({
+        runtime.COORDINATOR_ENV: coordinator,
+        runtime.NUM_INSTANCES_ENV: str(num_instances),
+        runtime.INSTANCE_INDEX_ENV: str(index),
+        "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are printed
+    })
+    if num_replicas is not None:
+        env[runtime.NUM_REPLICAS_ENV] = str(num_replicas)
+    if ipus_per_replica is not None:
+        env[runtime.IPUS_PER_REPLICA_ENV] = str(ipus_per_replica)
+    return env
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-ipu run",
+        description="Start N instances of a training script on this machine (multi-host "
+                    "training over JAX's distributed runtime).",
+    )
+    parser.add_argument("--num-instances", type=int, required=True,
+                        help="instances (processes) to start")
+    parser.add_argument("--num-replicas", type=int, default=None,
+                        help="global replicas over all instances (each instance configures "
+                             "num_replicas / num_instances replicas via update_ipu_config)")
+    parser.add_argument("--ipus-per-replica", type=int, default=None,
+                        help="IPUs per replica (pipeline stages), for update_ipu_config")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="address of instance 0's coordination service "
+                             "(default: a free port on 127.0.0.1)")
+    parser.add_argument("script", help="the Python script (or -m MODULE)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """Runs `keras-ipu run --num-instances N [options] [--] SCRIPT ARGS...`.
+
+    Args:
+        argv: The arguments after `run`.
+
+    Returns:
+        The first failed instance's exit status (128 + signal number when a
+        signal ended it), or 0 when every instance succeeded; 2 for bad
+        arguments.
+
+    Example:
+
+    >>> main(["--num-instances", "2", "train.py", "--epochs", "3"])
+    0
+    """
+    argv = list(argv)
+    if "--" in argv:  # everything after `--` is the script's
+        cut = argv.index("--")
+        options, command = argv[:cut], argv[cut + 1:]
+        args = _parser().parse_args([*options, *command[:1]])
+        args.args = command[1:]
+    else:
+        args = _parser().parse_args(argv)
+    if args.num_instances < 1:
+        print(f"error: --num-instances must be at least 1, got {args.num_instances}",
+              file=sys.stderr)
+        return 2
+    if args.num_replicas is not None and (
+            args.num_replicas < 1 or args.num_replicas % args.num_instances):
+        print(f"error: --num-replicas ({args.num_replicas}) must be a positive multiple of "
+              f"--num-instances ({args.num_instances}): each instance runs the same number "
+              f"of replicas", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-u", *(["-m", args.args.pop(0)] if args.script == "-m"
+                                       and args.args else [args.script]), *args.args]
+    coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
+    return Job(command, args.num_instances, coordinator, args.num_replicas,
+               args.ipus_per_replica).run()
+
+
+class Job:
+    """The processes of one launched job, their output, and their end.
+
+    Args:
+        command: The command every instance runs.
+        num_instances: How many instances to start.
+        coordinator: `HOST:PORT` of instance 0's coordination service.
+        num_replicas: Global replicas, passed on to `update_ipu_config`.
+        ipus_per_replica: IPUs per replica, passed on to `update_ipu_config`.
+        output: Where the instances' prefixed output lines go (default: standard output).
+        errors: Where their prefixed error lines and the launcher's messages go
+            (default: standard error).
+    """
+
+    def __init__(self, command: Sequence[str], num_instances: int, coordinator: str,
+                 num_replicas: int | None = None, ipus_per_replica: int | None = None,
+                 output=None, errors=None):
+        self.command = list(command)
+        self.num_instances = num_instances
+        self.coordinator = coordinator
+        self.num_replicas = num_replicas
+        self.ipus_per_replica = ipus_per_replica
+        self.output = output or sys.stdout
+        self.errors = errors or sys.stderr
+        self._lock = threading.Lock()
+        self._processes: list[subprocess.Popen] = []
+
+    def _print(self, index: int, line: str, target) -> None:
+        with self._lock:
+            target.write(f"[{index}] {line}")
+            if not line.endswith("\n"):
+                target.write("\n")
+            target.flush()
+
+    def _pump(self, index: int, stream, target) -> None:
+        for line in iter(stream.readline, ""):
+            self._print(index, line, target)
+        stream.close()
+
+    def _start(self) -> list[threading.Thread]:
+        threads = []
+        for index in range(self.num_instances):
+            env = instance_environment(index, self.num_instances, self.coordinator,
+                                       self.num_replicas, self.ipus_per_replica)
+            # Own sessions: a terminal's Ctrl-C reaches the launcher only,
+            # which forwards it once to every instance.
+            # Standard output and error stay apart: the runtime's C++ logging
+            # and Python's prints would otherwise mix within lines.
+            process = subprocess.Popen(
+                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, errors="replace", start_new_session=True)
+            self._processes.append(process)
+            for stream, target in ((process.stdout, self.output), (process.stderr, self.errors)):
+                thread = threading.Thread(target=self._pump, args=(index, stream, target),
+                                          daemon=True)
+                thread.start()
+                threads.append(thread)
+        return threads
+
+    def _signal_all(self, signum: int) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                try:
+                    process.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_all(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for process in self._processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def run(self) -> int:
+        """Starts the instances and waits for them.
+
+        Returns:
+            The exit status of the job (see `main`).
+        """
+        previous = {}
+        interrupted: list[int] = []
+
+        def forward(signum, frame):
+            interrupted.append(signum)
+            self._signal_all(signum)
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.signal(signum, forward)
+        try:
+            threads = self._start()
+            status = self._wait(interrupted)
+            for thread in threads:
+                thread.join(timeout=5.0)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for process in self._processes:
+                if process.poll() is None:
+                    process.kill()
+        return status
+
+    def _wait(self, interrupted: list[int]) -> int:
+        failed: tuple[int, int] | None = None
+        stop_at: float | None = None
+        heartbeat = float(os.environ.get(runtime.HEARTBEAT_ENV,
+                                         runtime.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS))
+        while True:
+            codes = [process.poll() for process in self._processes]
+            if failed is None:
+                # The first failure by time of noticing; among several seen
+                # at once, the lowest index.
+                for index, code in enumerate(codes):
+                    if code not in (None, 0):
+                        failed = (index, code)
+                        self._report(index, code)
+                        stop_at = time.monotonic() + heartbeat + STOP_MARGIN_SECONDS
+                        break
+            if all(code is not None for code in codes):
+                break
+            if interrupted and stop_at is None:
+                stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
+            if stop_at is not None and time.monotonic() > stop_at:
+                running = [i for i, code in enumerate(codes) if code is None]
+                self._print_launcher(f"stopping instance(s) {running}, still running after "
+                                     f"instance {failed[0] if failed else '?'} ended")
+                self._signal_all(signal.SIGTERM)
+                self._stop_all(5.0)
+                break
+            time.sleep(0.05)
+        if failed is None:
+            return 128 + interrupted[0] if interrupted else 0
+        code = failed[1]
+        return 128 - code if code < 0 else code
+
+    def _report(self, index: int, code: int) -> None:
+        if code < 0:
+            why = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            why = f"exited with status {code}"
+        self._print_launcher(f"instance {index} failed: it {why}")
+
+    def _print_launcher(self, text: str) -> None:
+        with self._lock:
+            self.errors.write(f"keras-ipu run: {text}\n")
+            self.errors.flush()

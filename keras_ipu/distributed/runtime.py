@@ -1,0 +1,323 @@
+"""The instances of a multi-host job: joining JAX's distributed runtime, and host collectives.
+
+An instance is one process of the job; each configures its own (local) IPUs
+and the replicas of a model span every instance's IPUs. Instances find each
+other through JAX's distributed runtime (`jax.distributed`): the coordinator
+(instance 0) runs its coordination service, which also watches every
+instance's heartbeat, so that when one dies the others stop with an error
+instead of waiting for it forever. Collectives between the devices of
+different instances go over the accelerators' own network, and over gloo
+between CPU devices; nothing here moves data itself.
+
+The job's shape comes from the launcher (`keras-ipu run --num-instances N`)
+through environment variables, or from a cluster that
+`jax.distributed.initialize()` detects itself (SLURM, Open MPI).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+# The launcher's environment: what each instance it starts is told.
+COORDINATOR_ENV = "KERAS_IPU_COORDINATOR"
+NUM_INSTANCES_ENV = "KERAS_IPU_NUM_INSTANCES"
+INSTANCE_INDEX_ENV = "KERAS_IPU_INSTANCE_INDEX"
+NUM_REPLICAS_ENV = "KERAS_IPU_NUM_REPLICAS"
+IPUS_PER_REPLICA_ENV = "KERAS_IPU_IPUS_PER_REPLICA"
+HEARTBEAT_ENV = "KERAS_IPU_HEARTBEAT_TIMEOUT"
+
+# Seconds without a heartbeat after which the coordination service declares
+# an instance dead and the others' next collective fails. JAX's default (100
+# s) is meant for large pods; a job of a few instances notices sooner.
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 10
+# Seconds instance 0 waits for all instances to join before giving up.
+DEFAULT_INITIALIZATION_TIMEOUT_SECONDS = 120
+
+# Cluster environments `jax.distributed.initialize()` detects by itself, by
+# the variable that gives their number of processes.
+_CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+_LOG = logging.getLogger("keras_ipu.distributed")
+
+
+def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The job's shape as the launcher gives it, or `None` outside a launched job.
+
+    Args:
+        environ: The environment to read (default: `os.environ`).
+
+    Returns:
+        `{"coordinator", "num_instances", "instance_index"}`, or `None` when
+        `KERAS_IPU_NUM_INSTANCES` is not set.
+
+    Raises:
+        ValueError: When the variables are incomplete or out of range.
+
+    Example:
+
+    >>> launcher_environment({"KERAS_IPU_NUM_INSTANCES": "2", "KERAS_IPU_INSTANCE_INDEX": "1",
+    ...                       "KERAS_IPU_COORDINATOR": "127.0.0.1:4000"})["instance_index"]
+    1
+    """
+    environ = os.environ if environ is None else environ
+    if NUM_INSTANCES_ENV not in environ:
+        return None
+    try:
+        count = int(environ[NUM_INSTANCES_ENV])
+        index = int(environ.get(INSTANCE_INDEX_ENV, "0"))
+    except ValueError as error:
+        raise ValueError(
+            f"{NUM_INSTANCES_ENV} and {INSTANCE_INDEX_ENV} must be integers, got "
+            f"{environ.get(NUM_INSTANCES_ENV)!r} and {environ.get(INSTANCE_INDEX_ENV)!r}."
+        ) from error
+    coordinator = environ.get(COORDINATOR_ENV)
+    if count < 1 or not 0 <= index < count or (count > 1 and not coordinator):
+        raise ValueError(
+            f"The launcher's environment is inconsistent: {NUM_INSTANCES_ENV}={count}, "
+            f"{INSTANCE_INDEX_ENV}={index}, {COORDINATOR_ENV}={coordinator!r}. Start the "
+            f"instances with `keras-ipu run --num-instances N`, or set all three "
+            f"(the index in 0..N-1, the coordinator as HOST:PORT)."
+        )
+    return {"coordinator": coordinator, "num_instances": count, "instance_index": index}
+
+
+def _cluster_detected() -> bool:
+    return any(int(os.environ.get(name, "1") or 1) > 1 for name in _CLUSTER_SIZE_VARIABLES)
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a distributed job (of any size)."""
+    return jax.distributed.is_initialized()
+
+
+def initialize() -> bool:
+    """Joins the job's distributed runtime, once, when the process is one of several.
+
+    Called by `configure_ipu_system` and the multi-instance strategies; it
+    must run before JAX starts its backends (before any JAX computation),
+    which `configure_ipu_system` ensures when called first. CPU devices
+    exchange data with gloo.
+
+    Returns:
+        Whether the process is part of a multi-instance job.
+
+    Raises:
+        RuntimeError: When the job needs the runtime but JAX already started
+            its backends in this process.
+
+    Example:
+
+    >>> initialize()   # under `keras-ipu run --num-instances 2`
+    True
+    """
+    if is_initialized():
+        return jax.process_count() > 1
+    shape = launcher_environment()
+    if shape is None and not _cluster_detected():
+        return False
+    if shape is not None and shape["num_instances"] == 1:
+        return False
+    from keras_ipu.device import system
+
+    # The CPU devices each instance gets are fixed when it joins the job.
+    system.request_cpu_devices(system.DEFAULT_CPU_DEVICES)
+    # On CPU the cross-process collectives need gloo; the setting does not
+    # affect accelerators.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    heartbeat = int(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_SECONDS))
+    kwargs: dict[str, Any] = {
+        "heartbeat_timeout_seconds": heartbeat,
+        "initialization_timeout": DEFAULT_INITIALIZATION_TIMEOUT_SECONDS,
+    }
+    if shape is not None:
+        kwargs.update(coordinator_address=shape["coordinator"],
+                      num_processes=shape["num_instances"],
+                      process_id=shape["instance_index"])
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as error:
+        if "before" not in str(error):
+            raise
+        raise RuntimeError(
+            "This process is an instance of a multi-instance job, but JAX already "
+            "started its devices, so it can no longer join the job. Call "
+            "`config.configure_ipu_system()` (or create the strategy) before any JAX "
+            "computation, e.g. at the top of the script."
+        ) from error
+    _LOG.info("Instance %d of %d joined the job.", jax.process_index(), jax.process_count())
+    return jax.process_count() > 1
+
+
+def instance_index() -> int:
+    """This instance's index in the job (0 for a single process).
+
+    Example:
+
+    >>> instance_index()   # the second instance
+    1
+    """
+    initialize()
+    return jax.process_index()
+
+
+def num_instances() -> int:
+    """The number of instances in the job (1 for a single process).
+
+    Example:
+
+    >>> num_instances()
+    2
+    """
+    initialize()
+    return jax.process_count()
+
+
+def num_local_replicas(ipus_per_replica: int = 1) -> int:
+    """Replicas on this instance's configured IPUs, `ipus_per_replica` (rounded up
+    to a power of two) each.
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+    """
+    from keras_ipu.device import system
+
+    per_replica = 1 << max(ipus_per_replica - 1, 0).bit_length()
+    return max(system.require().num_ipus // per_replica, 1)
+
+
+def num_global_replicas(ipus_per_replica: int = 1) -> int:
+    """Replicas over all instances: instances × this instance's replicas.
+
+    Args:
+        ipus_per_replica: IPUs each replica uses (a pipeline's stages); 1
+            for models that are not pipelined.
+
+    Returns:
+        The number of global replicas.
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> num_global_replicas()   # 2 instances, 2 IPUs each
+    4
+    """
+    return num_instances() * num_local_replicas(ipus_per_replica)
+
+
+_REDUCTIONS = {"sum": np.sum, "mean": np.mean, "average": np.mean, "max": np.max,
+               "min": np.min}
+
+
+def allreduce(value: Any, op: str = "mean") -> Any:
+    """Reduces a host value over all instances (every instance must call it).
+
+    Args:
+        value: An array-like or a tree of them, the same shape on every instance.
+        op: `"mean"` (default, as Horovod's `Average`), `"sum"`, `"max"` or `"min"`.
+
+    Returns:
+        The reduced value, as NumPy arrays, on every instance.
+
+    Raises:
+        ValueError: For an unknown `op`.
+
+    Example:
+
+    >>> allreduce(np.float32(instance_index()), op="sum")   # 2 instances
+    1.0
+    """
+    name = str(getattr(op, "name", op)).lower()
+    if name not in _REDUCTIONS:
+        raise ValueError(f"Unknown reduction {op!r}; valid ones are {sorted(_REDUCTIONS)}.")
+    gathered = _gather_stacked(value)
+    return jax.tree_util.tree_map(lambda a: _REDUCTIONS[name](a, axis=0), gathered)
+
+
+def allgather(value: Any) -> Any:
+    """Concatenates a host value from all instances along its first axis.
+
+    Unlike `allreduce`, the first dimension may differ between instances.
+
+    Args:
+        value: An array-like with at least one dimension, or a tree of them.
+
+    Returns:
+        The concatenation in instance order, as NumPy arrays, on every instance.
+
+    Example:
+
+    >>> allgather(np.full((instance_index() + 1,), instance_index()))   # 2 instances
+    array([0, 1, 1])
+    """
+    if num_instances() == 1:
+        return jax.tree_util.tree_map(np.asarray, value)
+    from jax.experimental import multihost_utils
+
+    def gather(leaf):
+        leaf = np.asarray(leaf)
+        lengths = multihost_utils.process_allgather(np.int64(leaf.shape[0]))
+        longest = int(np.max(lengths))
+        padded = np.zeros((longest, *leaf.shape[1:]), leaf.dtype)
+        padded[: leaf.shape[0]] = leaf
+        stacked = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
+        return np.concatenate([stacked[i, :n] for i, n in enumerate(lengths)])
+
+    return jax.tree_util.tree_map(gather, value)
+
+
+def broadcast(value: Any, root_rank: int = 0) -> Any:
+    """Instance `root_rank`'s value, on every instance (every instance must call it).
+
+    Args:
+        value: An array-like or a tree of them, the same shapes on every instance.
+        root_rank: The instance whose value is kept.
+
+    Returns:
+        The root's value, as NumPy arrays.
+
+    Raises:
+        ValueError: When `root_rank` is not an instance.
+
+    Example:
+
+    >>> broadcast(np.float32(instance_index()))   # 2 instances
+    0.0
+    """
+    count = num_instances()
+    if not 0 <= root_rank < count:
+        raise ValueError(f"root_rank must be an instance index in 0..{count - 1}, "
+                         f"got {root_rank!r}.")
+    if count == 1:
+        return jax.tree_util.tree_map(np.asarray, value)
+    if root_rank == 0:
+        from jax.experimental import multihost_utils
+
+        return jax.tree_util.tree_map(
+            np.asarray, multihost_utils.broadcast_one_to_all(value))
+    return jax.tree_util.tree_map(lambda a: a[root_rank], _gather_stacked(value))
+
+
+def barrier(name: str) -> None:
+    """Waits until every instance reached the barrier of the same name."""
+    if num_instances() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _gather_stacked(value: Any) -> Any:
+    """Every instance's value, stacked on a new first axis (NumPy)."""
+    if num_instances() == 1:
+        return jax.tree_util.tree_map(lambda a: np.asarray(a)[None], value)
+    from jax.experimental import multihost_utils
+
+    return jax.tree_util.tree_map(
+        np.asarray, multihost_utils.process_allgather(value, tiled=False))

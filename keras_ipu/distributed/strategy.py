@@ -1,0 +1,88 @@
+"""The multi-instance strategies: `IPUStrategy` whose replicas span every instance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras_ipu.distributed import runtime
+from keras_ipu.keras.strategy import IPUStrategy
+
+
+class IPUMultiReplicaStrategy(IPUStrategy):
+    """An `IPUStrategy` whose models' replicas span all instances of the job.
+
+    Each instance configures its own IPUs (`configure_ipu_system`, e.g.
+    after `update_ipu_config`); a model's global replicas are then
+    `num_instances() × local replicas`, global replica
+    `instance × local replicas + local replica`. `fit`, `evaluate` and
+    `predict` run one program over all instances' devices: gradients are
+    summed over all global replicas (as with replicas in one process),
+    metrics reduced over them as `set_replication_options` says, and the
+    initial weights come from instance 0. Each instance feeds its own data:
+    its j-th batch goes to its local replica `j % local replicas`.
+
+    Creating the strategy joins the job's distributed runtime when
+    `configure_ipu_system` has not already done so.
+
+    Args:
+        ipu_device: The logical IPU device the models run on.
+        **kwargs: The other `IPUStrategy` arguments.
+
+    Example:
+
+    >>> config = keras_ipu.config.IPUConfig()
+    >>> keras_ipu.distributed.update_ipu_config(config)   # under `keras-ipu run`
+    >>> config.configure_ipu_system()
+    >>> strategy = keras_ipu.distributed.IPUMultiReplicaStrategy()
+    """
+
+    def __init__(self, ipu_device: str = "/device:IPU:0", **kwargs: Any):
+        runtime.initialize()
+        super().__init__(ipu_device=ipu_device, **kwargs)
+
+    @property
+    def num_instances(self) -> int:
+        """The number of instances in the job."""
+        return runtime.num_instances()
+
+    @property
+    def instance_index(self) -> int:
+        """This instance's index."""
+        return runtime.instance_index()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(ipu_device={self.ipu_device!r}, "
+                f"instances={runtime.num_instances()})")
+
+
+class IPUMultiWorkerStrategy(IPUMultiReplicaStrategy):
+    """The seed's `IPUMultiWorkerStrategy(cluster_resolver)`, on JAX's distributed runtime.
+
+    Args:
+        cluster_resolver: Accepted for compatibility and ignored: the
+            instances find each other through the launcher's environment or
+            the cluster's own (SLURM, Open MPI), as `jax.distributed` does.
+        ipu_device: The logical IPU device the models run on.
+        variables_on_host: Must be `False`: variables live on the IPUs.
+
+    Raises:
+        ValueError: When `variables_on_host` is `True`.
+
+    Example:
+
+    >>> strategy = IPUMultiWorkerStrategy()
+    """
+
+    def __init__(self, cluster_resolver: Any = None, ipu_device: str = "/device:IPU:0",
+                 variables_on_host: bool = False, **kwargs: Any):
+        if variables_on_host:
+            raise ValueError(
+                "variables_on_host=True is not supported: keras_ipu keeps the variables "
+                "on the IPUs and sums gradients over the replicas in the program. Leave "
+                "variables_on_host=False.")
+        self.cluster_resolver = cluster_resolver
+        super().__init__(ipu_device=ipu_device, **kwargs)
+
+
+# The seed's Horovod name for the same strategy.
+IPUHorovodStrategy = IPUMultiReplicaStrategy

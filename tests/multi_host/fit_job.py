@@ -1,0 +1,22 @@
+"""Fits the cases of `fit_cases.py` on 2 instances × 2 IPUs; each instance saves its results."""
+
+import sys
+
+import numpy as np
+from fit_cases import CASES, instance_data, run_case
+
+import keras_ipu as ipu
+
+out = sys.argv[1]
+config = ipu.config.IPUConfig()
+ipu.distributed.update_ipu_config(config)
+config.configure_ipu_system()
+strategy = ipu.distributed.IPUMultiReplicaStrategy()
+index = ipu.distributed.instance_index()
+x, y = instance_data(index)
+results = {}
+for name, kind, accumulation in CASES:
+    case = run_case(strategy, kind, accumulation, x, y, evaluate=name == "sequential")
+    results.update({f"{name}/{key}": value for key, value in case.items()})
+np.savez(f"{out}/instance{index}.npz", **results)
+print("done", index)

@@ -1,0 +1,62 @@
+"""A 2-instance fit with ModelCheckpoint; instance 0 alone writes, every instance reloads."""
+
+import os
+import sys
+
+import keras
+import numpy as np
+from fit_cases import BATCH, build, instance_data
+
+import keras_ipu as ipu
+
+out = sys.argv[1]
+config = ipu.config.IPUConfig()
+ipu.distributed.update_ipu_config(config)
+config.configure_ipu_system()
+strategy = ipu.distributed.IPUMultiReplicaStrategy()
+index = ipu.distributed.instance_index()
+x, y = instance_data(index)
+# Counts the files this instance's Keras writes.
+written = []
+keras_save_weights = keras.Model.save_weights
+
+
+def counting_save_weights(self, filepath, *args, **kwargs):
+    written.append(os.path.basename(str(filepath)))
+    return keras_save_weights(self, filepath, *args, **kwargs)
+
+
+keras.Model.save_weights = counting_save_weights
+
+
+class Writes(keras.callbacks.Callback):
+    """Records, at each epoch's end, the checkpoint files that exist."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Only the checkpoints: instance 0 may already be saving the model.
+        self.seen.append(sorted(n for n in os.listdir(out) if n.startswith("ckpt_")))
+
+
+with strategy.scope():
+    model = build("sequential")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    writes = Writes()
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(out, "ckpt_{epoch}.weights.h5"), save_weights_only=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[checkpoint, writes])
+    print("seen", writes.seen)
+    print("written", len(written))
+    model.save(os.path.join(out, "model.keras"))
+    fresh = build("sequential")
+    fresh.load_weights(os.path.join(out, "ckpt_2.weights.h5"))
+    same = all(np.allclose(a, b, rtol=1e-6) for a, b in
+               zip(fresh.get_weights(), model.get_weights()))
+    loaded = keras.models.load_model(os.path.join(out, "model.keras"))
+    same_model = all(np.allclose(a, b, rtol=1e-6) for a, b in
+                     zip(loaded.get_weights(), model.get_weights()))
+    print("reloaded", same, same_model)

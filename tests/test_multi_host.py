@@ -1,0 +1,127 @@
+"""Multi-host training: the launcher, the distributed helpers, fit across instances.
+
+Each job runs as `keras-ipu run --num-instances 2` in fresh processes (CPU,
+gloo collectives); every subprocess has a timeout so nothing hangs the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu import cli
+from keras_ipu.distributed import launcher, runtime
+
+from conftest import ROOT, configure, fresh_process_env
+
+JOBS = ROOT / "tests" / "multi_host"
+TIMEOUT = 240
+
+
+def launch(*args: str, timeout: int = TIMEOUT, env: dict | None = None):
+    """Runs `python -m keras_ipu run ARGS` as a user would; returns the completed process."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_ipu", "run", *args],
+        env={**fresh_process_env(), **(env or {})}, cwd=JOBS, capture_output=True,
+        text=True, timeout=timeout,
+    )
+
+
+def lines_of(output: str, index: int) -> str:
+    """Instance `index`'s output, joined (gloo's C++ prints may share a line with Python's)."""
+    prefix = f"[{index}] "
+    return "\n".join(line[len(prefix):] for line in output.splitlines()
+                     if line.startswith(prefix))
+
+
+def test_instance_environment_and_launcher_environment_agree():
+    env = launcher.instance_environment(1, 2, "127.0.0.1:1234", 4, 2, base={})
+    assert runtime.launcher_environment(env) == {
+        "coordinator": "127.0.0.1:1234", "num_instances": 2, "instance_index": 1}
+    assert env[runtime.NUM_REPLICAS_ENV] == "4" and env[runtime.IPUS_PER_REPLICA_ENV] == "2"
+    assert runtime.launcher_environment({}) is None
+    with pytest.raises(ValueError, match="KERAS_IPU_INSTANCE_INDEX=2"):
+        runtime.launcher_environment({**env, runtime.INSTANCE_INDEX_ENV: "2"})
+
+
+def test_cli_run_dispatches_on_num_instances(capsys):
+    assert cli._launches(["--num-instances", "2", "train.py"])
+    assert cli._launches(["--num-instances=2", "--", "train.py"])
+    assert not cli._launches(["--dir", "export", "--inputs", "x.npy"])
+    assert not cli._launches(["--", "train.py", "--num-instances", "2"])
+    assert cli.main(["run", "--num-instances", "2", "--num-replicas", "3", "x.py"]) == 2
+    assert "multiple of --num-instances" in capsys.readouterr().err
+
+
+def test_helpers_across_two_instances():
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "helpers_job.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (0, 1):
+        out = lines_of(done.stdout, index)
+        assert f"index {index} of 2 global 4" in out
+        assert "sum 3.0" in out
+        assert "mean [0.5 1. ]" in out
+        assert "gather [0, 1, 1]" in out
+        assert "bcast 5.0 6.0" in out
+
+
+def test_a_dead_instance_stops_the_job_and_is_named():
+    done = launch("--num-instances", "2", "failing_job.py", timeout=120,
+                  env={runtime.HEARTBEAT_ENV: "3"})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "keras-ipu run: instance 1 failed: it exited with status 3" in done.stderr
+    assert "dying" in lines_of(done.stdout, 1)
+    # Instance 0 never finishes its second collective: the runtime stops it.
+    assert "unreachable" not in lines_of(done.stdout, 0)
+
+
+def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
+    from multi_host import fit_cases
+
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
+                  str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
+
+    configure(4)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    x, y = fit_cases.data()
+    for name, kind, accumulation in fit_cases.CASES:
+        expected = fit_cases.run_case(strategy, kind, accumulation, x, y,
+                                      evaluate=name == "sequential")
+        for key, value in expected.items():
+            if key == "predict":
+                # Each instance predicts its own data, in its own order.
+                for index, results in enumerate(instances):
+                    mine = fit_cases.instance_data(index)[0]
+                    np.testing.assert_allclose(
+                        results[f"{name}/predict"], keras_predict(strategy, value, x, mine),
+                        rtol=1e-5, atol=1e-6)
+                continue
+            for index, results in enumerate(instances):
+                np.testing.assert_allclose(results[f"{name}/{key}"], value, rtol=1e-5,
+                                           atol=1e-6, err_msg=f"instance {index}: {name}/{key}")
+
+
+def keras_predict(strategy, predictions, x, mine):
+    """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
+    rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}
+    return np.stack([rows[sample.tobytes()] for sample in mine])
+
+
+def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path):
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "save_job.py",
+                  str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    every_epoch = "seen [['ckpt_1.weights.h5'], ['ckpt_1.weights.h5', 'ckpt_2.weights.h5']]"
+    for index, writes in ((0, 2), (1, 0)):
+        out = lines_of(done.stdout, index)
+        assert every_epoch in out  # the file exists in every instance once its epoch ends
+        assert f"written {writes}" in out  # instance 0 alone writes, once per epoch
+        assert "reloaded True True" in out  # ckpt and model.keras load the final weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
