@@ -140,6 +140,12 @@ class StepCost:
     def per_ipu(self, ipus_per_device: int) -> StepCost:
         """One IPU's share of a device program that runs `ipus_per_device` IPUs batched.
 
+        Args:
+            ipus_per_device: IPUs the program runs on one device (1 when none share).
+
+        Returns:
+            The cost with every count divided among those IPUs.
+
         Example:
 
         >>> StepCost(800.0, 0.0, 80.0).per_ipu(4).flops

@@ -28,7 +28,8 @@ class DispatchedExecutable:
         memory: Per IPU of the execution (in the order of its IPUs), the
             memory its programs need: its state, the largest temporaries of
             its programs plus what it keeps between them, its io.
-        cost: The cost of one step (one micro-batch through every stage).
+        cost: The cost of one step (one micro-batch through every stage), or a
+            function that counts it (when the report is read).
 
     Example:
 
@@ -38,7 +39,7 @@ class DispatchedExecutable:
 
     run: Callable[[Any, Any], tuple[Any, Any]]
     memory: tuple[MemoryUse, ...]
-    cost: StepCost
+    cost: StepCost | Callable[[], StepCost]
 
 
 class DispatchedExecution(Protocol):

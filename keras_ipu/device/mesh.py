@@ -26,7 +26,19 @@ from jax.sharding import PartitionSpec as P
 
 
 def local_axis(name: str) -> str:
-    """The `vmap` axis name of an axis's IPUs that share one device."""
+    """The `vmap` axis name of an axis's IPUs that share one device.
+
+    Args:
+        name: A grid axis name, e.g. `"replica"`.
+
+    Returns:
+        The name of the batched axis of the IPUs on one device.
+
+    Example:
+
+    >>> local_axis("replica")
+    'replica_local'
+    """
     return f"{name}_local"
 
 
@@ -85,25 +97,72 @@ class IPUMesh:
         return any(n > 1 for n in self.local)
 
     def sharding(self, spec: P) -> NamedSharding:
-        """Where an array whose dimensions are split as `spec` lives (IPU blocks per device)."""
+        """Where an array whose dimensions are split as `spec` lives (IPU blocks per device).
+
+        Args:
+            spec: How the array's dimensions split over the grid's axes.
+
+        Returns:
+            A `NamedSharding` over the grid's distinct devices.
+
+        Example:
+
+        >>> mesh.sharding(P("replica"))  # replica r on the device of IPU r
+        """
         return NamedSharding(self.mesh, spec)
 
     def _local_size(self, name: str) -> int:
         return self.local[self.axis_names.index(name)]
 
     def psum(self, tree: Any, axis: str | Sequence[str]) -> Any:
-        """Inside `map`: sums over the IPUs along `axis` (one name or several)."""
+        """Inside `map`: sums over the IPUs along `axis` (one name or several).
+
+        Args:
+            tree: This IPU's values (a pytree).
+            axis: The grid axis name, or several.
+
+        Returns:
+            The sum over the IPUs along `axis`, on every one of them; IPUs
+            that share a device are summed as if they had their own.
+
+        Example:
+
+        >>> grads = mesh.psum(grads, "replica")
+        """
         return jax.lax.psum(tree, self._names(axis))
 
     def axis_index(self, axis: str) -> Any:
-        """Inside `map`: this IPU's index along `axis`."""
+        """Inside `map`: this IPU's index along `axis`.
+
+        Args:
+            axis: A grid axis name.
+
+        Returns:
+            A traced integer: device index × IPUs per device + local index.
+
+        Example:
+
+        >>> replica = mesh.axis_index("replica")
+        """
         local = self._local_size(axis)
         if local == 1:
             return jax.lax.axis_index(axis)
         return jax.lax.axis_index(axis) * local + jax.lax.axis_index(local_axis(axis))
 
     def all_gather(self, tree: Any, axis: str) -> Any:
-        """Inside `map`: every IPU's value along `axis`, stacked in IPU order."""
+        """Inside `map`: every IPU's value along `axis`, stacked in IPU order.
+
+        Args:
+            tree: This IPU's values (a pytree).
+            axis: A grid axis name.
+
+        Returns:
+            Each leaf with a new leading axis of the IPUs along `axis`.
+
+        Example:
+
+        >>> messages = mesh.all_gather(message, "ipu")  # [ipus, ...]
+        """
         local = self._local_size(axis)
         if local == 1:
             return jax.lax.all_gather(tree, axis)

@@ -8,7 +8,8 @@ memory analysis holds a mixed precision program's temporaries in 32 bits. The
 program itself says what an IPU would do:
 
 - `is_half_precision`: whether most of its matrix work (by flops) takes
-  16-bit operands, so that its cycles count at the 16-bit rate.
+  16-bit operands (the report's cycles no longer use it: `device/cost.py`
+  counts each matrix op at its own rate).
 - `temporary_scale`: on a platform that holds 16-bit floats in 32 bits, the
   factor that brings its temporaries to 16 bits: the program's peak live
   bytes with its values in their own dtypes over the same with the 16-bit

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -264,10 +265,10 @@ class DispatchedFit:
 
         def started(traced):
             # Costed over the lowered program, as every execution is (the
-            # compiled one's cost analysis depends on the platform).
+            # compiled one's cost analysis depends on the platform), when the
+            # report is read: counting is not free and a run never reads it.
             lowered = traced.lower()
-            return (pool.submit(lowered.compile), traced.out_info, traced.jaxpr,
-                    accounting.step_cost(lowered))
+            return pool.submit(lowered.compile), traced.out_info, traced.jaxpr, lowered
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
@@ -312,8 +313,9 @@ class DispatchedFit:
             return DispatchedExecutable(
                 run=_Runner(self, ops, bundle.shape).run,
                 memory=self._memory(each(memory), local, batch, last[1][2]),
-                cost=self._cost([op[3] for op in (*forward, *backward, last)],
-                                [op[3] for op in update]),
+                cost=functools.partial(self._cost,
+                                       [op[3] for op in (*forward, *backward, last)],
+                                       [op[3] for op in update]),
             )
 
         return executable
@@ -342,11 +344,14 @@ class DispatchedFit:
             ))
         return tuple(memory)
 
-    def _cost(self, stage_ops: list[accounting.StepCost],
-              updates: list[accounting.StepCost]) -> accounting.StepCost:
-        """One micro-batch through every stage op, and its share of the optimizer steps."""
+    def _cost(self, stage_ops: list, updates: list) -> accounting.StepCost:
+        """One micro-batch through every stage op, and its share of the optimizer steps.
+
+        `stage_ops` and `updates` are the ops' lowered programs, counted here.
+        """
         return accounting.StepCost.total(
-            [(c, 1.0) for c in stage_ops] + [(c, 1.0 / self.micro) for c in updates])
+            [(accounting.step_cost(op), 1.0) for op in stage_ops]
+            + [(accounting.step_cost(op), 1.0 / self.micro) for op in updates])
 
 
 class _Runner:

@@ -261,20 +261,23 @@ def _recomputation(options: IPUOptions) -> bool:
 def _stashed_bytes(pipe, stage: int, x, recompute: bool) -> int:
     """Bytes per sample a stage keeps for its backward pass, each tensor in its dtype.
 
-    With recomputation only its input (the tensors it receives, or the model
-    inputs for the first stage); without, also every activation its layer
-    calls produce (16-bit ones in 16 bits, under a mixed precision policy).
+    With recomputation only its input (the tensors it receives, as float32,
+    or the model inputs for the first stage); without, also every activation
+    its layer calls produce (16-bit ones in 16 bits, under a mixed precision
+    policy).
     """
-    kept = _tensor_bytes(pipe, pipe.bundle_in[stage]) if stage else _input_bytes(x)
+    # What a stage receives travels as float32 (the bundle between stages).
+    kept = _tensor_bytes(pipe, pipe.bundle_in[stage], itemsize=4) if stage else _input_bytes(x)
     if recompute:
         return kept
     return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in pipe.plan.stages[stage])
 
 
-def _tensor_bytes(pipe, keys) -> int:
-    """Bytes per sample of the plan's tensors named by `keys`."""
+def _tensor_bytes(pipe, keys, itemsize: int | None = None) -> int:
+    """Bytes per sample of the plan's tensors named by `keys` (in their dtype, or `itemsize`)."""
     tensors = [pipe.plan.tensors[key] for key in keys]
-    return sum(int(np.prod(t.shape[1:])) * jnp.dtype(t.dtype).itemsize for t in tensors)
+    return sum(int(np.prod(t.shape[1:])) * (itemsize or jnp.dtype(t.dtype).itemsize)
+               for t in tensors)
 
 
 def _input_bytes(x) -> int:
