@@ -6,8 +6,12 @@ gloo collectives); every subprocess has a timeout so nothing hangs the suite.
 
 from __future__ import annotations
 
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,3 +129,64 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
         assert "reloaded True True" in out  # ckpt and model.keras load the final weights
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
+
+
+def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(tmp_path):
+    """2 instances × a 2-stage pipeline (arrays, and a PyDataset of each instance's
+    data) equal a 2-stage pipeline × 2 replicas on 4 IPUs in one process."""
+    from multi_host import pipeline_cases
+
+    done = launch("--num-instances", "2", "--num-replicas", "2", "--ipus-per-replica", "2",
+                  "--", "pipeline_job.py", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
+
+    configure(4)
+    x, y = pipeline_cases.data()
+    expected = pipeline_cases.run_case(ipu.ipu_strategy.IPUStrategy(), x, y)
+    for index, results in enumerate(instances):
+        mine = pipeline_cases.instance_data(index)[0]
+        # The host-dispatched form runs one replica: across instances the schedule program runs.
+        assert "span instances" in str(results["arrays/loop"])
+        for feed in pipeline_cases.FEEDS:
+            for key, value in expected.items():
+                if key == "loop" or f"{feed}/{key}" not in results:
+                    continue  # evaluate and predict: arrays only
+                if key == "predict":
+                    value = keras_predict(None, value, x, mine)
+                np.testing.assert_allclose(results[f"{feed}/{key}"], value, rtol=1e-5,
+                                           atol=1e-6, err_msg=f"instance {index}: {feed}/{key}")
+
+
+def test_ctrl_c_reaches_every_instance_and_the_launcher_says_so():
+    launcher_process = subprocess.Popen(
+        [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", "interrupt_job.py"],
+        env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    lines: queue.Queue = queue.Queue()
+    error_lines: list[str] = []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in
+                                                launcher_process.stdout], daemon=True),
+               threading.Thread(target=lambda: error_lines.extend(launcher_process.stderr),
+                                daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        ready, deadline = set(), time.monotonic() + 60
+        while ready != {"[0] ready", "[1] ready"}:  # queue.Empty past the deadline
+            ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.01)).strip())
+        launcher_process.send_signal(signal.SIGINT)
+        launcher_process.wait(timeout=60)
+    finally:
+        if launcher_process.poll() is None:
+            launcher_process.kill()
+            launcher_process.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    output, errors = "".join(lines.queue), "".join(error_lines)
+    assert launcher_process.returncode == 128 + signal.SIGINT, output + errors
+    for index in (0, 1):
+        assert "interrupted" in lines_of(output, index)
+        assert "KeyboardInterrupt" in lines_of(errors, index)
+    assert "keras-ipu run: interrupted by SIGINT, forwarded to every instance" in errors
+    assert "keras-ipu run: job interrupted, exiting with status 130" in errors
