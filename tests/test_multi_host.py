@@ -6,12 +6,14 @@ gloo collectives); every subprocess has a timeout so nothing hangs the suite.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +35,36 @@ def launch(*args: str, timeout: int = TIMEOUT, env: dict | None = None):
         env={**fresh_process_env(), **(env or {})}, cwd=JOBS, capture_output=True,
         text=True, timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def launched(logs: Path, *args: str, timeout: int = TIMEOUT):
+    """`launch` in the background, while the test computes its expectations.
+
+    Yields a function that waits for the job (at most `timeout` seconds from
+    the start) and returns the completed process; output goes to files in
+    `logs`, which no pipe limits while the test is busy. The job is killed if
+    the test leaves early.
+    """
+    started = time.monotonic()
+    with open(logs / "stdout", "w+") as out, open(logs / "stderr", "w+") as err:
+        process = subprocess.Popen([sys.executable, "-m", "keras_ipu", "run", *args],
+                                   env=fresh_process_env(), cwd=JOBS, stdout=out, stderr=err,
+                                   text=True)
+
+        def finished() -> subprocess.CompletedProcess:
+            process.wait(timeout=max(timeout - (time.monotonic() - started), 1))
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(process.args, process.returncode, out.read(),
+                                               err.read())
+
+        try:
+            yield finished
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def lines_of(output: str, index: int) -> str:
@@ -86,17 +118,18 @@ def test_a_dead_instance_stops_the_job_and_is_named():
 def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
     from multi_host import fit_cases
 
-    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
-                  str(tmp_path))
+    with launched(tmp_path, "--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
+                  str(tmp_path)) as finished:
+        configure(4)
+        strategy = ipu.ipu_strategy.IPUStrategy()
+        x, y = fit_cases.data()
+        cases = [(name, fit_cases.run_case(strategy, kind, accumulation, x, y,
+                                           evaluate=name == "sequential"))
+                 for name, kind, accumulation in fit_cases.CASES]
+        done = finished()
     assert done.returncode == 0, done.stdout + done.stderr
     instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
-
-    configure(4)
-    strategy = ipu.ipu_strategy.IPUStrategy()
-    x, y = fit_cases.data()
-    for name, kind, accumulation in fit_cases.CASES:
-        expected = fit_cases.run_case(strategy, kind, accumulation, x, y,
-                                      evaluate=name == "sequential")
+    for name, expected in cases:
         for key, value in expected.items():
             if key == "predict":
                 # Each instance predicts its own data, in its own order.
@@ -136,14 +169,14 @@ def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(
     data) equal a 2-stage pipeline × 2 replicas on 4 IPUs in one process."""
     from multi_host import pipeline_cases
 
-    done = launch("--num-instances", "2", "--num-replicas", "2", "--ipus-per-replica", "2",
-                  "--", "pipeline_job.py", str(tmp_path))
+    with launched(tmp_path, "--num-instances", "2", "--num-replicas", "2", "--ipus-per-replica",
+                  "2", "--", "pipeline_job.py", str(tmp_path)) as finished:
+        configure(4)
+        x, y = pipeline_cases.data()
+        expected = pipeline_cases.run_case(ipu.ipu_strategy.IPUStrategy(), x, y)
+        done = finished()
     assert done.returncode == 0, done.stdout + done.stderr
     instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
-
-    configure(4)
-    x, y = pipeline_cases.data()
-    expected = pipeline_cases.run_case(ipu.ipu_strategy.IPUStrategy(), x, y)
     for index, results in enumerate(instances):
         mine = pipeline_cases.instance_data(index)[0]
         # The host-dispatched form runs one replica: across instances the schedule program runs.
