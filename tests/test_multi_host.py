@@ -6,8 +6,14 @@ gloo collectives); every subprocess has a timeout so nothing hangs the suite.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +35,36 @@ def launch(*args: str, timeout: int = TIMEOUT, env: dict | None = None):
         env={**fresh_process_env(), **(env or {})}, cwd=JOBS, capture_output=True,
         text=True, timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def launched(logs: Path, *args: str, timeout: int = TIMEOUT):
+    """`launch` in the background, while the test computes its expectations.
+
+    Yields a function that waits for the job (at most `timeout` seconds from
+    the start) and returns the completed process; output goes to files in
+    `logs`, which no pipe limits while the test is busy. The job is killed if
+    the test leaves early.
+    """
+    started = time.monotonic()
+    with open(logs / "stdout", "w+") as out, open(logs / "stderr", "w+") as err:
+        process = subprocess.Popen([sys.executable, "-m", "keras_ipu", "run", *args],
+                                   env=fresh_process_env(), cwd=JOBS, stdout=out, stderr=err,
+                                   text=True)
+
+        def finished() -> subprocess.CompletedProcess:
+            process.wait(timeout=max(timeout - (time.monotonic() - started), 1))
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(process.args, process.returncode, out.read(),
+                                               err.read())
+
+        try:
+            yield finished
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def lines_of(output: str, index: int) -> str:
@@ -82,17 +118,18 @@ def test_a_dead_instance_stops_the_job_and_is_named():
 def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
     from multi_host import fit_cases
 
-    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
-                  str(tmp_path))
+    with launched(tmp_path, "--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
+                  str(tmp_path)) as finished:
+        configure(4)
+        strategy = ipu.ipu_strategy.IPUStrategy()
+        x, y = fit_cases.data()
+        cases = [(name, fit_cases.run_case(strategy, kind, accumulation, x, y,
+                                           evaluate=name == "sequential"))
+                 for name, kind, accumulation in fit_cases.CASES]
+        done = finished()
     assert done.returncode == 0, done.stdout + done.stderr
     instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
-
-    configure(4)
-    strategy = ipu.ipu_strategy.IPUStrategy()
-    x, y = fit_cases.data()
-    for name, kind, accumulation in fit_cases.CASES:
-        expected = fit_cases.run_case(strategy, kind, accumulation, x, y,
-                                      evaluate=name == "sequential")
+    for name, expected in cases:
         for key, value in expected.items():
             if key == "predict":
                 # Each instance predicts its own data, in its own order.
@@ -125,3 +162,64 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
         assert "reloaded True True" in out  # ckpt and model.keras load the final weights
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
+
+
+def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(tmp_path):
+    """2 instances × a 2-stage pipeline (arrays, and a PyDataset of each instance's
+    data) equal a 2-stage pipeline × 2 replicas on 4 IPUs in one process."""
+    from multi_host import pipeline_cases
+
+    with launched(tmp_path, "--num-instances", "2", "--num-replicas", "2", "--ipus-per-replica",
+                  "2", "--", "pipeline_job.py", str(tmp_path)) as finished:
+        configure(4)
+        x, y = pipeline_cases.data()
+        expected = pipeline_cases.run_case(ipu.ipu_strategy.IPUStrategy(), x, y)
+        done = finished()
+    assert done.returncode == 0, done.stdout + done.stderr
+    instances = [dict(np.load(tmp_path / f"instance{i}.npz")) for i in (0, 1)]
+    for index, results in enumerate(instances):
+        mine = pipeline_cases.instance_data(index)[0]
+        # The host-dispatched form runs one replica: across instances the schedule program runs.
+        assert "span instances" in str(results["arrays/loop"])
+        for feed in pipeline_cases.FEEDS:
+            for key, value in expected.items():
+                if key == "loop" or f"{feed}/{key}" not in results:
+                    continue  # evaluate and predict: arrays only
+                if key == "predict":
+                    value = keras_predict(None, value, x, mine)
+                np.testing.assert_allclose(results[f"{feed}/{key}"], value, rtol=1e-5,
+                                           atol=1e-6, err_msg=f"instance {index}: {feed}/{key}")
+
+
+def test_ctrl_c_reaches_every_instance_and_the_launcher_says_so():
+    launcher_process = subprocess.Popen(
+        [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", "interrupt_job.py"],
+        env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    lines: queue.Queue = queue.Queue()
+    error_lines: list[str] = []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in
+                                                launcher_process.stdout], daemon=True),
+               threading.Thread(target=lambda: error_lines.extend(launcher_process.stderr),
+                                daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        ready, deadline = set(), time.monotonic() + 60
+        while ready != {"[0] ready", "[1] ready"}:  # queue.Empty past the deadline
+            ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.01)).strip())
+        launcher_process.send_signal(signal.SIGINT)
+        launcher_process.wait(timeout=60)
+    finally:
+        if launcher_process.poll() is None:
+            launcher_process.kill()
+            launcher_process.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    output, errors = "".join(lines.queue), "".join(error_lines)
+    assert launcher_process.returncode == 128 + signal.SIGINT, output + errors
+    for index in (0, 1):
+        assert "interrupted" in lines_of(output, index)
+        assert "KeyboardInterrupt" in lines_of(errors, index)
+    assert "keras-ipu run: interrupted by SIGINT, forwarded to every instance" in errors
+    assert "keras-ipu run: job interrupted, exiting with status 130" in errors

@@ -100,6 +100,9 @@ class ExecutionProgram:
             at a time instead, their `finalize` returning `(outfeed,
             streamed)`; `streamed`, `[slices, replicas, ...]`, goes to the
             stream as each dispatch is queued.
+        schedule_reason: Why a program that brings its own `execution` runs
+            it as its loop (the report's loop reason), when no `dispatched`
+            form was chosen instead.
 
     Example:
 
@@ -126,6 +129,7 @@ class ExecutionProgram:
         loop: str = loops.AUTO,
         dispatched: DispatchedExecution | None = None,
         stream: StepStream | None = None,
+        schedule_reason: str = "the pipeline schedule is the loop",
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -139,6 +143,7 @@ class ExecutionProgram:
         self._own_execution = execution is not None
         self._dispatched = dispatched
         self.stream = stream
+        self._schedule_reason = schedule_reason
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
         self._finalize = jax.jit(finalize)
@@ -285,7 +290,7 @@ class ExecutionProgram:
                choice: loops.LoopChoice | None = None) -> tuple[Any, Batch, loops.LoopChoice]:
         """Traces the program in its loop form: `(traced, batches it takes, choice)`."""
         if self._own_execution:
-            choice = choice or loops.LoopChoice(loops.SCHEDULE, "the pipeline schedule is the loop")
+            choice = choice or loops.LoopChoice(loops.SCHEDULE, self._schedule_reason)
             compiled_batches = self._compiled_batches(batches)
             return self._traced(state, compiled_batches), compiled_batches, choice
         traced = None

@@ -5,9 +5,9 @@ process, told its place in the job through environment variables
 (`runtime.COORDINATOR_ENV`, ...); the instances then meet through JAX's
 distributed runtime. The launcher prefixes every line an instance prints with
 `[INDEX]` (standard output and error kept apart), forwards Ctrl-C (SIGINT)
-and SIGTERM to all of them, and exits with the status of the first instance
-that failed (0 when all succeed),
-naming it and why. When one instance fails, the others stop too: by their
+and SIGTERM to all of them (then exits with 128 + the signal's number, saying
+so), and otherwise exits with the status of the first instance that failed
+(0 when all succeed), naming it and why. When one instance fails, the others stop too: by their
 own error once the runtime misses the dead one's heartbeat, or, should they
 not, by the launcher after that time and a margin.
 
@@ -97,8 +97,9 @@ def main(argv: Sequence[str]) -> int:
 
     Returns:
         The first failed instance's exit status (128 + signal number when a
-        signal ended it), or 0 when every instance succeeded; 2 for bad
-        arguments.
+        signal ended it), or 0 when every instance succeeded; 128 + the
+        signal's number when the launcher was interrupted (Ctrl-C: 130),
+        whatever the instances then exit with; 2 for bad arguments.
 
     Example:
 
@@ -238,11 +239,20 @@ class Job:
     def _wait(self, interrupted: list[int]) -> int:
         failed: tuple[int, int] | None = None
         stop_at: float | None = None
+        announced = False
         heartbeat = float(os.environ.get(runtime.HEARTBEAT_ENV,
                                          runtime.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS))
         while True:
             codes = [process.poll() for process in self._processes]
-            if failed is None:
+            if interrupted and not announced:
+                # Instances ending by the forwarded signal are no failures of
+                # their own: the job's status is the interrupt's.
+                announced = True
+                self._print_launcher(
+                    f"interrupted by {signal.Signals(interrupted[0]).name}, forwarded to "
+                    f"every instance; stopping them (at most {INTERRUPT_GRACE_SECONDS:g} s)")
+                stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
+            if failed is None and not interrupted:
                 # The first failure by time of noticing; among several seen
                 # at once, the lowest index.
                 for index, code in enumerate(codes):
@@ -253,18 +263,21 @@ class Job:
                         break
             if all(code is not None for code in codes):
                 break
-            if interrupted and stop_at is None:
-                stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
             if stop_at is not None and time.monotonic() > stop_at:
                 running = [i for i, code in enumerate(codes) if code is None]
+                cause = "the interrupt" if failed is None else f"instance {failed[0]} ended"
                 self._print_launcher(f"stopping instance(s) {running}, still running after "
-                                     f"instance {failed[0] if failed else '?'} ended")
+                                     f"{cause}")
                 self._signal_all(signal.SIGTERM)
                 self._stop_all(5.0)
                 break
             time.sleep(0.05)
+        if failed is None and interrupted:
+            status = 128 + interrupted[0]
+            self._print_launcher(f"job interrupted, exiting with status {status}")
+            return status
         if failed is None:
-            return 128 + interrupted[0] if interrupted else 0
+            return 0
         code = failed[1]
         return 128 - code if code < 0 else code
 

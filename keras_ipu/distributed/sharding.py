@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
             first dimension.
         batch_size: The batch size given to `fit`.
         local_replicas: Replicas per instance (default: the configured
-            IPUs, one per replica).
+            IPUs, the launcher's `--ipus-per-replica` (else 1) per replica:
+            a pipeline's stages are one replica).
         instance: This instance's index (default: `instance_index()`).
         instances: The number of instances (default: `num_instances()`).
 
@@ -38,7 +40,10 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
     """
     instance = runtime.instance_index() if instance is None else instance
     instances = runtime.num_instances() if instances is None else instances
-    local = runtime.num_local_replicas() if local_replicas is None else local_replicas
+    if local_replicas is None:
+        per_replica = int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
+        local_replicas = runtime.num_local_replicas(per_replica)
+    local = local_replicas
     replicas = instances * local
 
     def shard(array):

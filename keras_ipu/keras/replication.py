@@ -155,6 +155,11 @@ class ReplicaCodec:
             for part, values in zip(self.parts, state)
         }
 
+    @property
+    def lone_replica(self) -> bool:
+        """Whether this instance runs one replica of several: its feed has no replica axis."""
+        return self.replicas.spans_processes and self.replicas.local_count == 1
+
     def batch_spec(self, batches: Any) -> Any:
         """Shape structs of an execution's placed batches."""
         return self.replicas.batch_spec(batches)

@@ -219,7 +219,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     callbacks.on_predict_begin()
     outputs: list = []  # per execution, in input order; never reduced over replicas
     collect = outputs.append
-    if replicas.spans_processes and placement.plan is None:
+    if replicas.spans_processes:
         def collect(outfeed):
             outputs.append(replication.local_predictions(replicas, outfeed))
     try:
@@ -522,8 +522,7 @@ def _placer(codec, layout):
     """Regroups an execution's batches and copies them to the devices (infeed)."""
 
     # An instance with one replica of several gets batches without a replica axis.
-    lone = isinstance(codec, ReplicaCodec) and codec.replicas.spans_processes and (
-        codec.replicas.local_count == 1)
+    lone = getattr(codec, "lone_replica", False)
 
     def place(execution):
         begin, end, batches = execution
@@ -602,17 +601,9 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     if plan is None:
         return Placement(replication.replicas_for(model))
     mapping = pipelined.device_mapping(plan, options)
+    # In a multi-host job each instance pipelines over its own IPUs: the
+    # replicas are the instances' pipelines.
     replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
-    if replicas.spans_processes:
-        # The pipelined executor builds its stage mesh from this process's
-        # IPUs; spanning instances needs its state and batches placed
-        # globally, which it does not do yet.
-        raise NotImplementedError(
-            f"Pipelined models do not train across instances yet: the model "
-            f"{model.name} has {plan.num_stages} pipeline stages and this job "
-            f"{jax.process_count()} instances. Train the pipelined model in one instance, "
-            f"or remove the stage assignment to replicate it over all instances."
-        )
     return Placement(replicas, plan, mapping)
 
 

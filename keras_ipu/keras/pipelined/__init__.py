@@ -7,8 +7,10 @@ pipelined program).
 
 Modules: `program` (the trainer's side: checks, schedule, cost model, the
 `Run`), `model` (the model split over IPUs: packed state, the stage runner,
-the inference program, codec and layout), `training` (the pipelined fit
-program), `gradients` (how gradients accumulate per IPU).
+the inference program), `codec` (the mesh, moving state and batches, the
+data and outfeed layout), `instances` (placing them across the instances of
+a multi-host job), `training` (the pipelined fit program), `dispatched` (the
+host-dispatched fit), `gradients` (how gradients accumulate per IPU).
 
 Example:
 

@@ -8,7 +8,7 @@ set-up (which stage and variable lives where), the packed state, the stage
 runner and the inference program, which walks the schedule table tick by
 tick (`lax.scan`): at each tick every IPU runs the forward op the table
 gives it, then all IPUs exchange the tick's activations. Training is in
-`pipelined.training`.
+`pipelined.training`; the mesh, codec and data layout in `pipelined.codec`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from keras.src import tree
 from keras_ipu.device import schedules
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages
+from keras_ipu.keras.pipelined import instances
 from keras_ipu.keras.steps import STATE_PARTS
 
 IPU_AXIS = "ipu"
@@ -235,6 +236,10 @@ class PipelineState:
         self.sharding = mesh.sharding(P(REPLICA_AXIS, IPU_AXIS))
         self.layouts: dict[str, list[FlatLayout]] = {}
         self.lengths: dict[str, dict[str, int]] = {}
+        # In a multi-host job: the replicas this process runs (its own pipelines).
+        self.spans_processes = instances.spans_processes(mesh)
+        self.local_replicas = (instances.local_replicas(mesh) if self.spans_processes
+                               else tuple(range(self.replicas)))
 
     def indices(self, part: str, ipu: int) -> list[int]:
         p = self.pipelined
@@ -247,19 +252,33 @@ class PipelineState:
         count = len(p.model.metrics_variables)
         return list(range(count)) if ipu == p.last_ipu else []
 
+    def set_up(self, keras_state: Sequence[Sequence[Any]]) -> None:
+        """Works out each part's per-IPU layout from the state's shapes (once, nothing placed)."""
+        for part, values in zip(self.parts, keras_state):
+            if part not in self.layouts:
+                per_ipu = [[values[i] for i in self.indices(part, d)] for d in range(self.ipus)]
+                self.layouts[part] = [FlatLayout.of(arrays) for arrays in per_ipu]
+                self.lengths[part] = padded_lengths(self.layouts[part])
+
     def to_device(self, keras_state: Sequence[Sequence[Any]]) -> dict:
-        """Keras state lists -> the packed, placed device form."""
+        """Keras state lists -> the packed, placed device form.
+
+        Across instances every replica starts from instance 0's state, and
+        each process places the shards of its own devices only.
+        """
+        self.set_up(keras_state)
+        if self.spans_processes:
+            keras_state = instances.from_instance_zero(
+                [[np.asarray(v) for v in values] for values in keras_state])
+        put = instances.place if self.spans_processes else jax.device_put
         packed = {}
         for part, values in zip(self.parts, keras_state):
             values = [np.asarray(v) for v in values]
             per_ipu = [[values[i] for i in self.indices(part, d)] for d in range(self.ipus)]
-            if part not in self.layouts:
-                self.layouts[part] = [FlatLayout.of(arrays) for arrays in per_ipu]
-                self.lengths[part] = padded_lengths(self.layouts[part])
             flats = [layout.pack(arrays, self.lengths[part], xp=np)
                      for layout, arrays in zip(self.layouts[part], per_ipu)]
             packed[part] = {
-                dtype: jax.device_put(
+                dtype: put(
                     np.broadcast_to(np.stack([f[dtype] for f in flats])[None],
                                     (self.replicas, self.ipus, length)),
                     self.sharding,
@@ -270,8 +289,7 @@ class PipelineState:
 
     def spec(self, keras_state) -> dict:
         """Shape structs of `to_device(keras_state)`, without packing anything."""
-        if not all(part in self.layouts for part in self.parts):
-            self.to_device(keras_state)  # sets the layouts up, once
+        self.set_up(keras_state)
         return {
             part: {
                 dtype: jax.ShapeDtypeStruct((self.replicas, self.ipus, length), dtype,
@@ -282,13 +300,20 @@ class PipelineState:
         }
 
     def to_keras(self, packed: dict, parts: Sequence[str]) -> dict:
-        """The device form -> Keras state lists (replica 0; metrics: last replica)."""
+        """The device form -> Keras state lists (replica 0; metrics: last replica).
+
+        In a multi-host job, of this instance's replicas: the weights are the
+        same on all, and the logs are reduced over all replicas in the program.
+        """
         result = {}
         for part in parts:
-            replica = self.replicas - 1 if part == "metrics_variables" else 0
+            mine = self.local_replicas
+            replica = mine[-1] if part == "metrics_variables" else mine[0]
             count = _part_length(self.pipelined.model, part)
             values: list = [None] * count
-            host = {dtype: np.asarray(array[replica]) for dtype, array in packed[part].items()}
+            read = instances.replica_row if self.spans_processes else (
+                lambda array, r: np.asarray(array[r]))
+            host = {dtype: read(array, replica) for dtype, array in packed[part].items()}
             for d in range(self.ipus):
                 arrays = self.layouts[part][d].unpack({k: v[d] for k, v in host.items()})
                 for i, array in zip(self.indices(part, d), arrays):
@@ -557,112 +582,3 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
     )
-
-
-# --------------------------------------------------------------------------- runtime glue
-
-
-def pipeline_mesh(ipus: Sequence[Any], ipus_per_replica: int, used_per_replica: int) -> IPUMesh:
-    """A `("replica", "ipu")` grid: replica r uses IPUs `r·k .. r·k + used - 1`.
-
-    IPUs that share a JAX device run batched on it (see `device.mesh`).
-    """
-    replicas = len(ipus) // ipus_per_replica
-    rows = [[ipus[r * ipus_per_replica + i].device for i in range(used_per_replica)]
-            for r in range(replicas)]
-    return IPUMesh(np.array(rows, dtype=object), (REPLICA_AXIS, IPU_AXIS))
-
-
-class PipelineCodec:
-    """Moves state and batches between Keras and a pipelined program."""
-
-    def __init__(self, state: PipelineState):
-        self.state = state
-        self.batch_sharding = state.mesh.sharding(P(None, REPLICA_AXIS))
-
-    def to_device(self, keras_state):
-        return self.state.to_device(keras_state)
-
-    def spec(self, keras_state):
-        return self.state.spec(keras_state)
-
-    def to_keras(self, packed):
-        return self.state.to_keras(packed, self.state.parts)
-
-    def batch_spec(self, batches):
-        return jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
-            batches)
-
-    def weight_placement(self, model) -> dict[str, list]:
-        """Each trainable weight on its stage's IPU, in every replica."""
-        devices = self.state.mesh.devices
-        placement = {}
-        for ipu, indices in enumerate(self.state.pipelined.trainable_of):
-            for i in indices:
-                placement[model.trainable_variables[i].path] = list(devices[:, ipu])
-        return placement
-
-    def place(self, batches):
-        if all(d.platform == "cpu" for d in self.state.mesh.devices.flat):
-            return batches  # the dispatch copies host arrays (see Replicas.place_batches)
-        return jax.device_put(batches, self.batch_sharding)
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineLayout:
-    """Data and outfeed arrangement of pipelined programs.
-
-    The feed gives `[steps, (replicas,) batch, ...]`; the program takes
-    `[updates, replicas, micro_batches, batch, ...]` as `(x, y, sample_weight)`.
-    """
-
-    replicas: int
-    micro_batches: int
-
-    def to_program(self, batches):
-        batches = tuple(batches) + (None,) * (3 - len(batches))
-        return jax.tree_util.tree_map(self._group, batches)
-
-    def _group(self, a):
-        if self.replicas == 1:
-            a = a[:, None]
-        grouped = a.reshape(a.shape[0] // self.micro_batches, self.micro_batches, *a.shape[1:])
-        return np.swapaxes(grouped, 1, 2)
-
-    def finalize(self, mode: str, reduce, accumulate_outfeed: bool = False):
-        """The in-program outfeed transform for a mode (`reduce`: replica reduction).
-
-        With `accumulate_outfeed`, the logs of the last pass through the
-        pipeline are averaged over its micro-batches (the reference sums them
-        on the device and divides by the accumulation steps, or by
-        `steps_per_execution` when evaluating: the micro-batches of a pass).
-        """
-        if mode == "predict":
-            return lambda out: jax.tree_util.tree_map(
-                lambda a: jnp.swapaxes(a[0], 0, 1).reshape(-1, *a.shape[4:]), out)
-
-        def last_logs(out):
-            pick = (lambda a: jnp.mean(a[-1], axis=-1)) if accumulate_outfeed else (
-                lambda a: a[-1, :, -1])
-            last = jax.tree_util.tree_map(pick, out)
-            if self.replicas == 1:
-                return jax.tree_util.tree_map(lambda a: a[0], last)
-            return jax.tree_util.tree_map(reduce, last)
-
-        return last_logs
-
-    def with_steps(self, finalize):
-        """`finalize` that also returns every micro-batch's logs, `[updates, replicas, micro]`."""
-        return lambda out: (finalize(out), out)
-
-    def predictions_by_step(self, steps: int):
-        """`predictions -> (predictions, [steps, replicas, batch, ...])`, from the input order."""
-
-        def split(predictions):
-            def by_step(a):
-                return np.asarray(a).reshape(steps, self.replicas, -1, *a.shape[1:])
-
-            return predictions, jax.tree_util.tree_map(by_step, predictions)
-
-        return split

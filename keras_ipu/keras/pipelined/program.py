@@ -7,8 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import accounting, schedules
+from keras_ipu.device import accounting, processes, schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
@@ -16,7 +17,7 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
-from keras_ipu.keras.pipelined import dispatched, training
+from keras_ipu.keras.pipelined import codec, dispatched, training
 from keras_ipu.keras.pipelined import model as pipelined_model
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.steps import STATE_PARTS
@@ -125,23 +126,26 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     def build():
         used = max(mapping) + 1
         per_replica = next_power_of_two(used)
-        system_ipus = context.device_ipus(model)
-        mesh = pipelined_model.pipeline_mesh(system_ipus, per_replica, used)
+        # In a multi-host job: every instance's IPUs, each instance's pipelines
+        # in turn (global replica = instance × local replicas + local replica).
+        system_ipus = processes.global_ipus(context.device_ipus(model))
+        mesh = codec.pipeline_mesh(system_ipus, per_replica, used)
         ipus = tuple(system_ipus[r * per_replica + i]
                      for r in range(replicas.count) for i in range(used))
         pipe = pipelined_model.PipelinedModel(model, plan, mapping)
         state = pipelined_model.PipelineState(pipe, mesh, STATE_PARTS[mode])
-        state.to_device(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
+        state.set_up(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         host_form = None
         if mode == "fit":
             training_options = (table, options.gradient_accumulation_reduction_method,
                                 options.accumulator_dtype, recompute)
             execution = training.build_fit_program(pipe, state, *training_options)
-            if replicas.count == 1:  # replicated pipelines run their schedule on the device
+            if replicas.count == 1:
                 host_form = dispatched.DispatchedFit(pipe, state, *training_options)
         else:
             execution = pipelined_model.build_inference_program(pipe, state, table, mode)
-        layout = pipelined_model.PipelineLayout(replicas.count, micro)
+        everywhere = mesh.sharding(P()) if state.spans_processes else None
+        layout = codec.PipelineLayout(replicas.count, micro, everywhere)
         cost = _pipeline_cost(pipe, state, table, feed.first_batch(), mode, options)
         finalize = layout.finalize(mode, REPLICA_REDUCTIONS[reduction], accumulate_outfeed)
         if stepwise and mode != "predict":
@@ -161,16 +165,36 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             loop=loop,
             dispatched=host_form,
             stream=StepStream(replicas.count) if streamed else None,
+            schedule_reason=_schedule_reason(mode, replicas),
         )
         split_steps = None
         if stepwise and not streamed:
             split_steps = (layout.predictions_by_step(feed.plan.steps_per_execution)
                            if mode == "predict" else tuple)
-        return run.Run(program, layout, pipelined_model.PipelineCodec(state), replicas.count,
+        return run.Run(program, layout, codec.PipelineCodec(state), replicas.count,
                        batches_per_step=None if mode == "predict" else micro,
                        split_steps=split_steps)
 
     return key, build
+
+
+def _schedule_reason(mode: str, replicas: Replicas) -> str:
+    """Why a pipelined execution runs as the compiled schedule program (the report's loop reason).
+
+    The host-dispatched form (`dispatched.DispatchedFit`) runs the ops of one
+    replica on this process's IPUs; replicated pipelines sum their gradients
+    between replicas inside the schedule program, and across instances a
+    process cannot dispatch ops to another instance's IPUs.
+    """
+    if mode != "fit":
+        return "the pipeline schedule is the loop"
+    if replicas.spans_processes:
+        return ("the pipeline schedule is the loop: its replicas span instances, whose IPUs "
+                "this process cannot dispatch to (the host-dispatched form runs one replica)")
+    if replicas.count > 1:
+        return ("the pipeline schedule is the loop: replicated pipelines sum their gradients "
+                "inside it (the host-dispatched form runs one replica)")
+    return "the pipeline schedule is the loop"
 
 
 def _plan_key(plan) -> tuple:

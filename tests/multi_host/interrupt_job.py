@@ -1,0 +1,15 @@
+"""Waits to be interrupted: prints "ready", then "interrupted" when Ctrl-C (SIGINT) arrives.
+
+Plain Python: what is tested is the launcher forwarding the signal, so the
+job stays quick to start (the instances need not join the job's runtime).
+"""
+
+import time
+
+try:
+    # Ready inside the `try`: the interrupt may come as soon as it is printed.
+    print("ready", flush=True)
+    time.sleep(120)  # bounded: the test interrupts it within seconds
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    raise
