@@ -599,12 +599,20 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
         )
     plan = pipelined.plan_of(model, x)
     if plan is None:
-        return Placement(replication.replicas_for(model))
-    mapping = pipelined.device_mapping(plan, options)
-    # In a multi-host job each instance pipelines over its own IPUs: the
-    # replicas are the instances' pipelines.
-    replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
-    return Placement(replicas, plan, mapping)
+        placement = Placement(replication.replicas_for(model))
+    else:
+        mapping = pipelined.device_mapping(plan, options)
+        # In a multi-host job each instance pipelines over its own IPUs: the
+        # replicas are the instances' pipelines.
+        replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
+        placement = Placement(replicas, plan, mapping)
+    if options.asynchronous_callbacks and placement.replicas.spans_processes:
+        # Each process hears only its own replicas' steps from the device.
+        raise NotImplementedError(
+            "Asynchronous callbacks are not supported across instances yet: call "
+            "`set_asynchronous_callbacks(False)`; batch callbacks then run once per "
+            "execution.")
+    return placement
 
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
