@@ -93,6 +93,36 @@ def test_cli_run_dispatches_on_num_instances(capsys):
     assert "multiple of --num-instances" in capsys.readouterr().err
 
 
+def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
+    from keras_ipu.distributed import strategy
+
+    configure(2)
+    seed_replica = ipu.horovod.ipu_multi_replica_strategy.IPUMultiReplicaStrategy
+    seed_worker = ipu.ipu_multi_worker_strategy.IPUMultiWorkerStrategy
+    assert seed_replica is strategy.IPUMultiReplicaStrategy
+    assert seed_worker is strategy.IPUMultiWorkerStrategy
+    seed_worker(cluster_resolver=None)
+    import keras
+
+    with seed_replica().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+        model.compile("sgd", "mse")
+    model.set_weights([np.zeros((3, 1), "float32")])
+    # Without a launcher: one instance, its 2 IPUs are the replicas.
+    assert (ipu.distributed.num_instances(), ipu.distributed.num_global_replicas()) == (1, 2)
+    x = np.arange(24, dtype="float32").reshape(8, 3) / 24
+    y = np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=2, verbose=0, shuffle=False)
+    # The replicas' gradients are summed (as on IPUs): plain Keras on the two
+    # replicas' batches together with twice the learning rate.
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    plain.compile(keras.optimizers.SGD(0.02), "mse")
+    plain.set_weights([np.zeros((3, 1), "float32")])
+    plain.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=1e-6)
+    assert np.abs(plain.get_weights()[0]).min() > 0
+
+
 def test_helpers_across_two_instances():
     done = launch("--num-instances", "2", "--num-replicas", "4", "--", "helpers_job.py")
     assert done.returncode == 0, done.stdout + done.stderr
