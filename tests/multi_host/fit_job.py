@@ -4,6 +4,7 @@ import sys
 
 import numpy as np
 from fit_cases import CASES, instance_data, run_case
+from say import say
 
 import keras_ipu as ipu
 
@@ -19,4 +20,4 @@ for name, kind, accumulation in CASES:
     case = run_case(strategy, kind, accumulation, x, y, evaluate=name == "sequential")
     results.update({f"{name}/{key}": value for key, value in case.items()})
 np.savez(f"{out}/instance{index}.npz", **results)
-print("done", index)
+say("done", index)

@@ -6,10 +6,12 @@ job stays quick to start (the instances need not join the job's runtime).
 
 import time
 
+from say import say
+
 try:
     # Ready inside the `try`: the interrupt may come as soon as it is printed.
-    print("ready", flush=True)
+    say("ready")
     time.sleep(120)  # bounded: the test interrupts it within seconds
 except KeyboardInterrupt:
-    print("interrupted", flush=True)
+    say("interrupted")
     raise

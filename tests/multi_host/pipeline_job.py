@@ -4,6 +4,7 @@ import sys
 
 import numpy as np
 from pipeline_cases import BATCH, FEEDS, data, instance_data, run_case
+from say import say
 
 import keras_ipu as ipu
 
@@ -21,4 +22,4 @@ for feed in FEEDS:
     case = run_case(strategy, x, y, feed, seed=1 + index)
     results.update({f"{feed}/{key}": value for key, value in case.items()})
 np.savez(f"{out}/instance{index}.npz", **results)
-print("done", index)
+say("done", index)

@@ -6,6 +6,7 @@ import sys
 import keras
 import numpy as np
 from fit_cases import BATCH, build, instance_data
+from say import say
 
 import keras_ipu as ipu
 
@@ -49,8 +50,8 @@ with strategy.scope():
         os.path.join(out, "ckpt_{epoch}.weights.h5"), save_weights_only=True)
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
               callbacks=[checkpoint, writes])
-    print("seen", writes.seen)
-    print("written", len(written))
+    say("seen", writes.seen)
+    say("written", len(written))
     model.save(os.path.join(out, "model.keras"))
     fresh = build("sequential")
     fresh.load_weights(os.path.join(out, "ckpt_2.weights.h5"))
@@ -59,4 +60,4 @@ with strategy.scope():
     loaded = keras.models.load_model(os.path.join(out, "model.keras"))
     same_model = all(np.allclose(a, b, rtol=1e-6) for a, b in
                      zip(loaded.get_weights(), model.get_weights()))
-    print("reloaded", same, same_model)
+    say("reloaded", same, same_model)
