@@ -89,17 +89,9 @@ MODELS = {
 
 def parse_args(argv=None):
     """bench_zoo's options, with this script's models, plus `--sweep`."""
-    sweep = "--sweep" in (argv if argv is not None else sys.argv[1:])
-    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--sweep"]
-    if not any(a.startswith("--models") for a in argv):
-        argv = ["--models", ",".join(MODELS), *argv]
-    saved = zoo.ZOO
-    zoo.ZOO = MODELS  # parse_args validates the names against ZOO
-    try:
-        args = zoo.parse_args(argv)
-    finally:
-        zoo.ZOO = saved
-    args.sweep = sweep
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = zoo.parse_args([a for a in argv if a != "--sweep"], zoo=MODELS)
+    args.sweep = "--sweep" in argv
     return args
 
 

@@ -573,12 +573,13 @@ def ipu_report(model):
 # Driver
 
 
-def parse_args(argv=None):
-    """Command-line options; fills the defaults that depend on --quick."""
+def parse_args(argv=None, zoo=None):
+    """Command-line options (models from `zoo`, default ZOO); fills the --quick defaults."""
+    zoo = zoo or ZOO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: few steps, 1 round")
     parser.add_argument(
-        "--models", default=",".join(ZOO), help=f"comma list of models (default {','.join(ZOO)})"
+        "--models", default=",".join(zoo), help=f"comma list of models (default {','.join(zoo)})"
     )
     parser.add_argument("--rounds", type=int, default=None, help="warm rounds (default 5; quick 1)")
     parser.add_argument(
@@ -604,9 +605,9 @@ def parse_args(argv=None):
     parser.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in args.models if m not in ZOO]
+    unknown = [m for m in args.models if m not in zoo]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(ZOO)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(zoo)}")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
     if args.first_rounds is None:

@@ -4,7 +4,7 @@ import os
 import time
 
 import numpy as np
-from say import say
+from job import say
 
 import keras_ipu as ipu
 

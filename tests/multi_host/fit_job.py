@@ -4,16 +4,10 @@ import sys
 
 import numpy as np
 from fit_cases import CASES, instance_data, run_case
-from say import say
-
-import keras_ipu as ipu
+from job import say, start
 
 out = sys.argv[1]
-config = ipu.config.IPUConfig()
-ipu.distributed.update_ipu_config(config)
-config.configure_ipu_system()
-strategy = ipu.distributed.IPUMultiReplicaStrategy()
-index = ipu.distributed.instance_index()
+strategy, index = start()
 x, y = instance_data(index)
 results = {}
 for name, kind, accumulation in CASES:

@@ -2,7 +2,7 @@
 
 import jax
 import numpy as np
-from say import say
+from job import say
 
 import keras_ipu as ipu
 

@@ -6,7 +6,7 @@ job stays quick to start (the instances need not join the job's runtime).
 
 import time
 
-from say import say
+from job import say
 
 try:
     # Ready inside the `try`: the interrupt may come as soon as it is printed.

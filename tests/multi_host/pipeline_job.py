@@ -3,17 +3,13 @@
 import sys
 
 import numpy as np
+from job import say, start
 from pipeline_cases import BATCH, FEEDS, data, instance_data, run_case
-from say import say
 
 import keras_ipu as ipu
 
 out = sys.argv[1]
-config = ipu.config.IPUConfig()
-ipu.distributed.update_ipu_config(config)
-config.configure_ipu_system()
-strategy = ipu.distributed.IPUMultiReplicaStrategy()
-index = ipu.distributed.instance_index()
+strategy, index = start()
 x, y = ipu.distributed.shard_for_instance(data(), BATCH)  # --ipus-per-replica 2: 1 replica
 assert (x == instance_data(index)[0]).all()
 results = {}

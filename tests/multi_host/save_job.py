@@ -6,16 +6,10 @@ import sys
 import keras
 import numpy as np
 from fit_cases import BATCH, build, instance_data
-from say import say
-
-import keras_ipu as ipu
+from job import say, start
 
 out = sys.argv[1]
-config = ipu.config.IPUConfig()
-ipu.distributed.update_ipu_config(config)
-config.configure_ipu_system()
-strategy = ipu.distributed.IPUMultiReplicaStrategy()
-index = ipu.distributed.instance_index()
+strategy, index = start()
 x, y = instance_data(index)
 # Counts the files this instance's Keras writes.
 written = []
