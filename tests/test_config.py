@@ -794,6 +794,7 @@ def test_configure_passes_hardware_order_and_options(device):
         "synthetic_data_initializer": None,
         "executable_cache_path": None,
         "execution_loop": "auto",
+        "xla_compiler_options": "tuned",
     }
 
 

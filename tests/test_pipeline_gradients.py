@@ -38,3 +38,33 @@ def test_pack_update_and_unpack_agree_in_both_layouts():
                 expected = 2 * grads[index] + (grads[index] if index in first else 0)
                 assert got.shape == shape
                 np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_a_flat_update_touches_only_the_given_variables_one_run_at_a_time():
+    # IPU 0: float32 variables 0, 1, 3, 5 and float16 variable 2 among them; IPU 1 is shorter.
+    variables = [[(0, (3, 2), "float32"), (1, (4,), "float32"), (2, (5,), "float16"),
+                  (3, (2,), "float32"), (5, (40, 30), "float32")], [(4, (30, 40), "float32")]]
+    lengths = {"float32": 1212, "float16": 5}
+    layout = GradientLayout.of(variables, lengths)
+    assert layout.slots is None
+    rng = np.random.default_rng(1)
+    old = {dtype: jnp.asarray(rng.standard_normal(n), "float32") for dtype, n in lengths.items()}
+    grads = {i: jnp.asarray(rng.standard_normal(s), "float32")
+             for ipu in variables for i, s, _ in ipu}
+    given = {i: grads[i] for i in (0, 1, 3, 5)}  # variable 2 is another stage's
+    # Back to back per dtype: the float32 ones are one run, the whole vector.
+    assert [(kind, offset, len(parts)) for kind, offset, parts in layout._runs(0, given)] == [
+        ("float32", 0, 4)]
+    acc = layout.update(0, old, given, lambda o, g: o + 2 * g)
+    for (index, _, _), was, now in zip(variables[0], layout.unpack(0, old),
+                                       layout.unpack(0, acc)):
+        expected = was + 2 * grads[index] if index in given else was
+        np.testing.assert_allclose(now, expected, rtol=1e-6)
+    # Without variable 1, variable 3 starts a run of its own.
+    assert [(k, o) for k, o, _ in layout._runs(0, {0: grads[0], 3: grads[3]})] == [
+        ("float32", 0), ("float32", 10)]
+    # IPU 1's padding, past its variable, keeps its values.
+    acc = layout.update(1, old, {4: grads[4]}, lambda o, g: o + 2 * g)
+    np.testing.assert_allclose(acc["float32"][:1200], old["float32"][:1200] + 2 * grads[4].ravel(),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(acc["float32"][1200:], old["float32"][1200:])

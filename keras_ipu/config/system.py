@@ -239,4 +239,5 @@ def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
         "synthetic_data_initializer": flags.synthetic_data_initializer,
         "executable_cache_path": flags.executable_cache_path,
         "execution_loop": flags.execution_loop,
+        "xla_compiler_options": flags.xla_compiler_options,
     }

@@ -30,6 +30,8 @@ class DispatchedExecutable:
             its programs plus what it keeps between them, its io.
         cost: The cost of one step (one micro-batch through every stage), or a
             function that counts it (when the report is read).
+        compiler: The XLA options its programs were compiled with, and why,
+            in words (`keras_ipu.device.compiler`).
 
     Example:
 
@@ -40,6 +42,7 @@ class DispatchedExecutable:
     run: Callable[[Any, Any], tuple[Any, Any]]
     memory: tuple[MemoryUse, ...]
     cost: StepCost | Callable[[], StepCost]
+    compiler: str = ""
 
 
 class DispatchedExecution(Protocol):

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from keras_ipu.device import accounting, convolutions, loops, precision
+from keras_ipu.device import accounting, compiler, convolutions, loops, precision
 from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.outfeed import StepStream
@@ -321,10 +321,11 @@ class ExecutionProgram:
             if choice.form == loops.HOST:
                 executable = self._dispatched.compile(state, self._compiled_batches(batches))()
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
-                                     choice, started, dispatched=True)
+                                     choice, started, executable.compiler, dispatched=True)
         traced, compiled_batches, loop = self._trace(state, batches, choice)
         lowered = traced.lower()
-        compiled = lowered.compile()
+        options = compiler.choose_options(compiler.STEP, self.device.platform)
+        compiled = compiler.compile_lowered(lowered, options)
         count = self.replicas.count
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
@@ -346,24 +347,25 @@ class ExecutionProgram:
         def cost():
             return accounting.step_cost(lowered, steps=compiled_steps).per_ipu(sharing)
 
-        return self._checked(compiled, batches, (memory,) * count, cost, loop, started)
+        return self._checked(compiled, batches, (memory,) * count, cost, loop, started,
+                             options.describe())
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
                  cost: accounting.StepCost | Callable[[], accounting.StepCost],
                  loop: loops.LoopChoice, started: float,
-                 dispatched: bool = False) -> _Executable:
+                 options: str = "", dispatched: bool = False) -> _Executable:
         """The executable, once each IPU's memory is checked; its report comes when read."""
         seconds = time.perf_counter() - started
         for ipu, use in zip(self.replicas.ipus, memory):
             if use.total_bytes > self.hardware.memory_capacity_bytes:
                 raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
                                           self.hardware.memory_capacity_bytes, self.mode)
-        report = functools.partial(self._report, batches, memory, cost, loop, seconds)
+        report = functools.partial(self._report, batches, memory, cost, loop, seconds, options)
         return _Executable(compiled, report, loop, dispatched)
 
     def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
                 cost: accounting.StepCost | Callable[[], accounting.StepCost],
-                loop: loops.LoopChoice, seconds: float) -> ExecutionReport:
+                loop: loops.LoopChoice, seconds: float, options: str) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
         cost = cost() if callable(cost) else cost
         count = self.replicas.count
@@ -401,6 +403,7 @@ class ExecutionProgram:
             pipeline=pipeline_report,
             loop=loop.form,
             loop_reason=loop.reason,
+            compiler=options,
         )
         return report
 

@@ -114,6 +114,8 @@ class ExecutionReport:
             (one compiled step dispatched per step) or `"schedule"`
             (pipelined programs: the schedule table is the loop).
         loop_reason: Why that loop form.
+        compiler: The XLA options the program was compiled with, and why
+            (`keras_ipu.device.compiler`).
 
     Example:
 
@@ -134,6 +136,7 @@ class ExecutionReport:
     pipeline: PipelineReport | None = None
     loop: str = "scan"
     loop_reason: str = ""
+    compiler: str = ""
 
     @property
     def shared_devices(self) -> dict[str, tuple[int, ...]]:
@@ -193,7 +196,8 @@ class ExecutionReport:
             f"Estimated {self.estimated_seconds * 1e3:.3f} ms per execution "
             f"({self.estimated_steps_per_second:,.0f} steps/s); "
             f"{self.flops_per_step:,.0f} flops per step; compiled in "
-            f"{self.compile_seconds:.2f} s." + self._sharing()
+            f"{self.compile_seconds:.2f} s"
+            + (f" with {self.compiler}" if self.compiler else "") + "." + self._sharing()
         )
 
     def _sharing(self) -> str:

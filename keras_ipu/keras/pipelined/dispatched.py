@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from keras_ipu.device import accounting, convolutions, loops, precision, schedules
+from keras_ipu.device import accounting, compiler, convolutions, loops, precision, schedules
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined import training
@@ -262,13 +262,17 @@ class DispatchedFit:
         local, batch, bundle, j, acc = self._specs(state, batches)
         workers = os.cpu_count() or 1
         pool = concurrent.futures.ThreadPoolExecutor(workers)
+        platform = self.devices[0].platform
+        step_options = compiler.choose_options(compiler.STEP, platform)
+        update_options = compiler.choose_options(compiler.OPTIMIZER, platform)
 
-        def started(traced):
+        def started(traced, options=step_options):
             # Costed over the lowered program, as every execution is (the
             # compiled one's cost analysis depends on the platform), when the
             # report is read: counting is not free and a run never reads it.
             lowered = traced.lower()
-            return pool.submit(lowered.compile), traced.out_info, traced.jaxpr, lowered
+            compiled = pool.submit(compiler.compile_lowered, lowered, options)
+            return compiled, traced.out_info, traced.jaxpr, lowered
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
@@ -288,7 +292,7 @@ class DispatchedFit:
                  if self.p.loss_scaled else ())
         update = [started(_trace(self.update_op(d),
                                  (local[TRAINABLE][d], local[OPTIMIZER][d], acc, *flags),
-                                 self.devices[d], donate=(0, 1, 2)))
+                                 self.devices[d], donate=(0, 1, 2)), update_options)
                   for d in range(self.p.num_ipus)]
         finite = [started(_trace(self.finite_op(d), (acc,), self.devices[d]))
                   for d in range(self.p.num_ipus)] if flags else []
@@ -316,6 +320,8 @@ class DispatchedFit:
                 cost=functools.partial(self._cost,
                                        [op[3] for op in (*forward, *backward, last)],
                                        [op[3] for op in update]),
+                compiler=(f"stage ops: {step_options.describe()}; "
+                          f"optimizer steps: {update_options.describe()}"),
             )
 
         return executable
@@ -366,19 +372,31 @@ class _Runner:
         self.ticks = [[op for op in tick if op is not None] for tick in fit.table.ticks]
         self.js = [[jax.device_put(np.int32(j), device) for j in range(fit.micro)]
                    for device in self.devices]
-        self._zeros = [jax.jit(lambda: fit.stages.grads.zeros(fit.accumulator_dtype),
-                               out_shardings=SingleDeviceSharding(device))
-                       for device in self.devices]
+        self._acc_spec = jax.eval_shape(lambda: fit.stages.grads.zeros(fit.accumulator_dtype))
+        # Each update gives back zeroed accumulators: the last one's start the
+        # next execution (None while an execution runs, or after one failed).
+        self._zeroed: list | None = None
+
+    def _zeros(self) -> list:
+        """Empty accumulators on each IPU, copied from the host.
+
+        A program making them would be compiled on the first fit: over a
+        slot per variable shape, about half a second per IPU for MobileNetV2.
+        """
+        return [jax.device_put(jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype),
+                                                      self._acc_spec), device)
+                for device in self.devices]
 
     def run(self, state, batches):
         """One execution: `(packed state, batches) -> (packed state, outfeed)`."""
         fit = self.fit
         local = {part: _split(state[part], len(self.devices)) for part in TRAINING_STATE_PARTS}
-        acc = [zeros() for zeros in self._zeros]
+        acc, self._zeroed = self._zeroed or self._zeros(), None
         for u in range(jax.tree_util.tree_leaves(batches)[0].shape[0]):
             data = [jax.tree_util.tree_map(lambda a, u=u, j=j: a[u, 0, j], batches)
                     for j in range(fit.micro)]
             logs = _Update(self, local, acc, data).run()
+        self._zeroed = acc
         new_state = {part: _joined(state[part], local[part]) for part in TRAINING_STATE_PARTS}
         # The last update's logs, as the schedule program's `[updates, replicas, micro]`.
         outfeed = jax.tree_util.tree_map(lambda *v: jnp.stack(v)[None, None], *logs)

@@ -96,14 +96,33 @@ class GradientLayout:
                 k = self.slot_of[ipu][index]
                 acc[k] = rule(acc[k], grad.astype(acc[k].dtype))
             return tuple(acc)
-        acc, offsets = dict(acc), self._offsets(ipu)
-        for index, grad in grads.items():
-            offset, kind = offsets[index]
+        # One update per run of variables that lie back to back: an update
+        # per variable rewrote the whole vector each time on XLA:CPU (109
+        # variables of ResNet50's first half: 25 s per backward op).
+        acc = dict(acc)
+        for kind, offset, parts in self._runs(ipu, grads):
             flat = acc[kind]
-            part = jax.lax.dynamic_slice_in_dim(flat, offset, grad.size)
-            new = rule(part, grad.ravel().astype(flat.dtype))
+            grad = jnp.concatenate([part.ravel().astype(flat.dtype) for part in parts])
+            if offset == 0 and grad.size == flat.size:
+                acc[kind] = rule(flat, grad)
+                continue
+            new = rule(jax.lax.slice_in_dim(flat, offset, offset + grad.size), grad)
             acc[kind] = jax.lax.dynamic_update_slice_in_dim(flat, new, offset, 0)
         return acc
+
+    def _runs(self, ipu: int, grads: dict[int, Any]) -> list[tuple[str, int, list[Any]]]:
+        """`(dtype, offset, gradients)` of each run of given variables held back to back."""
+        runs: list[tuple[str, int, list[Any]]] = []
+        end: dict[str, int] = {}  # per dtype, where the last run ends
+        for index, (offset, kind) in self._offsets(ipu).items():
+            if index not in grads:
+                continue
+            if runs and end.get(kind) == offset and runs[-1][0] == kind:
+                runs[-1][2].append(grads[index])
+            else:
+                runs.append((kind, offset, [grads[index]]))
+            end[kind] = offset + int(np.prod(grads[index].shape))
+        return runs
 
     def unpack(self, ipu: int, acc: Any) -> list[Any]:
         """`ipu`'s gradients, one array per variable in its flat layout's order."""

@@ -94,7 +94,8 @@ def replica_row(array: jax.Array, replica: int) -> np.ndarray:
         data = shard.data
         if not r0 <= replica < r0 + data.shape[0]:
             continue
-        block = np.asarray(data[replica - r0])
+        # On the host: indexing the device array would compile a program.
+        block = np.asarray(data)[replica - r0]
         for k in range(block.shape[0]):
             row[i0 + k] = block[k]
     if any(part is None for part in row):
