@@ -47,8 +47,10 @@ class PoplarFlags:
         xla_compiler_options: `--xla_compiler_options=tuned|default`
             (keras_ipu's own): `tuned` (the default) compiles keras_ipu's
             programs with the XLA options `keras_ipu.device.compiler` gives
-            for their platform (on CPUs: the LLVM IR emitters, which compile
-            two to three times as fast); `default` uses XLA's defaults.
+            for their kind and platform (on CPUs, a host-dispatched
+            pipeline's optimizer steps with the LLVM IR emitters, which
+            compile them about three times as fast); `default` uses XLA's
+            defaults for every program.
         unknown: The flags not understood, as written.
 
     Example:
