@@ -9,9 +9,9 @@ BENCHMARKS.md "The zoo": a pipelined MobileNetV2's two optimizer steps 9.5 s
 and 3.7 s of compile time under load, 3.5 s and 0.9 s with the LLVM IR
 emitters; an optimizer step over 160 variables alone 3.7 s against 1.3 s,
 and it runs faster too). The updates are the same elementwise arithmetic
-either way (the pipelined MobileNetV2 ends with the same weights, bit for
-bit). Programs with convolutions, normalizations and reductions keep XLA's
-defaults: there the two emitters round differently, and for models without
+either way (the same weights: tests/test_compiler_options.py). Programs
+with convolutions, normalizations and reductions keep XLA's defaults:
+there the two emitters round differently, and for models without
 convolutions the LLVM IR emitters' code runs 8-9% slower. Only keras_ipu's
 programs are compiled this way; other JAX work in the process keeps XLA's
 defaults. `--xla_compiler_options=default` in `KERAS_IPU_FLAGS` turns the

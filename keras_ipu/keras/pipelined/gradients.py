@@ -113,15 +113,16 @@ class GradientLayout:
     def _runs(self, ipu: int, grads: dict[int, Any]) -> list[tuple[str, int, list[Any]]]:
         """`(dtype, offset, gradients)` of each run of given variables held back to back."""
         runs: list[tuple[str, int, list[Any]]] = []
-        end: dict[str, int] = {}  # per dtype, where the last run ends
+        last: dict[str, tuple[int, list[Any]]] = {}  # per dtype: (end, parts) of its last run
         for index, (offset, kind) in self._offsets(ipu).items():
             if index not in grads:
                 continue
-            if runs and end.get(kind) == offset and runs[-1][0] == kind:
-                runs[-1][2].append(grads[index])
-            else:
-                runs.append((kind, offset, [grads[index]]))
-            end[kind] = offset + int(np.prod(grads[index].shape))
+            end, parts = last.get(kind, (None, None))
+            if end != offset:
+                parts = []
+                runs.append((kind, offset, parts))
+            parts.append(grads[index])
+            last[kind] = (offset + grads[index].size, parts)
         return runs
 
     def unpack(self, ipu: int, acc: Any) -> list[Any]:
