@@ -284,3 +284,21 @@ def test_a_built_subclassed_model_records_its_build_shape():
     model = Small()
     model.build((3, 4))
     assert model._build_shapes_dict == {"input_shape": (3, 4)}
+
+
+def test_optimizer_slots_built_in_a_stateless_scope_wait_for_values():
+    # keras_ipu.keras.pipelined.flat_optimizer builds clones that allocate
+    # nothing, and parses slot names `<variable name>_<slot>`.
+    from keras.src.backend.common import global_state
+
+    optimizer = keras.optimizers.Adam()
+    pending = list(global_state.get_global_attribute("uninitialized_variables") or [])
+    with keras.StatelessScope(initialize_variables=False):
+        optimizer.build([keras.Variable(initializer="zeros", shape=(5,), dtype="float32",
+                                        name="w")])
+    waiting = global_state.get_global_attribute("uninitialized_variables")
+    assert [v.name for v in waiting[len(pending):]] == ["w", "w_momentum", "w_velocity"]
+    assert [v.name for v in optimizer.variables] == ["iteration", "learning_rate",
+                                                     "w_momentum", "w_velocity"]
+    assert optimizer.variables[2]._value is None
+    global_state.set_global_attribute("uninitialized_variables", pending)

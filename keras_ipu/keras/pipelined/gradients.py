@@ -133,6 +133,14 @@ class GradientLayout:
         return [acc[kind][offsets[index][0]:offsets[index][0] + int(np.prod(shape))]
                 .reshape(shape) for index, shape, kind in self.variables[ipu]]
 
+    def flat(self, ipu: int, acc: Any, dtype: str) -> Any:
+        """`ipu`'s gradients of its `dtype` variables back to back (then padding, if any)."""
+        if self.slots is None:
+            return acc[dtype]
+        return jnp.concatenate([grad.ravel() for grad, (_, _, kind)
+                                in zip(self.unpack(ipu, acc), self.variables[ipu])
+                                if kind == dtype])
+
     def _offsets(self, ipu: int) -> dict[int, tuple[int, str]]:
         offsets, used = {}, dict.fromkeys(self.lengths, 0)
         for index, shape, kind in self.variables[ipu]:

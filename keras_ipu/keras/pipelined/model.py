@@ -28,6 +28,7 @@ from keras_ipu.device import schedules
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages
 from keras_ipu.keras.pipelined import instances
+from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS
 
 IPU_AXIS = "ipu"
@@ -175,6 +176,9 @@ class PipelinedModel:
             )
         self.last_ipu = self.device_mapping[-1]
         self.optimizers, self.optimizer_of = [], []
+        # Per IPU: the flat form of its clone (`None` where it has none),
+        # and the order the packed state holds the clone's variables in.
+        self.flat_optimizers, self.optimizer_storage = [], []
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
@@ -187,9 +191,15 @@ class PipelinedModel:
         names = _occurrences(optimizer.variables)
         for ids in self.trainable_of:
             clone = optimizer.__class__.from_config(optimizer.get_config())
-            clone.build([model.trainable_variables[i] for i in ids])
+            variables = [model.trainable_variables[i] for i in ids]
+            clone.build(variables)
+            flat = FlatOptimizer.of(clone, variables)
+            order = flat.storage_order if flat else tuple(range(len(clone.variables)))
+            in_clone = [names[key] for key in _occurrences(clone.variables)]
             self.optimizers.append(clone)
-            self.optimizer_of.append([names[key] for key in _occurrences(clone.variables)])
+            self.flat_optimizers.append(flat)
+            self.optimizer_storage.append(order)
+            self.optimizer_of.append([in_clone[p] for p in order])
 
     @property
     def loss_scaled(self) -> bool:

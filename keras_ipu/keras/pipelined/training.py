@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
+from keras_ipu.keras.pipelined import flat_optimizer
 from keras_ipu.keras.pipelined.gradients import GradientLayout
 from keras_ipu.keras.pipelined.model import (
     BACKWARD,
@@ -584,7 +585,9 @@ def loss_scale(pipelined: PipelinedModel, state: PipelineState, optimizer_flats)
     """
     ipu = pipelined.last_ipu
     optimizer = pipelined.optimizers[ipu]
-    values = state.layouts["optimizer_variables"][ipu].unpack(optimizer_flats)
+    values = flat_optimizer.in_clone_order(
+        state.layouts["optimizer_variables"][ipu].unpack(optimizer_flats),
+        pipelined.optimizer_storage[ipu])
     with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
         # The loss is a multiple of itself: scaling 1 gives the factor.
         return jnp.asarray(optimizer.scale_loss(jnp.ones((), jnp.float32)), jnp.float32)
@@ -656,19 +659,26 @@ def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
     """`apply(trainable, optimizer_vars, acc) -> (trainable, optimizer_vars)` of one IPU.
 
     Its optimizer clone applied to its packed variables with the summed
-    gradients of an accumulator (`grads_layout`).
+    gradients of an accumulator (`grads_layout`); an elementwise optimizer's
+    flat form (`flat_optimizer`) to all of them at once.
     """
     t_layout = state.layouts["trainable_variables"][ipu]
     o_layout = state.layouts["optimizer_variables"][ipu]
-    optimizer = pipelined.optimizers[ipu]
+    optimizer, flat = pipelined.optimizers[ipu], pipelined.flat_optimizers[ipu]
+    order = pipelined.optimizer_storage[ipu]
 
     def apply(trainable, optimizer_vars, acc):
+        if flat is not None:
+            return flat.apply(o_layout, trainable, optimizer_vars,
+                              grads_layout.flat(ipu, acc, flat.dtype))
         variables = t_layout.unpack(trainable)
         grads = [g.astype(v.dtype) for g, v in zip(grads_layout.unpack(ipu, acc), variables)]
         variables, optimizer_values = optimizer.stateless_apply(
-            o_layout.unpack(optimizer_vars), grads, variables)
+            flat_optimizer.in_clone_order(o_layout.unpack(optimizer_vars), order), grads,
+            variables)
         return (t_layout.pack(variables, state.lengths["trainable_variables"]),
-                o_layout.pack(optimizer_values, state.lengths["optimizer_variables"]))
+                o_layout.pack(flat_optimizer.in_storage_order(optimizer_values, order),
+                              state.lengths["optimizer_variables"]))
 
     return apply
 
