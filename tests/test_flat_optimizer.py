@@ -100,6 +100,14 @@ def test_updates_that_read_more_than_one_value_keep_the_per_variable_form(make, 
     assert FlatOptimizer.of(_built(make, variables), variables) is None, why
 
 
+def test_weight_decay_skipping_some_weights_keeps_the_per_variable_form():
+    variables = _variables()
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    optimizer.build(variables)
+    assert FlatOptimizer.of(optimizer, variables) is None
+
+
 def test_weights_of_two_dtypes_keep_the_per_variable_form():
     variables = _variables()[:2] + _variables(SHAPES[2:], "float16")
     assert FlatOptimizer.of(_built(lambda: keras.optimizers.Adam(), variables), variables) is None

@@ -302,3 +302,15 @@ def test_optimizer_slots_built_in_a_stateless_scope_wait_for_values():
                                                      "w_momentum", "w_velocity"]
     assert optimizer.variables[2]._value is None
     global_state.set_global_attribute("uninitialized_variables", pending)
+
+
+def test_weight_decay_exclusions_are_asked_per_variable():
+    # keras_ipu.keras.pipelined.model copies exclusions to each IPU's optimizer
+    # clone (they are not in the config), asking `_use_weight_decay`.
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    assert "exclude" not in str(optimizer.get_config())
+    bias = keras.Variable(np.zeros(3, "float32"), name="bias")
+    kernel = keras.Variable(np.zeros((2, 3), "float32"), name="kernel")
+    assert optimizer._use_weight_decay(bias) is False
+    assert optimizer._use_weight_decay(kernel) is True

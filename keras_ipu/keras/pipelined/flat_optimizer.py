@@ -85,8 +85,9 @@ class FlatOptimizer:
 
         Returns:
             The `FlatOptimizer`, or `None` when the optimizer is not one of
-            `ELEMENTWISE`, uses one of `PER_VARIABLE_SETTINGS`, or the
-            variables have more than one dtype.
+            `ELEMENTWISE`, uses one of `PER_VARIABLE_SETTINGS`, excludes some
+            variables from weight decay, or the variables have more than one
+            dtype.
 
         Example:
 
@@ -97,7 +98,8 @@ class FlatOptimizer:
         config = optimizer.get_config()
         dtypes = {str(np.dtype(v.dtype)) for v in variables}
         if (type(optimizer) not in ELEMENTWISE or len(dtypes) != 1
-                or any(config.get(key) for key in PER_VARIABLE_SETTINGS)):
+                or any(config.get(key) for key in PER_VARIABLE_SETTINGS)
+                or _decays_some_only(optimizer, variables)):
             return None
         length = sum(int(np.prod(v.shape)) for v in variables)
         per_variable = _unallocated_clone(optimizer, [
@@ -166,6 +168,12 @@ def in_clone_order(stored: Sequence[Any], storage_order: Sequence[int]) -> list:
 def in_storage_order(values: Sequence[Any], storage_order: Sequence[int]) -> list:
     """The inverse of `in_clone_order`."""
     return [values[position] for position in storage_order]
+
+
+def _decays_some_only(optimizer: Any, variables: Sequence[Any]) -> bool:
+    """Whether weight decay skips some of the variables (`exclude_from_weight_decay`)."""
+    return optimizer.weight_decay is not None and not all(
+        optimizer._use_weight_decay(v) for v in variables)
 
 
 def _signature(variables) -> list:

@@ -192,6 +192,7 @@ class PipelinedModel:
         for ids in self.trainable_of:
             clone = optimizer.__class__.from_config(optimizer.get_config())
             variables = [model.trainable_variables[i] for i in ids]
+            _exclude_from_weight_decay_as(optimizer, clone, variables)
             clone.build(variables)
             flat = FlatOptimizer.of(clone, variables)
             order = flat.storage_order if flat else tuple(range(len(clone.variables)))
@@ -211,6 +212,19 @@ class PipelinedModel:
         """
         return bool(self.optimizers) and isinstance(
             self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _exclude_from_weight_decay_as(optimizer, clone, variables) -> None:
+    """Excludes from `clone`'s weight decay the variables `optimizer` excludes.
+
+    `exclude_from_weight_decay(...)` is not part of an optimizer's config, so
+    a clone made from the config would decay every variable.
+    """
+    if optimizer.weight_decay is None:
+        return
+    excluded = [v for v in variables if not optimizer._use_weight_decay(v)]
+    if excluded:
+        clone.exclude_from_weight_decay(var_list=excluded)
 
 
 def _unique(values: list[int]) -> list[int]:
