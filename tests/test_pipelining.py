@@ -111,6 +111,41 @@ def test_weight_decay_exclusions_reach_every_ipu(strategy):
     assert np.max(np.abs(decayed.layers[0].bias.numpy() - bias)) > 1e-3
 
 
+def _clipping(kind):
+    sgd = keras.optimizers.SGD(0.05, global_clipnorm=0.05)
+    return keras.optimizers.LossScaleOptimizer(sgd, initial_scale=64.0) if kind == "lso" else sgd
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+@pytest.mark.parametrize("kind", ["sgd", "lso"])
+def test_global_clipnorm_clips_by_the_norm_over_every_ipu(kind, form, monkeypatch):
+    # Keras clips by the norm of all the gradients; each IPU holds some of
+    # them: every IPU must scale its own by the norm over all of them.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    plain = keras.Sequential.from_config(model.get_config())
+    unclipped = keras.Sequential.from_config(model.get_config())
+    for m in (plain, unclipped):
+        m.set_weights(model.get_weights())
+    plain.compile(optimizer=_clipping(kind), loss="mse")
+    unclipped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.compile(optimizer=_clipping(kind), loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean")
+    for m in (plain, unclipped):
+        m.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    # The clipping was active: without it the weights end elsewhere.
+    assert np.max(np.abs(unclipped.get_weights()[0] - model.get_weights()[0])) > 1e-3
+    assert ipu.utils.execution_report(model, "fit").loop == (
+        "host" if form == "host" else "schedule")
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_functional_with_pipeline_stage_scopes(schedule, strategy):
     configure(2)

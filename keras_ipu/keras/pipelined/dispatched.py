@@ -32,7 +32,7 @@ from jax.sharding import SingleDeviceSharding
 from keras_ipu.device import accounting, compiler, convolutions, loops, precision, schedules
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
-from keras_ipu.keras.pipelined import training
+from keras_ipu.keras.pipelined import training, update
 from keras_ipu.keras.pipelined.model import (
     TRAINING_STATE_PARTS,
     PipelinedModel,
@@ -72,8 +72,9 @@ class _Ops:
 
     `forward[s]` for every stage but the last, `backward[s]` likewise, `last`
     (the last stage's fused op), `update[ipu]` (optimizer, fresh accumulator),
-    `finite[ipu]` (whether its gradients are finite; with a
-    `LossScaleOptimizer` only).
+    `summary[ipu]` (what the optimizer steps need of its gradients:
+    `update.gradient_summary`; only with a `LossScaleOptimizer` or
+    `global_clipnorm`).
     """
 
     forward: list
@@ -81,7 +82,7 @@ class _Ops:
     last: Any
     update: list
     stash_bytes: list[int]
-    finite: list = dataclasses.field(default_factory=list)
+    summary: list = dataclasses.field(default_factory=list)
 
 
 class DispatchedFit:
@@ -176,7 +177,7 @@ class DispatchedFit:
             f, weights, _, _ = self._stage(s, tv, ntv, _local(metrics), bundle, batch)
             loss, vjp_fn, (new_ntv, logs, new_metrics) = jax.vjp(f, weights, bundle,
                                                                  has_aux=True)
-            scale = training.loss_scale(self.p, self.state, _local(optimizer_vars))
+            scale = update.loss_scale(self.p, self.state, _local(optimizer_vars))
             grads, g_in = vjp_fn(training.loss_cotangent(loss, scale))
             return (self._packed_ntv(s, new_ntv), _slot(new_metrics), logs,
                     (g_in if s else None), self._accumulated(s, acc, grads, j))
@@ -185,30 +186,34 @@ class DispatchedFit:
         return op
 
     def update_op(self, ipu: int):
-        """`(tv, optimizer, acc, *finite) -> (tv, optimizer, zeroed acc)`: the IPU's optimizer step.
+        """`(tv, optimizer, acc, summaries) -> (tv, optimizer, zeroed acc)`: an optimizer step.
 
-        `finite`: with a `LossScaleOptimizer`, whether each IPU's gradients
-        are finite (`finite_op`); the update is skipped on every IPU unless
-        all are (`training.skipped_unless`).
+        `summaries`: every IPU's `summary_op` of its gradients (an empty tuple
+        when the optimizer needs none): with a `LossScaleOptimizer` the
+        update is skipped on every IPU unless all are finite
+        (`update.skipped_unless`); with `global_clipnorm` the gradients are
+        clipped by their norm over every IPU.
         """
-        apply = training.optimizer_update(self.p, self.state, self.stages.grads, ipu)
+        apply = update.optimizer_update(self.p, self.state, self.stages.grads, ipu)
 
-        def op(tv, optimizer_vars, acc, *finite):
-            if finite:
-                acc = training.skipped_unless(jnp.all(jnp.stack(finite)), acc)
-            tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc)
+        def op(tv, optimizer_vars, acc, summaries):
+            finite, squared = update.combine_summaries(self.p, summaries) if summaries else (
+                None, None)
+            if finite is not None:
+                acc = update.skipped_unless(finite, acc)
+            tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc, squared)
             return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulator_dtype)
 
         op.__name__ = f"optimizer_ipu_{ipu}"
         return op
 
-    def finite_op(self, ipu: int):
-        """`acc -> bool`: whether an IPU's accumulated gradients are all finite."""
+    def summary_op(self, ipu: int):
+        """`acc -> summary`: what the optimizer steps need of an IPU's gradients."""
 
         def op(acc):
-            return training.all_finite(acc)
+            return update.gradient_summary(self.p, acc)
 
-        op.__name__ = f"finite_ipu_{ipu}"
+        op.__name__ = f"gradient_summary_ipu_{ipu}"
         return op
 
     # ------------------------------------------------------------------ tracing and compiling
@@ -288,14 +293,15 @@ class DispatchedFit:
         args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], local[METRICS][ipu],
                 local[OPTIMIZER][ipu], bundle, batch, acc, j)
         last = started(_trace(self.last_op(), args, self.devices[ipu], donate=(1, 2, 6)))
-        flags = ((jax.ShapeDtypeStruct((), jnp.bool_),) * self.p.num_ipus
-                 if self.p.loss_scaled else ())
-        update = [started(_trace(self.update_op(d),
-                                 (local[TRAINABLE][d], local[OPTIMIZER][d], acc, *flags),
-                                 self.devices[d], donate=(0, 1, 2)), update_options)
-                  for d in range(self.p.num_ipus)]
-        finite = [started(_trace(self.finite_op(d), (acc,), self.devices[d]))
-                  for d in range(self.p.num_ipus)] if flags else []
+        summary = jax.eval_shape(self.summary_op(0), acc)
+        summaries = (summary,) * self.p.num_ipus if summary else ()
+        optimizer_steps = [started(_trace(self.update_op(d),
+                                          (local[TRAINABLE][d], local[OPTIMIZER][d], acc,
+                                           summaries),
+                                          self.devices[d], donate=(0, 1, 2)), update_options)
+                           for d in range(self.p.num_ipus)]
+        summary_ops = [started(_trace(self.summary_op(d), (acc,), self.devices[d]))
+                       for d in range(self.p.num_ipus)] if summaries else []
         pool.shutdown(wait=False)
 
         def executable():
@@ -309,9 +315,9 @@ class DispatchedFit:
 
             def each(of):
                 return _Ops([of(op) for op in forward], [of(op) for op in backward], of(last),
-                            [of(op) for op in update],
+                            [of(op) for op in optimizer_steps],
                             stash_bytes + [0],  # the fused last op keeps nothing
-                            [of(op) for op in finite])
+                            [of(op) for op in summary_ops])
 
             ops = each(compiled)
             return DispatchedExecutable(
@@ -319,7 +325,7 @@ class DispatchedFit:
                 memory=self._memory(each(memory), local, batch, last[1][2]),
                 cost=functools.partial(self._cost,
                                        [op[3] for op in (*forward, *backward, last)],
-                                       [op[3] for op in update]),
+                                       [op[3] for op in optimizer_steps]),
                 compiler=(f"stage ops: {step_options.describe()}; "
                           f"optimizer steps: {update_options.describe()}"),
             )
@@ -437,11 +443,12 @@ class _Update:
                     self.backward(op.stage, op.micro_batch)
         tv, opt = self.local[TRAINABLE], self.local[OPTIMIZER]
         ops, devices = self.runner.ops, self.runner.devices
-        # Each IPU's finiteness, copied to every IPU (a `LossScaleOptimizer` only).
-        finite = [op(acc) for op, acc in zip(ops.finite, self.acc)]
-        for d, update in enumerate(ops.update):
-            flags = [jax.device_put(flag, devices[d]) for flag in finite]
-            tv[d], opt[d], self.acc[d] = update(tv[d], opt[d], self.acc[d], *flags)
+        # Each IPU's gradient summary, copied to every IPU (finiteness for a
+        # `LossScaleOptimizer`, the squared norm for `global_clipnorm`).
+        summaries = [op(acc) for op, acc in zip(ops.summary, self.acc)]
+        for d, step in enumerate(ops.update):
+            here = tuple(jax.device_put(summary, devices[d]) for summary in summaries)
+            tv[d], opt[d], self.acc[d] = step(tv[d], opt[d], self.acc[d], here)
         return self.logs
 
     def _input(self, s: int, j: int):

@@ -179,6 +179,7 @@ class PipelinedModel:
         # Per IPU: the flat form of its clone (`None` where it has none),
         # and the order the packed state holds the clone's variables in.
         self.flat_optimizers, self.optimizer_storage = [], []
+        self.global_clipnorm: float | None = None
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
@@ -189,8 +190,13 @@ class PipelinedModel:
         # a name in a clone is the k-th of that name in the optimizer, as
         # both build their variables in the same order.
         names = _occurrences(optimizer.variables)
+        # Clipped by the norm over every IPU's gradients before the clones
+        # step (`pipelined/update.py`): the clones do not clip again.
+        self.global_clipnorm = _global_clipnorm(optimizer)
         for ids in self.trainable_of:
-            clone = optimizer.__class__.from_config(optimizer.get_config())
+            # A fresh config each time: `from_config` may consume its argument.
+            clone = optimizer.__class__.from_config(
+                _without_global_clipnorm(optimizer.get_config()))
             variables = [model.trainable_variables[i] for i in ids]
             _exclude_from_weight_decay_as(optimizer, clone, variables)
             clone.build(variables)
@@ -212,6 +218,24 @@ class PipelinedModel:
         """
         return bool(self.optimizers) and isinstance(
             self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _global_clipnorm(optimizer) -> float | None:
+    """The optimizer's `global_clipnorm` (a `LossScaleOptimizer`'s inner optimizer's)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(inner, "global_clipnorm", None) or None
+
+
+def _without_global_clipnorm(config: dict) -> dict:
+    """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
+    config = dict(config)
+    if isinstance(config.get("inner_optimizer"), dict):
+        inner = dict(config["inner_optimizer"])
+        inner["config"] = _without_global_clipnorm(inner["config"])
+        config["inner_optimizer"] = inner
+    if "global_clipnorm" in config:
+        config["global_clipnorm"] = None
+    return config
 
 
 def _exclude_from_weight_decay_as(optimizer, clone, variables) -> None:

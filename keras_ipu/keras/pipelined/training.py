@@ -33,13 +33,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
-from keras_ipu.keras.pipelined import flat_optimizer
 from keras_ipu.keras.pipelined.gradients import GradientLayout
 from keras_ipu.keras.pipelined.model import (
     BACKWARD,
@@ -54,6 +52,13 @@ from keras_ipu.keras.pipelined.model import (
     micro_batch_at,
     padded_lengths,
     stage_loss,
+)
+from keras_ipu.keras.pipelined.update import (
+    all_finite,
+    loss_scale,
+    optimizer_update,
+    skipped_unless,
+    squared_norm,
 )
 from keras_ipu.keras.steps import ACCUMULATE
 
@@ -437,10 +442,13 @@ class _FitProgram:
         if p.loss_scaled:
             finite = self.state.mesh.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
             acc = skipped_unless(finite, acc)
+        squared = None
+        if p.global_clipnorm:  # the norm over every IPU's gradients
+            squared = self.state.mesh.psum(squared_norm(acc), IPU_AXIS)
         trainable, optimizer_vars = jax.lax.switch(
             me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
-            trainable, optimizer_vars, acc)
+            trainable, optimizer_vars, acc, squared)
         # Only the last stage's IPU has the logs; the others hold zeros.
         logs = self.state.mesh.psum(
             jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),
@@ -562,37 +570,6 @@ def _filled(values: list, zero) -> list:
     return [value if value is not None else zero() for value in values]
 
 
-def loss_scale(pipelined: PipelinedModel, state: PipelineState, optimizer_flats):
-    """What the optimizer multiplies the loss by before differentiating it (a scalar).
-
-    The last stage's IPU's optimizer clone says, as Keras' train step asks
-    its optimizer to `scale_loss`: a `LossScaleOptimizer`'s dynamic scale,
-    an optimizer's `loss_scale_factor`, else 1. The clone divides its
-    gradients by the same factor when it applies them.
-
-    Args:
-        pipelined: The model's stages and their IPUs.
-        state: The packed state layout.
-        optimizer_flats: The last stage's IPU's packed optimizer variables.
-
-    Returns:
-        The factor, a float32 scalar.
-
-    Example:
-
-    >>> loss_scale(pipe, state, optimizer_flats)   # mixed_float16, at first
-    Array(32768., dtype=float32)
-    """
-    ipu = pipelined.last_ipu
-    optimizer = pipelined.optimizers[ipu]
-    values = flat_optimizer.in_clone_order(
-        state.layouts["optimizer_variables"][ipu].unpack(optimizer_flats),
-        pipelined.optimizer_storage[ipu])
-    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
-        # The loss is a multiple of itself: scaling 1 gives the factor.
-        return jnp.asarray(optimizer.scale_loss(jnp.ones((), jnp.float32)), jnp.float32)
-
-
 def loss_cotangent(loss, scale):
     """The cotangent of the last stage's loss.
 
@@ -613,76 +590,5 @@ def loss_cotangent(loss, scale):
     return jnp.broadcast_to(scale, jnp.shape(loss)).astype(loss.dtype)
 
 
-def all_finite(tree: Any) -> Any:
-    """Whether every value of a pytree of arrays is finite.
-
-    Args:
-        tree: A pytree of (traced) float arrays, e.g. an IPU's accumulator.
-
-    Returns:
-        A bool scalar.
-
-    Example:
-
-    >>> all_finite({"float32": jnp.array([1.0, jnp.inf])})
-    Array(False, dtype=bool)
-    """
-    leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
-
-
-def skipped_unless(finite: Any, acc: Any) -> Any:
-    """`acc`, or NaNs where `finite` is false (every IPU's gradients being finite).
-
-    A `LossScaleOptimizer` skips an update whose gradients are not all finite.
-    Each IPU applies its own clone to its own gradients: making an update's
-    gradients non-finite on every IPU when they are on one skips it on all,
-    as Keras' one optimizer over all the variables does.
-
-    Args:
-        finite: A bool scalar: whether the gradients of every IPU are finite.
-        acc: This IPU's accumulated gradients (a pytree).
-
-    Returns:
-        `acc` when `finite`, else the same structure filled with NaN.
-
-    Example:
-
-    >>> finite = jax.lax.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
-    >>> acc = skipped_unless(finite, acc)
-    """
-    return jax.tree_util.tree_map(lambda a: jnp.where(finite, a, jnp.nan).astype(a.dtype), acc)
-
-
-def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
-                     grads_layout: GradientLayout, ipu: int):
-    """`apply(trainable, optimizer_vars, acc) -> (trainable, optimizer_vars)` of one IPU.
-
-    Its optimizer clone applied to its packed variables with the summed
-    gradients of an accumulator (`grads_layout`); an elementwise optimizer's
-    flat form (`flat_optimizer`) to all of them at once.
-    """
-    t_layout = state.layouts["trainable_variables"][ipu]
-    o_layout = state.layouts["optimizer_variables"][ipu]
-    optimizer, flat = pipelined.optimizers[ipu], pipelined.flat_optimizers[ipu]
-    order = pipelined.optimizer_storage[ipu]
-
-    def apply(trainable, optimizer_vars, acc):
-        if flat is not None:
-            return flat.apply(o_layout, trainable, optimizer_vars,
-                              grads_layout.flat(ipu, acc, flat.dtype))
-        variables = t_layout.unpack(trainable)
-        grads = [g.astype(v.dtype) for g, v in zip(grads_layout.unpack(ipu, acc), variables)]
-        variables, optimizer_values = optimizer.stateless_apply(
-            flat_optimizer.in_clone_order(o_layout.unpack(optimizer_vars), order), grads,
-            variables)
-        return (t_layout.pack(variables, state.lengths["trainable_variables"]),
-                o_layout.pack(flat_optimizer.in_storage_order(optimizer_values, order),
-                              state.lengths["optimizer_variables"]))
-
-    return apply
-
-
-__all__ = ["Stages", "all_finite", "build_fit_program", "join_residuals", "kept_residuals",
-           "loss_cotangent", "loss_scale", "optimizer_update", "skipped_unless",
-           "split_residuals"]
+__all__ = ["Stages", "build_fit_program", "join_residuals", "kept_residuals",
+           "loss_cotangent", "split_residuals"]
