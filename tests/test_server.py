@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -146,3 +147,65 @@ def test_ctrl_c_stops_the_server_cleanly(served):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=20) == 0
     assert "stopped" in process.stdout.read()
+
+
+@pytest.mark.parametrize("array", [
+    np.random.default_rng(1).normal(size=(3, 64)).astype("float32"),
+    np.array([[-0.0, 3.4e38, 1.4e-45, 2.0, -7.0]], "float32"),
+    np.random.default_rng(2).normal(size=(2, 3, 4)).astype("float16"),
+    np.random.default_rng(3).normal(size=(2, 5)),  # float64: json.dumps
+    np.array([[1.0, np.nan, np.inf]], "float32"),   # not finite: json.dumps
+    np.arange(6, dtype="int32").reshape(2, 3),
+    np.array([[True, False]]),
+], ids=["float32", "float32-extremes", "float16", "float64", "non-finite", "int32", "bool"])
+def test_json_array_reads_back_exactly(array):
+    from keras_ipu.serving.server import json_array
+
+    text = json_array(array)
+    values = json.loads(text)
+    np.testing.assert_array_equal(np.asarray(values, array.dtype), array)
+    if array.dtype.kind == "f":  # clients read floats, never ints
+        assert all(isinstance(v, float) for v in np.ravel(np.asarray(values, object)))
+
+
+def test_predict_response_in_both_formats():
+    from keras_ipu.serving.server import predict_response
+
+    outputs = {"p": np.array([[0.5, 1.0], [2.0, -3.25]], "float32"),
+               "k": np.array([7, 8], "int32")}
+    assert json.loads(predict_response(outputs, rows=True)) == {
+        "predictions": [{"p": [0.5, 1.0], "k": 7}, {"p": [2.0, -3.25], "k": 8}]}
+    assert json.loads(predict_response(outputs, rows=False)) == {
+        "outputs": {"p": [[0.5, 1.0], [2.0, -3.25]], "k": [7, 8]}}
+    assert json.loads(predict_response({"p": outputs["p"]}, rows=True)) == {
+        "predictions": [[0.5, 1.0], [2.0, -3.25]]}
+
+
+def test_warm_up_compiles_before_the_first_request(tmp_path):
+    """The server runs a batch of zeros before it listens: the first request compiles nothing."""
+    import jax
+
+    from keras_ipu.serving import load
+    from keras_ipu.serving.server import warm_up
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.export_for_ipu_serving(tmp_path / "export", batch_size=4)
+    runtime = load(str(tmp_path / "export"))
+    compiles = []
+
+    def listener(name, *_args, **_kwargs):
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        warm_up(runtime)
+        warmed = len(compiles)
+        x = np.ones((4, 3), "float32")
+        got = runtime(x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    np.testing.assert_allclose(got, model.predict(x, batch_size=4, verbose=0), atol=1e-6)
+    assert warmed >= 1 and len(compiles) == warmed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import time
 from typing import Any
@@ -96,6 +97,9 @@ class DynamicBatcher:
                 carry.append((first, 0))
             deadline = time.monotonic() + self.delay_s
             while _rows_waiting(carry) < batch:
+                if not self._queue.empty():  # taken at once: no timer per request
+                    carry.append((self._queue.get_nowait(), 0))
+                    continue
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     break
@@ -222,17 +226,58 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
     return arrays
 
 
-def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> dict:
-    """TensorFlow Serving's predict response: `predictions` (rows) or `outputs` (columns)."""
+def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
+    """TensorFlow Serving's predict response, as JSON text.
+
+    `{"predictions": ...}` (row format: one entry per row, an object per row
+    when there are several outputs) or `{"outputs": ...}` (columnar).
+    """
     if rows:
         if len(outputs) == 1:
-            return {"predictions": next(iter(outputs.values())).tolist()}
+            return '{"predictions": ' + json_array(next(iter(outputs.values()))) + "}"
         count = len(next(iter(outputs.values())))
-        return {"predictions": [{n: o[i].tolist() for n, o in outputs.items()}
-                                for i in range(count)]}
+        per_row = ["{" + ", ".join(f"{json.dumps(n)}: {json_array(o[i])}"
+                                   for n, o in outputs.items()) + "}" for i in range(count)]
+        return '{"predictions": [' + ", ".join(per_row) + "]}"
     if len(outputs) == 1:
-        return {"outputs": next(iter(outputs.values())).tolist()}
-    return {"outputs": {n: o.tolist() for n, o in outputs.items()}}
+        return '{"outputs": ' + json_array(next(iter(outputs.values()))) + "}"
+    return '{"outputs": {' + ", ".join(f"{json.dumps(n)}: {json_array(o)}"
+                                        for n, o in outputs.items()) + "}}"
+
+
+# Significant digits that give a float of each width back exactly, the decimal
+# point kept (`2.00000000`: clients read a float, as TensorFlow Serving's `2.0`):
+# shorter than a double's repr and formatted in C, a third of the time of
+# `json.dumps(array.tolist())` for a row of 64 float32 values.
+_ROUND_TRIP_FORMATS = {np.dtype("float32"): "%#.9g", np.dtype("float16"): "%#.5g"}
+
+
+def json_array(array: np.ndarray) -> str:
+    """An array as JSON text, nested as `array.tolist()` is.
+
+    float32 and float16 values are written with the significant digits that
+    read back to the same value (9 and 5), with a decimal point; other
+    dtypes, and arrays holding NaN or infinities, as
+    `json.dumps(array.tolist())` writes them.
+
+    Example:
+
+    >>> json_array(np.array([[0.1, 2.0]], "float32"))
+    '[[0.100000001,2.00000000]]'
+    """
+    fmt = _ROUND_TRIP_FORMATS.get(array.dtype)
+    if fmt is None or array.ndim == 0 or not np.isfinite(array).all():
+        return json.dumps(array.tolist())
+    return _nested_template(array.shape, fmt) % tuple(array.ravel().tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _nested_template(shape: tuple[int, ...], fmt: str) -> str:
+    """`%`-template of a JSON array of `shape`, each value written with `fmt`."""
+    template = fmt
+    for size in reversed(shape):
+        template = "[" + ",".join([template] * size) + "]"
+    return template
 
 
 def status_response() -> dict:
@@ -299,7 +344,8 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
             outputs = await batcher.predict(rows)
         except Exception as failed:  # a device failure answers this request only
             return error(f"Prediction failed: {failed}", 500)
-        return web.json_response(predict_response(outputs, row_format))
+        return web.Response(text=predict_response(outputs, row_format),
+                            content_type="application/json")
 
     async def on_startup(app):
         batcher.start()
@@ -321,6 +367,7 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
                 max_batch_delay_ms: float, announce=print) -> None:
     """Serves until cancelled (Ctrl-C); announces the address it listens on."""
     web = _aiohttp_web()
+    warm_up(runtime)
     # No access log: formatting a line per request costs more than a small model's call.
     runner = web.AppRunner(make_app(runtime, model_name, max_batch_delay_ms),
                            handle_signals=False, access_log=None)
@@ -334,6 +381,14 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+
+
+def warm_up(runtime: ServingRuntime) -> None:
+    """Runs one batch of zeros, so that the first request does not wait for XLA to compile.
+
+    (TensorFlow Serving's model warm-up does the same with recorded requests.)
+    """
+    runtime(**{e["name"]: np.zeros(e["shape"], e["dtype"]) for e in runtime.inputs})
 
 
 def _aiohttp_web():
