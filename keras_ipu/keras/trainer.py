@@ -3,7 +3,7 @@
 Data flow: the data feed checks and batches the data, dealing batch `i` to
 replica `i % R` (`data.py`); the infeed thread regroups each execution's
 batches for the program and moves them to the replicas' devices; the
-execution program runs `steps_per_execution` steps per replica in one
+execution program (`programs.py`) runs `steps_per_execution` steps per replica in one
 compiled on-device loop (gradient accumulation and the cross-replica
 gradient sum inside) and returns the per-step logs (the outfeed); callbacks
 run once per execution with the last step's logs, replicas reduced as
@@ -19,8 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
 from keras.src import tree
@@ -28,21 +26,19 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
-from keras_ipu.device.outfeed import StepStream
-from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import (
     context,
     data,
     feed_options,
     pipelined,
+    programs,
     replication,
     resident,
-    steps,
 )
 from keras_ipu.keras.options import IPUOptions, options_of
-from keras_ipu.keras.replication import Layout, ReplicaCodec
-from keras_ipu.keras.run import Placement, Run, cached_run
+from keras_ipu.keras.replication import ReplicaCodec
+from keras_ipu.keras.run import Placement, Run
 from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery, returned_chunk
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -113,8 +109,9 @@ def fit(
         )
     _log_plan(model, feed, options)
     model._symbolic_build(data_batch=feed.first_batch())
-    run = _prepare(model, "fit", placement, feed, options)
-    val_run = _prepare(model, "evaluate", placement, val_feed, options) if val_feed else None
+    run = programs.prepare(model, "fit", placement, feed, options)
+    val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
+               if val_feed else None)
 
     callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
     model.stop_training = False
@@ -176,7 +173,7 @@ def evaluate(
         replicas=replicas.local_count,
     )
     model._symbolic_build(data_batch=feed.first_batch())
-    run = _prepare(model, "evaluate", placement, feed, options_of(model))
+    run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
@@ -213,7 +210,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         replicas=replicas.local_count,
     )
     _build_for_predict(model, feed.first_batch())
-    run = _prepare(model, "predict", placement, feed, options_of(model))
+    run = programs.prepare(model, "predict", placement, feed, options_of(model))
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     model.stop_predicting = False
     callbacks.on_predict_begin()
@@ -429,95 +426,6 @@ def _forget_state(model) -> None:
     model._jax_state = None
 
 
-def _prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
-    """Compiles and measures the mode's program before any state changes.
-
-    Raises:
-        IPUOutOfMemoryError: When the program does not fit an IPU.
-    """
-    hardware = ipu_system.require().hardware
-    parts = STATE_PARTS[mode]
-    if placement.plan is not None:
-        key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
-    else:
-        key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
-    run = cached_run(model, mode, key, build)
-    keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
-    spe = feed.plan.steps_per_execution
-    host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
-    batches = jax.tree_util.tree_map(
-        lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
-    )
-    batches = run.codec.batch_spec(run.layout.to_program(batches))
-    run.program.prepare(run.codec.spec(keras_state), batches)
-    return run
-
-
-def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, hardware):
-    """The cache key and builder of a (replicated) step-loop program."""
-    micro = options.gradient_accumulation_steps if mode == "fit" else None
-    custom = mode == "fit" and _overrides(model, "train_step")
-    loop = ipu_system.require().option("execution_loop", "auto")
-    buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
-    streamed = options.asynchronous_callbacks
-    key = (mode, replicas, hardware, micro, custom, loop,
-           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           options.replicated_metric_reduction_method, streamed, buffer_depth)
-
-    def build() -> Run:
-        layout = Layout(replicas.count, micro)
-        program = ExecutionProgram(
-            _step_function(model, mode, options, replicas, custom),
-            mode=mode,
-            replicas=replicas,
-            hardware=hardware,
-            exchange_bytes_per_step=_gradient_bytes(model) if mode == "fit" else 0,
-            micro_batches_per_step=micro or 1,
-            finalize=_finalize(mode, layout, options, replicas),
-            loop=loop,
-            stream=StepStream(replicas.count, buffer_depth) if streamed else None,
-        )
-        return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count,
-                   batches_per_step=micro)
-
-    return key, build
-
-
-def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):
-    """What the program returns of its outfeed: last logs, or predictions in order.
-
-    Across instances the outfeed is made whole on every device, so that each
-    instance reads it; predictions stay per replica (`local_predictions`).
-    """
-    if replicas.spans_processes:
-        everywhere = NamedSharding(replicas.mesh, P())
-        if mode == "predict":
-            return lambda outfeed: jax.lax.with_sharding_constraint(outfeed, everywhere)
-        reduction = options.replicated_metric_reduction_method
-        return lambda outfeed: jax.lax.with_sharding_constraint(
-            layout.last_logs(outfeed, reduction), everywhere)
-    if mode == "predict":
-        return layout.predictions
-    reduction = options.replicated_metric_reduction_method
-    return lambda outfeed: layout.last_logs(outfeed, reduction)
-
-
-def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
-    if mode == "evaluate":
-        return steps.test_step(model)
-    if mode == "predict":
-        return steps.predict_step(model)
-    if custom:
-        return steps.keras_train_step(model)
-    return steps.train_step(
-        model,
-        micro_batches=options.gradient_accumulation_steps,
-        reduction=options.gradient_accumulation_reduction_method,
-        accumulator_dtype=options.accumulator_dtype,
-        replicas=replicas,
-    )
-
-
 def _placer(codec, layout):
     """Regroups an execution's batches and copies them to the devices (infeed)."""
 
@@ -590,7 +498,7 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
             "`run_eagerly=False` when calling `compile`."
         )
     name = _FUNCTIONS_USED_BY_KERAS_ONLY[mode]
-    if _overrides(model, name):
+    if programs.overrides(model, name):
         raise RuntimeError(
             f"The function `{name}` for the model {model.name} has been overridden. "
             f"This is not supported when using Keras within an IPUStrategy. Either "
@@ -616,12 +524,12 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
 
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
-    if plan is not None and _overrides(model, "train_step"):
+    if plan is not None and programs.overrides(model, "train_step"):
         raise RuntimeError(
             f"The function `train_step` for the model {model.name} has been overridden. "
             f"This is not supported for pipelined Keras models."
         )
-    if _overrides(model, "train_step") and (
+    if programs.overrides(model, "train_step") and (
         options.gradient_accumulation_steps > 1 or replicas.count > 1
     ):
         raise RuntimeError(
@@ -651,13 +559,6 @@ def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) ->
         )
 
 
-def _overrides(model, name: str) -> bool:
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    base = type(model)._ipu_base_class
-    return getattr(base, name) is not getattr(JAXTrainer, name)
-
-
 def _build_for_predict(model, batch) -> None:
     if all(layer.built for layer in model._flatten_layers()):
         return
@@ -672,11 +573,6 @@ def _unpack(batch):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     return data_adapter_utils.unpack_x_y_sample_weight(batch)
-
-
-def _gradient_bytes(model) -> int:
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-               for v in model.trainable_variables)
 
 
 def _log_plan(model, feed, options: IPUOptions) -> None:

@@ -1,0 +1,157 @@
+"""Which compiled program runs a mode's executions, built (or found) before anything runs.
+
+A model without stages runs the replicated step loop: one `ExecutionProgram`
+of the mode's step function (`steps.py`), gradient accumulation and the
+cross-replica sums inside, finalized to the last step's logs or the
+predictions. A pipelined model gets its program from `pipelined`. Programs
+are cached per model and key (`run.cached_run`): a second `fit` with the same
+settings reuses the compiled one.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keras_ipu.device import system as ipu_system
+from keras_ipu.device.outfeed import StepStream
+from keras_ipu.device.program import ExecutionProgram
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import feed_options, pipelined, steps
+from keras_ipu.keras.options import IPUOptions
+from keras_ipu.keras.replication import Layout, ReplicaCodec
+from keras_ipu.keras.run import Run, cached_run
+from keras_ipu.keras.steps import STATE_PARTS
+
+
+def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
+    """Compiles and measures the mode's program before any state changes.
+
+    Args:
+        model: The Keras model (created in an `IPUStrategy`).
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        placement: Where the run goes (replicas, or a pipeline's stage plan).
+        feed: The run's data feed (its plan gives `steps_per_execution`).
+        options: The model's IPU options.
+
+    Returns:
+        The `Run`: the compiled program, its layout and codec.
+
+    Raises:
+        IPUOutOfMemoryError: When the program does not fit an IPU.
+
+    Example:
+
+    >>> run = prepare(model, "fit", placement, feed, options_of(model))
+    >>> run.program.report.loop
+    'scan'
+    """
+    hardware = ipu_system.require().hardware
+    parts = STATE_PARTS[mode]
+    if placement.plan is not None:
+        key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
+    else:
+        key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
+    run = cached_run(model, mode, key, build)
+    keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
+    spe = feed.plan.steps_per_execution
+    host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
+    batches = jax.tree_util.tree_map(
+        lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
+    )
+    batches = run.codec.batch_spec(run.layout.to_program(batches))
+    run.program.prepare(run.codec.spec(keras_state), batches)
+    return run
+
+
+def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, hardware):
+    """The cache key and builder of a (replicated) step-loop program."""
+    micro = options.gradient_accumulation_steps if mode == "fit" else None
+    custom = mode == "fit" and overrides(model, "train_step")
+    loop = ipu_system.require().option("execution_loop", "auto")
+    buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
+    streamed = options.asynchronous_callbacks
+    key = (mode, replicas, hardware, micro, custom, loop,
+           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
+           options.replicated_metric_reduction_method, streamed, buffer_depth)
+
+    def build() -> Run:
+        layout = Layout(replicas.count, micro)
+        program = ExecutionProgram(
+            _step_function(model, mode, options, replicas, custom),
+            mode=mode,
+            replicas=replicas,
+            hardware=hardware,
+            exchange_bytes_per_step=gradient_bytes(model) if mode == "fit" else 0,
+            micro_batches_per_step=micro or 1,
+            finalize=_finalize(mode, layout, options, replicas),
+            loop=loop,
+            stream=StepStream(replicas.count, buffer_depth) if streamed else None,
+        )
+        return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count,
+                   batches_per_step=micro)
+
+    return key, build
+
+
+def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):
+    """What the program returns of its outfeed: last logs, or predictions in order.
+
+    Across instances the outfeed is made whole on every device, so that each
+    instance reads it; predictions stay per replica (`local_predictions`).
+    """
+    if replicas.spans_processes:
+        everywhere = NamedSharding(replicas.mesh, P())
+        if mode == "predict":
+            return lambda outfeed: jax.lax.with_sharding_constraint(outfeed, everywhere)
+        reduction = options.replicated_metric_reduction_method
+        return lambda outfeed: jax.lax.with_sharding_constraint(
+            layout.last_logs(outfeed, reduction), everywhere)
+    if mode == "predict":
+        return layout.predictions
+    reduction = options.replicated_metric_reduction_method
+    return lambda outfeed: layout.last_logs(outfeed, reduction)
+
+
+def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
+    if mode == "evaluate":
+        return steps.test_step(model)
+    if mode == "predict":
+        return steps.predict_step(model)
+    if custom:
+        return steps.keras_train_step(model)
+    return steps.train_step(
+        model,
+        micro_batches=options.gradient_accumulation_steps,
+        reduction=options.gradient_accumulation_reduction_method,
+        accumulator_dtype=options.accumulator_dtype,
+        replicas=replicas,
+    )
+
+
+def overrides(model, name: str) -> bool:
+    """Whether the model's class overrides Keras' JAX trainer method `name`.
+
+    Example:
+
+    >>> overrides(model, "train_step")
+    False
+    """
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    base = type(model)._ipu_base_class
+    return getattr(base, name) is not getattr(JAXTrainer, name)
+
+
+def gradient_bytes(model) -> int:
+    """Bytes of the model's gradients: what each replica all-reduces per step.
+
+    Example:
+
+    >>> gradient_bytes(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    40
+    """
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+               for v in model.trainable_variables)
