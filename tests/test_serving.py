@@ -78,6 +78,11 @@ def test_a_pipelined_export_equals_predict(strategy, tmp_path):
     devices = runtime.devices
     assert len(devices) == 2 and devices[0] != devices[1]
     assert devices == [jax.devices()[1], jax.devices()[0]]
+    # The server's warm-up runs a pipelined export too.
+    from keras_ipu.serving.server import warm_up
+
+    warm_up(runtime)
+    np.testing.assert_allclose(runtime(x[:2]), expected[:2], atol=1e-6)
 
 
 def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
