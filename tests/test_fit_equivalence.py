@@ -128,3 +128,32 @@ def test_evaluate_before_fit_and_predict_without_compile(strategy):
     assert on_ipu.evaluate(x, y, batch_size=8, verbose=0, return_dict=True).keys() == {
         "loss", "mae"
     }
+
+
+def _noisy(seed):
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dropout(0.3, seed=seed),
+        keras.layers.GaussianNoise(0.1, seed=seed + 1),
+        keras.layers.Dense(3),
+    ])
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_dropout_and_noise_draw_plain_keras_random_bits(steps_per_execution, strategy):
+    # keras_ipu lowers JAX's random-bits hash unrolled on CPUs
+    # (device/lowering.py): the masks and the noise must be Keras' own.
+    x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(3)
+    plain = _noisy(7)
+    with strategy.scope():
+        on_ipu, other_masks = _noisy(7), _noisy(8)
+    initial = plain.get_weights()
+    for m, spe in ((plain, 1), (on_ipu, steps_per_execution), (other_masks, steps_per_execution)):
+        m.set_weights(initial)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=spe)
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    # Other masks end elsewhere: the comparison can fail.
+    assert np.max(np.abs(other_masks.get_weights()[0] - plain.get_weights()[0])) > 1e-3

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from keras_ipu.device import accounting, compiler, convolutions, loops, precision
+from keras_ipu.device import accounting, compiler, convolutions, loops, lowering, precision
 from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.outfeed import StepStream
@@ -323,7 +323,7 @@ class ExecutionProgram:
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
                                      choice, started, executable.compiler, dispatched=True)
         traced, compiled_batches, loop = self._trace(state, batches, choice)
-        lowered = traced.lower()
+        lowered = lowering.lower_for(self.device.platform, traced)
         options = compiler.choose_options(compiler.STEP, self.device.platform)
         compiled = compiler.compile_lowered(lowered, options)
         count = self.replicas.count

@@ -29,7 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from keras_ipu.device import accounting, compiler, convolutions, loops, precision, schedules
+from keras_ipu.device import (
+    accounting,
+    compiler,
+    convolutions,
+    loops,
+    lowering,
+    precision,
+    schedules,
+)
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined import training, update
@@ -275,7 +283,7 @@ class DispatchedFit:
             # Costed over the lowered program, as every execution is (the
             # compiled one's cost analysis depends on the platform), when the
             # report is read: counting is not free and a run never reads it.
-            lowered = traced.lower()
+            lowered = lowering.lower_for(platform, traced)
             compiled = pool.submit(compiler.compile_lowered, lowered, options)
             return compiled, traced.out_info, traced.jaxpr, lowered
 

@@ -1,0 +1,38 @@
+"""Contracts of the JAX private APIs keras_ipu relies on (jax >= 0.10.2, < 0.12).
+
+Each test pins one private API: if a JAX upgrade changes it, the test that
+names it fails, and the code that uses it is the place to look (keras_ipu
+then falls back to JAX's own behaviour, slower but the same numbers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_ipu.device import lowering
+
+
+def _dropout(key, x):
+    keep = jax.random.bernoulli(key, 0.9, x.shape)
+    return jnp.where(keep, x / 0.9, 0.0)
+
+
+def test_threefry_lowering_can_be_overridden_per_lowering():
+    # device/lowering.py: `Traced.lower(_private_parameters=LoweringParameters(
+    # override_lowering_rules=...))` with the generic rule of `threefry2x32_p`.
+    assert lowering._CPU_PARAMETERS is not None
+    key, x = jax.random.key(0), jnp.ones((4, 64))
+    own = jax.jit(_dropout).trace(key, x).lower()
+    unrolled = lowering.lower_for("cpu", jax.jit(_dropout).trace(key, x))
+    assert "while" in own.as_text()  # JAX's CPU rule: a loop of 5 rounds
+    assert "while" not in unrolled.as_text()
+    np.testing.assert_array_equal(np.asarray(unrolled.compile()(key, x)),
+                                  np.asarray(own.compile()(key, x)))
+
+
+def test_the_override_leaves_other_lowerings_alone():
+    key, x = jax.random.key(1), jnp.ones((4, 64))
+    lowering.lower_for("cpu", jax.jit(_dropout).trace(key, x))
+    assert "while" in jax.jit(lambda k, v: _dropout(k, v) * 1.0).trace(key, x).lower().as_text()
