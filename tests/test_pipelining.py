@@ -83,28 +83,42 @@ def test_sequential_pipeline_equals_the_big_batch(schedule, strategy):
                                plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
 
 
+def _fit_against_plain(scope, ipu_optimizer, plain_optimizers):
+    """A 2-stage pipeline (GA 4, mean) and plain Keras copies of it, all fitted on the same data.
+
+    Returns the pipelined model and one plain copy per optimizer of `plain_optimizers`
+    (big batches of `MICRO * GA`), each starting from the pipeline's initial weights.
+    """
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    with scope:
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer=ipu_optimizer, loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean")
+    copies = []
+    for optimizer in plain_optimizers:
+        copy = keras.Sequential.from_config(model.get_config())
+        copy.set_weights(model.get_weights())
+        copy.compile(optimizer=optimizer, loss="mse")
+        copy.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+        copies.append(copy)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    return model, copies
+
+
 def test_weight_decay_exclusions_reach_every_ipu(strategy):
     # Keras keeps `exclude_from_weight_decay` out of the optimizer's config:
     # each IPU's optimizer copy must still skip the same variables.
-    configure(2)
-    x, y = data_for("sequential", samples=64)
-    with strategy.scope():
-        model = _mlp()
-    model.set_pipeline_stage_assignment([0, 0, 1, 1])
-    plain = keras.Sequential.from_config(model.get_config())
-    plain.set_weights(model.get_weights())
-    for m in (plain, model):
+    def excluding_biases():
         optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
         optimizer.exclude_from_weight_decay(var_names=["bias"])
-        m.compile(optimizer=optimizer, loss="mse", steps_per_execution=4)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
-                                 gradient_accumulation_reduction_method="mean")
-    decayed = keras.Sequential.from_config(plain.get_config())  # no exclusions
-    decayed.set_weights(model.get_weights())
-    decayed.compile(optimizer=keras.optimizers.AdamW(0.05, weight_decay=0.5), loss="mse")
-    for m in (plain, decayed):
-        m.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+        return optimizer
+
+    model, (plain, decayed) = _fit_against_plain(
+        strategy.scope(), excluding_biases(),
+        [excluding_biases(), keras.optimizers.AdamW(0.05, weight_decay=0.5)])
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     # Decaying the biases too would end elsewhere: the comparison can fail.
     bias = model.layers[0].bias.numpy()
@@ -122,23 +136,9 @@ def test_global_clipnorm_clips_by_the_norm_over_every_ipu(kind, form, monkeypatc
     # Keras clips by the norm of all the gradients; each IPU holds some of
     # them: every IPU must scale its own by the norm over all of them.
     monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
-    configure(2)
-    x, y = data_for("sequential", samples=64)
-    with ipu.ipu_strategy.IPUStrategy().scope():
-        model = _mlp()
-    model.set_pipeline_stage_assignment([0, 0, 1, 1])
-    plain = keras.Sequential.from_config(model.get_config())
-    unclipped = keras.Sequential.from_config(model.get_config())
-    for m in (plain, unclipped):
-        m.set_weights(model.get_weights())
-    plain.compile(optimizer=_clipping(kind), loss="mse")
-    unclipped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    model.compile(optimizer=_clipping(kind), loss="mse", steps_per_execution=4)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
-                                 gradient_accumulation_reduction_method="mean")
-    for m in (plain, unclipped):
-        m.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    model, (plain, unclipped) = _fit_against_plain(
+        ipu.ipu_strategy.IPUStrategy().scope(), _clipping(kind),
+        [_clipping(kind), keras.optimizers.SGD(0.05)])
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     # The clipping was active: without it the weights end elsewhere.
     assert np.max(np.abs(unclipped.get_weights()[0] - model.get_weights()[0])) > 1e-3

@@ -205,8 +205,7 @@ class DispatchedFit:
         apply = update.optimizer_update(self.p, self.state, self.stages.grads, ipu)
 
         def op(tv, optimizer_vars, acc, summaries):
-            finite, squared = update.combine_summaries(self.p, summaries) if summaries else (
-                None, None)
+            finite, squared = update.combine_summaries(self.p, summaries)
             if finite is not None:
                 acc = update.skipped_unless(finite, acc)
             tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc, squared)
