@@ -40,6 +40,20 @@ def test_an_execution_runs_all_its_steps_in_one_call():
     assert run.report.steps_per_execution == 5
 
 
+def test_a_loop_that_keeps_only_its_last_outputs_equals_the_stacked_loop():
+    configured = system.current()
+    kept = program.ExecutionProgram(
+        _sgd_step, mode="fit", replicas=Replicas(configured.ipus[:1]),
+        hardware=configured.hardware, last_outputs_only=True,
+    )
+    xs = jnp.asarray(np.random.default_rng(1).normal(size=(6, 4, 3)), jnp.float32)
+    w_kept, last = kept(jnp.eye(3), xs)
+    w_stacked, losses = _program()(jnp.eye(3), xs)
+    assert last.shape == (1,)  # no buffer of every step's outputs
+    np.testing.assert_array_equal(w_kept, w_stacked)
+    np.testing.assert_array_equal(last, losses[-1:])
+
+
 def test_executions_in_flight_are_bounded():
     run = _program(max_in_flight=2)
     w, xs = jnp.eye(3), jnp.ones((2, 4, 3))

@@ -103,6 +103,11 @@ class ExecutionProgram:
         schedule_reason: Why a program that brings its own `execution` runs
             it as its loop (the report's loop reason), when no `dispatched`
             form was chosen instead.
+        last_outputs_only: The on-device loop returns only its last step's
+            outputs (a leading axis of 1) instead of every step's, for a
+            `finalize` that reads only those (fit and evaluate logs): XLA
+            then compiles no buffer of every step's outputs, nor its fill
+            and slice (on CPUs, two kernels of ~8 ms each fewer).
 
     Example:
 
@@ -130,6 +135,7 @@ class ExecutionProgram:
         dispatched: DispatchedExecution | None = None,
         stream: StepStream | None = None,
         schedule_reason: str = "the pipeline schedule is the loop",
+        last_outputs_only: bool = False,
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -144,6 +150,7 @@ class ExecutionProgram:
         self._dispatched = dispatched
         self.stream = stream
         self._schedule_reason = schedule_reason
+        self.last_outputs_only = last_outputs_only
         replicated = execution or replicas.map(self._loop)
         finalize = finalize or (lambda outfeed: outfeed)
         self._finalize = jax.jit(finalize)
@@ -182,9 +189,11 @@ class ExecutionProgram:
             outputs, carry = self._step_fn(carry, batch)
             return carry, outputs
 
-        if self.stream is None:
-            return jax.lax.scan(body, state, batches)
-        return self._streamed_loop(body, state, batches)
+        if self.stream is not None:
+            return self._streamed_loop(body, state, batches)
+        if self.last_outputs_only:
+            return _last_outputs_loop(body, state, batches)
+        return jax.lax.scan(body, state, batches)
 
     def _streamed_loop(self, body: Callable, state: State, batches: Batch):
         """The step loop as chunks of steps, each sent to the stream once done."""
@@ -426,3 +435,22 @@ def _one_step_spec(leaf: Any) -> jax.ShapeDtypeStruct:
 def _signature(tree: Any) -> Sequence[Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+
+
+def _last_outputs_loop(body: Callable, state: State, batches: Batch) -> tuple[State, Outputs]:
+    """`lax.scan(body, state, batches)` that carries the last step's outputs, `[1, ...]`.
+
+    The carry needs the outputs' shapes before the loop: the step is traced
+    once under `jit`, whose trace cache the loop's own trace then hits.
+    """
+    step = jax.jit(body)
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batches)
+    _, shapes = jax.eval_shape(step, state, one)
+    last = jax.tree_util.tree_map(lambda s: jax.numpy.zeros((1, *s.shape), s.dtype), shapes)
+
+    def carried(carry, batch):
+        state, outputs = step(carry[0], batch)
+        return (state, jax.tree_util.tree_map(lambda a: a[None], outputs)), None
+
+    (state, last), _ = jax.lax.scan(carried, (state, last), batches)
+    return state, last

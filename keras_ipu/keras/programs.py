@@ -89,6 +89,8 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             finalize=_finalize(mode, layout, options, replicas),
             loop=loop,
             stream=StepStream(replicas.count, buffer_depth) if streamed else None,
+            # Fit and evaluate executions hand Keras their last batch's logs.
+            last_outputs_only=mode != "predict",
         )
         return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count,
                    batches_per_step=micro)
