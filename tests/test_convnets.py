@@ -10,7 +10,7 @@ import keras_ipu as ipu
 
 from conftest import assert_weights_close, configure
 
-MICRO, GA = 4, 4
+MICRO, GA = 16, 4
 
 
 def _data(shape, classes, samples=32, seed=0):
@@ -36,7 +36,10 @@ def _twin(build, strategy):
 
 def test_a_keras_applications_convnet_pipelined_equals_plain_keras_accumulating(strategy):
     configure(2)
-    x, y = _data((32, 32, 3), 4)
+    # Micro batches of 16: at 32 x 32 the last blocks see 1 x 1 maps, which batch
+    # normalization over 4 samples makes chaotic (plain Keras against itself with
+    # its weights perturbed by 1e-7 differs by 7e-5 in its predictions; by 3e-7 here).
+    x, y = _data((32, 32, 3), 4, samples=128)
     plain, model = _twin(_mobilenet, strategy)
     assignment = model.get_pipeline_stage_assignment()
     for i, entry in enumerate(assignment):
@@ -54,10 +57,9 @@ def test_a_keras_applications_convnet_pipelined_equals_plain_keras_accumulating(
     np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-4)
     np.testing.assert_allclose(model.predict(x, batch_size=MICRO, verbose=0),
                                plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
-    # The deep layers see 1x1 maps normalized over 4 samples: rounding differences
-    # grow in their weights (plain Keras alone, with lax's convolutions against
-    # keras_ipu's, differs by 6e-4 there) while the predictions stay equal.
-    assert_weights_close(plain.get_weights(), model.get_weights(), atol=0.05)
+    # Two updates of batch statistics over 16 samples still grow rounding differences
+    # (5e-5 in the first kernels, measured) while the predictions agree to 3e-8.
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=5e-4)
 
 
 def _convnet():
