@@ -92,9 +92,25 @@ class ServingRuntime:
             ValueError, TypeError: For missing, unknown, misshapen or
                 mistyped inputs, naming the expected signature.
         """
+        if not kwargs and self._exported_arrays(args):
+            return self._named(self._call_step(*args))
         bound = list(args) if len(args) == len(self.inputs) and not kwargs else self._bind(
             args, kwargs)
         return self._named(self._call_step(*self._checked(bound, leading=())))
+
+    def _exported_arrays(self, args: Sequence[Any]) -> bool:
+        """Whether `args` are NumPy arrays of the exported shapes and dtypes, in order.
+
+        The common call, checked with as little Python as can be: the Python
+        run before a device call lengthens the call itself, beyond its own
+        time (2 µs of checks cost 5 µs on a 25 µs call, measured).
+        """
+        if len(args) != len(self._expected):
+            return False
+        for value, (shape, dtype) in zip(args, self._expected):
+            if value.__class__ is not np.ndarray or value.shape != shape or value.dtype != dtype:
+                return False
+        return True
 
     def run_many(self, *args: Any, **kwargs: Any) -> Any:
         """Runs many batches, `iterations` per device call (the exported loop).
