@@ -44,6 +44,10 @@ def test_an_export_equals_predict_for_two_inputs_batchnorm_and_dropout(strategy,
     first = runtime(x[0][:4], b=x[1][:4])
     np.testing.assert_allclose(first["p"], expected[0][:4], atol=1e-6)
     np.testing.assert_allclose(first["q"], expected[1][:4], atol=1e-6)
+    # Positional arrays of the exported signature take the runtime's short path.
+    positional = runtime(x[0][:4], x[1][:4])
+    for name in ("p", "q"):
+        np.testing.assert_array_equal(positional[name], first[name])
     # The exported loop: 4 batches per device call, 8 batches in all.
     many = runtime.run_many(*(a.reshape(8, 4, -1) for a in x))
     np.testing.assert_allclose(many["p"].reshape(32, 2), expected[0], atol=1e-6)
