@@ -101,7 +101,9 @@ def _shell_reply(client, manager, stacks, timeout=60) -> dict:
     try:
         return client.get_shell_msg(timeout=timeout)["content"]
     except queue.Empty:
-        pytest.fail(f"the kernel answered neither of two interrupts; its threads:\n"
+        manager.provisioner.process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        pytest.fail(f"the kernel answered neither of two interrupts; its threads, twice:\n"
                     f"{stacks.read_text()}")
 
 
