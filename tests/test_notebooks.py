@@ -93,18 +93,21 @@ def _shell_reply(client, manager, stacks, timeout=60) -> dict:
     try:
         return client.get_shell_msg(timeout=timeout)["content"]
     except queue.Empty:
-        manager.provisioner.process.send_signal(signal.SIGUSR1)
-        time.sleep(2)
         warnings.warn(f"the kernel did not answer an interrupt in {timeout} s; its threads:\n"
-                      f"{stacks.read_text()}", stacklevel=2)
+                      f"{_kernel_stacks(manager, stacks)}", stacklevel=2)
     manager.interrupt_kernel()
     try:
         return client.get_shell_msg(timeout=timeout)["content"]
     except queue.Empty:
-        manager.provisioner.process.send_signal(signal.SIGUSR1)
-        time.sleep(2)
         pytest.fail(f"the kernel answered neither of two interrupts; its threads, twice:\n"
-                    f"{stacks.read_text()}")
+                    f"{_kernel_stacks(manager, stacks)}")
+
+
+def _kernel_stacks(manager, stacks) -> str:
+    """Every kernel thread's stack, dumped by the kernel into `stacks` (appended)."""
+    manager.provisioner.process.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    return stacks.read_text()
 
 
 # Test instrumentation, not a user's: lets a hung kernel tell where it hangs.
