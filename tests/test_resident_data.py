@@ -102,3 +102,32 @@ def test_replicated_programs_keep_the_host_feed(monkeypatch):
     model = _model(ipu.ipu_strategy.IPUStrategy())
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 24 batches: 3 executions of 2 x 4
     assert cut == []
+
+
+def _as_program(batches):
+    """A layout's regrouping that keeps an execution's batches as they are."""
+    return batches
+
+
+@pytest.mark.parametrize("executions", [3, 8, 13, 17])
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in-order", "shuffled"])
+def test_a_pass_is_cut_into_the_host_feeds_executions(executions, shuffled):
+    # Cuts of `EXECUTIONS_PER_CUT` executions, the last overlapping the one before.
+    import jax
+
+    steps, batch = 2, 4
+    rows = executions * steps * batch
+    rng = np.random.default_rng(executions)
+    data = {"x": rng.random((rows + 5, 3), np.float32), "y": np.arange(rows + 5)}
+    passes = resident.ResidentPasses(data, jax.devices()[0], (steps,), batch, executions,
+                                     _as_program)
+    order = rng.permutation(rows + 5) if shuffled else None
+    passes.new_pass(order)
+    taken = np.arange(rows) if order is None else order[:rows]
+    for index in range(executions):
+        expected = taken[index * steps * batch:(index + 1) * steps * batch]
+        got = passes.execution(index)
+        np.testing.assert_array_equal(got["x"], data["x"][expected].reshape(steps, batch, 3))
+        np.testing.assert_array_equal(got["y"], data["y"][expected].reshape(steps, batch))
+    with pytest.raises(IndexError):
+        passes.execution(executions)

@@ -28,10 +28,16 @@ RESIDENT_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 # run's one upfront copy of all the data could not overlap anything.
 MAX_EXECUTION_BYTES = 4 << 20
 # The share of the device's free memory the data may take: it is held twice
-# (the arrays and one pass cut into executions), plus a shuffled copy while a
-# pass is cut.
+# (the arrays and one pass cut into executions), with a copy's room to spare.
 FREE_MEMORY_SHARE = 0.25
 COPIES_HELD = 3
+# Executions one device call cuts. Each call's dispatch is shared by this many
+# executions, but its compile grows with them (a kernel per output on
+# XLA:CPU). Against iterating a device array (JAX's own unstacking, an eager
+# slice and unstack per 100 rows, compiled per leaf shape), on 2 vCPUs
+# (benchmarks/bench_resident_cut.py): a pass's first cut 1.0-1.1 s -> 0.2 s
+# with its compiles, and 34 -> 24 us per execution at S = 1.
+EXECUTIONS_PER_CUT = 8
 
 
 def fits_on(device: jax.Device, data_bytes: int, execution_bytes: int) -> bool:
@@ -93,38 +99,47 @@ class ResidentPasses:
                  batch_size: int, executions_per_pass: int, regroup: Callable[[Any], Any]):
         self.device = device
         self._data = jax.device_put(data, device)
-        self._rows = executions_per_pass * int(np.prod(execution_shape)) * batch_size
+        self._executions_per_pass = executions_per_pass
+        self._rows_per_execution = int(np.prod(execution_shape)) * batch_size
+        self._per_cut = min(EXECUTIONS_PER_CUT, executions_per_pass)
         # One compiled cut per data shape and layout for the process, not per run.
         self._cut = functools.partial(
-            _cut, shape=(executions_per_pass, *execution_shape, batch_size), rows=self._rows,
-            regroup=regroup)
+            _cut, shape=(self._per_cut, *execution_shape, batch_size), regroup=regroup)
         self._executions: list[Any] = []
 
     def new_pass(self, order: np.ndarray | None) -> None:
         """Cuts a pass: the rows in `order` (a host index), or in their stored order."""
         self._executions = []  # the last pass's buffers go before the next is made
         if order is not None:
-            order = jax.device_put(np.asarray(order[: self._rows], np.int32), self.device)
-        stacked = self._cut(self._data, order)
-        leaves, treedef = jax.tree_util.tree_flatten(stacked)
-        # Iterating a device array unstacks it in a few device calls per hundred
-        # rows. Measured on an H100 (benchmarks/profile_execution.py): cheaper than
-        # one indexing program per execution (166-217 against 259-511 us per
-        # execution at S=1), and than one program returning every execution
-        # (its compile grows with their number: 18 s for 2,000 on a CPU).
-        columns = [list(leaf) for leaf in leaves]
-        self._executions = [treedef.unflatten(parts) for parts in zip(*columns)]
+            rows = self._executions_per_pass * self._rows_per_execution
+            order = jax.device_put(np.asarray(order[:rows], np.int32), self.device)
+        executions, per_cut = [], self._per_cut
+        for first in range(0, self._executions_per_pass, per_cut):
+            # The last cut ends at the pass's end, overlapping the one before
+            # it: every cut keeps one shape, so one compiled program.
+            start = min(first, self._executions_per_pass - per_cut)
+            cut = self._cut(self._data, order, start * self._rows_per_execution)
+            executions.extend(cut[first - start:])
+        self._executions = executions
 
     def execution(self, index: int) -> Any:
         """The batches of the pass's execution `index` (device arrays)."""
         return self._executions[index]
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "rows", "regroup"))
-def _cut(data: Any, order: Any, *, shape: tuple[int, ...], rows: int,
-         regroup: Callable[[Any], Any]) -> Any:
+@functools.partial(jax.jit, static_argnames=("shape", "regroup"))
+def _cut(data: Any, order: jax.Array | None, first_row: jax.Array, *,
+         shape: tuple[int, ...], regroup: Callable[[Any], Any]) -> list[Any]:
+    """`shape[0]` executions' batches, one pytree each: rows from `first_row` on, of `order`
+    when it is given."""
+    rows = int(np.prod(shape))
+
     def take(a):
-        a = a[:rows] if order is None else a[order]
+        if order is None:
+            a = jax.lax.dynamic_slice_in_dim(a, first_row, rows)
+        else:
+            a = a[jax.lax.dynamic_slice_in_dim(order, first_row, rows)]
         return a.reshape(*shape, *a.shape[1:])
 
-    return jax.vmap(regroup)(jax.tree_util.tree_map(take, data))
+    stacked = jax.vmap(regroup)(jax.tree_util.tree_map(take, data))
+    return [jax.tree_util.tree_map(lambda a, k=k: a[k], stacked) for k in range(shape[0])]
