@@ -44,3 +44,33 @@ class IPUOutOfMemoryError(RuntimeError):
             type(self),
             (self.ipu, self.required_bytes, self.capacity_bytes, self.program),
         )
+
+
+class IPUNotAttachedError(RuntimeError):
+    """A program was to run on a system configured never to attach to its IPUs.
+
+    With `DeviceConnectionType.NEVER` programs are compiled (their memory
+    checked and their reports made) but nothing runs. Raised before anything
+    runs, so no weights change.
+
+    Args:
+        program: Name of the program (for example `"fit"`).
+
+    Example:
+
+    >>> str(IPUNotAttachedError("fit")).startswith("The fit program")
+    True
+    """
+
+    def __init__(self, program: str = "program"):
+        self.program = program
+        super().__init__(
+            f"The {program} program was compiled but cannot run: the IPU system is "
+            f"configured with `device_connection.type = DeviceConnectionType.NEVER`, which "
+            f"never attaches to an IPU. Use `DeviceConnectionType.PRE_COMPILE` to compile "
+            f"and get zeros for everything the device would return, or `ALWAYS` or "
+            f"`ON_DEMAND` to run it."
+        )
+
+    def __reduce__(self):
+        return type(self), (self.program,)

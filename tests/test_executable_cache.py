@@ -48,6 +48,7 @@ _USER_SCRIPT = textwrap.dedent("""
     def configured(num_ipus):
         config = ipu.config.IPUConfig()
         config.auto_select_ipus = num_ipus
+        config.device_connection.type = ipu.config.DeviceConnectionType[sys.argv[1]]
         config.configure_ipu_system()
 
     configured(1)
@@ -75,14 +76,14 @@ _USER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_user_script(cache: str | None) -> dict:
+def _run_user_script(cache: str | None, connection: str = "ALWAYS") -> dict:
     env = fresh_process_env()
     env.pop("TF_POPLAR_FLAGS", None)
     if cache is None:
         env.pop("KERAS_IPU_FLAGS", None)
     else:
         env["KERAS_IPU_FLAGS"] = shlex.quote(f"--executable_cache_path={cache}")
-    result = subprocess.run([sys.executable, "-c", _USER_SCRIPT], env=env,
+    result = subprocess.run([sys.executable, "-c", _USER_SCRIPT, connection], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -106,6 +107,18 @@ def test_a_second_process_loads_every_program_from_the_cache(tmp_path):
     assert second["all"]["hits"] == second["all"]["requests"]
     assert second["plain"]["hits"] == second["plain"]["requests"] > 0
     assert sorted(os.listdir(cache)) == sorted(saved)
+
+
+def test_a_process_that_pre_compiles_fills_the_cache_for_one_that_runs(tmp_path):
+    # The IPU's way to compile on a machine without IPUs: PRE_COMPILE runs
+    # nothing (zeros come back) but compiles and saves every program.
+    cache = str(tmp_path / "cache")
+    first = _run_user_script(cache, "PRE_COMPILE")
+    assert first["all"]["requests"] > 0
+    second = _run_user_script(cache, "ALWAYS")
+    # The running process compiles nothing: it asks for the same programs, all saved.
+    assert second["all"]["requests"] == first["all"]["requests"]
+    assert second["all"]["hits"] == second["all"]["requests"]
 
 
 def test_without_the_flag_nothing_is_cached(tmp_path):

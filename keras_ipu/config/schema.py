@@ -92,7 +92,9 @@ _DEVICE_CONNECTION = Category(
             "IPU device without recompiling. Setting the connection type doesn't impact the "
             "ability to profile a model. For possible values, see DeviceConnectionType.",
             effect="ALWAYS and ON_DEMAND run programs on the JAX devices; with NEVER and "
-            "PRE_COMPILE programs are compiled and measured but not executed.",
+            "PRE_COMPILE programs are compiled and measured but not executed: PRE_COMPILE "
+            "returns zeros for everything the device would return (logs, predictions) and "
+            "leaves the weights as they were, NEVER raises IPUNotAttachedError.",
         ),
         Option(
             "version",

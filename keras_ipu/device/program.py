@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from keras_ipu.device import accounting, compiler, convolutions, loops, lowering, precision
 from keras_ipu.device.dispatch import DispatchedExecution
@@ -243,6 +244,36 @@ class ExecutionProgram:
             state, outfeed = self._dispatch(executable, state, _step_slice(batches, step))
             outfeeds.append(outfeed)
         return state, self._joined(outfeeds)
+
+    def unattached(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+        """An execution on a system that never attaches to its IPUs (`PRE_COMPILE`).
+
+        The program is compiled and its memory checked as for a run, but
+        nothing runs: as on an IPU system that pre-compiles, everything the
+        device would have returned is zeros.
+
+        Args:
+            state: The state an execution would take.
+            batches: The execution's batches (arrays or shape structs).
+
+        Returns:
+            `(state, outfeed)`: the state as it was given, and an outfeed of
+            the run's structure, shapes and dtypes holding zeros (host arrays).
+
+        Raises:
+            IPUOutOfMemoryError: When the program does not fit an IPU.
+
+        Example:
+
+        >>> state, logs = program.unattached(state, batches)  # logs are zeros
+        """
+        self._current = self._executable(state, batches)
+        if self.stream is not None and self._own_execution:
+            # Dispatched a slice at a time, its finalize gives (outfeed, streamed).
+            outfeed = jax.eval_shape(self._jitted, state, self._compiled_batches(batches))[1][0]
+        else:
+            outfeed = jax.eval_shape(self._jitted, state, batches)[1]
+        return state, jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), outfeed)
 
     def _streamed_slices(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """An own execution, one leading slice per dispatch, each slice's outputs streamed."""

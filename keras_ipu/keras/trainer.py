@@ -27,6 +27,7 @@ from keras.src.utils.python_utils import pythonify_logs
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.replicate import Replicas
+from keras_ipu.errors import IPUNotAttachedError
 from keras_ipu.keras import (
     context,
     data,
@@ -112,6 +113,7 @@ def fit(
     run = programs.prepare(model, "fit", placement, feed, options)
     val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                if val_feed else None)
+    _check_attached("fit")
 
     callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
     model.stop_training = False
@@ -174,6 +176,7 @@ def evaluate(
     )
     model._symbolic_build(data_batch=feed.first_batch())
     run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
+    _check_attached("evaluate")
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
@@ -211,6 +214,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     )
     _build_for_predict(model, feed.first_batch())
     run = programs.prepare(model, "predict", placement, feed, options_of(model))
+    _check_attached("predict")
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     model.stop_predicting = False
     callbacks.on_predict_begin()
@@ -251,7 +255,11 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
     hooked = _has_batch_hooks(callbacks, begin_hook, end_hook)
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
-    delivery = _step_delivery(model, run, mode, on_begin, on_end) if hooked else None
+    # PRE_COMPILE: programs compile but never run; their outfeed is zeros,
+    # handed to the hooks as they return (nothing streams from a device).
+    attached = _connection() != "PRE_COMPILE"
+    execute = run.program if attached else run.program.unattached
+    delivery = _step_delivery(model, run, mode, on_begin, on_end) if hooked and attached else None
     stream = run.program.stream
     if stream is not None:
         # Nobody reads a stream without hooks: the device drops its steps.
@@ -284,7 +292,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                         **dict.fromkeys(parts, True), purge_model_variables=True))
                     model._jax_state_synced = False
                 ended = _submit_streamed(hooks, stream, begin, batches)
-                new_state, outfeed = run.program(state, batches)
+                new_state, outfeed = execute(state, batches)
                 outfeed, returned = _split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
                     outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
@@ -315,6 +323,21 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
         if hooks is not None:
             hooks.close()
     return logs
+
+
+def _connection() -> str:
+    """The configured `DeviceConnectionType`'s name."""
+    return ipu_system.require().option("device_connection_type", "ALWAYS")
+
+
+def _check_attached(mode: str) -> None:
+    """Raises `IPUNotAttachedError` on a system that never attaches (`NEVER`).
+
+    Called once a run's program is compiled (its memory checked, its report
+    made), before anything runs.
+    """
+    if _connection() == "NEVER":
+        raise IPUNotAttachedError(mode)
 
 
 def _submit_streamed(hooks, stream, begin: int, batches) -> list:
