@@ -1,10 +1,88 @@
-"""General utilities: the device model's execution report, weight placement, schedule pictures."""
+"""General utilities: the execution report, weight placement, schedule pictures, seeds."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from keras_ipu.config.enums import SyntheticDataCategory
+from keras_ipu.device import system as ipu_system
 from keras_ipu.keras.report import execution_report, weight_placement
+
+
+def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "cpu",
+                   experimental_identical_replicas: bool = False) -> None:
+    """Resets the seed of the random numbers drawn from now on.
+
+    On keras_ipu the device's random numbers come from Keras' seed
+    generators (dropout masks, `keras.random` calls, initializers) and the
+    host's from Python and NumPy: this is `keras.utils.set_random_seed(seed)`
+    after checking `device`. Layers built afterwards, weights initialised and
+    data shuffled afterwards follow the seed; a layer's own seed generator
+    made earlier keeps its state. Replicas always draw the same random
+    numbers (one seed state, replicated), whatever
+    `experimental_identical_replicas` says.
+
+    Args:
+        seed: The new seed, a non-negative integer.
+        device: The IPU device the seed is for (`/device:IPU:N` of the
+            configured system).
+        cpu_device: The host device; accepted for compatibility.
+        experimental_identical_replicas: Accepted for compatibility.
+
+    Raises:
+        ValueError: For a seed that is not a non-negative integer, or a
+            device the configured system does not have.
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> keras_ipu.utils.reset_ipu_seed(42)
+    """
+    import keras
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"The seed must be a non-negative integer, got {seed!r}.")
+    ipu_system.require().ipus_of_device(device)  # raises for a device it does not have
+    keras.utils.set_random_seed(seed)
+
+
+def running_on_ipu_model() -> bool:
+    """Whether programs run on the IPU model rather than on IPU hardware.
+
+    Returns:
+        `True`: keras_ipu's IPUs are always the device model's.
+
+    Example:
+
+    >>> keras_ipu.utils.running_on_ipu_model()
+    True
+    """
+    return True
+
+
+def use_synthetic_data_for(synthetic_data_category: SyntheticDataCategory) -> bool:
+    """Whether synthetic data replaces the given kind of data.
+
+    Args:
+        synthetic_data_category: A `SyntheticDataCategory`.
+
+    Returns:
+        Whether `--use_synthetic_data` is on for the configured system
+        (`TF_POPLAR_FLAGS` or `KERAS_IPU_FLAGS`): it replaces every category.
+
+    Raises:
+        TypeError: For anything but a `SyntheticDataCategory`.
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> keras_ipu.utils.use_synthetic_data_for(SyntheticDataCategory.Infeed)
+    False
+    """
+    if not isinstance(synthetic_data_category, SyntheticDataCategory):
+        raise TypeError(f"Expected a SyntheticDataCategory, got {synthetic_data_category!r}; "
+                        f"valid: {', '.join(c.name for c in SyntheticDataCategory)}.")
+    return bool(ipu_system.require().option("use_synthetic_data"))
 
 
 def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: Any = "Grouped",
@@ -40,4 +118,12 @@ def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: A
     return figure
 
 
-__all__ = ["execution_report", "plot_schedule", "weight_placement"]
+__all__ = [
+    "SyntheticDataCategory",
+    "execution_report",
+    "plot_schedule",
+    "reset_ipu_seed",
+    "running_on_ipu_model",
+    "use_synthetic_data_for",
+    "weight_placement",
+]

@@ -44,6 +44,29 @@ class DeviceConnectionType(enum.Enum):
     NEVER = 3
 
 
+class SyntheticDataCategory(enum.Enum):
+    """The kinds of data that `--use_synthetic_data` replaces (`utils.use_synthetic_data_for`).
+
+    * `Seed`: the random seed.
+    * `Infeed`: the data fed to the device.
+    * `Outfeed`: the data the device returns.
+    * `HostEmbedding`: host embedding lookups.
+    * `Parameters`: the program's parameters (weights).
+
+    Example:
+
+    ```python
+    keras_ipu.utils.use_synthetic_data_for(SyntheticDataCategory.Infeed)
+    ```
+    """
+
+    Seed = 0
+    Infeed = 1
+    Outfeed = 2
+    HostEmbedding = 3
+    Parameters = 4
+
+
 class ExecutionProfileType(enum.Enum):
     """The execution profile type indicates the desired information in the execution profile.
 

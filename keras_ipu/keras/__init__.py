@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("callbacks", "extensions")
+_SUBMODULES = ("callbacks", "extensions", "layers")
 _LAZY_NAMES = {
     "PipelineStage": "keras_ipu.keras.stages",
     "SequentialLayerPipelineStageAssignment": "keras_ipu.keras.stages",

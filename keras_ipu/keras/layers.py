@@ -1,0 +1,477 @@
+"""IPU Keras layers: `ipu.keras.layers` of IPU TensorFlow, as Keras 3 layers.
+
+IPU TensorFlow offers these layers as IPU-optimised replacements of Keras'
+own (Poplar's dropout, embedding, normalisations and recurrent cells). On
+keras_ipu every Keras layer runs on the virtual IPUs, so each layer here
+takes the IPU layer's arguments, in its order and with its defaults, and
+computes what it documents with Keras 3 operations. Ported code runs after
+changing its imports:
+
+- `Dropout(rate, noise_shape=None, seed=None)`: `seed` may be IPU
+  TensorFlow's pair of 32-bit integers.
+- `Embedding(input_dim, output_dim, embeddings_initializer="uniform")`.
+- `LayerNormalization`, `GroupNormalization`, `InstanceNormalization`: with
+  `dtype` (float32 by default, the weights' and the computation's type)
+  first, and for group normalisation Poplar's strided channel grouping
+  (`strided_channel_grouping=True`, the default: channel `c` is in group
+  `c % groups`) or the conventional contiguous one.
+- `PopnnLSTM` / `LSTM`, `PopnnGRU` / `GRU`: Keras' recurrent layers with the
+  IPU layers' `dropout_seed`, `time_major` and `partials_dtype` (the
+  precision of Poplar's partial sums: accepted and kept; the device model
+  sums in the computation's type).
+- `RecomputationCheckpoint`: marks values a recomputing pipeline stage
+  should keep. keras_ipu's recomputation recomputes a whole stage from its
+  input, so the layer passes its inputs through unchanged.
+
+Every layer is registered for Keras serialization (package `keras_ipu`),
+so saved models load with them.
+
+Example:
+
+```python
+import keras
+import keras_ipu as ipu
+
+model = keras.Sequential([
+    keras.Input((16,), dtype="int32"),
+    ipu.keras.layers.Embedding(1000, 32),
+    ipu.keras.layers.PopnnLSTM(64),
+    ipu.keras.layers.Dropout(0.1, seed=[1, 2]),
+    keras.layers.Dense(10),
+])
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+_register = keras.saving.register_keras_serializable(package="keras_ipu")
+
+
+def keras_seed(seed: Any) -> int | None:
+    """A Keras seed (an integer) from an IPU layer's seed.
+
+    Args:
+        seed: `None`, an integer, or IPU TensorFlow's pair of 32-bit
+            integers (a list, tuple or array of two).
+
+    Returns:
+        `None`, the integer itself, or one non-negative integer below 2**31
+        that the pair determines.
+
+    Raises:
+        ValueError: For anything else.
+
+    Example:
+
+    >>> keras_seed([1, 2]) == keras_seed((1, 2))
+    True
+    """
+    if seed is None or isinstance(seed, (int, np.integer)):
+        return None if seed is None else int(seed)
+    pair = np.asarray(seed)
+    if pair.shape != (2,) or not np.issubdtype(pair.dtype, np.integer):
+        raise ValueError(
+            f"A seed must be an integer or a pair of 32-bit integers, got {seed!r}.")
+    high, low = (int(v) & 0xFFFFFFFF for v in pair)
+    return (high * 0x9E3779B1 + low) % (1 << 31)
+
+
+@_register
+class Dropout(keras.layers.Dropout):
+    """Dropout with IPU TensorFlow's arguments (`seed` may be a pair of integers).
+
+    Randomly sets a fraction `rate` of the inputs to 0 in training, scaling
+    the rest by `1 / (1 - rate)`; does nothing in inference.
+
+    Args:
+        rate: Fraction of the input units to drop, in [0, 1).
+        noise_shape: The shape of the dropout mask (Keras' `noise_shape`).
+        seed: An integer or a pair of 32-bit integers seeding the mask.
+        **kwargs: Keras layer arguments (`name`, `dtype`, ...).
+
+    Raises:
+        ValueError: For a `rate` outside [0, 1) or a malformed `seed`.
+
+    Example:
+
+    >>> layer = Dropout(0.5, seed=[3, 4])
+    """
+
+    def __init__(self, rate, noise_shape=None, seed=None, **kwargs):
+        super().__init__(rate, noise_shape=noise_shape, seed=keras_seed(seed), **kwargs)
+
+
+@_register
+class Embedding(keras.layers.Embedding):
+    """An embedding lookup, as IPU TensorFlow's `Embedding`.
+
+    Args:
+        input_dim: Size of the vocabulary (the largest index + 1).
+        output_dim: Dimension of the embedding.
+        embeddings_initializer: Initializer of the embedding matrix.
+        **kwargs: Keras `Embedding` arguments.
+
+    Example:
+
+    >>> layer = Embedding(1000, 32)  # (batch, length) ids -> (batch, length, 32)
+    """
+
+    def __init__(self, input_dim, output_dim, embeddings_initializer="uniform", **kwargs):
+        super().__init__(input_dim, output_dim,
+                         embeddings_initializer=embeddings_initializer, **kwargs)
+
+
+@_register
+class LayerNormalization(keras.layers.LayerNormalization):
+    """Layer normalisation with IPU TensorFlow's arguments (`dtype` first).
+
+    Args:
+        dtype: The type of the weights and of the computation.
+        axis: The axis or axes normalised.
+        epsilon: Added to the variance.
+        center: Whether to add the learned offset `beta`.
+        scale: Whether to multiply by the learned `gamma`.
+        beta_initializer: Initializer of `beta`.
+        gamma_initializer: Initializer of `gamma`.
+        trainable: Whether the weights are trainable.
+        name: The layer's name.
+        **kwargs: Other Keras `LayerNormalization` arguments.
+
+    Example:
+
+    >>> layer = LayerNormalization(epsilon=1e-5)
+    """
+
+    def __init__(self, dtype="float32", axis=-1, epsilon=0.001, center=True, scale=True,
+                 beta_initializer="zeros", gamma_initializer="ones", trainable=True, name=None,
+                 **kwargs):
+        super().__init__(axis=axis, epsilon=epsilon, center=center, scale=scale,
+                         beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
+                         trainable=trainable, name=name, dtype=dtype, **kwargs)
+
+
+@_register
+class GroupNormalization(keras.layers.Layer):
+    """Group normalisation with IPU TensorFlow's arguments, Poplar's grouping included.
+
+    Each sample's channels are split into `groups`; each group is normalised
+    over its channels and the spatial axes; then a per-channel `gamma` and
+    `beta` apply. No statistics are gathered (training and inference alike).
+
+    Args:
+        dtype: The type of the weights and of the computation.
+        groups: The number of groups; it must divide the channels.
+        channels_axis: The channels' axis.
+        center: Whether to add the learned offset `beta`.
+        scale: Whether to multiply by the learned `gamma`.
+        epsilon: Added to the variance.
+        beta_initializer: Initializer of `beta` (zeros when `None`).
+        gamma_initializer: Initializer of `gamma` (ones when `None`).
+        strided_channel_grouping: Poplar's grouping, channel `c` in group
+            `c % groups` (`True`, IPU TensorFlow's default), or the usual
+            contiguous groups, channel `c` in group `c // (channels / groups)`
+            (`False`, as `keras.layers.GroupNormalization`).
+        trainable: Whether the weights are trainable.
+        name: The layer's name.
+        **kwargs: Other Keras layer arguments.
+
+    Raises:
+        ValueError: When building, if `groups` does not divide the channels
+            or the channels' axis has no static size.
+
+    Example:
+
+    >>> layer = GroupNormalization(groups=4, strided_channel_grouping=False)
+    """
+
+    def __init__(self, dtype="float32", groups=2, channels_axis=-1, center=True, scale=True,
+                 epsilon=0.001, beta_initializer=None, gamma_initializer=None,
+                 strided_channel_grouping=True, trainable=True, name=None, **kwargs):
+        super().__init__(dtype=dtype, trainable=trainable, name=name, **kwargs)
+        self.groups = groups
+        self.channels_axis = channels_axis
+        self.center, self.scale, self.epsilon = center, scale, epsilon
+        self.beta_initializer = keras.initializers.get(beta_initializer or "zeros")
+        self.gamma_initializer = keras.initializers.get(gamma_initializer or "ones")
+        self.strided_channel_grouping = strided_channel_grouping
+
+    def _groups_for(self, channels: int) -> int:
+        return self.groups
+
+    def build(self, input_shape):
+        axis = self.channels_axis % len(input_shape)
+        channels = input_shape[axis]
+        if channels is None:
+            raise ValueError(f"{type(self).__name__} needs a static size for its channels' "
+                             f"axis {self.channels_axis}; the input's shape is {input_shape}.")
+        groups = self._groups_for(channels)
+        if groups < 1 or channels % groups:
+            raise ValueError(f"{type(self).__name__}: {channels} channels (axis "
+                             f"{self.channels_axis} of {input_shape}) cannot be split into "
+                             f"{groups} groups; use a number of groups that divides {channels}.")
+        self._axis, self._groups = axis, groups
+        self.gamma = self.add_weight(shape=(channels,), initializer=self.gamma_initializer,
+                                     name="gamma") if self.scale else None
+        self.beta = self.add_weight(shape=(channels,), initializer=self.beta_initializer,
+                                    name="beta") if self.center else None
+
+    def call(self, inputs):
+        x = ops.moveaxis(inputs, self._axis, -1)  # [batch, spatial..., channels]
+        shape = ops.shape(x)
+        rank, channels, groups = len(shape), shape[-1], self._groups
+        if self.strided_channel_grouping:
+            grouped = ops.reshape(x, (*shape[:-1], channels // groups, groups))
+            members = rank - 1  # the axis of a group's channels
+        else:
+            grouped = ops.reshape(x, (*shape[:-1], groups, channels // groups))
+            members = rank
+        # Statistics in at least float32, as Keras' own normalisations.
+        stats_dtype = "float32" if self.compute_dtype in ("float16", "bfloat16") else None
+        values = grouped if stats_dtype is None else ops.cast(grouped, stats_dtype)
+        mean, variance = ops.moments(values, axes=(*range(1, rank - 1), members), keepdims=True)
+        normalized = (values - mean) * ops.rsqrt(variance + self.epsilon)
+        x = ops.reshape(ops.cast(normalized, self.compute_dtype), shape)
+        if self.gamma is not None:
+            x = x * ops.cast(self.gamma, self.compute_dtype)
+        if self.beta is not None:
+            x = x + ops.cast(self.beta, self.compute_dtype)
+        return ops.moveaxis(x, -1, self._axis)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "groups": self.groups,
+            "channels_axis": self.channels_axis,
+            "center": self.center,
+            "scale": self.scale,
+            "epsilon": self.epsilon,
+            "beta_initializer": keras.initializers.serialize(self.beta_initializer),
+            "gamma_initializer": keras.initializers.serialize(self.gamma_initializer),
+            "strided_channel_grouping": self.strided_channel_grouping,
+        }
+
+
+@_register
+class InstanceNormalization(GroupNormalization):
+    """Instance normalisation with IPU TensorFlow's arguments: each channel its own group.
+
+    Args:
+        dtype: The type of the weights and of the computation.
+        channels_axis: The channels' axis.
+        center: Whether to add the learned offset `beta`.
+        scale: Whether to multiply by the learned `gamma`.
+        epsilon: Added to the variance.
+        beta_initializer: Initializer of `beta` (zeros when `None`).
+        gamma_initializer: Initializer of `gamma` (ones when `None`).
+        trainable: Whether the weights are trainable.
+        name: The layer's name.
+        **kwargs: Other Keras layer arguments.
+
+    Raises:
+        ValueError: When building, if the channels' axis has no static size.
+
+    Example:
+
+    >>> layer = InstanceNormalization()
+    """
+
+    def __init__(self, dtype="float32", channels_axis=-1, center=True, scale=True,
+                 epsilon=0.001, beta_initializer=None, gamma_initializer=None, trainable=True,
+                 name=None, **kwargs):
+        kwargs.pop("groups", None)  # from a saved config: always one group per channel
+        kwargs.pop("strided_channel_grouping", None)
+        super().__init__(dtype=dtype, groups=1, channels_axis=channels_axis, center=center,
+                         scale=scale, epsilon=epsilon, beta_initializer=beta_initializer,
+                         gamma_initializer=gamma_initializer, trainable=trainable, name=name,
+                         **kwargs)
+
+    def _groups_for(self, channels: int) -> int:
+        return channels
+
+
+class _IPURecurrent:
+    """The IPU recurrent layers' own arguments over Keras' layer.
+
+    With `time_major=True` sequences come and go as `[time, batch, ...]`.
+    """
+
+    def call(self, sequences, initial_state=None, mask=None, training=False):
+        if not self.time_major:
+            return super().call(sequences, initial_state=initial_state, mask=mask,
+                                training=training)
+        if mask is not None:
+            mask = _swap_leading(mask)
+        outputs = super().call(_swap_leading(sequences), initial_state=initial_state,
+                               mask=mask, training=training)
+        if not self.return_sequences:
+            return outputs
+        if isinstance(outputs, (list, tuple)):
+            return [_swap_leading(outputs[0]), *outputs[1:]]
+        return _swap_leading(outputs)
+
+    def build(self, sequences_shape, initial_state_shape=None):
+        if self.time_major:
+            sequences_shape = (sequences_shape[1], sequences_shape[0], *sequences_shape[2:])
+        super().build(sequences_shape, initial_state_shape)
+
+    def compute_output_shape(self, sequences_shape, initial_state_shape=None):
+        if not self.time_major:
+            return super().compute_output_shape(sequences_shape, initial_state_shape)
+        batch_major = (sequences_shape[1], sequences_shape[0], *sequences_shape[2:])
+        shapes = super().compute_output_shape(batch_major, initial_state_shape)
+        if not self.return_sequences:
+            return shapes
+        if self.return_state:
+            first = shapes[0]
+            return [(first[1], first[0], *first[2:]), *shapes[1:]]
+        return (shapes[1], shapes[0], *shapes[2:])
+
+    def _init_recurrent(self, keras_class: type, arguments: dict, kwargs: dict) -> None:
+        """Keras' `__init__` with the IPU layer's arguments; keeps the IPU-only ones."""
+        self.time_major = arguments.pop("time_major")
+        self.partials_dtype = arguments.pop("partials_dtype")
+        self.implementation = arguments.pop("implementation")
+        dropout_seed, seed = arguments.pop("dropout_seed"), arguments.pop("seed")
+        keras_class.__init__(self, seed=keras_seed(seed if seed is not None else dropout_seed),
+                             **arguments, **kwargs)
+
+    def get_config(self):
+        return {**super().get_config(), "time_major": self.time_major,
+                "partials_dtype": self.partials_dtype, "implementation": self.implementation}
+
+
+def _arguments(names: dict) -> dict:
+    """An `__init__`'s named arguments, from its `locals()`."""
+    return {k: v for k, v in names.items() if k not in ("self", "kwargs", "__class__")}
+
+
+def _swap_leading(x):
+    return ops.swapaxes(x, 0, 1)
+
+
+@_register
+class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
+    """Long short-term memory with IPU TensorFlow's arguments (alias `LSTM`).
+
+    Keras' `LSTM`, with the IPU layer's defaults (`recurrent_activation`
+    `"sigmoid"`) and its extra arguments.
+
+    Args:
+        units: Dimension of the output space.
+        dropout_seed: A seed for the dropout masks (an integer or a pair of
+            32-bit integers), used when `seed` is not given.
+        implementation: Accepted for compatibility (Keras 3 has one).
+        partials_dtype: The type of Poplar's partial sums; accepted and kept
+            (the device model sums in the computation's type).
+        seed: A seed for the dropout masks (an integer or a pair).
+        time_major: Whether sequences are `[time, batch, features]` (inputs
+            and sequence outputs) instead of `[batch, time, features]`.
+        **kwargs: The other arguments of `keras.layers.LSTM`, with its
+            meanings (`activation`, initializers, regularizers, constraints,
+            `dropout`, `recurrent_dropout`, `return_sequences`,
+            `return_state`, `go_backwards`, `stateful`, `unroll`, ...).
+
+    Example:
+
+    >>> layer = PopnnLSTM(64, return_sequences=True, time_major=True)
+    """
+
+    def __init__(self, units, activation="tanh", recurrent_activation="sigmoid", use_bias=True,
+                 kernel_initializer="glorot_uniform", recurrent_initializer="orthogonal",
+                 bias_initializer="zeros", unit_forget_bias=True, kernel_regularizer=None,
+                 recurrent_regularizer=None, bias_regularizer=None, activity_regularizer=None,
+                 kernel_constraint=None, recurrent_constraint=None, bias_constraint=None,
+                 dropout=0.0, dropout_seed=None, recurrent_dropout=0.0, implementation=1,
+                 return_sequences=False, return_state=False, go_backwards=False,
+                 stateful=False, unroll=False, partials_dtype="float32", seed=None,
+                 time_major=False, **kwargs):
+        self._init_recurrent(keras.layers.LSTM, _arguments(locals()), kwargs)
+
+@_register
+class PopnnGRU(_IPURecurrent, keras.layers.GRU):
+    """Gated recurrent unit with IPU TensorFlow's arguments (alias `GRU`).
+
+    Keras' `GRU` (`reset_after=True` by default, as the IPU layer), with the
+    IPU layer's extra arguments.
+
+    Args:
+        units: Dimension of the output space.
+        dropout_seed: A seed for the dropout masks (an integer or a pair of
+            32-bit integers), used when `seed` is not given.
+        implementation: Accepted for compatibility (Keras 3 has one).
+        partials_dtype: The type of Poplar's partial sums; accepted and kept
+            (the device model sums in the computation's type).
+        seed: A seed for the dropout masks (an integer or a pair).
+        time_major: Whether sequences are `[time, batch, features]` (inputs
+            and sequence outputs) instead of `[batch, time, features]`.
+        **kwargs: The other arguments of `keras.layers.GRU`, with its
+            meanings.
+
+    Example:
+
+    >>> layer = PopnnGRU(32, return_state=True)
+    """
+
+    def __init__(self, units, activation="tanh", recurrent_activation="sigmoid", use_bias=True,
+                 kernel_initializer="glorot_uniform", recurrent_initializer="orthogonal",
+                 bias_initializer="zeros", kernel_regularizer=None, recurrent_regularizer=None,
+                 bias_regularizer=None, activity_regularizer=None, kernel_constraint=None,
+                 recurrent_constraint=None, bias_constraint=None, dropout=0.0,
+                 dropout_seed=None, recurrent_dropout=0.0, implementation=1,
+                 return_sequences=False, return_state=False, go_backwards=False,
+                 stateful=False, unroll=False, reset_after=True, seed=None,
+                 partials_dtype="float32", time_major=False, **kwargs):
+        self._init_recurrent(keras.layers.GRU, _arguments(locals()), kwargs)
+
+LSTM = PopnnLSTM
+GRU = PopnnGRU
+
+
+@_register
+class RecomputationCheckpoint(keras.layers.Layer):
+    """Marks values a recomputing pipeline stage keeps instead of recomputing.
+
+    In IPU TensorFlow the checkpointed values are stored rather than
+    recomputed under `RecomputationMode.RecomputeAndBackpropagateInterleaved`
+    (and ignored under `RecomputeThenBackpropagate`). keras_ipu's
+    recomputation recomputes a whole stage from its input; the layer passes
+    its inputs through unchanged, so models that use it run and train the
+    same as without it.
+
+    Args:
+        **kwargs: Keras layer arguments (`name`, ...).
+
+    Example:
+
+    >>> outputs = RecomputationCheckpoint()(hidden)
+    """
+
+    def call(self, inputs, **kwargs):
+        return keras.tree.map_structure(lambda value: value, inputs)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+__all__ = [
+    "Dropout",
+    "Embedding",
+    "GRU",
+    "GroupNormalization",
+    "InstanceNormalization",
+    "LSTM",
+    "LayerNormalization",
+    "PopnnGRU",
+    "PopnnLSTM",
+    "RecomputationCheckpoint",
+    "keras_seed",
+]

@@ -1,0 +1,175 @@
+"""`ipu.keras.layers`: IPU TensorFlow's Keras layers, computed as they document, trained on IPUs."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.keras import layers as ipu_layers
+
+from conftest import assert_weights_close, configure
+
+
+def _images(shape=(3, 4, 5, 6), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 3 + 1
+
+
+def test_the_module_is_ipu_keras_layers_with_the_seeds_aliases():
+    assert ipu.keras.layers is ipu_layers
+    assert ipu.keras.layers.LSTM is ipu.keras.layers.PopnnLSTM
+    assert ipu.keras.layers.GRU is ipu.keras.layers.PopnnGRU
+
+
+def test_contiguous_group_normalization_equals_keras():
+    x = _images()
+    ours = ipu_layers.GroupNormalization(groups=3, strided_channel_grouping=False)
+    keras_own = keras.layers.GroupNormalization(groups=3, epsilon=0.001)
+    np.testing.assert_allclose(ours(x), keras_own(x), atol=1e-5)
+
+
+def test_strided_group_normalization_groups_every_groups_th_channel():
+    # Channel c is in group c % groups: Keras' contiguous groups over channels reordered.
+    x, groups = _images(), 3
+    order = [c for g in range(groups) for c in range(g, 6, groups)]
+    keras_own = keras.layers.GroupNormalization(groups=groups, epsilon=0.001)
+    expected = np.empty_like(x)
+    expected[..., order] = keras.ops.convert_to_numpy(keras_own(x[..., order]))
+    strided = ipu_layers.GroupNormalization(groups=groups)  # Poplar's default grouping
+    np.testing.assert_allclose(strided(x), expected, atol=1e-5)
+    contiguous = ipu_layers.GroupNormalization(groups=groups, strided_channel_grouping=False)
+    assert not np.allclose(contiguous(x), expected, atol=1e-3)
+
+
+def test_instance_normalization_normalizes_each_channel_of_each_sample():
+    x = _images()
+    mean = x.mean(axis=(1, 2), keepdims=True)
+    expected = (x - mean) / np.sqrt(x.var(axis=(1, 2), keepdims=True) + 0.001)
+    np.testing.assert_allclose(ipu_layers.InstanceNormalization()(x), expected, atol=1e-5)
+    # Channels first: the same numbers, transposed.
+    first = ipu_layers.InstanceNormalization(channels_axis=1)(np.moveaxis(x, -1, 1))
+    np.testing.assert_allclose(np.moveaxis(keras.ops.convert_to_numpy(first), 1, -1),
+                               expected, atol=1e-5)
+
+
+def test_group_normalization_that_cannot_split_the_channels_says_why():
+    with pytest.raises(ValueError, match="6 channels .* cannot be split into 4 groups"):
+        ipu_layers.GroupNormalization(groups=4)(_images())
+
+
+def test_layer_normalization_takes_the_ipu_arguments_and_equals_keras():
+    x = _images((4, 7))
+    ours = ipu_layers.LayerNormalization("float32", -1, 1e-5)
+    np.testing.assert_allclose(ours(x), keras.layers.LayerNormalization(epsilon=1e-5)(x),
+                               atol=1e-6)
+
+
+def test_dropout_takes_a_seed_pair():
+    x = np.ones((64, 32), np.float32)
+    first = keras.ops.convert_to_numpy(ipu_layers.Dropout(0.5, seed=[1, 2])(x, training=True))
+    again = keras.ops.convert_to_numpy(ipu_layers.Dropout(0.5, seed=(1, 2))(x, training=True))
+    other = keras.ops.convert_to_numpy(ipu_layers.Dropout(0.5, seed=[2, 1])(x, training=True))
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+    assert set(np.unique(first)) == {0.0, 2.0} and 0.4 < (first == 0).mean() < 0.6
+    np.testing.assert_array_equal(ipu_layers.Dropout(0.5, seed=[1, 2])(x), x)  # inference
+    with pytest.raises(ValueError, match="pair of 32-bit integers, got"):
+        ipu_layers.Dropout(0.5, seed=[1, 2, 3])
+
+
+@pytest.mark.parametrize("layer_class", [ipu_layers.PopnnLSTM, ipu_layers.PopnnGRU])
+def test_time_major_recurrent_layers_equal_batch_major_ones_transposed(layer_class):
+    x = _images((5, 3, 4))  # [batch, time, features]
+    batch_major = layer_class(6, return_sequences=True, return_state=True)
+    outputs = batch_major(x)
+    time_major = layer_class(6, return_sequences=True, return_state=True, time_major=True)
+    time_major.build(np.swapaxes(x, 0, 1).shape)
+    time_major.set_weights(batch_major.get_weights())
+    swapped = time_major(np.swapaxes(x, 0, 1))
+    np.testing.assert_allclose(np.swapaxes(keras.ops.convert_to_numpy(swapped[0]), 0, 1),
+                               outputs[0], atol=1e-6)
+    for ours, theirs in zip(swapped[1:], outputs[1:]):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
+    # In a functional model the output shapes are time-major too.
+    inputs = keras.Input((5, 4), batch_size=3)  # [time, batch, features]
+    shapes = [tuple(t.shape) for t in layer_class(6, return_sequences=True, return_state=True,
+                                                    time_major=True)(inputs)]
+    assert shapes[0] == (3, 5, 6) and all(s == (5, 6) for s in shapes[1:])
+
+
+def _text_model(scope):
+    keras.utils.set_random_seed(11)
+    with scope:
+        model = keras.Sequential([
+            keras.Input((6,), dtype="int32"),
+            ipu_layers.Embedding(20, 8),
+            ipu_layers.PopnnLSTM(8, return_sequences=True),
+            ipu_layers.RecomputationCheckpoint(),
+            ipu_layers.GroupNormalization(groups=2),
+            ipu_layers.PopnnGRU(8),
+            ipu_layers.LayerNormalization(),
+            ipu_layers.Dropout(0.2, seed=[7, 8]),
+            keras.layers.Dense(3),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                      steps_per_execution=4)
+    return model
+
+
+def _text_data():
+    rng = np.random.default_rng(4)
+    return rng.integers(0, 20, (32, 6)).astype(np.int32), rng.random((32, 3), np.float32)
+
+
+def test_a_model_of_ipu_layers_trains_on_an_ipu_as_in_plain_keras(tmp_path):
+    x, y = _text_data()
+    plain = _text_model(keras.utils.custom_object_scope({}))
+    on_ipu = _text_model(ipu.ipu_strategy.IPUStrategy().scope())
+    on_ipu.set_weights(plain.get_weights())
+    # Dropout draws from each model's own seed generator: the same seed, the same masks.
+    plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    on_ipu.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)
+    # Saved and loaded, the layers keep their classes and their arguments.
+    path = str(tmp_path / "model.keras")
+    on_ipu.save(path)
+    loaded = keras.saving.load_model(path)
+    assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in on_ipu.layers]
+    np.testing.assert_allclose(loaded.predict(x, batch_size=4, verbose=0),
+                               on_ipu.predict(x, batch_size=4, verbose=0),
+                               atol=1e-6)
+
+
+def test_recomputation_checkpoints_in_a_recomputing_pipeline_change_nothing():
+    configure(2)
+    x, y = _text_data()
+    weights = None
+    trained = []
+    for checkpointed in (False, True):
+        keras.utils.set_random_seed(2)
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            inputs = keras.Input((6,), dtype="int32")
+            hidden = ipu_layers.Embedding(20, 8)(inputs)
+            hidden = keras.layers.Flatten()(hidden)
+            hidden = keras.layers.Dense(8, activation="relu")(hidden)
+            if checkpointed:
+                hidden = ipu_layers.RecomputationCheckpoint()(hidden)
+            outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(hidden))
+            model = keras.Model(inputs, outputs)
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                          steps_per_execution=8)
+        assignment = model.get_pipeline_stage_assignment()
+        for index, stage in enumerate(assignment):
+            stage.pipeline_stage = 0 if index < 3 else 1
+        model.set_pipeline_stage_assignment(assignment)
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=4,
+            recomputation_mode=ipu.pipelining_ops.RecomputationMode
+            .RecomputeAndBackpropagateInterleaved)
+        weights = weights or model.get_weights()
+        model.set_weights(weights)
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+        trained.append(model.get_weights())
+    assert_weights_close(trained[0], trained[1], atol=0)
+    assert not np.allclose(trained[0][-1], weights[-1])

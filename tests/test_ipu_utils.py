@@ -1,0 +1,56 @@
+"""`ipu.utils`: `reset_ipu_seed`, `running_on_ipu_model`, `use_synthetic_data_for`."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.utils import SyntheticDataCategory
+
+from conftest import configure
+
+
+def _trained_with_seed(seed: int) -> list:
+    """A model built, shuffled and trained with dropout after `reset_ipu_seed(seed)`."""
+    ipu.utils.reset_ipu_seed(seed)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=2)
+    x = np.linspace(0, 1, 64, dtype=np.float32).reshape(16, 4)
+    model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0)  # shuffled
+    return model.get_weights()
+
+
+def test_reset_ipu_seed_makes_initialisation_shuffles_and_dropout_repeat():
+    first, again, other = _trained_with_seed(3), _trained_with_seed(3), _trained_with_seed(4)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(first[0], other[0])
+
+
+def test_reset_ipu_seed_checks_the_seed_and_the_device():
+    configure(2)  # /device:IPU:0 only, with 2 IPUs
+    with pytest.raises(ValueError, match="non-negative integer, got -1"):
+        ipu.utils.reset_ipu_seed(-1)
+    with pytest.raises(ValueError, match="IPU:1"):
+        ipu.utils.reset_ipu_seed(1, device="/device:IPU:1")
+    ipu.utils.reset_ipu_seed(1, device="/device:IPU:0", experimental_identical_replicas=True)
+
+
+def test_the_ipus_are_always_the_ipu_model():
+    assert ipu.utils.running_on_ipu_model() is True
+
+
+def test_use_synthetic_data_for_follows_the_flag(monkeypatch):
+    monkeypatch.delenv("TF_POPLAR_FLAGS", raising=False)
+    monkeypatch.delenv("KERAS_IPU_FLAGS", raising=False)
+    configure(1)
+    assert not any(ipu.utils.use_synthetic_data_for(c) for c in SyntheticDataCategory)
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--use_synthetic_data")
+    configure(1)
+    assert all(ipu.utils.use_synthetic_data_for(c) for c in SyntheticDataCategory)
+    with pytest.raises(TypeError, match="valid: Seed, Infeed, Outfeed"):
+        ipu.utils.use_synthetic_data_for("infeed")
