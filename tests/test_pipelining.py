@@ -236,6 +236,23 @@ def test_fit_needs_pipelining_accumulation(strategy):
     assert model.predict(x, batch_size=4, verbose=0).shape == (32, 3)
 
 
+def test_the_sequential_schedule_trains_without_accumulation(strategy):
+    # The seed: accumulation "is optional when using the Sequential schedule"; each
+    # batch is then one weight update, as plain Keras' fit with that batch.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.set_pipelining_options(pipeline_schedule=ipu.pipelining_ops.PipelineSchedule.Sequential)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                  steps_per_execution=4)
+    plain = _plain_twin(model, x)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 def test_too_few_micro_batches_names_the_minimum(strategy):
     configure(2)
     with strategy.scope():

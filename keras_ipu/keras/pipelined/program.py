@@ -73,16 +73,23 @@ def device_mapping(plan, options: IPUOptions) -> tuple[int, ...]:
 def accumulation_steps(model, options: IPUOptions) -> int:
     """Micro-batches per weight update of a pipelined model.
 
+    Optional with the Sequential schedule (as the seed documents), which
+    never overlaps stages: without it each batch is one weight update.
+
     Raises:
-        ValueError: When `set_pipelining_options` did not set it.
+        ValueError: When `set_pipelining_options` did not set it for the
+            Grouped or Interleaved schedule.
     """
     steps = options.pipelining_gradient_accumulation_steps_per_replica
+    if steps is None and schedule_of(options) == schedules.PipelineSchedule.Sequential:
+        return 1
     if steps is None:
         raise ValueError(
             "The model which you are attempting to train is pipelined, however "
             "`gradient_accumulation_steps_per_replica` has not been set through "
             "`set_pipelining_options()`. You need to set this value as pipelined models "
-            "will perform gradient accumulation when training."
+            "will perform gradient accumulation when training (it is optional only with "
+            "`pipeline_schedule=PipelineSchedule.Sequential`)."
         )
     return steps
 
