@@ -65,7 +65,25 @@ def test_run_prints_or_saves_the_outputs(export_dir, tmp_path):
     assert _cli(*args, "--overwrite").returncode == 0
 
 
+def test_run_takes_the_saved_model_tools_options(export_dir, tmp_path):
+    # The seed's `ipu_saved_model_cli run` line: its required tag set and signature, its
+    # IPU options, and inputs separated by ";".
+    np.save(tmp_path / "x.npy", np.full((1, 4), 2, "float32"))
+    np.save(tmp_path / "y.npy", np.full((1, 4), 5, "float32"))
+    result = _cli("run", "--dir", str(export_dir), "--tag_set", "serve", "--signature_def",
+                  "serving_default", "--inputs", f"x={tmp_path / 'x.npy'};y={tmp_path / 'y.npy'}",
+                  "--init_ipu", "--num_ipus", "1", "--matmul_amp", "0.6", "--conv_amp", "0.3",
+                  "--matmul_partial_type", "half", "--conv_partial_type", "float")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "output_0: [[7. 7. 7. 7.]]"
+
+
 @pytest.mark.parametrize("args, message", [
+    (["run", "--dir", "{export}", "--tag_set", "train"], "the export has one tag set, 'serve'"),
+    (["run", "--dir", "{export}", "--signature_def", "predict"], "one signature"),
+    (["run", "--dir", "{export}", "--num_ipus", "2"], "the export runs on 1 IPU(s)"),
+    (["run", "--dir", "{export}", "--matmul_amp", "1.5"], "must be between 0.0 and 1.0"),
+    (["run", "--dir", "{export}", "--input_examples", "x=[example]"], "tf.train.Example"),
     (["run", "--dir", "{export}", "--input_exprs", "x=__import__('os').getcwd()"],
      "Only NumPy constructors"),
     (["run", "--dir", "{export}", "--input_exprs", "x=np.load('secret.npy')"],

@@ -78,7 +78,8 @@ def test_auto_balances_the_stages_and_the_export_matches_predict(priority, saved
 
 def test_manual_sharding_and_the_solution_file_round_trip(saved_mlp, tmp_path):
     path, x, expected = saved_mlp
-    manual = _cli("--model", str(path), "--dir", str(tmp_path / "manual"), "--batch_size",
+    # As the seed writes it: `convert ipu ...`.
+    manual = _cli("ipu", "--model", str(path), "--dir", str(tmp_path / "manual"), "--batch_size",
                   str(BATCH), "--num_ipus", "2", "--manual_sharding", "^block_[0-1]$",
                   "^block_[2-5]$|head")
     assert manual.returncode == 0, manual.stderr

@@ -38,15 +38,58 @@ def run_main(argv: Sequence[str]) -> int:
         prog="keras-ipu run", description="Run one batch through an export.")
     parser.add_argument("--dir", required=True, help="the export directory")
     parser.add_argument("--inputs", default="",
-                        help="name=file.npy pairs, comma separated "
+                        help="name=file.npy pairs, separated by ';' or ',' "
                              "(a .npz file: name=file.npz[key])")
     parser.add_argument("--input_exprs", default="",
                         help="name=expression pairs, semicolon separated; NumPy constructors only, "
                              "e.g. \"x=np.ones((1, 4), dtype=np.float32)\"")
     parser.add_argument("--outdir", help="save each output as OUTDIR/<name>.npy")
     parser.add_argument("--overwrite", action="store_true", help="overwrite existing output files")
+    _add_saved_model_run_options(parser)
     args = parser.parse_args(argv)
     return _guarded(lambda: _run(args))
+
+
+# The SavedModel tool's `run` options: an export has one tag set and one signature.
+TAG_SET, SIGNATURE_DEF = "serve", "serving_default"
+PARTIAL_TYPES = ("float", "half")
+
+
+def _add_saved_model_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tag_set", default=TAG_SET, help=f"the export's tag set: {TAG_SET}")
+    parser.add_argument("--signature_def", default=SIGNATURE_DEF,
+                        help=f"the export's signature: {SIGNATURE_DEF}")
+    parser.add_argument("--input_examples", help="tf.train.Example inputs: not supported")
+    parser.add_argument("--num_ipus", type=int,
+                        help="IPUs the export runs on; checked against the export's")
+    parser.add_argument("--init_ipu", action="store_true",
+                        help="accepted: an export needs no configured IPU system")
+    for name in ("matmul_amp", "conv_amp"):
+        parser.add_argument(f"--{name}", type=float,
+                            help="available memory proportion (0-1); no effect on the device model")
+    for name in ("matmul_partial_type", "conv_partial_type"):
+        parser.add_argument(f"--{name}", choices=PARTIAL_TYPES,
+                            help="partials type; no effect on the device model")
+    parser.add_argument("--tf_debug", action="store_true", help="accepted; no effect")
+    parser.add_argument("--worker", help="accepted; no effect")
+
+
+def _check_saved_model_run_options(args: argparse.Namespace, metadata: dict) -> None:
+    if args.tag_set != TAG_SET:
+        raise CommandError(f"--tag_set {args.tag_set!r}: the export has one tag set, {TAG_SET!r}")
+    if args.signature_def != SIGNATURE_DEF:
+        raise CommandError(f"--signature_def {args.signature_def!r}: the export has one "
+                           f"signature, {SIGNATURE_DEF!r}")
+    if args.input_examples:
+        raise CommandError("--input_examples needs TensorFlow's tf.train.Example; give the "
+                           "inputs with --inputs or --input_exprs")
+    ipus = int(metadata.get("num_ipus", 1))
+    if args.num_ipus is not None and args.num_ipus != ipus:
+        raise CommandError(f"--num_ipus {args.num_ipus}: the export runs on {ipus} IPU(s)")
+    for name in ("matmul_amp", "conv_amp"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise CommandError(f"--{name} {value}: must be between 0.0 and 1.0")
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -83,7 +126,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    """`keras-ipu convert --model MODEL.keras --dir DIR [options]` (needs Keras)."""
+    """`keras-ipu convert [ipu] --model MODEL.keras --dir DIR [options]` (needs Keras)."""
     parser = argparse.ArgumentParser(
         prog="keras-ipu convert",
         description="Turn a saved Keras model into an IPU serving export (the SavedModel "
@@ -110,6 +153,8 @@ def convert_main(argv: Sequence[str]) -> int:
     for name in ("no_ipu_placement", "remove_excluded_nodes", "merge_subgraphs"):
         parser.add_argument(f"--{name}", action="store_true", default=None,
                             help="accepted; no effect on the device model")
+    if argv and argv[0] == "ipu":  # the SavedModel tool's `convert ipu ...`
+        argv = argv[1:]
     args = parser.parse_args(argv)
     return _guarded(lambda: _convert(args))
 
@@ -151,6 +196,7 @@ def _json_option(name: str, text: str) -> dict:
 
 def _run(args: argparse.Namespace) -> None:
     runtime = _load(args.dir)
+    _check_saved_model_run_options(args, runtime.metadata)
     inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs)}
     if not inputs:
         raise CommandError("give the inputs with --inputs or --input_exprs")
@@ -174,7 +220,8 @@ def _run(args: argparse.Namespace) -> None:
 
 def _file_inputs(spec: str) -> dict:
     inputs = {}
-    for name, value in _pairs(spec, ",", "--inputs"):
+    # Pairs separated by ";" as in the SavedModel tool, or by ",".
+    for name, value in _pairs(spec.replace(";", ","), ",", "--inputs"):
         key = None
         if value.endswith("]") and "[" in value:
             value, key = value[:-1].split("[", 1)
