@@ -8,6 +8,7 @@ import copy
 import enum
 import logging
 import pickle
+import re
 import subprocess
 import sys
 
@@ -334,8 +335,9 @@ def test_values_of_the_right_type_are_stored(path, value):
 VALUE_ERRORS = [
     ("auto_select_ipus", 0, ">= 1"),
     ("auto_select_ipus", [2, 0], ">= 1"),
-    ("select_ipus", -1, ">= 0"),
-    ("select_ipus", [0, -1], ">= 0"),
+    ("select_ipus", -1, r"\[0, 30\]"),
+    ("select_ipus", [0, -1], r"\[0, 30\]"),
+    ("select_ipus", [0, 31], r"\[0, 30\]"),
     ("select_ipus", [1, 1], "repeat"),
     ("ipu_model.tiles_per_ipu", -8, ">= 0"),
     ("ipu_model.version", "ipu3", "'ipu1', 'ipu2', 'ipu21'"),
@@ -767,7 +769,10 @@ def _config(**values):
         ({"select_ipus": 3}, (1,)),
         ({"select_ipus": 0}, (1,)),
         ({"select_ipus": [0, 1]}, (1, 1)),
-        ({"select_ipus": [24, 25]}, (1, 1)),
+        # The seed's gc-info listing: 24 and 25 are groups of four, 16 a pair, 30 all 16.
+        ({"select_ipus": [24, 25]}, (4, 4)),
+        ({"select_ipus": [16, 2, 29]}, (2, 1, 8)),
+        ({"select_ipus": 30}, (16,)),
     ],
 )
 def test_configure_passes_device_sizes(device, values, sizes):
@@ -775,6 +780,16 @@ def test_configure_passes_device_sizes(device, values, sizes):
     (call,) = device.configured
     assert call["device_sizes"] == sizes
     assert all(type(n) is int for n in call["device_sizes"])
+
+
+@pytest.mark.parametrize("selection, message", [
+    ([24, 16], "configurations 24 and 16 share IPU 0 (ID 24 holds IPUs 0-3, ID 16 IPUs 0-1)"),
+    ([30, 15], "configurations 30 and 15 share IPU 15"),
+])
+def test_selections_that_share_ipus_are_refused(device, selection, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ipu_config.configure_ipu_system(_config(select_ipus=selection))
+    assert device.configured == []
 
 
 def test_configure_passes_hardware_order_and_options(device):

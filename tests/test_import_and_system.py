@@ -128,3 +128,15 @@ def test_the_device_layer_knows_nothing_of_keras():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "keras-free"
+
+
+def test_select_ipus_picks_configurations_of_the_gc_info_listing():
+    # The seed: `select_ipus = [24, 25]` is "two TensorFlow devices, with four IPUs each".
+    import keras_ipu as ipu
+
+    config = ipu.config.IPUConfig()
+    config.select_ipus = [24, 25]
+    config.configure_ipu_system()
+    configured = system.require()
+    assert configured.device_sizes == (4, 4) and configured.num_ipus == 8
+    assert [ipu.index for ipu in configured.ipus_of_device("/device:IPU:1")] == [4, 5, 6, 7]

@@ -538,9 +538,10 @@ IPU_CONFIG_SCHEMA = Category(
             "listed by `gc-info -l`): a system of TensorFlow devices labeled /device:IPU:0, "
             "/device:IPU:1 and so on, one per index. `0` creates one device using "
             "configuration 0; `[0, 1]` two devices. The empty default means not set.",
-            effect="each index means one device with one virtual IPU; the index values "
-            "only have to be distinct, as the device model has no gc-info listing.",
-            checks=(each(at_least(0)), distinct()),
+            effect="each ID is one device with the IPUs of that configuration in the "
+            "gc-info listing of a 16-IPU system: 0-15 one IPU, 16-23 two, 24-27 four, 28-29 "
+            "eight, 30 sixteen; selections that share IPUs are refused when configuring.",
+            checks=(each(between(0, 30)), distinct()),
         ),
         _CONVOLUTIONS,
         _DEVICE_CONNECTION,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from keras_ipu.config import listing
 from keras_ipu.config.flags import PoplarFlags, read_flags
 from keras_ipu.config.schema import IPUConfig
 
@@ -34,8 +35,9 @@ def configure_ipu_system(
 
     Creates one TensorFlow-style device (`/device:IPU:0`, `/device:IPU:1`,
     ...) per entry of `config.auto_select_ipus` with that many virtual IPUs,
-    or one per index of `config.select_ipus` with one virtual IPU each (the
-    device model has no `gc-info` listing, so an index stands for one IPU).
+    or one per configuration ID of `config.select_ipus` with its IPUs (IDs as
+    `gc-info -l` lists a 16-IPU system: 0-15 one IPU, 16-23 two, 24-27 four,
+    28-29 eight, 30 sixteen; `keras_ipu.config.listing`).
     Virtual IPUs are mapped onto JAX devices in `config.selection_order`; each
     models the hardware `config.ipu_model.version` with
     `config.ipu_model.tiles_per_ipu` tiles (0: `--ipu_model_tiles` from the
@@ -60,7 +62,8 @@ def configure_ipu_system(
     Raises:
         TypeError: When `config` is not an `IPUConfig`.
         ValueError: When neither or both of `auto_select_ipus` and
-            `select_ipus` are set, `device` is not a CPU device, a value
+            `select_ipus` are set, selected configurations share IPUs,
+            `device` is not a CPU device, a value
             changed in place (a list or dict read back and edited) is
             invalid, or the `--executable_cache_path` directory cannot be
             created.
@@ -218,7 +221,7 @@ def _device_sizes(config: IPUConfig) -> tuple[int, ...]:
     if _is_set(auto):
         return tuple(int(n) for n in _as_list(auto))
     if _is_set(select):
-        return (1,) * len(_as_list(select))
+        return listing.device_sizes([int(i) for i in _as_list(select)])
     raise ValueError(
         "No IPUs requested: set `auto_select_ipus` (or `select_ipus`) before "
         "configuring the system, e.g. `config.auto_select_ipus = 1`."
