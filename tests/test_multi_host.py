@@ -102,6 +102,12 @@ def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
     assert seed_replica is strategy.IPUMultiReplicaStrategy
     assert seed_worker is strategy.IPUMultiWorkerStrategy
     seed_worker(cluster_resolver=None)
+    horovod = ipu.horovod.ipu_horovod_strategy.IPUHorovodStrategy(ipu_device="/device:IPU:0")
+    assert isinstance(horovod, strategy.IPUMultiReplicaStrategy)
+    with pytest.raises(ValueError, match="add_ipu_cross_replica_reductions=False"):
+        seed_replica(add_ipu_cross_replica_reductions=False)
+    config = ipu.config.IPUConfig()
+    assert seed_replica().update_ipu_config(config) is config  # no launcher: unchanged
     import keras
 
     with seed_replica().scope():
@@ -133,6 +139,7 @@ def test_helpers_across_two_instances():
         assert "mean [0.5 1. ]" in out
         assert "gather [0, 1, 1]" in out
         assert "bcast 5.0 6.0" in out
+        assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
 
 
 def test_a_dead_instance_stops_the_job_and_is_named():

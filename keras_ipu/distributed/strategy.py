@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from keras_ipu.distributed import config as distributed_config
 from keras_ipu.distributed import runtime
 from keras_ipu.keras.strategy import IPUStrategy
 
@@ -26,7 +27,12 @@ class IPUMultiReplicaStrategy(IPUStrategy):
 
     Args:
         ipu_device: The logical IPU device the models run on.
+        add_ipu_cross_replica_reductions: Must be `True` (the seed's
+            default): gradients are always summed over the global replicas.
         **kwargs: The other `IPUStrategy` arguments.
+
+    Raises:
+        ValueError: When `add_ipu_cross_replica_reductions` is `False`.
 
     Example:
 
@@ -36,9 +42,29 @@ class IPUMultiReplicaStrategy(IPUStrategy):
     >>> strategy = keras_ipu.distributed.IPUMultiReplicaStrategy()
     """
 
-    def __init__(self, ipu_device: str = "/device:IPU:0", **kwargs: Any):
+    def __init__(self, ipu_device: str = "/device:IPU:0",
+                 add_ipu_cross_replica_reductions: bool = True, **kwargs: Any):
+        if not add_ipu_cross_replica_reductions:
+            raise ValueError(
+                "add_ipu_cross_replica_reductions=False is not supported: keras_ipu's "
+                "programs sum the gradients over all global replicas. Leave it True.")
         runtime.initialize()
         super().__init__(ipu_device=ipu_device, **kwargs)
+
+    def update_ipu_config(self, config: Any) -> Any:
+        """Updates `config` with this instance's share of the job's IPUs.
+
+        Args:
+            config: An `IPUConfig`, changed in place.
+
+        Returns:
+            `config` (see `keras_ipu.distributed.update_ipu_config`).
+
+        Example:
+
+        >>> strategy.update_ipu_config(keras_ipu.config.IPUConfig()).configure_ipu_system()
+        """
+        return distributed_config.update_ipu_config(config)
 
     @property
     def num_instances(self) -> int:
@@ -84,5 +110,22 @@ class IPUMultiWorkerStrategy(IPUMultiReplicaStrategy):
         super().__init__(ipu_device=ipu_device, **kwargs)
 
 
-# The seed's Horovod name for the same strategy.
-IPUHorovodStrategy = IPUMultiReplicaStrategy
+class IPUHorovodStrategy(IPUMultiWorkerStrategy):
+    """The seed's `IPUHorovodStrategy(ipu_device, variables_on_host)`: no cluster resolver.
+
+    Args:
+        ipu_device: The logical IPU device the models run on.
+        variables_on_host: Must be `False`: variables live on the IPUs.
+
+    Raises:
+        ValueError: When `variables_on_host` is `True`.
+
+    Example:
+
+    >>> strategy = IPUHorovodStrategy()
+    """
+
+    def __init__(self, ipu_device: str = "/device:IPU:0", variables_on_host: bool = False,
+                 **kwargs: Any):
+        super().__init__(None, ipu_device=ipu_device, variables_on_host=variables_on_host,
+                         **kwargs)

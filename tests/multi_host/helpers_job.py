@@ -17,3 +17,8 @@ say("mean", dist.allreduce(np.array([i, 2.0 * i])))
 say("gather", dist.allgather(np.full((i + 1,), i)).tolist())
 say("bcast", dist.broadcast(np.float32(i + 5)), dist.broadcast(np.float32(i + 5), root_rank=1))
 say("devices", len(jax.devices()), len(jax.local_devices()))
+hvd = ipu.horovod  # the seed's names and signatures
+hvd.init()
+say("hvd", hvd.allreduce(tensor=np.float32(i + 1)), hvd.allreduce(np.float32(i + 1), op=hvd.Sum),
+    hvd.allgather(tensor=np.full((i + 1,), i), name="g").tolist(),
+    hvd.broadcast(np.float32(i + 5), 1, name="b"), hvd.rank(), hvd.size())
