@@ -102,6 +102,13 @@ def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
     summed = model.export_for_ipu_serving(tmp_path / "c", preprocessing_step=lambda v: v * 10,
                                           postprocessing_step=lambda v: jnp.sum(v))
     assert float(summed(x)) == 60
+    # `export_keras` takes the method's arguments, the ported signatures included.
+    alike = ipu.serving.export_keras(model, str(tmp_path / "d"),
+                                     preprocessing_step=lambda v: v * 10,
+                                     preprocessing_step_signature=None,
+                                     postprocessing_step=lambda v: jnp.sum(v),
+                                     postprocessing_step_signature=None)
+    assert float(alike(x)) == 60
 
 
 def test_one_export_for_cpu_and_cuda(strategy, tmp_path):

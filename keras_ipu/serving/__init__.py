@@ -25,7 +25,8 @@ __all__ = ["export_keras", *_LAZY_NAMES]
 
 def export_keras(model: Any, export_dir: str, batch_size: int | None = None,
                  output_names: Any = None, preprocessing_step: Any = None,
-                 postprocessing_step: Any = None, purge_export_dir: bool = False,
+                 preprocessing_step_signature: Any = None, postprocessing_step: Any = None,
+                 postprocessing_step_signature: Any = None, purge_export_dir: bool = False,
                  platforms: Any = None) -> Any:
     """Exports a Keras model for serving; the same as `model.export_for_ipu_serving`.
 
@@ -37,8 +38,11 @@ def export_keras(model: Any, export_dir: str, batch_size: int | None = None,
         output_names: A name, or one per output (default `output_0`, ...).
         preprocessing_step: A JAX-traceable function of the inputs, run
             before the model.
+        preprocessing_step_signature: Accepted for ported code; the
+            signature comes from the model's inputs.
         postprocessing_step: A JAX-traceable function of the outputs, run
             after it.
+        postprocessing_step_signature: Accepted for ported code.
         purge_export_dir: Empty a non-empty `export_dir` first.
         platforms: The platforms the export runs on (default: this one),
             e.g. `("cpu", "cuda")`.
