@@ -72,6 +72,39 @@ class PipelineStageOptions:
         )
 
 
+def recomputation_checkpoint(tensors: Any, name: str | None = None) -> Any:
+    """Marks values a recomputing pipeline stage keeps instead of recomputing.
+
+    The function form of `keras_ipu.keras.layers.RecomputationCheckpoint`:
+    under `RecomputationMode.RecomputeAndBackpropagateInterleaved` (the
+    Sequential schedule's `Auto`) a stage's backward op recomputes only what
+    follows the marked values; under `RecomputeThenBackpropagate` it has no
+    effect. The values come back unchanged.
+
+    Args:
+        tensors: A tensor or a structure of tensors: symbolic Keras tensors
+            (then a `RecomputationCheckpoint` layer is called on them), or
+            JAX arrays inside a layer's `call`.
+        name: The name of the layer, for Keras tensors.
+
+    Returns:
+        The tensors, of the same structure, shapes and types.
+
+    Example:
+
+    >>> hidden = recomputation_checkpoint(keras.layers.Dense(8)(inputs))
+    """
+    import keras
+
+    from keras_ipu.device import checkpoints
+
+    if any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(tensors)):
+        from keras_ipu.keras.layers import RecomputationCheckpoint
+
+        return RecomputationCheckpoint(name=name)(tensors)
+    return checkpoints.checkpoint(tensors)
+
+
 def _check_options(options: Any, name: str) -> dict[str, Any]:
     if options is None:
         return {}
@@ -83,4 +116,5 @@ def _check_options(options: Any, name: str) -> dict[str, Any]:
     return dict(options)
 
 
-__all__ = ["PipelineSchedule", "PipelineStageOptions", "RecomputationMode"]
+__all__ = ["PipelineSchedule", "PipelineStageOptions", "RecomputationMode",
+           "recomputation_checkpoint"]

@@ -141,35 +141,59 @@ def test_a_model_of_ipu_layers_trains_on_an_ipu_as_in_plain_keras(tmp_path):
                                atol=1e-6)
 
 
-def test_recomputation_checkpoints_in_a_recomputing_pipeline_change_nothing():
-    configure(2)
-    x, y = _text_data()
-    weights = None
-    trained = []
-    for checkpointed in (False, True):
-        keras.utils.set_random_seed(2)
-        with ipu.ipu_strategy.IPUStrategy().scope():
-            inputs = keras.Input((6,), dtype="int32")
-            hidden = ipu_layers.Embedding(20, 8)(inputs)
-            hidden = keras.layers.Flatten()(hidden)
-            hidden = keras.layers.Dense(8, activation="relu")(hidden)
-            if checkpointed:
+def _pipelined_with_checkpoint(checkpointed: bool, mode, as_function: bool = False):
+    """A 2-stage pipeline (3 Dense layers in stage 0), optionally checkpointing its middle."""
+    keras.utils.set_random_seed(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((6,))
+        with ipu.keras.PipelineStage(0):
+            hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+            if checkpointed and as_function:
+                hidden = ipu.pipelining_ops.recomputation_checkpoint(hidden)
+            elif checkpointed:
                 hidden = ipu_layers.RecomputationCheckpoint()(hidden)
-            outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(hidden))
-            model = keras.Model(inputs, outputs)
-            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
-                          steps_per_execution=8)
-        assignment = model.get_pipeline_stage_assignment()
-        for index, stage in enumerate(assignment):
-            stage.pipeline_stage = 0 if index < 3 else 1
-        model.set_pipeline_stage_assignment(assignment)
-        model.set_pipelining_options(
-            gradient_accumulation_steps_per_replica=4,
-            recomputation_mode=ipu.pipelining_ops.RecomputationMode
-            .RecomputeAndBackpropagateInterleaved)
-        weights = weights or model.get_weights()
-        model.set_weights(weights)
-        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
-        trained.append(model.get_weights())
-    assert_weights_close(trained[0], trained[1], atol=0)
-    assert not np.allclose(trained[0][-1], weights[-1])
+            hidden = keras.layers.Dense(16, activation="tanh")(hidden)
+            hidden = keras.layers.Dense(16, activation="tanh")(hidden)
+        with ipu.keras.PipelineStage(1):
+            outputs = keras.layers.Dense(3)(hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    kwargs = {} if mode is None else {"recomputation_mode": mode}
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4, **kwargs)
+    return model
+
+
+def _fit_report(model):
+    """`(weights, stash bytes per stage, IPU 0's memory, loop form)` after one epoch."""
+    rng = np.random.default_rng(3)
+    x, y = rng.random((32, 6), np.float32), rng.random((32, 3), np.float32)
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    report = ipu.utils.execution_report(model, "fit")
+    return (model.get_weights(), report.pipeline.stash_bytes, report.ipus[0].memory_bytes,
+            report.loop)
+
+
+@pytest.mark.parametrize("as_function, loop", [(False, "scan"), (True, "host")],
+                         ids=["layer-on-device", "op-host-dispatched"])
+def test_recomputation_checkpoints_are_stashed_and_change_no_number(as_function, loop,
+                                                                    monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={loop}")
+    configure(2)
+    modes = ipu.pipelining_ops.RecomputationMode
+    interleaved = modes.RecomputeAndBackpropagateInterleaved
+    stashed = _fit_report(_pipelined_with_checkpoint(False, None))  # no recomputation
+    recomputed = _fit_report(_pipelined_with_checkpoint(False, interleaved))
+    checkpointed = _fit_report(_pipelined_with_checkpoint(True, interleaved, as_function))
+    ignored = _fit_report(_pipelined_with_checkpoint(True, modes.RecomputeThenBackpropagate,
+                                                     as_function))
+    for run in (recomputed, checkpointed, ignored):
+        assert_weights_close(stashed[0], run[0], atol=1e-6)
+    # Stage 0 keeps its input (6 floats a sample), and under Interleaved recomputation
+    # its checkpoint (16): 3 micro-batches in flight of 2 samples (Grouped, 2 stages).
+    assert recomputed[1][0] == 3 * 2 * 4 * 6 == ignored[1][0]
+    if not as_function:  # the report counts checkpoint layers
+        assert checkpointed[1][0] == 3 * 2 * 4 * (6 + 16)
+    # The program's memory holds the stash: more with the checkpoint, less than all of it.
+    assert recomputed[2] < checkpointed[2] < stashed[2]
+    assert ignored[2] == recomputed[2]
+    assert checkpointed[3] == ("schedule" if loop == "scan" else "host")

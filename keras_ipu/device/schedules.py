@@ -121,7 +121,10 @@ class RecomputationMode(enum.Enum):
       Supported by the Grouped and Sequential schedules, and the default of
       Sequential.
 
-    The device model accepts the mode; it does not change the schedule tables.
+    The device model does not change the schedule tables for a mode. Under
+    `RecomputeAndBackpropagateInterleaved` (and `Auto` with the Sequential
+    schedule) a stage also keeps its recomputation checkpoints and
+    recomputes only what follows them (`keras_ipu.device.checkpoints`).
 
     Example:
 

@@ -20,8 +20,8 @@ changing its imports:
   precision of Poplar's partial sums: accepted and kept; the device model
   sums in the computation's type).
 - `RecomputationCheckpoint`: marks values a recomputing pipeline stage
-  should keep. keras_ipu's recomputation recomputes a whole stage from its
-  input, so the layer passes its inputs through unchanged.
+  keeps, under `RecomputeAndBackpropagateInterleaved`, so that its backward
+  op recomputes only what follows them.
 
 Every layer is registered for Keras serialization (package `keras_ipu`),
 so saved models load with them.
@@ -49,6 +49,8 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
+
+from keras_ipu.device import checkpoints
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
@@ -440,12 +442,15 @@ GRU = PopnnGRU
 class RecomputationCheckpoint(keras.layers.Layer):
     """Marks values a recomputing pipeline stage keeps instead of recomputing.
 
-    In IPU TensorFlow the checkpointed values are stored rather than
-    recomputed under `RecomputationMode.RecomputeAndBackpropagateInterleaved`
-    (and ignored under `RecomputeThenBackpropagate`). keras_ipu's
-    recomputation recomputes a whole stage from its input; the layer passes
-    its inputs through unchanged, so models that use it run and train the
-    same as without it.
+    In a pipeline that recomputes (`IPUConfig.allow_recompute` or a
+    `recomputation_mode`) under `RecomputationMode.
+    RecomputeAndBackpropagateInterleaved` (the Sequential schedule's `Auto`),
+    a stage's forward op keeps its input and these values, and its backward
+    op recomputes the rest from them: less recomputation for more stashed
+    memory (the execution report's `stash_bytes` counts them). Under
+    `RecomputeThenBackpropagate` (the Grouped and Interleaved schedules'
+    `Auto`) and without recomputation the layer changes nothing. The values
+    pass through unchanged: the numbers are the same either way.
 
     Args:
         **kwargs: Keras layer arguments (`name`, ...).
@@ -456,7 +461,7 @@ class RecomputationCheckpoint(keras.layers.Layer):
     """
 
     def call(self, inputs, **kwargs):
-        return keras.tree.map_structure(lambda value: value, inputs)
+        return checkpoints.checkpoint(inputs)
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -3,6 +3,12 @@
 The same names as `keras_ipu.pipelining_ops`.
 """
 
-from keras_ipu.pipelining_ops import PipelineSchedule, PipelineStageOptions, RecomputationMode
+from keras_ipu.pipelining_ops import (
+    PipelineSchedule,
+    PipelineStageOptions,
+    RecomputationMode,
+    recomputation_checkpoint,
+)
 
-__all__ = ["PipelineSchedule", "PipelineStageOptions", "RecomputationMode"]
+__all__ = ["PipelineSchedule", "PipelineStageOptions", "RecomputationMode",
+           "recomputation_checkpoint"]

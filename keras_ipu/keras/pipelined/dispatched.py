@@ -104,6 +104,8 @@ class DispatchedFit:
         accumulator_dtype: The dtype gradients accumulate in.
         recompute: Backward ops recompute their stage's forward pass instead
             of taking its stashed activations.
+        checkpoints: Forward ops stash only their stage's recomputation
+            checkpoints, from which backward ops recompute the rest.
 
     Example:
 
@@ -115,12 +117,13 @@ class DispatchedFit:
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState,
                  table: schedules.ScheduleTable, reduction: Reduction,
-                 accumulator_dtype: str = "float32", recompute: bool = False):
+                 accumulator_dtype: str = "float32", recompute: bool = False,
+                 checkpoints: bool = False):
         if state.replicas != 1:
             raise ValueError("A dispatched pipeline runs one replica; "
                              f"this state has {state.replicas}.")
         self.p, self.state, self.table, self.recompute = pipelined, state, table, recompute
-        self.stages = training.Stages(pipelined, state)
+        self.stages = training.Stages(pipelined, state, checkpoints)
         self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.devices = [state.mesh.devices[0, i] for i in range(pipelined.num_ipus)]

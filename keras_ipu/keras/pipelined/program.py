@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import accounting, processes, schedules
+from keras_ipu.device import accounting, checkpoints, processes, schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
+from keras_ipu.keras.layers import RecomputationCheckpoint
 from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
 from keras_ipu.keras.pipelined import codec, dispatched, training
 from keras_ipu.keras.pipelined import model as pipelined_model
@@ -122,13 +123,14 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
                                      training=mode == "fit")
     reduction = options.replicated_metric_reduction_method
     recompute = _recomputation(options)
+    keep_checkpoints = recompute and _keeps_checkpoints(options)
     loop = ipu_system.require().option("execution_loop", "auto")
     accumulate_outfeed = bool(options.pipelining_accumulate_outfeed)
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           reduction, accumulate_outfeed, recompute, loop, stepwise)
+           reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise)
 
     def build():
         used = max(mapping) + 1
@@ -144,8 +146,10 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         state.set_up(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         host_form = None
         if mode == "fit":
+            # Keeping checkpoints, a stage stashes them as it would its activations.
             training_options = (table, options.gradient_accumulation_reduction_method,
-                                options.accumulator_dtype, recompute)
+                                options.accumulator_dtype, recompute and not keep_checkpoints,
+                                keep_checkpoints)
             execution = training.build_fit_program(pipe, state, *training_options)
             if replicas.count == 1:
                 host_form = dispatched.DispatchedFit(pipe, state, *training_options)
@@ -217,6 +221,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     runner = pipelined_model.StageRunner(pipe, state)
     training = mode == "fit"
     recompute = _recomputation(options)
+    keep_checkpoints = recompute and _keeps_checkpoints(options)
 
     def flats(part):
         return {dtype: jax.ShapeDtypeStruct((length,), dtype)
@@ -266,7 +271,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             stash_counts=table.stash_counts(),
             ticks=table.num_ticks,
             stash_bytes=tuple(
-                count * batch * _stashed_bytes(pipe, s, x, recompute)
+                count * batch * _stashed_bytes(pipe, s, x, recompute, keep_checkpoints)
                 for s, count in enumerate(table.stash_counts())
             ),
             recomputation=recompute,
@@ -289,19 +294,29 @@ def _recomputation(options: IPUOptions) -> bool:
         "recomputation_mode" in options.pipelining_kwargs)
 
 
-def _stashed_bytes(pipe, stage: int, x, recompute: bool) -> int:
+def _keeps_checkpoints(options: IPUOptions) -> bool:
+    """Whether recomputing stages start from their recomputation checkpoints."""
+    mode = options.pipelining_kwargs.get("recomputation_mode", schedules.RecomputationMode.Auto)
+    return checkpoints.keeps_checkpoints(mode, schedule_of(options))
+
+
+def _stashed_bytes(pipe, stage: int, x, recompute: bool, keep_checkpoints: bool = False) -> int:
     """Bytes per sample a stage keeps for its backward pass, each tensor in its dtype.
 
     With recomputation only its input (the tensors it receives, as float32,
-    or the model inputs for the first stage); without, also every activation
+    or the model inputs for the first stage), and its `RecomputationCheckpoint`
+    layers' outputs when it keeps checkpoints; without, also every activation
     its layer calls produce (16-bit ones in 16 bits, under a mixed precision
     policy).
     """
     # What a stage receives travels as float32 (the bundle between stages).
     kept = _tensor_bytes(pipe, pipe.bundle_in[stage], itemsize=4) if stage else _input_bytes(x)
+    calls = pipe.plan.stages[stage]
     if recompute:
-        return kept
-    return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in pipe.plan.stages[stage])
+        checkpointed = [call for call in calls
+                        if keep_checkpoints and isinstance(call.operation, RecomputationCheckpoint)]
+        return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in checkpointed)
+    return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in calls)
 
 
 def _tensor_bytes(pipe, keys, itemsize: int | None = None) -> int:

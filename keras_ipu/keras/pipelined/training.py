@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import schedules
+from keras_ipu.device import checkpoints, schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined.gradients import GradientLayout
 from keras_ipu.keras.pipelined.model import (
@@ -206,10 +206,16 @@ def _slot(op, previous, num_stages: int):
 
 
 class Stages:
-    """Each stage as a function of its own weights and its input, for `jax.vjp`."""
+    """Each stage as a function of its own weights and its input, for `jax.vjp`.
 
-    def __init__(self, pipelined: PipelinedModel, state: PipelineState):
-        self.p, self.state = pipelined, state
+    With `checkpoints`, each stage runs under `jax.checkpoint` keeping only
+    its recomputation checkpoints: its pullback's residuals are those values
+    (see `keras_ipu.device.checkpoints`).
+    """
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState,
+                 checkpoints: bool = False):
+        self.p, self.state, self.checkpoints = pipelined, state, checkpoints
         self.runner = StageRunner(pipelined, state)
         self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
         self.grads = GradientLayout.of(
@@ -253,7 +259,7 @@ class Stages:
                 metrics_vars, self.state.lengths["metrics_variables"])
             return loss, (new_ntv, logs, metrics_flats)
 
-        return f
+        return checkpoints.recomputed_from_checkpoints(f) if self.checkpoints else f
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,9 +370,9 @@ class _FitProgram:
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState,
                  table: schedules.ScheduleTable, reduction: Reduction,
-                 accumulator_dtype: str, recompute: bool):
+                 accumulator_dtype: str, recompute: bool, checkpoints: bool = False):
         self.pipelined, self.state, self.recompute = pipelined, state, recompute
-        self.stages = Stages(pipelined, state)
+        self.stages = Stages(pipelined, state, checkpoints)
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.plan = BlockPlan.of(table)
         self.gradient_rows = pipelined.num_stages * self.micro  # the inbox's gradient rows
@@ -540,7 +546,8 @@ class _FitProgram:
 
 def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                       table: schedules.ScheduleTable, reduction: Reduction,
-                      accumulator_dtype: str = "float32", recompute: bool = False):
+                      accumulator_dtype: str = "float32", recompute: bool = False,
+                      checkpoints: bool = False):
     """The training execution: `(packed state, batches) -> (packed state, logs)`.
 
     Args:
@@ -551,6 +558,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         accumulator_dtype: The dtype gradients accumulate in.
         recompute: Recompute stage activations in backward ops instead of
             stashing them.
+        checkpoints: Stash only each stage's recomputation checkpoints and
+            recompute the rest from them (with `recompute` False).
 
     Returns:
         A function to `jax.jit`: `batches` is `(x, y, sample_weight)` (absent
@@ -559,7 +568,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         micro_batches]`.
     """
     return state.mesh.map(
-        _FitProgram(pipelined, state, table, reduction, accumulator_dtype, recompute),
+        _FitProgram(pipelined, state, table, reduction, accumulator_dtype, recompute,
+                    checkpoints),
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
     )
