@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The accelerator measurements of BENCHMARKS.md ("Accelerators"), in parts that each fit one
+# 10-minute call of a lent GPU machine (Python 3.12 and jax with CUDA there, no Keras).
+#
+# Here, once (it needs PyPI), from the repository root:
+#     bash benchmarks/gpu_session.sh wheels        # keras, namex, optree wheels into .whl/
+# There, one part per call, carrying .whl (logs and JSON results land in $OUT):
+#     bash benchmarks/gpu_session.sh throughput    # single IPU vs limit, GA 8, resident cut
+#     bash benchmarks/gpu_session.sh table         # plain Keras vs keras_ipu, 4 models
+#     bash benchmarks/gpu_session.sh first-fit     # the executable cache, fresh processes
+#     bash benchmarks/gpu_session.sh zoo           # the single-IPU zoo
+set -euo pipefail
+
+part=${1:?"a part: wheels, throughput, table, first-fit or zoo"}
+wheels=.whl
+case "$part" in
+    wheels | throughput | table | first-fit | zoo) ;;
+    *) echo "unknown part $part: wheels, throughput, table, first-fit or zoo" >&2; exit 2 ;;
+esac
+
+if [[ $part == wheels ]]; then
+    keras_version=$(python3 -c "import importlib.metadata as m; print(m.version('keras'))")
+    for package in "keras==$keras_version" namex optree; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform any -d "$wheels" "$package"
+    done
+    ls "$wheels"
+    exit 0
+fi
+
+out=${OUT:?"run on the device machine: \$OUT is where results go"}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KERAS_BACKEND=jax
+(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no GPU") | tee "$out/device.txt"
+python3 -c "import jax, keras; print('jax', jax.__version__, 'keras', keras.__version__, \
+jax.devices())" | tee -a "$out/device.txt"
+
+case "$part" in
+    throughput)
+        python3 benchmarks/bench_single_ipu.py --repeats 3 --skip compile \
+            --output "$out/bench_single_ipu.json" 2>&1 | tee "$out/single_ipu.log"
+        python3 benchmarks/bench_ga_replication.py --repeats 3 \
+            --output "$out/bench_ga_replication.json" 2>&1 | tee "$out/ga.log"
+        python3 benchmarks/bench_resident_cut.py --output "$out/bench_resident_cut.json" \
+            2>&1 | tee "$out/resident_cut.log"
+        ;;
+    table)
+        python3 benchmarks/bench_accelerator.py --rounds 3 --first-rounds 2 2>&1 \
+            | tee "$out/accelerator.log"
+        ;;
+    first-fit)
+        python3 benchmarks/bench_executable_cache.py --rounds 2 2>&1 | tee "$out/cache.log"
+        ;;
+    zoo)
+        python3 benchmarks/bench_zoo.py --no-pipeline --rounds 3 --first-rounds 2 2>&1 \
+            | tee "$out/zoo.log"
+        ;;
+esac
