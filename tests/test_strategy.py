@@ -12,7 +12,7 @@ import keras_ipu as ipu
 from keras_ipu.device import system
 from keras_ipu.keras import extensions
 
-from conftest import assert_weights_close
+from conftest import assert_weights_close, configure
 from models import SubclassedMLP, data_for, functional_two_in_two_out, sequential
 
 EXT = ipu.keras.extensions
@@ -202,3 +202,20 @@ def test_synthetic_data_flag_moves_no_data(strategy, monkeypatch):
     history = model.fit(x, y, batch_size=8, verbose=0)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert history.history["loss"] == [0.0]
+
+
+def test_run_compiles_a_function_for_the_ipu_device_and_reduce_sums_or_averages():
+    configure([1, 2])  # /device:IPU:0 with one IPU, /device:IPU:1 with two
+    second = ipu.ipu_strategy.IPUStrategy(ipu_device="/device:IPU:1")
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    result = second.run(lambda a, scale: keras.ops.tanh(a) * scale, args=(x,),
+                        kwargs={"scale": 2.0})
+    np.testing.assert_allclose(result, np.tanh(x) * 2, rtol=1e-6)
+    assert result.devices() == {system.require().ipus_of_device(1)[0].device}
+    np.testing.assert_allclose(second.reduce("SUM", x, axis=0), [6, 9])
+    np.testing.assert_allclose(second.reduce("MEAN", {"x": x}, axis=1)["x"], [0.5, 2.5, 4.5])
+    assert second.reduce("SUM", x) is x  # one replica in sync: nothing to reduce
+    with pytest.raises(ValueError, match="valid: SUM, MEAN"):
+        second.reduce("MAX", x)
+    with pytest.raises(ValueError, match="IPU:2"):
+        ipu.ipu_strategy.IPUStrategy(ipu_device="/device:IPU:2").run(lambda: 1)

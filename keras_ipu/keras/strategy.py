@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import context, extensions
 
 
@@ -66,6 +68,69 @@ class IPUStrategy:
         """A context in which created Keras models run on the IPU system."""
         with context.strategy_scope(self):
             yield self
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs `fn(*args, **kwargs)` compiled, on the strategy's first IPU.
+
+        As `tf.distribute.Strategy.run` in IPU TensorFlow, where `fn` is
+        compiled for the IPU: here it is compiled with `jax.jit` (it must be
+        JAX-traceable: `keras.ops`, `jax.numpy`, stateless Keras calls) and
+        runs on the JAX device of the first IPU of `ipu_device`. Array
+        arguments are copied there first.
+
+        Args:
+            fn: The function to run.
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
+
+        Returns:
+            `fn`'s result (JAX arrays on that device).
+
+        Raises:
+            RuntimeError: When no IPU system is configured.
+            ValueError: When the configured system has no `ipu_device`.
+
+        Example:
+
+        >>> strategy.run(lambda x: x * 2, args=(np.ones(3),))
+        Array([2., 2., 2.], dtype=float32)
+        """
+        import jax
+
+        device = ipu_system.require().ipus_of_device(self.ipu_device)[0].device
+        args, kwargs = jax.device_put((tuple(args), dict(kwargs or {})), device)
+        return jax.jit(fn)(*args, **kwargs)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.
+
+        Args:
+            reduce_op: `"SUM"` or `"MEAN"` (or an enum member of that name,
+                such as TensorFlow's `ReduceOp.SUM`).
+            value: An array, or a tree of arrays.
+            axis: An axis of each array to reduce too, or `None`.
+
+        Returns:
+            The reduced value.
+
+        Raises:
+            ValueError: For another `reduce_op`.
+
+        Example:
+
+        >>> strategy.reduce("SUM", np.ones((4, 2)), axis=0)
+        Array([4., 4.], dtype=float32)
+        """
+        import jax
+        import jax.numpy as jnp
+
+        name = str(getattr(reduce_op, "name", reduce_op)).upper()
+        reductions = {"SUM": jnp.sum, "MEAN": jnp.mean}
+        if name not in reductions:
+            raise ValueError(f"Unknown reduce_op {reduce_op!r}; valid: SUM, MEAN.")
+        if axis is None:
+            return value
+        return jax.tree_util.tree_map(lambda v: reductions[name](v, axis=axis), value)
 
     def __repr__(self) -> str:
         return (
