@@ -67,18 +67,23 @@ _SUBMODULES = (
     "serving",
     "utils",
 )
+# IPU TensorFlow's operator modules, also under `ipu.ops`.
+_OPS = ("cross_replica_ops", "embedding_ops", "math_ops", "nn_ops", "rand_ops",
+        "replication_ops")
 _LAZY_NAMES = {
     "IPUStrategy": ("keras_ipu.ipu_strategy", "IPUStrategy"),
     "IPUOutOfMemoryError": ("keras_ipu.errors", "IPUOutOfMemoryError"),
     "PipelineStage": ("keras_ipu.keras.stages", "PipelineStage"),
 }
 
-__all__ = [*_SUBMODULES, *_LAZY_NAMES]
+__all__ = [*_SUBMODULES, *_OPS, *_LAZY_NAMES]
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"keras_ipu.{name}")
+    if name in _OPS:
+        return importlib.import_module(f"keras_ipu.ops.{name}")
     if name in _LAZY_NAMES:
         module, attribute = _LAZY_NAMES[name]
         return getattr(importlib.import_module(module), attribute)

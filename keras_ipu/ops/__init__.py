@@ -1,5 +1,7 @@
 """IPU operators, as `tensorflow.python.ipu.ops`: `ipu.ops.pipelining_ops` and friends.
 
+Each module is also `ipu.<module>` (`ipu.nn_ops`, ...), as in IPU TensorFlow.
+
 Submodules load on first use.
 
 Example:
@@ -15,7 +17,15 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("pipelining_ops",)
+_SUBMODULES = (
+    "cross_replica_ops",
+    "embedding_ops",
+    "math_ops",
+    "nn_ops",
+    "pipelining_ops",
+    "rand_ops",
+    "replication_ops",
+)
 
 __all__ = list(_SUBMODULES)
 

@@ -1,0 +1,105 @@
+"""Cross-replica operations for code inside a replicated program (a layer's `call`).
+
+A replicated keras_ipu program runs its step once per replica, over the
+replica axis of its IPU grid (`Replicas.map`, or a pipeline's mesh): a
+`shard_map` axis, and, for IPUs that share a device, a `vmap` axis inside it
+(`mesh.local_axis`). These operations find which of the two are bound where
+they are traced, so they work in any replicated program and, outside one,
+act as the single replica they then are: index 0, sums of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from keras_ipu.device.mesh import local_axis
+from keras_ipu.device.replicate import REPLICA_AXIS
+
+
+def _bound(name: str) -> bool:
+    try:
+        jax.lax.axis_index(name)
+    except NameError:
+        return False
+    return True
+
+
+def _replica_axes() -> tuple[str, ...]:
+    """The bound replica axes, outermost first: the devices', then a device's IPUs."""
+    return tuple(name for name in (REPLICA_AXIS, local_axis(REPLICA_AXIS)) if _bound(name))
+
+
+def replica_index() -> jax.Array:
+    """This replica's index where it is traced (0 outside a replicated program).
+
+    Returns:
+        A traced int32 scalar.
+
+    Example:
+
+    >>> offset = replica_index() * rows_per_replica
+    """
+    index = jnp.int32(0)
+    for name in _replica_axes():
+        index = index * jax.lax.psum(1, name) + jax.lax.axis_index(name)
+    return index
+
+
+def replica_count() -> int:
+    """The number of replicas where it is traced (1 outside a replicated program).
+
+    Example:
+
+    >>> mean = cross_replica_sum(x) / replica_count()
+    """
+    count = 1
+    for name in _replica_axes():
+        count *= jax.lax.psum(1, name)
+    return count
+
+
+def cross_replica_sum(values: Any, group_size: int | None = None) -> Any:
+    """Sums values over the replicas, or over consecutive groups of `group_size` of them.
+
+    Args:
+        values: An array, or a tree of arrays, the same shapes on every replica.
+        group_size: Replicas per group (groups of consecutive indices); `None`
+            sums over all.
+
+    Returns:
+        The sums, on every replica of the group.
+
+    Raises:
+        ValueError: When `group_size` does not divide the number of replicas.
+
+    Example:
+
+    >>> total = cross_replica_sum(partial)
+    """
+    count = replica_count()
+    if group_size is None or group_size == count:
+        axes = _replica_axes()
+        return jax.lax.psum(values, axes) if axes else values
+    if group_size < 1 or count % group_size:
+        raise ValueError(f"replica_group_size {group_size} must divide the {count} replicas.")
+    group = replica_index() // group_size
+
+    def group_sum(value):
+        gathered = _gathered(value)  # [replicas, ...]
+        return jnp.sum(jax.lax.dynamic_slice_in_dim(gathered, group * group_size, group_size),
+                       axis=0)
+
+    return jax.tree_util.tree_map(group_sum, values)
+
+
+def _gathered(value: jax.Array) -> jax.Array:
+    """Every replica's `value`, stacked in replica order."""
+    gathered = value[None]
+    for name in reversed(_replica_axes()):
+        # Innermost axis first: a device's IPUs, then the devices.
+        gathered = jax.lax.all_gather(gathered, name)
+        gathered = gathered.reshape(-1, *value.shape)
+    return gathered

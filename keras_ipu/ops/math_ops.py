@@ -1,0 +1,76 @@
+"""Maths operators of `tensorflow.python.ipu.math_ops`, on JAX arrays.
+
+Example:
+
+```python
+from keras_ipu.ops import math_ops
+
+c = math_ops.serialized_matmul(a, b, 4, "a_columns")
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Where a serialized multiply splits `a [..., m, k] @ b [..., k, n]`:
+# (axis of a, axis of b) split, or None; and how the parts combine.
+_SPLITS = {
+    "a_columns": ((-2, None), "concat_m"),
+    "a_rows_b_columns": ((-1, -2), "sum"),
+    "b_rows": ((None, -1), "concat_n"),
+}
+
+
+def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_dimension: str,
+                      transpose_a: bool = False, transpose_b: bool = False,
+                      name: str | None = None) -> jax.Array:
+    """`a @ b`, computed as `serialization_factor` smaller multiplies one after the other.
+
+    Args:
+        a: `[..., m, k]` (after `transpose_a`), rank 2 or more.
+        b: `[..., k, n]` (after `transpose_b`), with `a`'s batch dimensions.
+        serialization_factor: The number of smaller multiplies; it must
+            divide the dimension split.
+        serialization_dimension: `"a_columns"` (split `m`), `"a_rows_b_columns"`
+            (split `k`, the parts' products added) or `"b_rows"` (split `n`).
+        transpose_a: Transpose `a`'s inner two dimensions first.
+        transpose_b: Transpose `b`'s inner two dimensions first.
+        name: Accepted for compatibility.
+
+    Returns:
+        `a @ b`, of their type.
+
+    Raises:
+        ValueError: For an unknown `serialization_dimension`, or a factor that
+            does not divide the dimension split.
+
+    Example:
+
+    >>> serialized_matmul(jnp.ones((4, 6)), jnp.ones((6, 2)), 3, "a_rows_b_columns")
+    Array([[6., 6.], ...], dtype=float32)
+    """
+    if serialization_dimension not in _SPLITS:
+        raise ValueError(f"Unknown serialization_dimension {serialization_dimension!r}; "
+                         f"valid: {', '.join(_SPLITS)}.")
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    a = jnp.swapaxes(a, -1, -2) if transpose_a else a
+    b = jnp.swapaxes(b, -1, -2) if transpose_b else b
+    (axis_a, axis_b), combine = _SPLITS[serialization_dimension]
+    size = a.shape[axis_a] if axis_a is not None else b.shape[axis_b]
+    if serialization_factor < 1 or size % serialization_factor:
+        raise ValueError(f"serialization_factor {serialization_factor} must divide the "
+                         f"{size} of the {serialization_dimension} dimension.")
+    parts_a = jnp.split(a, serialization_factor, axis_a) if axis_a is not None else None
+    parts_b = jnp.split(b, serialization_factor, axis_b) if axis_b is not None else None
+    products = [jnp.matmul(parts_a[i] if parts_a else a, parts_b[i] if parts_b else b)
+                for i in range(serialization_factor)]
+    if combine == "sum":
+        return sum(products[1:], products[0])
+    return jnp.concatenate(products, axis=-2 if combine == "concat_m" else -1)
+
+
+__all__ = ["serialized_matmul"]

@@ -1,0 +1,51 @@
+"""Random operators of `tensorflow.python.ipu.rand_ops`.
+
+Example:
+
+```python
+from keras_ipu.ops import rand_ops
+
+y = rand_ops.dropout(x, rate=0.1, seed=[1, 2])
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None,
+            name: str | None = None, **kwargs: Any) -> Any:
+    """Zeroes elements with probability `rate`, scaling the rest by `1 / (1 - rate)`.
+
+    Args:
+        x: The input.
+        rate: The probability that an element is zeroed, in [0, 1).
+        noise_shape: The shape of the mask (broadcast over `x`), or `None`.
+        seed: An integer, IPU TensorFlow's pair of 32-bit integers, or a
+            `keras.random.SeedGenerator`. A fixed seed gives the same mask at
+            every call; inside a compiled step, pass a `SeedGenerator` (a
+            layer's own) to draw a new mask each step, as Keras requires.
+        name: Accepted for compatibility.
+        **kwargs: Accepted for compatibility.
+
+    Returns:
+        The input with some elements zeroed.
+
+    Raises:
+        ValueError: For a malformed `seed`.
+
+    Example:
+
+    >>> y = dropout(np.ones((4, 4), "float32"), rate=0.5, seed=[1, 2])
+    """
+    import keras
+
+    from keras_ipu.keras.layers import keras_seed
+
+    if not isinstance(seed, keras.random.SeedGenerator):
+        seed = keras_seed(seed)
+    return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=seed)
+
+
+__all__ = ["dropout"]
