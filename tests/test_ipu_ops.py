@@ -10,11 +10,14 @@ import pytest
 
 import keras_ipu as ipu
 from keras_ipu.ops import (
+    all_to_all_op,
     cross_replica_ops,
     embedding_ops,
+    image_ops,
     math_ops,
     nn_ops,
     rand_ops,
+    reduce_scatter_op,
     replication_ops,
 )
 
@@ -22,7 +25,8 @@ from conftest import configure
 
 
 def test_the_modules_are_under_ipu_and_ipu_ops():
-    for module in (cross_replica_ops, embedding_ops, math_ops, nn_ops, rand_ops, replication_ops):
+    for module in (all_to_all_op, cross_replica_ops, embedding_ops, image_ops, math_ops, nn_ops,
+                   rand_ops, reduce_scatter_op, replication_ops):
         name = module.__name__.rsplit(".", 1)[1]
         assert getattr(ipu, name) is module is getattr(ipu.ops, name)
 
@@ -106,19 +110,61 @@ def test_outside_a_replicated_program_there_is_one_replica():
     np.testing.assert_array_equal(cross_replica_ops.cross_replica_sum(x), x)
 
 
-def test_cross_replica_sums_in_groups():
+def _on_4_replicas(fn, x):
+    """`fn` on each of 4 replicas' rows of `x` (`[4, ...]`, one row each); rows stacked."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("replica",))
+    return np.asarray(jax.shard_map(lambda row: fn(row[0])[None], mesh=mesh,
+                                    in_specs=P("replica"), out_specs=P("replica"),
+                                    check_vma=False)(jnp.asarray(x)))
 
-    def grouped(x):
-        return cross_replica_ops.cross_replica_sum(x, replica_group_size=2)
 
-    out = jax.shard_map(grouped, mesh=mesh, in_specs=P("replica"), out_specs=P("replica"),
-                        check_vma=False)(jnp.array([1.0, 2.0, 10.0, 20.0]))
+def test_cross_replica_sums_in_groups():
+    x = np.array([1.0, 2.0, 10.0, 20.0])
+    out = _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, 2), x)
     np.testing.assert_array_equal(out, [3, 3, 30, 30])
-    with pytest.raises(ValueError, match="must divide the 4 replicas"):
-        jax.shard_map(lambda x: cross_replica_ops.cross_replica_sum(x, 3), mesh=mesh,
-                      in_specs=P("replica"), out_specs=P("replica"),
-                      check_vma=False)(jnp.ones(4))
+    with pytest.raises(ValueError, match="A replica group of 3 must divide the 4 replicas"):
+        _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, 3), x)
+
+
+def test_all_gather_and_all_to_all_within_groups():
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)  # replica r holds 4r .. 4r + 3
+    gathered = _on_4_replicas(lambda v: all_to_all_op.all_gather(v, 2), x)
+    np.testing.assert_array_equal(gathered[0], x[:2])
+    np.testing.assert_array_equal(gathered[1], x[:2])
+    np.testing.assert_array_equal(gathered[3], x[2:])
+    # Replica p of the group gets block p (2 elements) of each replica of its group.
+    exchanged = _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 2), x)
+    np.testing.assert_array_equal(exchanged, [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13],
+                                              [10, 11, 14, 15]])
+    with pytest.raises(ValueError, match="must divide dimension 0"):
+        _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 4)[:1], x[:, :3])
+
+
+@pytest.mark.parametrize("op, expected", [
+    ("COLLECTIVE_OP_ADD", [[11, 22], [33, 0], [11, 22], [33, 0]]),
+    ("COLLECTIVE_OP_MAX", [[10, 20], [30, 0], [10, 20], [30, 0]]),
+    ("COLLECTIVE_OP_SQUARE_ADD", [[101, 404], [909, 0], [101, 404], [909, 0]]),
+    ("COLLECTIVE_OP_LOCAL", [[1, 2], [30, 0], [1, 2], [30, 0]]),
+])
+def test_reduce_scatter_pads_and_scatters(op, expected):
+    # The seed's example over groups of 2: [x, y, z] -> [x0 + x1, y0 + y1] and [z0 + z1, 0].
+    x = np.array([[1, 2, 3], [10, 20, 30], [1, 2, 3], [10, 20, 30]], np.float32)
+    out = _on_4_replicas(lambda v: reduce_scatter_op.reduce_scatter(v, 2, op), x)
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="valid: COLLECTIVE_OP_ADD"):
+        reduce_scatter_op.reduce_scatter(x[0], 1, "SUM")
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [("uint8", "float16"), ("float32", "float32")])
+def test_normalise_image_pads_to_four_channels(dtype, out_dtype):
+    image = np.arange(24).reshape(2, 2, 2, 3).astype(dtype)
+    out = np.asarray(image_ops.normalise_image(image, [1, 2, 3], [0.5, 2, 1], scale=2))
+    assert out.shape == (2, 2, 2, 4) and out.dtype == out_dtype
+    expected = (image.astype(np.float32) * 2 - [1, 2, 3]) * [0.5, 2, 1]
+    np.testing.assert_allclose(out[..., :3], expected, rtol=1e-3)
+    assert not out[..., 3].any()
+    with pytest.raises(ValueError, match="3 channels innermost"):
+        image_ops.normalise_image(np.ones((2, 4), dtype), [0] * 3, [1] * 3)

@@ -79,20 +79,41 @@ def cross_replica_sum(values: Any, group_size: int | None = None) -> Any:
 
     >>> total = cross_replica_sum(partial)
     """
-    count = replica_count()
-    if group_size is None or group_size == count:
+    if group_size is None or group_size == replica_count():
         axes = _replica_axes()
         return jax.lax.psum(values, axes) if axes else values
-    if group_size < 1 or count % group_size:
-        raise ValueError(f"replica_group_size {group_size} must divide the {count} replicas.")
-    group = replica_index() // group_size
+    group_of(group_size)  # checks the size before anything is traced
+    return jax.tree_util.tree_map(lambda v: jnp.sum(all_gather(v, group_size), axis=0), values)
 
-    def group_sum(value):
-        gathered = _gathered(value)  # [replicas, ...]
-        return jnp.sum(jax.lax.dynamic_slice_in_dim(gathered, group * group_size, group_size),
-                       axis=0)
 
-    return jax.tree_util.tree_map(group_sum, values)
+def group_of(group_size: int | None) -> tuple[int, jax.Array]:
+    """`(size, position)`: the size of this replica's group and its place in it.
+
+    Groups are consecutive replicas; `None` is one group of all.
+
+    Raises:
+        ValueError: When `group_size` does not divide the number of replicas.
+    """
+    count = replica_count()
+    size = count if group_size is None else group_size
+    if size < 1 or count % size:
+        raise ValueError(f"A replica group of {size} must divide the {count} replicas.")
+    return size, replica_index() % size
+
+
+def all_gather(value: jax.Array, group_size: int | None = None) -> jax.Array:
+    """The values of this replica's group, stacked in replica order: `[group size, ...]`.
+
+    Raises:
+        ValueError: When `group_size` does not divide the number of replicas.
+
+    Example:
+
+    >>> everyone = all_gather(x)   # the same on every replica
+    """
+    size, position = group_of(group_size)
+    first = replica_index() - position
+    return jax.lax.dynamic_slice_in_dim(_gathered(jnp.asarray(value)), first, size)
 
 
 def _gathered(value: jax.Array) -> jax.Array:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import importlib
 
 _SUBMODULES = (
+    "all_to_all_op",
     "cross_replica_ops",
     "embedding_ops",
+    "image_ops",
     "math_ops",
     "nn_ops",
     "pipelining_ops",
     "rand_ops",
+    "reduce_scatter_op",
     "replication_ops",
 )
 

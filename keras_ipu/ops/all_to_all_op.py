@@ -1,0 +1,84 @@
+"""Replica exchanges of `tensorflow.python.ipu.all_to_all_op`, in a replicated step.
+
+Example:
+
+```python
+from keras_ipu.ops import all_to_all_op
+
+everyone = all_to_all_op.all_gather(x, replication_factor=2)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from keras_ipu.device import collectives
+
+
+def all_gather(x: Any, replication_factor: int, name: str | None = None) -> jax.Array:
+    """Every replica's `x` in this replica's group, stacked: `[replication_factor, ...]`.
+
+    Groups are consecutive replicas (`{0..k-1}`, `{k..2k-1}`, ...). Outside a
+    replicated program there is one replica.
+
+    Args:
+        x: The array to gather, the same shape on every replica.
+        replication_factor: Replicas per group; it must divide the replicas.
+        name: Accepted for compatibility.
+
+    Returns:
+        The same array on every replica of the group.
+
+    Raises:
+        ValueError: When `replication_factor` does not divide the replicas.
+
+    Example:
+
+    >>> all_gather(x, 2)   # under 2 replicas: [x of replica 0, x of replica 1]
+    """
+    return collectives.all_gather(x, replication_factor)
+
+
+def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_factor: int,
+               name: str | None = None) -> jax.Array:
+    """XLA's all-to-all over a group: replica `p` gets every replica's `p`-th block.
+
+    `x` is split into `replication_factor` blocks along `split_dimension`;
+    replica `p` of the group receives block `p` of each replica of the group
+    and concatenates them, in replica order, along `concat_dimension`.
+
+    Args:
+        x: The array, the same shape on every replica.
+        split_dimension: The dimension split into blocks; `replication_factor`
+            must divide it.
+        concat_dimension: The dimension the received blocks are joined along.
+        replication_factor: Replicas per group; it must divide the replicas.
+        name: Accepted for compatibility.
+
+    Returns:
+        This replica's blocks.
+
+    Raises:
+        ValueError: When `replication_factor` does not divide the replicas or
+            the split dimension.
+
+    Example:
+
+    >>> all_to_all(x, 0, 0, 2)   # under 2 replicas, x of 4 rows: rows 0-1 / 2-3 exchanged
+    """
+    x = jnp.asarray(x)
+    if x.shape[split_dimension] % replication_factor:
+        raise ValueError(f"replication_factor {replication_factor} must divide dimension "
+                         f"{split_dimension} of {x.shape}.")
+    gathered = collectives.all_gather(x, replication_factor)  # [group, ...]
+    _, position = collectives.group_of(replication_factor)
+    blocks = jnp.stack(jnp.split(gathered, replication_factor, axis=split_dimension + 1))
+    mine = blocks[position]  # [group, ...block]: block `position` of each replica
+    return jnp.concatenate(list(mine), axis=concat_dimension)
+
+
+__all__ = ["all_gather", "all_to_all"]
