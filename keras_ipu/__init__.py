@@ -54,6 +54,7 @@ _select_jax_backend()
 
 _SUBMODULES = (
     "config",
+    "dataset_benchmark",
     "device",
     "distributed",
     "errors",
