@@ -51,6 +51,9 @@ def replica_index() -> jax.Array:
 def replica_count() -> int:
     """The number of replicas where it is traced (1 outside a replicated program).
 
+    Returns:
+        A Python integer (the bound axes' sizes are static).
+
     Example:
 
     >>> mean = cross_replica_sum(x) / replica_count()
@@ -89,10 +92,19 @@ def cross_replica_sum(values: Any, group_size: int | None = None) -> Any:
 def group_of(group_size: int | None) -> tuple[int, jax.Array]:
     """`(size, position)`: the size of this replica's group and its place in it.
 
-    Groups are consecutive replicas; `None` is one group of all.
+    Args:
+        group_size: Replicas per group (consecutive ones); `None` is one
+            group of all.
+
+    Returns:
+        The group's size (an integer) and this replica's place (traced).
 
     Raises:
         ValueError: When `group_size` does not divide the number of replicas.
+
+    Example:
+
+    >>> size, position = group_of(2)   # under 4 replicas: 2, and 0 or 1
     """
     count = replica_count()
     size = count if group_size is None else group_size
@@ -103,6 +115,13 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
 
 def all_gather(value: jax.Array, group_size: int | None = None) -> jax.Array:
     """The values of this replica's group, stacked in replica order: `[group size, ...]`.
+
+    Args:
+        value: An array, the same shape on every replica.
+        group_size: Replicas per group; `None` gathers all.
+
+    Returns:
+        The same stacked array on every replica of the group.
 
     Raises:
         ValueError: When `group_size` does not divide the number of replicas.
