@@ -1,0 +1,389 @@
+"""IPU TensorFlow's loop-level programming interface on JAX: scopes, loops, infeeds, outfeeds.
+
+Code written against `ipu.scopes`, `ipu.ipu_compiler`, `ipu.loops`,
+`ipu.ipu_infeed_queue` and `ipu.ipu_outfeed_queue` keeps its shape here,
+with JAX functions for TensorFlow's graph code:
+
+- `ipu_scope(device)` places what runs inside it on the device's first
+  IPU (`jax.default_device`); `ipu_shard(index)` on its IPU `index`.
+- `compile(computation, inputs)` compiles `computation` with `jax.jit` for
+  that IPU and runs it at once (IPU TensorFlow builds an op that a session
+  runs later); outfeeds enqueued inside come back with it.
+- `repeat(n, body, inputs, infeed_queue)` is an on-device loop (`lax.scan`):
+  each iteration takes the next element of the infeed, if any, after the
+  loop-carried values; values `enqueue`d on an outfeed in the body are
+  stacked per iteration and handed to the queue when the loop has run.
+- `while_loop(condition, body, inputs)` is `lax.while_loop`.
+
+The infeed's elements are taken on the host when the loop is built and enter
+the program as its data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_ipu.device import system
+
+# Trace-time context, not global state: the scope a computation is built in,
+# and the outfeed values enqueued by the loops of a `compile` being traced.
+_SCOPE: contextvars.ContextVar = contextvars.ContextVar("ipu_scope", default=None)
+_OUTFED: contextvars.ContextVar = contextvars.ContextVar("outfed", default=None)
+
+
+@contextlib.contextmanager
+def ipu_scope(device: str) -> Iterator[None]:
+    """Places what is computed inside on the first IPU of `device`.
+
+    Args:
+        device: A logical device of the configured system, `/device:IPU:N`.
+
+    Raises:
+        ValueError: When the system has no such device.
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> with ipu_scope("/device:IPU:0"):
+    ...     result = compile(my_net, inputs=[x])
+    """
+    ipus = system.require().ipus_of_device(device)
+    token = _SCOPE.set((device, 0))
+    try:
+        with jax.default_device(ipus[0].device):
+            yield
+    finally:
+        _SCOPE.reset(token)
+
+
+@contextlib.contextmanager
+def ipu_shard(index: int) -> Iterator[None]:
+    """Places what is computed inside on IPU `index` of the enclosing `ipu_scope`'s device.
+
+    Args:
+        index: The IPU of the device (its shard).
+
+    Raises:
+        ValueError: When the device has no IPU `index`.
+
+    Example:
+
+    >>> with ipu_scope("/device:IPU:0"), ipu_shard(1):
+    ...     result = compile(stage, inputs=[x])
+    """
+    device = (_SCOPE.get() or ("/device:IPU:0", 0))[0]
+    ipus = system.require().ipus_of_device(device)
+    if not 0 <= index < len(ipus):
+        raise ValueError(f"ipu_shard({index}): {device} has IPUs 0-{len(ipus) - 1}.")
+    token = _SCOPE.set((device, index))
+    try:
+        with jax.default_device(ipus[index].device):
+            yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
+    """Compiles `computation(*inputs)` for the current IPU and runs it.
+
+    Args:
+        computation: A JAX-traceable function of `len(inputs)` arguments.
+        inputs: A list of arguments (arrays or structures of them), or `None`.
+
+    Returns:
+        The outputs as a list: `[]` for `None`, `[value]` for a single
+        value, the values of a tuple or list. Outfeeds enqueued inside get
+        their values.
+
+    Raises:
+        RuntimeError: Outside an `ipu_scope`, as on the IPU ("not compiled
+            for an IPU device").
+
+    Example:
+
+    >>> with ipu_scope("/device:IPU:0"):
+    ...     [total] = compile(lambda x: x.sum(), inputs=[np.ones(4)])
+    """
+    scope = _SCOPE.get()
+    if scope is None:
+        raise RuntimeError("ipu_compiler.compile must be called inside "
+                           "ipu.scopes.ipu_scope('/device:IPU:N'): the computation is "
+                           "compiled for that IPU device.")
+    device, shard = scope
+    target = system.require().ipus_of_device(device)[shard].device
+    queues: list = []
+
+    def traced(*args):
+        token = _OUTFED.set([])
+        try:
+            result = computation(*args)
+            outfed = _OUTFED.get()
+        finally:
+            _OUTFED.reset(token)
+        queues.extend(queue for queue, _ in outfed)
+        return _without_markers(result), [value for _, value in outfed]
+
+    result, outfed = jax.jit(traced)(*jax.device_put(list(inputs or []), target))
+    for queue, value in zip(queues, outfed):
+        queue._receive(value)
+    if result is None:
+        return []
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+class IPUOutfeedMode(enum.Enum):
+    """What an outfeed's `dequeue` returns: every enqueued element, or the last.
+
+    Example:
+
+    >>> IPUOutfeedQueue(outfeed_mode=IPUOutfeedMode.LAST)
+    """
+
+    ALL = 1
+    LAST = 2
+
+
+class _Enqueued:
+    """What `enqueue` returns: a marker loops drop from a body's outputs (TF's op)."""
+
+
+class IPUInfeedQueue:
+    """The elements a loop's iterations take, one each, from a data source.
+
+    Args:
+        dataset: An iterable of elements: arrays, or tuples or dicts of
+            them (a tuple's parts reach the body positionally, a dict's by
+            keyword).
+        feed_name: Accepted for compatibility.
+        device_ordinal: Accepted for compatibility.
+        replication_factor: Accepted for compatibility.
+        data_to_prefetch: Accepted for compatibility.
+        prefetch_depth: Accepted for compatibility.
+
+    Raises:
+        TypeError: When `dataset` is not iterable.
+
+    Example:
+
+    >>> infeed = IPUInfeedQueue(zip(images, labels))
+    >>> repeat(10, body, [0.0], infeed)
+    """
+
+    def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
+                 replication_factor: int = 1, data_to_prefetch: int = 1,
+                 prefetch_depth: int | None = None):
+        try:
+            self._elements = iter(dataset)
+        except TypeError:
+            raise TypeError(f"IPUInfeedQueue needs an iterable of elements, got "
+                            f"{type(dataset).__name__}.") from None
+        self.initializer = None  # IPU TensorFlow's session initializer: nothing to run
+
+    def _take(self, count: int) -> Any:
+        """The next `count` elements, stacked on a leading axis."""
+        elements = list(itertools.islice(self._elements, count))
+        if len(elements) < count:
+            raise ValueError(f"The infeed ran out: {len(elements)} elements left for a loop "
+                             f"of {count} iterations.")
+        return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
+
+
+class IPUOutfeedQueue:
+    """Values a loop's body enqueues, returned to the host by `dequeue`.
+
+    Args:
+        feed_name: Accepted for compatibility.
+        outfeed_mode: `IPUOutfeedMode.ALL` (default: every enqueued value,
+            stacked) or `LAST`.
+        device_ordinal: Accepted for compatibility.
+        replication_factor: Accepted for compatibility.
+        io_batch_size: Accepted for compatibility.
+
+    Example:
+
+    >>> outfeed = IPUOutfeedQueue()
+    >>> def body(x):
+    ...     x = x + 1
+    ...     return x, outfeed.enqueue(x)
+    >>> repeat(20, body, [np.zeros(4)])
+    >>> outfeed.dequeue().shape
+    (20, 4)
+    """
+
+    def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
+                 device_ordinal: int = 0, replication_factor: int | None = None,
+                 io_batch_size: int = 1):
+        self.outfeed_mode = outfeed_mode or IPUOutfeedMode.ALL
+        self._pending: list = []
+        self._received: list = []
+
+    def enqueue(self, tensors: Any) -> _Enqueued:
+        """Enqueues values inside a loop's body; returns a marker the loop drops.
+
+        Raises:
+            RuntimeError: Outside a loop's body.
+        """
+        collector = _ENQUEUES.get()
+        if collector is None:
+            raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside the body of "
+                               "ipu.loops.repeat.")
+        collector.append((self, tensors))
+        return _Enqueued()
+
+    def _receive(self, stacked: Any) -> None:
+        self._received.append(stacked)
+
+    def dequeue(self, wait_for_completion: bool = False) -> Any:
+        """The values enqueued by the loops run since the last `dequeue`.
+
+        Returns:
+            With `ALL`, every enqueued value stacked on a leading axis (in
+            order, over loops); with `LAST`, the last one.
+
+        Raises:
+            ValueError: With `LAST` when nothing was enqueued.
+        """
+        received, self._received = self._received, []
+        if self.outfeed_mode == IPUOutfeedMode.LAST:
+            if not received:
+                raise ValueError("The outfeed has no last element: nothing was enqueued.")
+            return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
+        if not received:
+            return []
+        return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
+
+
+_ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
+
+
+def repeat(n: int, body: Callable, inputs: Any = None,
+           infeed_queue: IPUInfeedQueue | None = None, use_while_v1: bool = True) -> Any:
+    """Runs `body` `n` times on the device, carrying `inputs` from one iteration to the next.
+
+    Args:
+        n: The number of iterations, at least 1.
+        body: `body(*carried, *element)` (a dict element by keyword) returning
+            the new carried values, in the order of `inputs`; outfeed
+            `enqueue` markers among them are dropped.
+        inputs: The initial carried values (a list), or `None`.
+        infeed_queue: Where each iteration's element comes from, or `None`.
+        use_while_v1: Accepted for compatibility.
+
+    Returns:
+        The final carried values: one value, a tuple of several, or `None`.
+
+    Raises:
+        ValueError: For `n` below 1, an infeed that runs out, or a body that
+            returns another number of values than `inputs` has.
+
+    Example:
+
+    >>> repeat(10, lambda x: x + 1, [0.0])
+    Array(10., dtype=float32)
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"repeat needs n >= 1 iterations, got {n!r}.")
+    carried = tuple(jax.tree_util.tree_map(jnp.asarray, tuple(inputs or ())))
+    data = infeed_queue._take(n) if infeed_queue is not None else None
+    queues: list = []
+
+    def step(carry, element):
+        token = _ENQUEUES.set([])
+        try:
+            if element is None:
+                new = body(*carry)
+            elif isinstance(element, dict):
+                new = body(*carry, **element)
+            else:
+                new = body(*carry, *(element if isinstance(element, tuple) else (element,)))
+            enqueued = _ENQUEUES.get()
+        finally:
+            _ENQUEUES.reset(token)
+        queues[:] = [queue for queue, _ in enqueued]
+        new = _carried(new, len(carry))
+        return new, [value for _, value in enqueued]
+
+    final, outfed = jax.lax.scan(step, carried, data, length=n)
+    collector = _OUTFED.get()
+    for queue, stacked in zip(queues, outfed):
+        if collector is not None:  # inside `compile`: the values leave with its outputs
+            collector.append((queue, stacked))
+        else:
+            queue._receive(stacked)
+    return _unpacked(final)
+
+
+def while_loop(condition: Callable, body: Callable, inputs: Any = None,
+               infeed_queue: IPUInfeedQueue | None = None,
+               maximum_iterations: int | None = None, use_while_v1: bool = True) -> Any:
+    """Runs `body` while `condition` holds, carrying `inputs` (at most `maximum_iterations`).
+
+    Args:
+        condition: `condition(*carried)` returning a boolean scalar.
+        body: `body(*carried)` returning the new carried values.
+        inputs: The initial carried values (a list), or `None`.
+        infeed_queue: Not supported: a while loop's iteration count is known
+            only on the device; use `repeat`.
+        maximum_iterations: Stop after this many iterations, or `None`.
+        use_while_v1: Accepted for compatibility.
+
+    Returns:
+        The final carried values: one value, a tuple of several, or `None`.
+
+    Raises:
+        ValueError: With an `infeed_queue`.
+
+    Example:
+
+    >>> while_loop(lambda x: x < 10, lambda x: x + 3, [0])
+    Array(12, dtype=int32)
+    """
+    if infeed_queue is not None:
+        raise ValueError("while_loop takes no infeed_queue here: its iteration count is known "
+                         "only on the device. Use ipu.loops.repeat(n, body, inputs, "
+                         "infeed_queue).")
+    carried = tuple(jax.tree_util.tree_map(jnp.asarray, tuple(inputs or ())))
+    limit = np.iinfo(np.int32).max if maximum_iterations is None else maximum_iterations
+
+    def keep_going(state):
+        count, carry = state
+        return (count < limit) & condition(*carry)
+
+    def step(state):
+        count, carry = state
+        return count + 1, _carried(body(*carry), len(carry))
+
+    _, final = jax.lax.while_loop(keep_going, step, (0, carried))
+    return _unpacked(final)
+
+
+def _without_markers(values: Any) -> Any:
+    if isinstance(values, (tuple, list)):
+        kept = [v for v in values if not isinstance(v, _Enqueued)]
+        return kept[0] if len(kept) == 1 and len(values) > 1 else type(values)(kept)
+    return None if isinstance(values, _Enqueued) else values
+
+
+def _carried(new: Any, count: int) -> tuple:
+    """A body's result as the tuple of carried values, outfeed markers dropped."""
+    values = new if isinstance(new, (tuple, list)) else (new,)
+    values = tuple(v for v in values if not isinstance(v, _Enqueued))
+    if len(values) != count:
+        raise ValueError(f"The loop body returned {len(values)} values for {count} "
+                         f"loop-carried inputs.")
+    return values
+
+
+def _unpacked(values: tuple) -> Any:
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values

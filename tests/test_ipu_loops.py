@@ -1,0 +1,98 @@
+"""`ipu.scopes`, `ipu.ipu_compiler`, `ipu.loops` and the infeed/outfeed queues, on JAX functions.
+
+The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.device import system
+
+from conftest import configure
+
+
+def test_the_seeds_outfeed_example_returns_every_iteration():
+    # The seed's `dequeue` example: 20 iterations of `output = input + 1` enqueued.
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(value):
+        output = value + 1
+        return output, outfeed.enqueue((output, jnp.sum(output)))
+
+    def my_net(value):
+        return ipu.loops.repeat(20, body, [value])
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [result] = ipu.ipu_compiler.compile(my_net, inputs=[np.ones((4, 4), np.float32)])
+    np.testing.assert_array_equal(result, np.full((4, 4), 21))
+    outputs, sums = outfeed.dequeue()
+    assert outputs.shape == (20, 4, 4) and sums.shape == (20,)
+    np.testing.assert_array_equal(outputs[:, 0, 0], np.arange(2, 22))
+    np.testing.assert_array_equal(sums, 16 * np.arange(2, 22))
+    assert outfeed.dequeue() == []  # dequeued once
+
+
+def test_an_infeed_feeds_each_iteration_and_the_last_mode_keeps_one():
+    rng = np.random.default_rng(0)
+    features, labels = rng.random((12, 3), np.float32), rng.random((12,), np.float32)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        {"features": f, "labels": y} for f, y in zip(features, labels))
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(
+        outfeed_mode=ipu.ipu_outfeed_queue.IPUOutfeedMode.LAST)
+
+    def body(total, features, labels):  # the element's dict by keyword, after the carried
+        total = total + jnp.sum(features) * labels
+        return total, last.enqueue(total)
+
+    def my_net():
+        return ipu.loops.repeat(8, body, [0.0], infeed)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [first] = ipu.ipu_compiler.compile(my_net)
+        [second] = ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(4, body, [0.0], infeed))
+    expected = features.sum(axis=1) * labels
+    np.testing.assert_allclose(first, expected[:8].sum(), rtol=1e-6)
+    np.testing.assert_allclose(second, expected[8:].sum(), rtol=1e-6)  # the infeed goes on
+    np.testing.assert_allclose(last.dequeue(), expected[8:].sum(), rtol=1e-6)
+    with pytest.raises(ValueError, match="The infeed ran out: 0 elements left"):
+        ipu.loops.repeat(1, body, [0.0], infeed)
+    with pytest.raises(ValueError, match="no last element"):
+        last.dequeue()
+
+
+def test_scopes_place_the_computation_and_while_loops_stop():
+    configure(2)
+    devices = [ipu_.device for ipu_ in system.require().ipus_of_device(0)]
+    with ipu.scopes.ipu_scope("/device:IPU:0"), ipu.scopes.ipu_shard(1):
+        [count] = ipu.ipu_compiler.compile(
+            lambda: ipu.loops.while_loop(lambda x: x < 10, lambda x: x + 3, [0]))
+        [capped] = ipu.ipu_compiler.compile(
+            lambda: ipu.loops.while_loop(lambda x: x < 10, lambda x: x + 3, [0],
+                                         maximum_iterations=2))
+    assert int(count) == 12 and int(capped) == 6
+    assert count.devices() == {devices[1]}
+    with pytest.raises(ValueError, match="has IPUs 0-1"):
+        with ipu.scopes.ipu_shard(2):
+            pass
+
+
+def test_misuse_says_what_to_do():
+    with pytest.raises(RuntimeError, match="inside ipu.scopes.ipu_scope"):
+        ipu.ipu_compiler.compile(lambda: 1)
+    with pytest.raises(RuntimeError, match="inside the body of ipu.loops.repeat"):
+        ipu.ipu_outfeed_queue.IPUOutfeedQueue().enqueue(1.0)
+    with pytest.raises(ValueError, match="returned 2 values for 1 loop-carried"):
+        ipu.loops.repeat(2, lambda x: (x, x), [0.0])
+    with pytest.raises(ValueError, match="Use ipu.loops.repeat"):
+        ipu.loops.while_loop(lambda x: x < 1, lambda x: x, [0],
+                             infeed_queue=ipu.ipu_infeed_queue.IPUInfeedQueue([1]))
+    with pytest.raises(TypeError, match="iterable of elements"):
+        ipu.ipu_infeed_queue.IPUInfeedQueue(3)
+    # Eagerly, outside `compile`, a loop runs at once and its outfeed is filled.
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    final = ipu.loops.repeat(3, lambda x: (x * 2, outfeed.enqueue(x)), [jnp.float32(1)])
+    assert float(final) == 8 and outfeed.dequeue().tolist() == [1, 2, 4]
