@@ -58,6 +58,7 @@ _SUBMODULES = (
     "device",
     "distributed",
     "errors",
+    "functional_ops",
     "gradient_accumulation",
     "horovod",
     "ipu_compiler",
@@ -80,6 +81,7 @@ _LAZY_NAMES = {
     "IPUStrategy": ("keras_ipu.ipu_strategy", "IPUStrategy"),
     "IPUOutOfMemoryError": ("keras_ipu.errors", "IPUOutOfMemoryError"),
     "PipelineStage": ("keras_ipu.keras.stages", "PipelineStage"),
+    "outlined_function": ("keras_ipu.functional_ops", "outlined_function"),
 }
 
 __all__ = [*_SUBMODULES, *_OPS, *_LAZY_NAMES]
