@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -98,7 +99,7 @@ def _epoch(stream: Iterator[Any], elements: int, do_memcpy: bool, epoch: int) ->
     processed = total_bytes = 0
     started = time.perf_counter()
     for element in itertools.islice(stream, elements):
-        leaves = [np.asarray(leaf) for leaf in _leaves(element)]
+        leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(element)]
         if do_memcpy:
             for leaf in leaves:
                 np.copyto(np.empty_like(leaf), leaf)
@@ -116,14 +117,6 @@ def _epoch(stream: Iterator[Any], elements: int, do_memcpy: bool, epoch: int) ->
         "elements_per_second": processed / elapsed if elapsed else float("inf"),
         "bandwidth": total_bytes / elapsed / 1e9 if elapsed else float("inf"),
     }
-
-
-def _leaves(element: Any) -> list[Any]:
-    if isinstance(element, dict):
-        return [leaf for value in element.values() for leaf in _leaves(value)]
-    if isinstance(element, (tuple, list)):
-        return [leaf for value in element for leaf in _leaves(value)]
-    return [] if element is None else [element]
 
 
 __all__ = ["dataset_benchmark"]

@@ -38,6 +38,8 @@ from keras_ipu.device import system
 # and the outfeed values enqueued by the loops of a `compile` being traced.
 _SCOPE: contextvars.ContextVar = contextvars.ContextVar("ipu_scope", default=None)
 _OUTFED: contextvars.ContextVar = contextvars.ContextVar("outfed", default=None)
+# The values a loop body being traced enqueues on outfeeds.
+_ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
 
 
 @contextlib.contextmanager
@@ -130,14 +132,12 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
         finally:
             _OUTFED.reset(token)
         queues.extend(queue for queue, _ in outfed)
-        return _without_markers(result), [value for _, value in outfed]
+        return _outputs(result), [value for _, value in outfed]
 
     result, outfed = jax.jit(traced)(*jax.device_put(list(inputs or []), target))
     for queue, value in zip(queues, outfed):
         queue._receive(value)
-    if result is None:
-        return []
-    return list(result) if isinstance(result, (tuple, list)) else [result]
+    return list(result)
 
 
 class IPUOutfeedMode(enum.Enum):
@@ -262,8 +262,6 @@ class IPUOutfeedQueue:
         return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
 
 
-_ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
-
 
 def repeat(n: int, body: Callable, inputs: Any = None,
            infeed_queue: IPUInfeedQueue | None = None, use_while_v1: bool = True) -> Any:
@@ -366,17 +364,17 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
     return _unpacked(final)
 
 
-def _without_markers(values: Any) -> Any:
-    if isinstance(values, (tuple, list)):
-        kept = [v for v in values if not isinstance(v, _Enqueued)]
-        return kept[0] if len(kept) == 1 and len(values) > 1 else type(values)(kept)
-    return None if isinstance(values, _Enqueued) else values
+def _outputs(values: Any) -> list:
+    """A computation's or a body's values as a list, outfeed markers dropped."""
+    if values is None:
+        return []
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return [value for value in values if not isinstance(value, _Enqueued)]
 
 
 def _carried(new: Any, count: int) -> tuple:
-    """A body's result as the tuple of carried values, outfeed markers dropped."""
-    values = new if isinstance(new, (tuple, list)) else (new,)
-    values = tuple(v for v in values if not isinstance(v, _Enqueued))
+    """A body's result as the tuple of carried values."""
+    values = tuple(_outputs(new))
     if len(values) != count:
         raise ValueError(f"The loop body returned {len(values)} values for {count} "
                          f"loop-carried inputs.")

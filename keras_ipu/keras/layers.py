@@ -398,6 +398,7 @@ class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
                  time_major=False, **kwargs):
         self._init_recurrent(keras.layers.LSTM, _arguments(locals()), kwargs)
 
+
 @_register
 class PopnnGRU(_IPURecurrent, keras.layers.GRU):
     """Gated recurrent unit with IPU TensorFlow's arguments (alias `GRU`).
@@ -433,6 +434,7 @@ class PopnnGRU(_IPURecurrent, keras.layers.GRU):
                  stateful=False, unroll=False, reset_after=True, seed=None,
                  partials_dtype="float32", time_major=False, **kwargs):
         self._init_recurrent(keras.layers.GRU, _arguments(locals()), kwargs)
+
 
 LSTM = PopnnLSTM
 GRU = PopnnGRU
