@@ -5,6 +5,31 @@ from __future__ import annotations
 from typing import Any
 
 from keras_ipu.config.enums import SyntheticDataCategory
+from keras_ipu.config.legacy import (
+    auto_select_ipus,
+    create_ipu_config,
+    select_ipus,
+    set_experimental_multi_replica_distribution_options,
+    set_ipu_connection_type,
+    set_ipu_model_options,
+    set_recomputation_options,
+    set_serialization_options,
+)
+from keras_ipu.config.legacy_tuning import (
+    set_compilation_options,
+    set_convolution_options,
+    set_floating_point_behaviour_options,
+    set_gcl_options,
+    set_io_tile_options,
+    set_matmul_options,
+    set_norm_options,
+    set_optimization_options,
+    set_pooling_options,
+    set_report_options,
+    set_transfer_options,
+    set_verification_options,
+)
+from keras_ipu.config.system import configure_ipu_system
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras.report import execution_report, weight_placement
 
@@ -85,6 +110,59 @@ def use_synthetic_data_for(synthetic_data_category: SyntheticDataCategory) -> bo
     return bool(ipu_system.require().option("use_synthetic_data"))
 
 
+def get_num_of_ipus_in_device(ipu_device: str | int, device: str = "cpu") -> int:
+    """The number of IPUs of one device of the configured system.
+
+    Args:
+        ipu_device: The device, as `/device:IPU:N` or its index N.
+        device: The host CPU device; accepted for compatibility.
+
+    Returns:
+        How many IPUs that device has (an `auto_select_ipus` entry, or the
+        IPUs of a `select_ipus` configuration ID).
+
+    Raises:
+        ValueError: For a device the configured system does not have.
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> config = keras_ipu.config.IPUConfig()
+    >>> config.auto_select_ipus = [1, 2]
+    >>> config.configure_ipu_system()
+    >>> keras_ipu.utils.get_num_of_ipus_in_device("/device:IPU:1")
+    2
+    """
+    return len(ipu_system.require().ipus_of_device(ipu_device))
+
+
+def move_variable_initialization_to_cpu(graph: Any = None) -> None:
+    """Initialises variables on the host: what keras_ipu always does.
+
+    TensorFlow 1 graphs needed this so that variable initialisers did not
+    run on the IPU. Keras 3 creates and initialises every variable on the
+    host and keras_ipu copies the values to the IPUs when a program first
+    runs, so there is nothing to move; the function checks its argument
+    and returns.
+
+    Args:
+        graph: A TensorFlow 1 graph; keras_ipu has none, so only None is
+            accepted.
+
+    Raises:
+        TypeError: When `graph` is not None.
+
+    Example:
+
+    >>> keras_ipu.utils.move_variable_initialization_to_cpu()
+    """
+    if graph is not None:
+        raise TypeError(
+            f"move_variable_initialization_to_cpu takes no graph on keras_ipu (Keras 3 has "
+            f"none; variables already start on the host), got {graph!r}."
+        )
+
+
 def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: Any = "Grouped",
                   device_mapping: Any = None, training: bool = True, path: str | None = None):
     """Draws a pipeline schedule before anything runs (each forward 1 unit, each backward 2).
@@ -120,10 +198,33 @@ def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: A
 
 __all__ = [
     "SyntheticDataCategory",
+    "auto_select_ipus",
+    "configure_ipu_system",
+    "create_ipu_config",
     "execution_report",
+    "get_num_of_ipus_in_device",
+    "move_variable_initialization_to_cpu",
     "plot_schedule",
     "reset_ipu_seed",
     "running_on_ipu_model",
+    "select_ipus",
+    "set_compilation_options",
+    "set_convolution_options",
+    "set_experimental_multi_replica_distribution_options",
+    "set_floating_point_behaviour_options",
+    "set_gcl_options",
+    "set_io_tile_options",
+    "set_ipu_connection_type",
+    "set_ipu_model_options",
+    "set_matmul_options",
+    "set_norm_options",
+    "set_optimization_options",
+    "set_pooling_options",
+    "set_recomputation_options",
+    "set_report_options",
+    "set_serialization_options",
+    "set_transfer_options",
+    "set_verification_options",
     "use_synthetic_data_for",
     "weight_placement",
 ]
