@@ -1,4 +1,4 @@
-"""`ipu.dataset_benchmark`: how fast a data source delivers elements, without a model.
+"""`ipu.dataset_benchmark`: how fast a data source or an infeed delivers elements, without a model.
 
 IPU TensorFlow benchmarks a `tf.data.Dataset` this way to tell whether the
 host can feed the IPUs; keras_ipu takes the data sources its `fit` takes:
@@ -76,6 +76,43 @@ def dataset_benchmark(dataset: Any, number_of_epochs: int, elements_per_epochs: 
     return json.dumps({"epochs": epochs})
 
 
+def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epochs: int,
+                     print_stats: bool = True, do_memcpy: bool = True) -> str:
+    """Times how fast an `IPUInfeedQueue` delivers its elements, without a program.
+
+    The elements timed are taken from the queue: a loop fed by it
+    afterwards gets the ones after them.
+
+    Args:
+        infeed_queue: A `keras_ipu.ipu_infeed_queue.IPUInfeedQueue`.
+        number_of_epochs: Epochs to time, at least 1.
+        elements_per_epochs: Elements per epoch, at least 1.
+        print_stats: Print each epoch's figures.
+        do_memcpy: Copy each element's arrays into a buffer, as the infeed
+            copies them towards the device.
+
+    Returns:
+        The JSON string `dataset_benchmark` returns.
+
+    Raises:
+        TypeError: When `infeed_queue` is not an `IPUInfeedQueue`.
+        ValueError: When `number_of_epochs` or `elements_per_epochs` is below
+            1, or the queue runs out.
+
+    Example:
+
+    >>> infeed = IPUInfeedQueue(batches())
+    >>> stats = json.loads(infeed_benchmark(infeed, 2, 100, print_stats=False))
+    """
+    from keras_ipu.device.feeds import IPUInfeedQueue
+
+    if not isinstance(infeed_queue, IPUInfeedQueue):
+        raise TypeError(f"infeed_queue must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue, got "
+                        f"{type(infeed_queue).__name__}.")
+    return dataset_benchmark(iter(infeed_queue), number_of_epochs, elements_per_epochs,
+                             print_stats=print_stats, do_memcpy=do_memcpy)
+
+
 def _elements(dataset: Any) -> Iterator[Any]:
     try:
         from keras.utils import PyDataset
@@ -119,4 +156,4 @@ def _epoch(stream: Iterator[Any], elements: int, do_memcpy: bool, epoch: int) ->
     }
 
 
-__all__ = ["dataset_benchmark"]
+__all__ = ["dataset_benchmark", "infeed_benchmark"]

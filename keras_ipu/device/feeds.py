@@ -152,8 +152,23 @@ class IPUOutfeedMode(enum.Enum):
     LAST = 2
 
 
-class _Enqueued:
-    """What `enqueue` returns: a marker loops drop from a body's outputs (TF's op)."""
+class Operation:
+    """A side effect a computation returns, as IPU TensorFlow returns an op.
+
+    `compile` and the loops drop it from a computation's or a body's
+    outputs, as IPU TensorFlow drops operations after the tensors; the
+    effect itself (an outfeed's `enqueue`, a `print_tensor`) is already in
+    the program.
+
+    Example:
+
+    >>> def body(x):
+    ...     return x + 1, outfeed.enqueue(x)   # an Operation: dropped
+    """
+
+
+class _Enqueued(Operation):
+    """What `enqueue` returns."""
 
 
 class IPUInfeedQueue:
@@ -187,6 +202,16 @@ class IPUInfeedQueue:
             raise TypeError(f"IPUInfeedQueue needs an iterable of elements, got "
                             f"{type(dataset).__name__}.") from None
         self.initializer = None  # IPU TensorFlow's session initializer: nothing to run
+
+    def __iter__(self) -> Iterator[Any]:
+        """The elements not taken yet, in order; what this iteration takes, loops do not get.
+
+        Example:
+
+        >>> next(iter(IPUInfeedQueue([1, 2])))
+        1
+        """
+        return self._elements
 
     def _take(self, count: int) -> Any:
         """The next `count` elements, stacked on a leading axis."""
@@ -365,11 +390,11 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
 
 
 def _outputs(values: Any) -> list:
-    """A computation's or a body's values as a list, outfeed markers dropped."""
+    """A computation's or a body's values as a list, operations dropped."""
     if values is None:
         return []
     values = values if isinstance(values, (tuple, list)) else (values,)
-    return [value for value in values if not isinstance(value, _Enqueued)]
+    return [value for value in values if not isinstance(value, Operation)]
 
 
 def _carried(new: Any, count: int) -> tuple:

@@ -22,12 +22,15 @@ _SUBMODULES = (
     "cross_replica_ops",
     "embedding_ops",
     "image_ops",
+    "internal_ops",
     "math_ops",
     "nn_ops",
     "pipelining_ops",
     "rand_ops",
     "reduce_scatter_op",
     "replication_ops",
+    "slicing_ops",
+    "statistics_ops",
 )
 
 __all__ = list(_SUBMODULES)

@@ -1,0 +1,166 @@
+"""`ipu.nn_ops`' CTC loss and beam search decoder, against an exhaustive count of alignments.
+
+Seed 002 §18.14.7. For a few time steps and classes every alignment can be
+listed: a label sequence's probability is the sum over the alignments that
+collapse to it (repeats merged, blanks removed). That gives the exact loss,
+its exact gradient, and the exact most likely sequences a wide enough beam
+must find.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.ops import nn_ops
+
+from conftest import assert_weights_close
+
+T, B, C = 4, 3, 3
+
+
+def _collapse(alignment, blank):
+    labels, previous = [], None
+    for symbol in alignment:
+        if symbol != previous and symbol != blank:
+            labels.append(symbol)
+        previous = symbol
+    return tuple(labels)
+
+
+def _sequence_log_probs(log_probs, length, blank):
+    """log P(sequence) for every sequence of one entry, over all alignments (a jnp sum)."""
+    total = {}
+    for alignment in itertools.product(range(log_probs.shape[-1]), repeat=int(length)):
+        score = sum(log_probs[t, alignment[t]] for t in range(int(length)))
+        total.setdefault(_collapse(alignment, blank), []).append(score)
+    return {seq: jax.scipy.special.logsumexp(jnp.stack(s)) for seq, s in total.items()}
+
+
+def _exact_loss(logits, labels, label_length, lengths, blank):
+    log_probs = jax.nn.log_softmax(logits)
+    return jnp.stack([
+        -_sequence_log_probs(log_probs[:, b], lengths[b], blank % C)[
+            tuple(int(v) for v in labels[b, : label_length[b]])]
+        for b in range(logits.shape[1])])
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(T, B, C)).astype(np.float32) * 2
+    return logits, np.array([4, 3, 2]), rng
+
+
+@pytest.mark.parametrize("blank", [0, 2, -1])
+def test_the_loss_is_the_exact_negative_log_likelihood(blank):
+    logits, lengths, _ = _data()
+    symbols = [c for c in range(C) if c != blank % C]
+    labels = np.array([[symbols[0], symbols[1]], [symbols[1], symbols[1]], [symbols[0], 0]])
+    label_length = np.array([2, 2, 1])  # entry 1 repeats a label: it needs a blank between
+    expected = _exact_loss(logits, labels, label_length, lengths, blank)
+
+    log_probs = jax.nn.log_softmax(logits)
+    for loss in (nn_ops.ctc_loss_v2(labels, logits, label_length, lengths, blank),
+                 nn_ops.ctc_loss_with_logits(labels, logits, label_length, lengths, blank),
+                 nn_ops.ctc_loss_with_log_probs(labels, log_probs, label_length, lengths, blank),
+                 nn_ops.ctc_loss(labels, log_probs, label_length, lengths, blank)):
+        assert loss.shape == (B,) and loss.dtype == jnp.float32
+        np.testing.assert_allclose(loss, expected, rtol=1e-5)
+
+
+def test_its_gradient_is_the_exact_one():
+    logits, lengths, _ = _data(1)
+    labels, label_length = np.array([[0, 1], [1, 0], [1, 1]]), np.array([2, 2, 1])
+
+    def ipu_loss(x):
+        return jnp.sum(nn_ops.ctc_loss_v2(labels, x, label_length, lengths, blank_index=2))
+
+    def exact(x):
+        return jnp.sum(_exact_loss(x, labels, label_length, lengths, 2))
+
+    np.testing.assert_allclose(jax.grad(ipu_loss)(logits), jax.grad(exact)(logits), atol=1e-5)
+
+
+def test_out_dtype_follows_the_seeds_rule():
+    logits, lengths, _ = _data()
+    labels, label_length = np.array([[0], [1], [0]]), np.array([1, 1, 1])
+    half = nn_ops.ctc_loss_v2(labels, logits.astype(np.float16), label_length, lengths, 2)
+    assert half.dtype == jnp.float16
+    wide = nn_ops.ctc_loss_v2(labels, logits.astype(np.float16), label_length, lengths, 2,
+                              out_dtype=jnp.float32)
+    np.testing.assert_allclose(wide, _exact_loss(logits, labels, label_length, lengths, 2),
+                               rtol=5e-3)
+    with pytest.raises(ValueError, match="float16 when the data is float32"):
+        nn_ops.ctc_loss_v2(labels, logits, label_length, lengths, 2, out_dtype="float16")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: nn_ops.ctc_loss_v2(np.zeros((3, 2), int), x, [1] * 3, [4] * 3, 3),
+     r"blank_index=3 is not a class of data with 3 classes \(valid: -3 to 2\)"),
+    (lambda x: nn_ops.ctc_loss_v2(np.zeros((2, 2), int), x, [1] * 2, [4] * 2, 0),
+     r"labels must be \[batch_size=3, max_label_length\]"),
+    (lambda x: nn_ops.ctc_loss_v2(np.zeros((3, 2), int), x[0], [1] * 3, [4] * 3, 0),
+     r"logits must be \[max_time, batch_size, num_classes\]"),
+    (lambda x: nn_ops.ctc_beam_search_decoder(x, [4] * 3, beam_width=2, top_paths=3),
+     r"top_paths must be an int from 1 to beam_width=2, got 3"),
+    (lambda x: nn_ops.ctc_beam_search_decoder(x, [4] * 3, beam_width=0),
+     "beam_width must be an int from 1 up, got 0"),
+])
+def test_bad_arguments_say_what_is_valid(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_data()[0])
+
+
+@pytest.mark.parametrize("blank", [-1, 0])
+def test_a_wide_beam_finds_the_exact_most_likely_sequences(blank):
+    logits, lengths, _ = _data(2)
+    top = 3
+    neg_log_probs, lengths_out, predictions = nn_ops.ctc_beam_search_decoder(
+        logits, lengths, beam_width=64, top_paths=top, blank_index=blank)
+    assert neg_log_probs.shape == lengths_out.shape == (B, top)
+    assert predictions.shape == (B, top, T)
+    log_probs = jax.nn.log_softmax(logits)
+    for b in range(B):
+        exact = sorted(_sequence_log_probs(log_probs[:, b], lengths[b], blank % C).items(),
+                       key=lambda item: -float(item[1]))[:top]
+        np.testing.assert_allclose(neg_log_probs[b], [-float(p) for _, p in exact], rtol=1e-5)
+        for path, (sequence, _) in enumerate(exact):
+            assert int(lengths_out[b, path]) == len(sequence)
+            assert tuple(int(v) for v in predictions[b, path, : len(sequence)]) == sequence
+            assert (np.asarray(predictions[b, path, len(sequence):]) == -1).all()
+
+    same = nn_ops.ctc_beam_search_decoder_with_log_probs(log_probs, lengths, 64, top, blank)
+    for ours, theirs in zip(same, (neg_log_probs, lengths_out, predictions)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_a_model_trained_with_the_ctc_loss_on_an_ipu_equals_plain_keras():
+    rng = np.random.default_rng(3)
+    x = rng.random((16, T, 5), np.float32)
+    labels = rng.integers(1, C, (16, 2))
+
+    def ctc(y_true, y_pred):  # batch-major model output -> the op's time-major layout
+        lengths = jnp.full((y_pred.shape[0],), T)
+        return nn_ops.ctc_loss_v2(y_true.astype(jnp.int32), jnp.swapaxes(y_pred, 0, 1),
+                                  jnp.full((y_pred.shape[0],), 2), lengths, blank_index=0)
+
+    def build():
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((T, 5)), keras.layers.Dense(C)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=ctc, steps_per_execution=2)
+        return model
+
+    plain = build()
+    plain_history = plain.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = build()
+    history = model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+    assert history.history["loss"][1] < history.history["loss"][0]
