@@ -29,6 +29,7 @@ _SUBMODULES = (
     "rand_ops",
     "reduce_scatter_op",
     "replication_ops",
+    "rnn_ops",
     "slicing_ops",
     "statistics_ops",
 )

@@ -1,0 +1,192 @@
+"""`ipu.rnn_ops`: the time-major Popnn layers equal Keras' own or a NumPy recurrence.
+
+Seed 002 §18.14.9: `PopnnLSTM`, `PopnnGRU`, `PopnnDynamicGRU` and `PopnnAUGRU`,
+called on `[time, batch, features]` and returning `(outputs, output_state)`.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.ops import rnn_ops
+
+from conftest import assert_weights_close
+
+T, B, F, U = 5, 3, 4, 6
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(T, B, F)).astype(np.float32), rng
+
+
+def _batch_major(x):
+    return np.swapaxes(np.asarray(x), 0, 1)
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _numpy_augru(x, scores, lengths, kernel, recurrent, bias, reset_after):
+    """DIEN's AUGRU step by step; `scores` of zero make it a GRU (Keras' gate layout)."""
+    bias = np.stack([bias, np.zeros_like(bias)]) if bias.ndim == 1 else bias
+    h = np.zeros((x.shape[1], U), np.float32)
+    outputs = np.zeros((x.shape[0], x.shape[1], U), np.float32)
+    for t in range(x.shape[0]):
+        xz, xr, xh = np.split(x[t] @ kernel + bias[0], 3, axis=-1)
+        rz, rr, rh = np.split(recurrent, 3, axis=-1)
+        bz, br, bh = np.split(bias[1], 3)
+        z = _sigmoid(xz + h @ rz + bz)
+        r = _sigmoid(xr + h @ rr + br)
+        c = np.tanh(xh + (r * (h @ rh + bh) if reset_after else (r * h) @ rh))
+        z = (1 - scores[:, t:t + 1]) * z
+        new = z * h + (1 - z) * c
+        live = (t < lengths)[:, None]
+        h = np.where(live, new, h)
+        outputs[t] = np.where(live, new, 0)
+    return outputs, h
+
+
+def test_lstm_equals_keras_and_keeps_tensorflows_state_order():
+    x, rng = _inputs()
+    layer = rnn_ops.PopnnLSTM(U, seed=3)
+    c0, h0 = (rng.normal(size=(B, U)).astype(np.float32) for _ in range(2))
+    outputs, state = layer(x, rnn_ops.LSTMStateTuple(c0, h0))
+    assert isinstance(state, rnn_ops.LSTMStateTuple) and outputs.shape == (T, B, U)
+
+    reference = keras.layers.LSTM(U, return_sequences=True, return_state=True,
+                                  unit_forget_bias=False)
+    reference.build((B, T, F))
+    reference.set_weights(layer.get_weights())
+    expected, h, c = reference(_batch_major(x), initial_state=[h0, c0])
+    np.testing.assert_allclose(outputs, _batch_major(expected), atol=1e-6)
+    np.testing.assert_allclose(state.c, c, atol=1e-6)
+    np.testing.assert_allclose(state.h, h, atol=1e-6)
+    assert layer.state_shape(B) == ([B, U], [B, U])
+
+
+@pytest.mark.parametrize("reset_after", [False, True])
+def test_gru_equals_keras_with_the_same_reset_convention(reset_after):
+    x, _ = _inputs(1)
+    layer = rnn_ops.PopnnGRU(U, reset_after=reset_after)
+    outputs, state = layer(x)
+    reference = keras.layers.GRU(U, return_sequences=True, return_state=True,
+                                 reset_after=reset_after)
+    reference.build((B, T, F))
+    reference.set_weights(layer.get_weights())
+    expected, h = reference(_batch_major(x))
+    np.testing.assert_allclose(outputs, _batch_major(expected), atol=1e-6)
+    np.testing.assert_allclose(state, h, atol=1e-6)
+
+
+@pytest.mark.parametrize("time_major", [True, False])
+def test_dynamic_gru_stops_each_entry_at_its_length(time_major):
+    x, _ = _inputs(2)
+    lengths = np.array([5, 2, 3])
+    layer = rnn_ops.PopnnDynamicGRU(U)
+    inputs = x if time_major else _batch_major(x)
+    outputs, state = layer(inputs, lengths, None, True, time_major)
+    outputs = np.asarray(outputs if time_major else _batch_major(outputs))
+    kernel, recurrent, bias = layer.get_weights()
+    expected, h = _numpy_augru(x, np.zeros((B, T)), lengths, kernel, recurrent, bias, False)
+    np.testing.assert_allclose(outputs, expected, atol=1e-5)
+    np.testing.assert_allclose(state, h, atol=1e-5)
+    assert (outputs[2:, 1] == 0).all()  # entry 1 stops after two steps
+
+
+@pytest.mark.parametrize("reset_after", [False, True])
+def test_augru_scales_the_update_gate_by_the_attention(reset_after):
+    x, rng = _inputs(3)
+    lengths = np.array([5, 4, 1])
+    scores = rng.random((B, T)).astype(np.float32)
+    layer = rnn_ops.PopnnAUGRU(U, reset_after=reset_after,
+                               bias_initializer=keras.initializers.RandomNormal(seed=1))
+    outputs, state = layer(x, lengths, scores)
+    expected, h = _numpy_augru(x, scores, lengths, *layer.get_weights(), reset_after)
+    np.testing.assert_allclose(outputs, expected, atol=1e-5)
+    np.testing.assert_allclose(state, h, atol=1e-5)
+
+    # Zero attention is the plain (dynamic) GRU with the same weights.
+    gru = rnn_ops.PopnnDynamicGRU(U, reset_after=reset_after)
+    gru(x, lengths)
+    gru.set_weights(layer.get_weights())
+    np.testing.assert_allclose(layer(x, lengths, np.zeros((B, T)))[1], gru(x, lengths)[1],
+                               atol=1e-6)
+
+
+def test_hard_sigmoid_is_poplars():
+    x, _ = _inputs(4)
+    layer = rnn_ops.PopnnGRU(U, recurrent_activation="hard_sigmoid")
+    outputs, _ = layer(x)
+    reference = keras.layers.GRU(U, return_sequences=True, reset_after=False,
+                                 recurrent_activation=lambda v: keras.ops.clip(0.2 * v + 0.5, 0, 1))
+    reference.build((B, T, F))
+    reference.set_weights(layer.get_weights())
+    np.testing.assert_allclose(outputs, _batch_major(reference(_batch_major(x))), atol=1e-6)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: rnn_ops.PopnnLSTM(0), "num_units must be a positive int, got 0"),
+    (lambda: rnn_ops.PopnnGRU(4, activation="gelu"),
+     "activation must be one of 'tanh', 'relu', 'softmax', 'sigmoid', 'hard_sigmoid'"),
+    (lambda: rnn_ops.PopnnGRU(4, recurrent_activation="relu"), "recurrent_activation must be"),
+    (lambda: rnn_ops.PopnnAUGRU(4, dtype="float64"), "dtype must be one of 'float16'"),
+    (lambda: rnn_ops.PopnnLSTM(4)(np.zeros((3, 4), np.float32)),
+     r"takes \[time, batch, input_size\] inputs"),
+])
+def test_bad_arguments_say_what_is_valid(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_float16_layers_compute_in_float16():
+    x, _ = _inputs(5)
+    outputs, state = rnn_ops.PopnnLSTM(U, dtype=np.float16)(x.astype(np.float16))
+    assert outputs.dtype == "float16" and state.h.dtype == "float16"
+
+
+def test_the_config_round_trips():
+    layer = rnn_ops.PopnnAUGRU(U, partials_dtype="float16", seed=7, reset_after=True,
+                               activation="relu", name="augru")
+    again = rnn_ops.PopnnAUGRU.from_config(layer.get_config())
+    assert again.get_config() == layer.get_config()
+    assert keras.saving.get_registered_object("keras_ipu.rnn_ops>PopnnAUGRU") is \
+        rnn_ops.PopnnAUGRU
+
+
+class _Interest(keras.Model):
+    """DIEN's interest evolution in miniature: an AUGRU over attention-weighted behaviour."""
+
+    def __init__(self):
+        super().__init__()
+        self.augru = ipu.rnn_ops.PopnnAUGRU(U, seed=2)
+        self.head = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))
+
+    def call(self, inputs):
+        sequences, scores, lengths = inputs
+        _, state = self.augru(keras.ops.swapaxes(sequences, 0, 1), lengths, scores)
+        return self.head(state)
+
+
+def test_a_model_with_an_augru_trains_on_an_ipu_as_in_plain_keras():
+    rng = np.random.default_rng(6)
+    sequences = rng.normal(size=(16, T, F)).astype(np.float32)
+    scores = rng.random((16, T)).astype(np.float32)
+    lengths = rng.integers(1, T + 1, 16).astype(np.int32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+
+    def build():
+        model = _Interest()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=2)
+        return model
+
+    plain = build()
+    plain.fit((sequences, scores, lengths), y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = build()
+    model.fit((sequences, scores, lengths), y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
