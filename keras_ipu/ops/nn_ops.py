@@ -1,4 +1,4 @@
-"""Neural network operators of `tensorflow.python.ipu.nn_ops`, on JAX arrays: activations, CTC.
+"""`tensorflow.python.ipu.nn_ops` on JAX arrays: activations, CTC, sampled losses.
 
 For a layer's `call` (Keras' JAX backend) or any JAX function.
 
@@ -317,6 +317,223 @@ def ctc_beam_search_decoder(
                                                   blank_index)
 
 
+# Sampled losses, as TensorFlow's `nn_impl` computes them: the true classes and
+# one shared sample of other classes are scored, each logit corrected by the
+# log of how often the sampler is expected to pick its class.
+
+
+def _keras_seed(seed: Any) -> Any:
+    import keras
+
+    from keras_ipu.keras.layers import keras_seed
+
+    return seed if isinstance(seed, keras.random.SeedGenerator) else keras_seed(seed)
+
+
+def _log_uniform_probability(classes: jax.Array, range_max: int) -> jax.Array:
+    classes = classes.astype(jnp.float32)
+    return jnp.log((classes + 2.0) / (classes + 1.0)) / np.log(range_max + 1.0)
+
+
+def _check_counts(num_sampled: Any, num_classes: Any, num_true: Any) -> None:
+    for argument, value in (("num_sampled", num_sampled), ("num_classes", num_classes),
+                            ("num_true", num_true)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{argument} must be a positive int, got {value!r}.")
+
+
+def log_uniform_candidate_sampler(true_classes: Any, num_true: int, num_sampled: int,
+                                  unique: bool, range_max: int,
+                                  seed: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Samples classes from the log-uniform (Zipfian) distribution, as TensorFlow does.
+
+    Class `k` of `[0, range_max)` has probability
+    `log((k + 2) / (k + 1)) / log(range_max + 1)`: low class IDs are
+    frequent. With `unique`, draws are repeated until `num_sampled`
+    different classes came (an on-device `lax.while_loop`), and a class's
+    expected count is `1 - (1 - p) ** tries`; without, it is
+    `num_sampled * p`.
+
+    Args:
+        true_classes: `[batch_size, num_true]` target classes.
+        num_true: Target classes per example.
+        num_sampled: Classes to sample.
+        unique: Sample without repetition.
+        range_max: The number of classes.
+        seed: An int, a pair of ints or a `keras.random.SeedGenerator`
+            (inside a compiled step, a layer's `SeedGenerator`, so that each
+            step draws anew); `None` uses Keras' global seed generator,
+            which only works outside compiled steps.
+
+    Returns:
+        `(sampled_candidates [num_sampled], true_expected_count
+        [batch_size, num_true], sampled_expected_count [num_sampled])`,
+        the `sampled_values` of `nce_loss` and `sampled_softmax_loss`.
+
+    Raises:
+        ValueError: For counts below 1, or `unique` with more samples than
+            classes.
+
+    Example:
+
+    >>> sampled_values = log_uniform_candidate_sampler(labels, 1, 64, True, 10_000, seed=1)
+    """
+    import keras
+
+    _check_counts(num_sampled, range_max, num_true)
+    if unique and num_sampled > range_max:
+        raise ValueError(f"num_sampled={num_sampled} unique classes cannot come from "
+                         f"range_max={range_max} classes.")
+    bits = keras.random.randint((2,), 0, 2**31 - 1, dtype="int32", seed=_keras_seed(seed))
+    key = jax.random.wrap_key_data(jnp.asarray(bits).astype(jnp.uint32))
+    samples, tries = (_draw_unique if unique else _draw_repeated)(key, num_sampled, range_max)
+    true_classes = jnp.asarray(true_classes).astype(jnp.int32)
+
+    def expected(classes):
+        p = _log_uniform_probability(classes, range_max)
+        if not unique:
+            return p * num_sampled
+        return -jnp.expm1(tries.astype(jnp.float32) * jnp.log1p(-p))
+
+    return samples, expected(true_classes), expected(samples)
+
+
+def _draw(key: jax.Array, count: Any, range_max: int) -> jax.Array:
+    uniform = jax.random.uniform(key, (count,) if isinstance(count, int) else count)
+    draws = jnp.floor(jnp.exp(uniform * np.log(range_max + 1.0))).astype(jnp.int32) - 1
+    return jnp.clip(draws, 0, range_max - 1)
+
+
+def _draw_repeated(key, num_sampled, range_max):
+    return _draw(key, num_sampled, range_max), jnp.int32(num_sampled)
+
+
+def _draw_unique(key: jax.Array, num_sampled: int, range_max: int) -> tuple:
+    def more_needed(state):
+        return state[2] < num_sampled
+
+    def draw_one(state):
+        key, samples, found, tries = state
+        key, this = jax.random.split(key)
+        candidate = _draw(this, (), range_max)
+        new = ~jnp.any(samples == candidate)
+        samples = jnp.where(new, samples.at[found].set(candidate), samples)
+        return key, samples, found + new.astype(jnp.int32), tries + 1
+
+    start = (key, jnp.full((num_sampled,), -1, jnp.int32), jnp.int32(0), jnp.int32(0))
+    _, samples, _, tries = jax.lax.while_loop(more_needed, draw_one, start)
+    return samples, tries
+
+
+def _sampled_logits(weights, biases, labels, inputs, num_sampled, num_classes, num_true,
+                    sampled_values, remove_accidental_hits, seed):
+    _check_counts(num_sampled, num_classes, num_true)
+    if isinstance(weights, (list, tuple)):
+        weights = jnp.concatenate([jnp.asarray(w) for w in weights], axis=0)
+    weights, biases, inputs = jnp.asarray(weights), jnp.asarray(biases), jnp.asarray(inputs)
+    labels = jnp.reshape(jnp.asarray(labels).astype(jnp.int32), (-1, num_true))
+    if weights.shape[0] != num_classes or biases.shape != (num_classes,):
+        raise ValueError(f"weights must be [num_classes={num_classes}, dim] and biases "
+                         f"[num_classes], got {weights.shape} and {biases.shape}.")
+    if sampled_values is None:
+        sampled_values = log_uniform_candidate_sampler(labels, num_true, num_sampled, True,
+                                                       num_classes, seed)
+    sampled, true_expected, sampled_expected = (
+        jax.lax.stop_gradient(jnp.asarray(v)) for v in sampled_values)
+    sampled = sampled.astype(jnp.int32)
+    true_logits = jnp.einsum("bd,btd->bt", inputs, weights[labels]) + biases[labels]
+    sampled_logits = inputs @ weights[sampled].T + biases[sampled]
+    if remove_accidental_hits:
+        hits = jnp.any(labels[:, :, None] == sampled[None, None, :], axis=1)
+        sampled_logits = jnp.where(hits, jnp.finfo(sampled_logits.dtype).min, sampled_logits)
+    logits = jnp.concatenate([true_logits - jnp.log(true_expected).astype(true_logits.dtype),
+                              sampled_logits - jnp.log(sampled_expected).astype(
+                                  sampled_logits.dtype)], axis=1)
+    targets = jnp.concatenate([jnp.full_like(true_logits, 1.0 / num_true),
+                               jnp.zeros_like(sampled_logits)], axis=1)
+    return logits, targets
+
+
+def nce_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: int,
+             num_classes: int, num_true: int = 1, sampled_values: Any = None,
+             name: str = "nce_loss", seed: Any = None) -> jax.Array:
+    """The noise-contrastive estimation loss, as TensorFlow's `nce_loss`.
+
+    The true classes and `num_sampled` sampled ones (shared by the batch,
+    log-uniform and unique unless `sampled_values` says otherwise) are
+    scored by `inputs @ weights.T + biases`, corrected by the log of their
+    expected sample counts; the loss is the sum of the sigmoid cross
+    entropies against targets `1 / num_true` (true) and 0 (sampled).
+
+    Args:
+        weights: `[num_classes, dim]` class embeddings, or a list of parts
+            to concatenate.
+        biases: `[num_classes]` class biases.
+        labels: `[batch_size, num_true]` target classes.
+        inputs: `[batch_size, dim]` activations.
+        num_sampled: Classes to sample per batch.
+        num_classes: The number of classes.
+        num_true: Target classes per example.
+        sampled_values: `(sampled_candidates, true_expected_count,
+            sampled_expected_count)`, as `log_uniform_candidate_sampler`
+            returns; sampled here when `None`.
+        name: Accepted for compatibility.
+        seed: The sampler's seed (see `log_uniform_candidate_sampler`); a
+            keras_ipu addition, as TensorFlow's op seed came from the graph.
+
+    Returns:
+        The per-example losses, `[batch_size]`.
+
+    Raises:
+        ValueError: For counts below 1 or weights of the wrong shape.
+
+    Example:
+
+    >>> loss = nce_loss(weights, biases, labels, inputs, 64, 10_000, seed=generator)
+    """
+    logits, targets = _sampled_logits(weights, biases, labels, inputs, num_sampled,
+                                      num_classes, num_true, sampled_values, False, seed)
+    losses = jnp.maximum(logits, 0) - logits * targets + jnp.log1p(jnp.exp(-jnp.abs(logits)))
+    return jnp.sum(losses, axis=1)
+
+
+def sampled_softmax_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: int,
+                         num_classes: int, num_true: int = 1, sampled_values: Any = None,
+                         name: str = "sampled_softmax_loss", seed: Any = None) -> jax.Array:
+    """The sampled softmax loss, as TensorFlow's `sampled_softmax_loss`.
+
+    As `nce_loss`, but sampled classes that are also a true class of an
+    example are left out of its softmax, and the loss is the softmax cross
+    entropy over the true and sampled classes.
+
+    Args:
+        weights: `[num_classes, dim]` class embeddings, or a list of parts.
+        biases: `[num_classes]` class biases.
+        labels: `[batch_size, num_true]` target classes.
+        inputs: `[batch_size, dim]` activations.
+        num_sampled: Classes to sample per batch.
+        num_classes: The number of classes.
+        num_true: Target classes per example.
+        sampled_values: As for `nce_loss`.
+        name: Accepted for compatibility.
+        seed: The sampler's seed (see `log_uniform_candidate_sampler`).
+
+    Returns:
+        The per-example losses, `[batch_size]`.
+
+    Raises:
+        ValueError: For counts below 1 or weights of the wrong shape.
+
+    Example:
+
+    >>> loss = sampled_softmax_loss(weights, biases, labels, inputs, 64, 10_000, seed=1)
+    """
+    logits, targets = _sampled_logits(weights, biases, labels, inputs, num_sampled,
+                                      num_classes, num_true, sampled_values, True, seed)
+    return -jnp.sum(targets * jax.nn.log_softmax(logits, axis=1), axis=1)
+
+
 __all__ = ["ctc_beam_search_decoder", "ctc_beam_search_decoder_with_log_probs", "ctc_loss",
            "ctc_loss_v2", "ctc_loss_with_log_probs", "ctc_loss_with_logits", "gelu",
-           "hard_sigmoid", "swish"]
+           "hard_sigmoid", "log_uniform_candidate_sampler", "nce_loss", "sampled_softmax_loss",
+           "swish"]
