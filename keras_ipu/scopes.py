@@ -1,5 +1,14 @@
-"""`ipu.scopes`: where computations run (`ipu_scope`, `ipu_shard`); see `keras_ipu.device.feeds`."""
+"""`ipu.scopes`: where computations run, and options for them; see `keras_ipu.device.feeds`."""
 
-from keras_ipu.device.feeds import ipu_scope, ipu_shard
+from keras_ipu.device.feeds import (
+    frontend_attribute,
+    ipu_jit_scope,
+    ipu_scope,
+    ipu_shard,
+    outside_compilation_scope,
+    partials_type,
+    stochastic_rounding,
+)
 
-__all__ = ["ipu_scope", "ipu_shard"]
+__all__ = ["frontend_attribute", "ipu_jit_scope", "ipu_scope", "ipu_shard",
+           "outside_compilation_scope", "partials_type", "stochastic_rounding"]

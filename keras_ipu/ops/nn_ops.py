@@ -13,6 +13,8 @@ y = nn_ops.gelu(x)
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -75,6 +77,50 @@ def swish(x: Any, name: str | None = None) -> jax.Array:
     Array([0.], dtype=float32)
     """
     return jax.nn.swish(x)
+
+
+def multi_conv(func: Callable | None = None,
+               options: Mapping[str, Any] | None = None) -> Callable:
+    """Marks a function whose convolutions are independent of each other.
+
+    On the IPU Poplar runs such convolutions in parallel on separate tiles.
+    XLA already schedules independent operations of a program as it sees
+    fit, so the decorated function computes what it did, its convolutions
+    and their gradients unchanged; the PopLibs `options` are checked.
+
+    Args:
+        func: The function, taking positional arguments only; or `None`
+            when the decorator is called with `options`.
+        options: A dictionary of PopLibs multi-convolution options.
+
+    Returns:
+        The decorated function, or a decorator when `func` is `None`.
+
+    Raises:
+        TypeError: For options that are not a dictionary, or keyword
+            arguments in a call of the decorated function.
+
+    Example:
+
+    >>> @multi_conv(options={"perConvReservedTiles": "50"})
+    ... def convs(x, y):
+    ...     return conv_a(x), conv_b(y)
+    """
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"multi_conv's options must be a dictionary of PopLibs option names "
+                        f"to values, got {options!r}.")
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def convolutions(*args, **kwargs):
+            if kwargs:
+                raise TypeError(f"A multi_conv function takes positional arguments only, got "
+                                f"keyword arguments {sorted(kwargs)}.")
+            return function(*args)
+
+        return convolutions
+
+    return decorate if func is None else decorate(func)
 
 
 # CTC: the loss and the beam search come from Keras 3's JAX backend
@@ -535,5 +581,5 @@ def sampled_softmax_loss(weights: Any, biases: Any, labels: Any, inputs: Any, nu
 
 __all__ = ["ctc_beam_search_decoder", "ctc_beam_search_decoder_with_log_probs", "ctc_loss",
            "ctc_loss_v2", "ctc_loss_with_log_probs", "ctc_loss_with_logits", "gelu",
-           "hard_sigmoid", "log_uniform_candidate_sampler", "nce_loss", "sampled_softmax_loss",
-           "swish"]
+           "hard_sigmoid", "log_uniform_candidate_sampler", "multi_conv", "nce_loss",
+           "sampled_softmax_loss", "swish"]
