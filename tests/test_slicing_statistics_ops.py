@@ -86,15 +86,15 @@ def test_bad_slices_say_which_and_why(call, message):
         call()
 
 
-def test_fixed_width_bins_and_histogram_match_numpys_histogram():
+def test_fixed_width_bins_span_the_inputs_and_histogram_counts_as_digitize():
     values = np.random.default_rng(1).normal(size=1000).astype(np.float32)
     levels = statistics_ops.fixed_width_bins(values, 10)
-    assert levels.shape == (9,)
+    np.testing.assert_allclose(levels, np.linspace(values.min(), values.max(), 10), rtol=1e-5)
     hist = statistics_ops.histogram(values, levels)
-    expected, edges = np.histogram(values, bins=10)
-    np.testing.assert_allclose(levels, edges[1:-1], rtol=1e-5)
+    expected = np.bincount(np.digitize(values, np.asarray(levels)), minlength=11)
     np.testing.assert_array_equal(hist, expected)
-    assert hist.dtype == jnp.float32 and float(hist.sum()) == 1000
+    assert hist.shape == (11,) and hist.dtype == jnp.float32 and float(hist.sum()) == 1000
+    assert float(hist[0]) == 0 and float(hist[-1]) == 1  # only the largest is >= the last level
 
 
 def test_histogram_bins_by_numpys_digitize_rule_and_update_accumulates():
@@ -103,15 +103,27 @@ def test_histogram_bins_by_numpys_digitize_rule_and_update_accumulates():
     expected = np.bincount(np.digitize(values, levels), minlength=4)
     np.testing.assert_array_equal(statistics_ops.histogram(values, levels), expected)
     np.testing.assert_array_equal(
-        statistics_ops.histogram(values, levels, absolute_of_input=True),
+        statistics_ops.histogram(values.astype(np.float16), levels, absolute_of_input=True),
         np.bincount(np.digitize(np.abs(values), levels), minlength=4))
     hist = statistics_ops.histogram_update(np.zeros(4, np.float32), values, levels)
     hist = jax.jit(statistics_ops.histogram_update)(hist, values, levels)
     np.testing.assert_array_equal(hist, 2 * expected)
-    with pytest.raises(ValueError, match=r"len\(levels\) \+ 1 = 4 entries"):
-        statistics_ops.histogram_update(np.zeros(3), values, levels)
-    with pytest.raises(ValueError, match="n_bins must be an int of at least 1"):
-        statistics_ops.fixed_width_bins(values, 0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda v, lv: statistics_ops.histogram_update(np.zeros(3, np.float32), v, lv),
+     "for 3 levels hist must have 4 entries, got 3"),
+    (lambda v, lv: statistics_ops.histogram_update(np.zeros(4, np.float16), v, lv),
+     "hist must be float32"),
+    (lambda v, lv: statistics_ops.histogram(v.astype(np.int32), lv),
+     "only float16 and float32 are supported, got inputs of int32"),
+    (lambda v, lv: statistics_ops.histogram(v.reshape(1, -1), lv), "rank-1 arrays"),
+    (lambda v, lv: statistics_ops.fixed_width_bins(v, 0), "n_bins must be an int of at least 1"),
+])
+def test_statistics_ops_refuse_what_ipu_tensorflow_refuses(call, message):
+    values = np.arange(6, dtype=np.float32)
+    with pytest.raises(ValueError, match=message):
+        call(values, np.array([1.0, 2.0, 3.0], np.float32))
 
 
 def test_print_tensor_prints_each_run_and_compile_drops_it(capfd):
