@@ -110,6 +110,24 @@ def test_histogram_bins_by_numpys_digitize_rule_and_update_accumulates():
     np.testing.assert_array_equal(hist, 2 * expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("inputs, levels, absolute, expected", [
+    ([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], [0.25, 0.5, 0.75, 1.0], False,
+     [2, 2, 3, 2, 1]),
+    ([-0.1, 0.2, -0.3, 0.4, -0.5, 0.6, -0.7, 0.8, -0.9, 1.0], [0.25, 0.5, 0.75, 1.0], True,
+     [2, 2, 3, 2, 1]),
+    ([0, 0, 0, 1, 2, 5, 6, 6, 0, 10], [5, 10], False, [6, 3, 1]),
+    ([0, 0, 0], [-1, 1], False, [0, 3, 0]),
+])
+def test_histograms_of_ipu_tensorflows_cases(dtype, inputs, levels, absolute, expected):
+    # A value equal to a level counts in the bin above it.
+    inputs, levels = np.array(inputs, dtype), np.array(levels, dtype)
+    hist = statistics_ops.histogram(inputs, levels, absolute)
+    np.testing.assert_array_equal(hist, expected)
+    twice = statistics_ops.histogram_update(hist, inputs, levels, absolute)
+    np.testing.assert_array_equal(twice, 2 * np.array(expected))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda v, lv: statistics_ops.histogram_update(np.zeros(3, np.float32), v, lv),
      "for 3 levels hist must have 4 entries, got 3"),
