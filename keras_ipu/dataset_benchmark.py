@@ -80,8 +80,10 @@ def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epoc
                      print_stats: bool = True, do_memcpy: bool = True) -> str:
     """Times how fast an `IPUInfeedQueue` delivers its elements, without a program.
 
-    The elements timed are taken from the queue: a loop fed by it
-    afterwards gets the ones after them.
+    As IPU TensorFlow's, it times a new pass over the queue's data source,
+    one pass on across the epochs, and leaves the queue as it was; a source
+    that is a one-pass iterator has no new pass, so the elements timed are
+    the queue's own and a loop fed by it afterwards gets the ones after them.
 
     Args:
         infeed_queue: A `keras_ipu.ipu_infeed_queue.IPUInfeedQueue`.
@@ -109,7 +111,7 @@ def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epoc
     if not isinstance(infeed_queue, IPUInfeedQueue):
         raise TypeError(f"infeed_queue must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue, got "
                         f"{type(infeed_queue).__name__}.")
-    return dataset_benchmark(iter(infeed_queue), number_of_epochs, elements_per_epochs,
+    return dataset_benchmark(iter(infeed_queue.dataset), number_of_epochs, elements_per_epochs,
                              print_stats=print_stats, do_memcpy=do_memcpy)
 
 

@@ -111,6 +111,12 @@ def test_out_dtype_follows_the_seeds_rule():
      r"top_paths must be an int from 1 to beam_width=2, got 3"),
     (lambda x: nn_ops.ctc_beam_search_decoder(x, [4] * 3, beam_width=0),
      "beam_width must be an int from 1 up, got 0"),
+    (lambda x: nn_ops.ctc_loss_v2(np.zeros((3, 2), int), x, [1], [4] * 3, 0),
+     r"label_length must be \[batch_size=3\], got shape \(1,\)"),
+    (lambda x: nn_ops.ctc_loss_with_log_probs(np.zeros((3, 2), int), x, [1] * 3, [4] * 2, 0),
+     r"data_length must be \[batch_size=3\]"),
+    (lambda x: nn_ops.ctc_loss_v2(np.zeros((3, 2), int), x, [1] * 3, [4] * 3, 0, "int32"),
+     "out_dtype must be float16 or float32, got int32"),
 ])
 def test_bad_arguments_say_what_is_valid(call, message):
     with pytest.raises(ValueError, match=message):
@@ -122,7 +128,7 @@ def test_a_wide_beam_finds_the_exact_most_likely_sequences(blank):
     logits, lengths, _ = _data(2)
     top = 3
     neg_log_probs, lengths_out, predictions = nn_ops.ctc_beam_search_decoder(
-        logits, lengths, beam_width=64, top_paths=top, blank_index=blank)
+        logits, lengths, beam_width=np.int64(64), top_paths=top, blank_index=blank)
     assert neg_log_probs.shape == lengths_out.shape == (B, top)
     assert predictions.shape == (B, top, T)
     log_probs = jax.nn.log_softmax(logits)

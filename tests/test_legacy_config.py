@@ -275,3 +275,27 @@ def test_a_legacy_config_configures_the_system_and_trains_as_plain_keras():
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     capacity = hardware_for("ipu2", tiles_per_ipu=16).memory_capacity_bytes
     assert ipu.utils.execution_report(model, "fit").ipus[0].memory_capacity_bytes == capacity
+
+
+def test_older_sdks_spellings_are_accepted():
+    opts = ipu.utils.create_ipu_config(scheduler_selection="", selection_order=None,
+                                       profile_execution=ExecutionProfileType.NO_PROFILE)
+    assert _changes(opts) == {}
+    for given, expected in ((True, MergeRemoteBuffersBehaviour.MERGE),
+                            (None, MergeRemoteBuffersBehaviour.IF_BENEFICIAL),
+                            (False, MergeRemoteBuffersBehaviour.NO_MERGING)):
+        ipu.utils.set_optimization_options(opts, merge_remote_buffers=given)
+        assert opts.optimizations.merge_remote_buffers is expected
+    with pytest.raises(TypeError, match="merge_remote_buffers=1"):
+        ipu.utils.set_optimization_options(opts, merge_remote_buffers=1)
+    ipu.utils.set_ipu_connection_type(opts, None, ipu_version=2)
+    assert opts.device_connection.type is DeviceConnectionType.ALWAYS
+    assert opts.device_connection.version == "ipu2"
+
+
+def test_the_multi_replica_options_check_the_config_first_and_the_count():
+    with pytest.raises(TypeError, match="create_ipu_config"):
+        ipu.utils.set_experimental_multi_replica_distribution_options(None, 2, 5)
+    with pytest.raises(ValueError, match=r"process_index=0 must be in \[0, process_count=0\)"):
+        ipu.utils.set_experimental_multi_replica_distribution_options(
+            ipu.utils.create_ipu_config(), 0, 0)

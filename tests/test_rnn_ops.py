@@ -32,7 +32,7 @@ def _sigmoid(x):
 
 
 def _numpy_augru(x, scores, lengths, kernel, recurrent, bias, reset_after):
-    """DIEN's AUGRU step by step; `scores` of zero make it a GRU (Keras' gate layout)."""
+    """Popnn's AUGRU step by step; `scores` of zero make it a GRU (Keras' gate layout)."""
     bias = np.stack([bias, np.zeros_like(bias)]) if bias.ndim == 1 else bias
     h = np.zeros((x.shape[1], U), np.float32)
     outputs = np.zeros((x.shape[0], x.shape[1], U), np.float32)
@@ -90,22 +90,28 @@ def test_dynamic_gru_stops_each_entry_at_its_length(time_major):
     layer = rnn_ops.PopnnDynamicGRU(U)
     inputs = x if time_major else _batch_major(x)
     outputs, state = layer(inputs, lengths, None, True, time_major)
-    outputs = np.asarray(outputs if time_major else _batch_major(outputs))
+    assert outputs.shape == (T, B, U)  # time-major either way, as IPU TensorFlow's
     kernel, recurrent, bias = layer.get_weights()
+    np.testing.assert_array_equal(bias, [1] * 2 * U + [0] * U)  # Popnn's gate biases
     expected, h = _numpy_augru(x, np.zeros((B, T)), lengths, kernel, recurrent, bias, False)
     np.testing.assert_allclose(outputs, expected, atol=1e-5)
     np.testing.assert_allclose(state, h, atol=1e-5)
-    assert (outputs[2:, 1] == 0).all()  # entry 1 stops after two steps
+    assert (np.asarray(outputs)[2:, 1] == 0).all()  # entry 1 stops after two steps
 
 
 @pytest.mark.parametrize("reset_after", [False, True])
-def test_augru_scales_the_update_gate_by_the_attention(reset_after):
+@pytest.mark.parametrize("time_major", [True, False])
+def test_augru_scales_the_update_gate_by_the_attention(reset_after, time_major):
     x, rng = _inputs(3)
     lengths = np.array([5, 4, 1])
     scores = rng.random((B, T)).astype(np.float32)
     layer = rnn_ops.PopnnAUGRU(U, reset_after=reset_after,
                                bias_initializer=keras.initializers.RandomNormal(seed=1))
-    outputs, state = layer(x, lengths, scores)
+    # The scores are laid out as the inputs: [time, batch], or [batch, time].
+    if time_major:
+        outputs, state = layer(x, lengths, scores.T)
+    else:
+        outputs, state = layer(_batch_major(x), lengths, scores, time_major=False)
     expected, h = _numpy_augru(x, scores, lengths, *layer.get_weights(), reset_after)
     np.testing.assert_allclose(outputs, expected, atol=1e-5)
     np.testing.assert_allclose(state, h, atol=1e-5)
@@ -114,8 +120,27 @@ def test_augru_scales_the_update_gate_by_the_attention(reset_after):
     gru = rnn_ops.PopnnDynamicGRU(U, reset_after=reset_after)
     gru(x, lengths)
     gru.set_weights(layer.get_weights())
-    np.testing.assert_allclose(layer(x, lengths, np.zeros((B, T)))[1], gru(x, lengths)[1],
+    np.testing.assert_allclose(layer(x, lengths, np.zeros((T, B)))[1], gru(x, lengths)[1],
                                atol=1e-6)
+
+
+def test_input_and_recurrent_weights_are_one_packed_draw():
+    # With as many inputs as units, two draws of one seeded initializer would be equal.
+    layer = rnn_ops.PopnnLSTM(U, seed=5)
+    layer(np.zeros((T, B, U), np.float32))
+    kernel, recurrent, _ = layer.get_weights()
+    assert not np.allclose(kernel, recurrent)
+    packed = keras.initializers.GlorotUniform(seed=5)((2 * U, 4 * U))
+    np.testing.assert_allclose(np.concatenate([kernel, recurrent]), packed, atol=1e-7)
+
+
+def test_initial_states_are_checked():
+    x, _ = _inputs()
+    with pytest.raises(ValueError, match=r"initial state must be \[batch_size, num_units\] = "
+                                         r"\[3, 6\], got \[3, 5\]"):
+        rnn_ops.PopnnGRU(U)(x, np.zeros((B, 5), np.float32))
+    with pytest.raises(ValueError, match="must be an LSTMStateTuple"):
+        rnn_ops.PopnnLSTM(U)(x, np.zeros((B, U), np.float32))
 
 
 def test_hard_sigmoid_is_poplars():
@@ -135,6 +160,7 @@ def test_hard_sigmoid_is_poplars():
      "activation must be one of 'tanh', 'relu', 'softmax', 'sigmoid', 'hard_sigmoid'"),
     (lambda: rnn_ops.PopnnGRU(4, recurrent_activation="relu"), "recurrent_activation must be"),
     (lambda: rnn_ops.PopnnAUGRU(4, dtype="float64"), "dtype must be one of 'float16'"),
+    (lambda: rnn_ops.PopnnGRU(4, partials_dtype="int8"), "partials_dtype must be one of"),
     (lambda: rnn_ops.PopnnLSTM(4)(np.zeros((3, 4), np.float32)),
      r"takes \[time, batch, input_size\] inputs"),
 ])
@@ -159,7 +185,7 @@ def test_the_config_round_trips():
 
 
 class _Interest(keras.Model):
-    """DIEN's interest evolution in miniature: an AUGRU over attention-weighted behaviour."""
+    """DIEN's interest evolution in miniature: an AUGRU over attention-scored behaviour."""
 
     def __init__(self):
         super().__init__()
@@ -168,7 +194,7 @@ class _Interest(keras.Model):
 
     def call(self, inputs):
         sequences, scores, lengths = inputs
-        _, state = self.augru(keras.ops.swapaxes(sequences, 0, 1), lengths, scores)
+        _, state = self.augru(sequences, lengths, scores, time_major=False)
         return self.head(state)
 
 

@@ -6,6 +6,7 @@ formulas written out in NumPy, and the sampler against its distribution.
 
 from __future__ import annotations
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from keras_ipu.ops import nn_ops
 from conftest import assert_weights_close
 
 CLASSES, DIM, BATCH = 20, 4, 5
+GENERATOR = keras.random.SeedGenerator(11)
 
 
 def _log_uniform(k, range_max=CLASSES):
@@ -31,13 +33,9 @@ def _problem(seed=0, num_true=2):
     return weights, biases, labels, inputs
 
 
-def _numpy_logits(weights, biases, labels, inputs, sampled, true_count, sampled_count,
-                  remove_hits):
+def _numpy_logits(weights, biases, labels, inputs, sampled, true_count, sampled_count):
     true_logits = np.einsum("bd,btd->bt", inputs, weights[labels]) + biases[labels]
     sampled_logits = inputs @ weights[sampled].T + biases[sampled]
-    if remove_hits:
-        for b in range(len(labels)):
-            sampled_logits[b, np.isin(sampled, labels[b])] = np.finfo(np.float32).min
     logits = np.concatenate([true_logits - np.log(true_count),
                              sampled_logits - np.log(sampled_count)], axis=1)
     targets = np.concatenate([np.full_like(true_logits, 1 / labels.shape[1]),
@@ -46,7 +44,7 @@ def _numpy_logits(weights, biases, labels, inputs, sampled, true_count, sampled_
 
 
 def _sampled_values(labels):
-    sampled = np.array([0, 3, 7, 11], np.int32)  # 3 is sometimes a true class: an accidental hit
+    sampled = np.array([0, 3, 7, 11], np.int32)  # 3 is also a true class: an accidental hit
     labels = labels.copy()
     labels[0, 0] = 3
     return labels, (sampled, _log_uniform(labels) * 4, _log_uniform(sampled) * 4)
@@ -57,19 +55,19 @@ def test_nce_loss_is_tensorflows_formula():
     labels, values = _sampled_values(labels)
     loss = nn_ops.nce_loss(weights, biases, labels, inputs, 4, CLASSES, num_true=2,
                            sampled_values=values)
-    logits, targets = _numpy_logits(weights, biases, labels, inputs, *values, remove_hits=False)
+    logits, targets = _numpy_logits(weights, biases, labels, inputs, *values)
     expected = np.sum(np.maximum(logits, 0) - logits * targets
                       + np.log1p(np.exp(-np.abs(logits))), axis=1)
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
 
 
-def test_sampled_softmax_loss_leaves_accidental_hits_out():
+def test_sampled_softmax_loss_keeps_accidental_hits_as_ipu_tensorflow_does():
     weights, biases, labels, inputs = _problem(1)
     labels, values = _sampled_values(labels)
     parts = [weights[:8], weights[8:]]  # a partitioned embedding is concatenated
     loss = nn_ops.sampled_softmax_loss(parts, biases, labels, inputs, 4, CLASSES, num_true=2,
                                        sampled_values=values)
-    logits, targets = _numpy_logits(weights, biases, labels, inputs, *values, remove_hits=True)
+    logits, targets = _numpy_logits(weights, biases, labels, inputs, *values)
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     np.testing.assert_allclose(loss, -np.sum(targets * log_softmax, axis=1), rtol=1e-5)
@@ -98,15 +96,28 @@ def test_the_unique_sampler_draws_distinct_classes_with_tensorflows_expected_cou
     np.testing.assert_allclose(counts, 20_000 * _log_uniform(np.asarray(repeated)), rtol=1e-5)
 
 
+def test_an_unseeded_sampler_in_a_compiled_step_says_what_to_pass():
+    weights, biases, labels, inputs = _problem()
+    step = jax.jit(lambda w: nn_ops.nce_loss(w, biases, labels, inputs, 4, CLASSES, num_true=2))
+    with pytest.raises(ValueError, match="needs seed=: a keras.random.SeedGenerator"):
+        step(weights)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda p: nn_ops.nce_loss(*p, 0, CLASSES), "num_sampled must be a positive int, got 0"),
     (lambda p: nn_ops.nce_loss(*p, 4, CLASSES + 1), r"weights must be \[num_classes=21, dim\]"),
     (lambda p: nn_ops.log_uniform_candidate_sampler(p[2], 2, 30, True, CLASSES, 1),
      "num_sampled=30 unique classes cannot come from range_max=20"),
+    (lambda p: nn_ops.sampled_softmax_loss(*p, 4, CLASSES, num_true=3, seed=GENERATOR),
+     r"labels must be \[batch_size=5, num_true=3\], got shape \(5, 2\)"),
+    (lambda p: nn_ops.nce_loss(*p[:3], p[3][:, :2], 4, CLASSES, num_true=2, seed=GENERATOR),
+     r"inputs must be \[batch_size, dim=4\], got shape \(5, 2\)"),
 ])
-def test_bad_arguments_say_what_is_wrong(call, message):
+def test_bad_arguments_say_what_is_wrong_before_the_sampler_draws(call, message):
+    state = np.asarray(GENERATOR.state.value).copy()
     with pytest.raises(ValueError, match=message):
         call(_problem())
+    np.testing.assert_array_equal(GENERATOR.state.value, state)  # no draw was used up
 
 
 class _SampledSoftmaxModel(keras.Model):

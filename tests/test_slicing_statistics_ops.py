@@ -80,6 +80,10 @@ def test_gradients_reach_the_copied_source_rows_and_the_kept_destination_rows():
      "one entry per slice, got 2, 1 and 2"),
     (lambda: slicing_ops.sequence_slice_unpack(ROWS, [2], [0], 2.5),
      "total_elements must be a non-negative int"),
+    (lambda: jax.jit(lambda d, s: slicing_ops.sequence_slice(d, s, [3], [5], [0], False))(
+        np.zeros((4, 6)), ROWS), r"Slice 0 \(src_offsets=5, num_elems=3\) does not fit"),
+    (lambda: slicing_ops.sequence_slice(np.zeros((6, 6)), ROWS, [], [], [], False),
+     "num_elems is empty: give at least one slice"),
 ])
 def test_bad_slices_say_which_and_why(call, message):
     with pytest.raises(ValueError, match=message):
@@ -159,14 +163,17 @@ def test_print_tensor_prints_each_run_and_compile_drops_it(capfd):
     assert "v: [1. 1.]" in err and "v: [5. 5.]" in err
 
 
-def test_infeed_benchmark_times_the_queues_elements_and_takes_them():
+def test_infeed_benchmark_times_a_new_pass_and_leaves_the_queue_as_it_was():
     elements = [(np.full((4, 3), i, np.float32), np.full((4,), i, np.int32)) for i in range(10)]
     infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(elements)
     stats = json.loads(ipu.dataset_benchmark.infeed_benchmark(infeed, 2, 3, print_stats=False))
     assert [e["elements_processed"] for e in stats["epochs"]] == [3, 3]
     assert [e["total_bytes_processed"] for e in stats["epochs"]] == [3 * 64, 3 * 64]
-    assert next(iter(infeed))[0][0, 0] == 6  # the benchmark took the first six
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [first] = ipu.ipu_compiler.compile(
+            lambda: ipu.loops.repeat(1, lambda total, x, y: total + x[0, 0], [0.0], infeed))
+    assert float(first) == 0  # the loop still starts at the first element
     with pytest.raises(TypeError, match="must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue"):
         ipu.dataset_benchmark.infeed_benchmark(elements, 1, 1)
-    with pytest.raises(ValueError, match="ran out"):
-        ipu.dataset_benchmark.infeed_benchmark(infeed, 1, 10, print_stats=False)
+    with pytest.raises(ValueError, match="ran out"):  # one pass across epochs: 4 x 3 > 10
+        ipu.dataset_benchmark.infeed_benchmark(infeed, 4, 3, print_stats=False)

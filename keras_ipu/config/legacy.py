@@ -152,7 +152,8 @@ def _check_profiling(arguments: Mapping[str, Any]) -> None:
             "create_ipu_config: profiling=True and enable_ipu_events=True are mutually "
             "exclusive; profiling already includes the IPU events."
         )
-    if arguments["profile_execution"] not in (None, False) and not arguments["profiling"]:
+    profile = arguments["profile_execution"]
+    if profile not in (None, False, ExecutionProfileType.NO_PROFILE) and not arguments["profiling"]:
         raise ValueError(
             f"create_ipu_config: profile_execution={arguments['profile_execution']!r} needs "
             f"profiling=True."
@@ -172,7 +173,7 @@ def create_ipu_config(
     report_every_nth_execution: int = 0,
     max_report_size: int = 0x10000000,
     report_directory: str = "",
-    scheduler_selection: SchedulingAlgorithm = SchedulingAlgorithm.CHOOSE_BEST,
+    scheduler_selection: SchedulingAlgorithm | str = SchedulingAlgorithm.CHOOSE_BEST,
     always_rearrange_copies_on_the_host: bool = False,
     merge_infeed_io_copies: bool = False,
     disable_graph_outlining: bool = False,
@@ -182,7 +183,7 @@ def create_ipu_config(
     max_scheduler_lookahead_depth: int = 5,
     max_scheduler_search_space_size: int = 64,
     prefetch_data_streams: bool = True,
-    selection_order: SelectionOrder = SelectionOrder.AUTO,
+    selection_order: SelectionOrder | None = SelectionOrder.AUTO,
     enable_experimental_remote_buffer_embedding: bool = False,
 ) -> IPUConfig:
     """Creates an IPU configuration, the SDK 2.0 way (deprecated).
@@ -208,7 +209,8 @@ def create_ipu_config(
         report_every_nth_execution: Report every Nth execution (0: once).
         max_report_size: The largest report to include, in bytes.
         report_directory: Where reports would be written.
-        scheduler_selection: A `SchedulingAlgorithm`.
+        scheduler_selection: A `SchedulingAlgorithm` (`""`, as older SDKs
+            wrote it: `CHOOSE_BEST`).
         always_rearrange_copies_on_the_host: Rearrange streamed data on the host.
         merge_infeed_io_copies: Merge the infeed's host-to-device copies.
         disable_graph_outlining: Turn off the outlining of repeated code.
@@ -218,7 +220,7 @@ def create_ipu_config(
         max_scheduler_lookahead_depth: The scheduler's lookahead depth.
         max_scheduler_search_space_size: The scheduler's search space size.
         prefetch_data_streams: Prefetch the infeed while the IPU computes.
-        selection_order: A `SelectionOrder`.
+        selection_order: A `SelectionOrder` (None: `AUTO`).
         enable_experimental_remote_buffer_embedding: Remote buffers for
             host embeddings.
 
@@ -244,7 +246,13 @@ def create_ipu_config(
         IPUConfig(),
         "create_ipu_config",
         {
-            "scheduler_selection": ("scheduling.algorithm", scheduler_selection),
+            "scheduler_selection": (
+                "scheduling.algorithm",
+                # Older SDKs spelled the default as "" (choose the best).
+                SchedulingAlgorithm.CHOOSE_BEST
+                if scheduler_selection == ""
+                else scheduler_selection,
+            ),
             "always_rearrange_copies_on_the_host": (
                 "experimental.always_rearrange_copies_on_the_host",
                 always_rearrange_copies_on_the_host,
@@ -274,7 +282,10 @@ def create_ipu_config(
                 max_scheduler_search_space_size,
             ),
             "prefetch_data_streams": ("optimizations.prefetch_data_streams", prefetch_data_streams),
-            "selection_order": ("selection_order", selection_order),
+            "selection_order": (
+                "selection_order",
+                SelectionOrder.AUTO if selection_order is None else selection_order,
+            ),
             "enable_experimental_remote_buffer_embedding": (
                 "experimental.enable_remote_buffer_embedding",
                 enable_experimental_remote_buffer_embedding,
@@ -364,8 +375,8 @@ def select_ipus(opts: IPUConfig, indices: int | list[int] | tuple[int, ...]) -> 
 
 def set_ipu_connection_type(
     opts: IPUConfig,
-    connection_type: DeviceConnectionType = DeviceConnectionType.ALWAYS,
-    ipu_version: str = "",
+    connection_type: DeviceConnectionType | None = DeviceConnectionType.ALWAYS,
+    ipu_version: str | int = "",
     enable_remote_buffers: bool = False,
 ) -> IPUConfig:
     """Sets when to attach to the device (deprecated).
@@ -375,8 +386,9 @@ def set_ipu_connection_type(
 
     Args:
         opts: The config from `create_ipu_config`.
-        connection_type: A `DeviceConnectionType`.
-        ipu_version: `"ipu1"`, `"ipu2"`, `"ipu21"` or `""`.
+        connection_type: A `DeviceConnectionType` (None: `ALWAYS`).
+        ipu_version: `"ipu1"`, `"ipu2"`, `"ipu21"` or `""`; older SDKs'
+            numbers 1, 2 and 21 name the same versions.
         enable_remote_buffers: Whether the executing system has remote buffers.
 
     Returns:
@@ -397,8 +409,16 @@ def set_ipu_connection_type(
         opts,
         "set_ipu_connection_type",
         {
-            "connection_type": ("device_connection.type", connection_type),
-            "ipu_version": ("device_connection.version", ipu_version),
+            "connection_type": (
+                "device_connection.type",
+                DeviceConnectionType.ALWAYS if connection_type is None else connection_type,
+            ),
+            "ipu_version": (
+                "device_connection.version",
+                f"ipu{ipu_version}"
+                if isinstance(ipu_version, int) and not isinstance(ipu_version, bool)
+                else ipu_version,
+            ),
             "enable_remote_buffers": (
                 "device_connection.enable_remote_buffers",
                 enable_remote_buffers,
@@ -473,9 +493,10 @@ def set_experimental_multi_replica_distribution_options(
     ```
     """
     function = "set_experimental_multi_replica_distribution_options"
+    require_config(opts, function)
     for argument, value in (("process_count", process_count), ("process_index", process_index)):
         check_kind(function, argument, value, (int,))
-    if not 0 <= process_index < max(process_count, 1):
+    if not 0 <= process_index < process_count:
         raise ValueError(
             f"{function}: process_index={process_index} must be in [0, process_count="
             f"{process_count})."

@@ -272,6 +272,18 @@ _OPTIMIZATION_OPTIONS = {
 }
 
 
+_MERGE_REMOTE_BUFFERS = {
+    True: MergeRemoteBuffersBehaviour.MERGE,
+    False: MergeRemoteBuffersBehaviour.NO_MERGING,
+    None: MergeRemoteBuffersBehaviour.IF_BENEFICIAL,
+}
+
+
+def _legacy_key(value: Any) -> Any:
+    # Only True, False and None are looked up; 1 and 0 must not pass for them.
+    return value if value is None or isinstance(value, bool) else object()
+
+
 def set_optimization_options(
     opts: IPUConfig,
     combine_embedding_lookups: bool = False,
@@ -281,7 +293,9 @@ def set_optimization_options(
     max_inter_ipu_copies_buffer_size: int = 0,
     max_send_recv_cluster_size: int = 0,
     minimum_remote_tensor_size: int = 128,
-    merge_remote_buffers: MergeRemoteBuffersBehaviour = MergeRemoteBuffersBehaviour.NO_MERGING,
+    merge_remote_buffers: MergeRemoteBuffersBehaviour | bool | None = (
+        MergeRemoteBuffersBehaviour.NO_MERGING
+    ),
     gather_simplifier: bool = True,
     triangular_solve_expander_block_size: int = 0,
     cholesky_block_size: int = 0,
@@ -303,7 +317,9 @@ def set_optimization_options(
         max_inter_ipu_copies_buffer_size: Bytes held before an inter-IPU copy.
         max_send_recv_cluster_size: Bytes held before a host send/receive.
         minimum_remote_tensor_size: The smallest tensor kept in remote memory.
-        merge_remote_buffers: A `MergeRemoteBuffersBehaviour`.
+        merge_remote_buffers: A `MergeRemoteBuffersBehaviour`; older SDKs'
+            True, False and None mean `MERGE`, `NO_MERGING` and
+            `IF_BENEFICIAL`.
         gather_simplifier: More aggressive embedding-lookup optimisations.
         triangular_solve_expander_block_size: Block size of triangular solves.
         cholesky_block_size: Block size of Cholesky factorisations.
@@ -322,7 +338,11 @@ def set_optimization_options(
     opts = ipu.utils.set_optimization_options(opts, combine_embedding_lookups=True)
     ```
     """
-    arguments = locals()
+    arguments = dict(locals())
+    # Older SDKs took a bool or None here.
+    arguments["merge_remote_buffers"] = _MERGE_REMOTE_BUFFERS.get(
+        _legacy_key(merge_remote_buffers), merge_remote_buffers
+    )
     return assign(
         opts,
         "set_optimization_options",

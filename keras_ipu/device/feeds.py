@@ -325,6 +325,7 @@ class IPUInfeedQueue:
     def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
                  replication_factor: int = 1, data_to_prefetch: int = 1,
                  prefetch_depth: int | None = None):
+        self._dataset = dataset
         try:
             self._elements = iter(dataset)
         except TypeError:
@@ -332,15 +333,16 @@ class IPUInfeedQueue:
                             f"{type(dataset).__name__}.") from None
         self.initializer = None  # IPU TensorFlow's session initializer: nothing to run
 
-    def __iter__(self) -> Iterator[Any]:
-        """The elements not taken yet, in order; what this iteration takes, loops do not get.
+    @property
+    def dataset(self) -> Any:
+        """The data source the queue takes its elements from, as it was given.
 
         Example:
 
-        >>> next(iter(IPUInfeedQueue([1, 2])))
-        1
+        >>> IPUInfeedQueue([1, 2]).dataset
+        [1, 2]
         """
-        return self._elements
+        return self._dataset
 
     def _take(self, count: int) -> Any:
         """The next `count` elements, stacked on a leading axis."""

@@ -9,18 +9,25 @@ sequences, and returns `(outputs, output_state)`:
 - `PopnnDynamicGRU(num_units)(inputs, seq_len, initial_state=None,
   training=True, time_major=True)`: entry `b` runs its first `seq_len[b]`
   steps; its outputs after them are zeros and its state is the one of its
-  last step.
+  last step. With `time_major=False` the inputs are `[batch, time,
+  features]`; the outputs are `[time, batch, units]` either way, as IPU
+  TensorFlow's.
 - `PopnnAUGRU(num_units)(inputs, seq_len, attention_score, ...)`: the GRU
-  whose update gate is scaled by an attention score per step (DIEN's
-  AUGRU): `u' = (1 - a_t) * u`, `h_t = u' * h_{t-1} + (1 - u') * c_t`, so
-  a step with score 1 takes the candidate whole.
+  whose update gate is scaled by an attention score per step (Popnn's
+  AUGRU, built for the DIEN recommender): `u' = (1 - a_t) * u`,
+  `h_t = u' * h_{t-1} + (1 - u') * c_t`, so a step with score 1 takes the
+  candidate whole. The scores are laid out
+  as the inputs: `[time, batch]`, or `[batch, time]` with
+  `time_major=False`.
 
 The gates follow Popnn's defaults (GRU reset gate applied before the
 recurrent matmul unless `reset_after=True`; no forget-gate bias offset),
 the weights start from `weights_initializer` (Glorot uniform, with `seed`)
-and `bias_initializer` (zeros), and `"hard_sigmoid"` is Poplar's
-`clip(0.2 * x + 0.5, 0, 1)`. The weights are Keras' (`kernel`,
-`recurrent_kernel`, `bias`), not Popnn's packed layout.
+and the biases from `bias_initializer` (by default zeros, and for the
+dynamic GRU and the AUGRU ones for the update and reset gates, as IPU
+TensorFlow's), and `"hard_sigmoid"` is Poplar's `clip(0.2 * x + 0.5, 0,
+1)`. The weights are Keras' (`kernel`, `recurrent_kernel`, `bias`), not
+Popnn's packed layout.
 
 Example:
 
@@ -73,6 +80,30 @@ def _dtype_choice(argument: str, value: Any) -> str:
     return _choice(argument, name if name in _DTYPES else value, _DTYPES)
 
 
+class _PackedWeights:
+    """One `[input_size + units, gates * units]` draw of the weights initializer, cut in two.
+
+    Popnn keeps a layer's input and recurrent weights as one matrix drawn
+    once (a Glorot initializer's fan-in is `input_size + units`); Keras
+    keeps two. Keras builds the input kernel first: its call draws the whole
+    matrix, and the recurrent kernel is the rest of that draw.
+    """
+
+    def __init__(self, initializer: Any, units: int):
+        self._initializer, self._units, self._rest = initializer, units, None
+
+    def input_part(self, shape, dtype=None):
+        packed = self._initializer((shape[0] + self._units, *shape[1:]), dtype=dtype)
+        self._rest = packed[shape[0]:]
+        return packed[: shape[0]]
+
+    def state_part(self, shape, dtype=None):
+        rest, self._rest = self._rest, None
+        if rest is None or tuple(rest.shape) != tuple(shape):
+            return self._initializer(shape, dtype=dtype)  # built on its own
+        return rest
+
+
 class _PopnnRecurrent(keras.layers.Layer):
     """The IPU TensorFlow constructor and checks shared by the four layers."""
 
@@ -81,19 +112,25 @@ class _PopnnRecurrent(keras.layers.Layer):
     def __init__(self, num_units, dtype="float32", partials_dtype="float32", seed=None,
                  weights_initializer=None, bias_initializer=None, activation="tanh",
                  recurrent_activation="sigmoid", name=None, **kwargs):
+        # Everything is checked before Layer.__init__ names the layer.
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"num_units must be a positive int, got {num_units!r}.")
         dtype = _dtype_choice("dtype", dtype)
+        partials_dtype = _dtype_choice("partials_dtype", partials_dtype)
+        activation = _choice("activation", activation, tuple(_ACTIVATIONS))
+        recurrent_activation = _choice("recurrent_activation", recurrent_activation,
+                                       _RECURRENT_ACTIVATIONS)
         super().__init__(dtype=dtype, name=name, **kwargs)
         self.num_units = num_units
-        self.partials_dtype = _dtype_choice("partials_dtype", partials_dtype)
+        self.partials_dtype = partials_dtype
         self.seed = seed
-        self.activation = _choice("activation", activation, tuple(_ACTIVATIONS))
-        self.recurrent_activation = _choice("recurrent_activation", recurrent_activation,
-                                            _RECURRENT_ACTIVATIONS)
+        self.activation = activation
+        self.recurrent_activation = recurrent_activation
         self.weights_initializer = keras.initializers.get(
             weights_initializer or keras.initializers.GlorotUniform(seed=seed))
-        self.bias_initializer = keras.initializers.get(bias_initializer or "zeros")
+        # None: the layer's own default (`_default_bias`).
+        self.bias_initializer = (None if bias_initializer is None
+                                 else keras.initializers.get(bias_initializer))
 
     def __call__(self, inputs, *args, **kwargs):
         # IPU TensorFlow's calls pass lengths, scores, states and flags
@@ -101,14 +138,20 @@ class _PopnnRecurrent(keras.layers.Layer):
         names = list(inspect.signature(self.call).parameters)[1:]
         return super().__call__(inputs, **dict(zip(names, args)), **kwargs)
 
+    _default_bias: Any = "zeros"
+
+    def _biases(self) -> Any:
+        """The initializer the biases start from."""
+        return keras.initializers.get(self.bias_initializer or self._default_bias)
+
     def _recurrent_arguments(self) -> dict:
         """The keyword arguments of the Keras recurrent layer inside."""
+        weights = _PackedWeights(self.weights_initializer, self.num_units)
         return dict(
             units=self.num_units, activation=_ACTIVATIONS[self.activation],
             recurrent_activation=_ACTIVATIONS[self.recurrent_activation],
-            kernel_initializer=self.weights_initializer,
-            recurrent_initializer=self.weights_initializer,
-            bias_initializer=self.bias_initializer, partials_dtype=self.partials_dtype,
+            kernel_initializer=weights.input_part, recurrent_initializer=weights.state_part,
+            bias_initializer=self._biases(), partials_dtype=self.partials_dtype,
             return_sequences=True, return_state=True, time_major=True,
             zero_output_for_mask=True, dtype=self.dtype_policy, name="recurrent")
 
@@ -117,6 +160,15 @@ class _PopnnRecurrent(keras.layers.Layer):
             raise ValueError(f"{type(self).__name__} takes [time, batch, input_size] inputs with "
                              f"a known input_size, got shape {tuple(input_shape)}.")
         self.recurrent.build(input_shape)
+
+    def _checked_state(self, state, inputs):
+        """A state tensor, after checking it is `[batch_size, num_units]`."""
+        state = ops.convert_to_tensor(state)
+        batch = ops.shape(inputs)[1]
+        if tuple(state.shape) != (batch, self.num_units):
+            raise ValueError(f"{self.name}: an initial state must be [batch_size, num_units] = "
+                             f"{[batch, self.num_units]}, got {list(state.shape)}.")
+        return state
 
     def state_shape(self, batch_size: int) -> list[int]:
         """The shape of one state tensor, `[batch_size, num_units]`.
@@ -134,10 +186,18 @@ class _PopnnRecurrent(keras.layers.Layer):
         config.update(
             num_units=self.num_units, partials_dtype=self.partials_dtype, seed=self.seed,
             weights_initializer=keras.initializers.serialize(self.weights_initializer),
-            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+            bias_initializer=(None if self.bias_initializer is None
+                              else keras.initializers.serialize(self.bias_initializer)),
             activation=self.activation, recurrent_activation=self.recurrent_activation)
         config["dtype"] = self.dtype_policy.name
         return config
+
+
+def _gate_biases(shape, dtype=None):
+    """Ones for the update and reset gates' input biases, zeros for the rest (Keras' layout)."""
+    units = shape[-1] // 3
+    row = ops.concatenate([ops.ones((2 * units,), dtype), ops.zeros((units,), dtype)])
+    return row if len(shape) == 1 else ops.stack([row, ops.zeros_like(row)])
 
 
 def _sequence_mask(seq_len, steps: int):
@@ -181,7 +241,10 @@ class PopnnLSTM(_PopnnRecurrent):
 
     def call(self, inputs, initial_state=None, training=True):
         if initial_state is not None:
-            c, h = initial_state
+            if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+                raise ValueError(f"{self.name}: initial_state must be an LSTMStateTuple(c, h), "
+                                 f"got {type(initial_state).__name__}.")
+            c, h = (self._checked_state(part, inputs) for part in initial_state)
             initial_state = [h, c]
         outputs, h, c = self.recurrent(inputs, initial_state=initial_state, training=training)
         return outputs, LSTMStateTuple(c, h)
@@ -202,10 +265,10 @@ class _GRUBase(_PopnnRecurrent):
     def __init__(self, num_units, dtype="float32", partials_dtype="float32", seed=None,
                  weights_initializer=None, bias_initializer=None, activation="tanh",
                  recurrent_activation="sigmoid", name=None, reset_after=False, **kwargs):
+        if not isinstance(reset_after, bool):
+            raise TypeError(f"reset_after must be a bool, got {reset_after!r}.")
         super().__init__(num_units, dtype, partials_dtype, seed, weights_initializer,
                          bias_initializer, activation, recurrent_activation, name, **kwargs)
-        if not isinstance(reset_after, bool):
-            raise ValueError(f"reset_after must be a bool, got {reset_after!r}.")
         self.reset_after = reset_after
         self.recurrent = self._inner()
 
@@ -213,15 +276,17 @@ class _GRUBase(_PopnnRecurrent):
         return _KerasGRU(reset_after=self.reset_after, **self._recurrent_arguments())
 
     def _run(self, inputs, seq_len, initial_state, training, time_major, extra=None):
+        """Runs time-major; `extra`, a time-major per-step input, goes beside the features."""
         if not time_major:
             inputs = ops.swapaxes(inputs, 0, 1)
         mask = None if seq_len is None else _sequence_mask(seq_len, ops.shape(inputs)[0])
         if extra is not None:
             inputs = ops.concatenate([inputs, ops.cast(extra, inputs.dtype)], axis=-1)
-        initial_state = None if initial_state is None else [initial_state]
+        if initial_state is not None:
+            initial_state = [self._checked_state(initial_state, inputs)]
         outputs, state = self.recurrent(inputs, initial_state=initial_state, mask=mask,
                                         training=training)
-        return (outputs if time_major else ops.swapaxes(outputs, 0, 1)), state
+        return outputs, state  # time-major whatever the inputs, as IPU TensorFlow's
 
     def get_config(self):
         return {**super().get_config(), "reset_after": self.reset_after}
@@ -234,7 +299,9 @@ _GRU_DOC_ARGS = """
         partials_dtype: Poplar's partial sums' type; checked and kept.
         seed: Seeds the default Glorot uniform `weights_initializer`.
         weights_initializer: Initializer of both weight matrices.
-        bias_initializer: Initializer of the biases (zeros by default).
+        bias_initializer: Initializer of the biases (by default zeros; for
+            the dynamic GRU and the AUGRU, ones for the update and reset
+            gates and zeros for the candidate).
         activation: `"tanh"`, `"relu"`, `"softmax"`, `"sigmoid"` or
             `"hard_sigmoid"`.
         recurrent_activation: `"tanh"`, `"softmax"`, `"sigmoid"` or
@@ -274,13 +341,15 @@ class PopnnDynamicGRU(_GRUBase):
     >>> outputs, state = PopnnDynamicGRU(16)(inputs, seq_len=[5, 3])
     """
 
+    _default_bias = staticmethod(lambda shape, dtype=None: _gate_biases(shape, dtype))
+
     def call(self, inputs, seq_len, initial_state=None, training=True, time_major=True):
         return self._run(inputs, seq_len, initial_state, training, time_major)
 
 
 @_register
 class PopnnAUGRU(_GRUBase):
-    __doc__ = f"""A GRU with attentional update gate (DIEN's AUGRU; `rnn_ops.PopnnAUGRU`).
+    __doc__ = f"""A GRU with attentional update gate (Popnn's AUGRU; `rnn_ops.PopnnAUGRU`).
 
     With the attention score `a_t` of each step, the update gate `u`
     becomes `u' = (1 - a_t) * u` and `h_t = u' * h_(t-1) + (1 - u') * c_t`.
@@ -292,13 +361,15 @@ class PopnnAUGRU(_GRUBase):
     >>> outputs, state = PopnnAUGRU(16)(inputs, seq_len, attention_score)
     """
 
+    _default_bias = staticmethod(lambda shape, dtype=None: _gate_biases(shape, dtype))
+
     def _inner(self) -> keras.layers.Layer:
         cell = AttentionGRUCell(
             self.num_units, activation=_ACTIVATIONS[self.activation],
             recurrent_activation=_ACTIVATIONS[self.recurrent_activation],
             kernel_initializer=self.weights_initializer,
             recurrent_initializer=self.weights_initializer,
-            bias_initializer=self.bias_initializer, reset_after=self.reset_after,
+            bias_initializer=self._biases(), reset_after=self.reset_after,
             dtype=self.dtype_policy)
         return _TimeMajorRNN(cell, return_sequences=True, return_state=True,
                              zero_output_for_mask=True, dtype=self.dtype_policy,
@@ -309,10 +380,9 @@ class PopnnAUGRU(_GRUBase):
 
     def call(self, inputs, seq_len, attention_score, initial_state=None, training=True,
              time_major=True):
-        # The score goes in beside each step's features: [batch, time] -> [time, batch, 1].
-        scores = ops.expand_dims(ops.swapaxes(attention_score, 0, 1), -1)
-        if not time_major:
-            scores = ops.swapaxes(scores, 0, 1)
+        # The score goes in beside each step's features, laid out as they are.
+        scores = attention_score if time_major else ops.swapaxes(attention_score, 0, 1)
+        scores = ops.expand_dims(scores, -1)
         return self._run(inputs, seq_len, initial_state, training, time_major, extra=scores)
 
 

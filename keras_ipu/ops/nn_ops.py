@@ -86,7 +86,8 @@ def multi_conv(func: Callable | None = None,
     On the IPU Poplar runs such convolutions in parallel on separate tiles.
     XLA already schedules independent operations of a program as it sees
     fit, so the decorated function computes what it did, its convolutions
-    and their gradients unchanged; the PopLibs `options` are checked.
+    and their gradients unchanged; the PopLibs `options` must be a dictionary
+    and have no other effect.
 
     Args:
         func: The function, taking positional arguments only; or `None`
@@ -157,10 +158,19 @@ def _ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank
     if labels.ndim != 2 or labels.shape[0] != data.shape[1]:
         raise ValueError(f"labels must be [batch_size={data.shape[1]}, max_label_length], got "
                          f"shape {labels.shape}.")
+    lengths = {}
+    data_length_name = {"logits": "logit_length", "data": "data_length"}[name]
+    for argument, value in (("label_length", label_length), (data_length_name, data_length)):
+        lengths[argument] = jnp.asarray(value)
+        if lengths[argument].shape != (data.shape[1],):
+            raise ValueError(f"{argument} must be [batch_size={data.shape[1]}], got shape "
+                             f"{lengths[argument].shape}.")
     out_dtype = jnp.dtype(data.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.float16, jnp.float32):
+        raise ValueError(f"out_dtype must be float16 or float32, got {out_dtype}.")
     if out_dtype == jnp.float16 and data.dtype == jnp.float32:
         raise ValueError("out_dtype cannot be float16 when the data is float32.")
-    loss = keras.ops.ctc_loss(labels, jnp.swapaxes(data, 0, 1), label_length, data_length,
+    loss = keras.ops.ctc_loss(labels, jnp.swapaxes(data, 0, 1), *lengths.values(),
                               mask_index=_blank(blank_index, data.shape[-1]))
     return loss.astype(out_dtype)
 
@@ -318,13 +328,14 @@ def ctc_beam_search_decoder_with_log_probs(
     log_probs = _time_major(log_probs, "log_probs")
     for argument, value, low, high in (("beam_width", beam_width, 1, None),
                                        ("top_paths", top_paths, 1, beam_width)):
-        if not isinstance(value, int) or value < low or high is not None and value > high:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+                or high is not None and value > high:
             raise ValueError(f"{argument} must be an int from {low}"
                              + (f" to beam_width={high}" if high is not None else " up")
                              + f", got {value!r}.")
     paths, scores = keras.ops.ctc_decode(
         jnp.swapaxes(log_probs, 0, 1), jnp.asarray(input_lengths), strategy="beam_search",
-        beam_width=beam_width, top_paths=top_paths,
+        beam_width=int(beam_width), top_paths=int(top_paths),
         mask_index=_blank(blank_index, log_probs.shape[-1]))
     predictions = jnp.swapaxes(paths, 0, 1).astype(jnp.int32)
     lengths = jnp.sum(predictions >= 0, axis=-1).astype(jnp.int32)
@@ -377,8 +388,8 @@ def _keras_seed(seed: Any) -> Any:
 
 
 def _log_uniform_probability(classes: jax.Array, range_max: int) -> jax.Array:
-    classes = classes.astype(jnp.float32)
-    return jnp.log((classes + 2.0) / (classes + 1.0)) / np.log(range_max + 1.0)
+    # log1p keeps the precision that log((k + 2) / (k + 1)) loses for large k.
+    return jnp.log1p(1.0 / (classes.astype(jnp.float32) + 1.0)) / np.log(range_max + 1.0)
 
 
 def _check_counts(num_sampled: Any, num_classes: Any, num_true: Any) -> None:
@@ -430,7 +441,16 @@ def log_uniform_candidate_sampler(true_classes: Any, num_true: int, num_sampled:
     if unique and num_sampled > range_max:
         raise ValueError(f"num_sampled={num_sampled} unique classes cannot come from "
                          f"range_max={range_max} classes.")
-    bits = keras.random.randint((2,), 0, 2**31 - 1, dtype="int32", seed=_keras_seed(seed))
+    try:
+        bits = keras.random.randint((2,), 0, 2**31 - 1, dtype="int32", seed=_keras_seed(seed))
+    except ValueError as error:
+        if seed is not None:
+            raise
+        # Keras' global seed generator cannot advance inside a traced step.
+        raise ValueError("Sampling classes inside a compiled step needs seed=: a "
+                         "keras.random.SeedGenerator created in the layer or model (it draws "
+                         "a new sample each step), or an int for the same sample every step."
+                         ) from error
     key = jax.random.wrap_key_data(jnp.asarray(bits).astype(jnp.uint32))
     samples, tries = (_draw_unique if unique else _draw_repeated)(key, num_sampled, range_max)
     true_classes = jnp.asarray(true_classes).astype(jnp.int32)
@@ -472,15 +492,23 @@ def _draw_unique(key: jax.Array, num_sampled: int, range_max: int) -> tuple:
 
 
 def _sampled_logits(weights, biases, labels, inputs, num_sampled, num_classes, num_true,
-                    sampled_values, remove_accidental_hits, seed):
+                    sampled_values, seed):
     _check_counts(num_sampled, num_classes, num_true)
     if isinstance(weights, (list, tuple)):
         weights = jnp.concatenate([jnp.asarray(w) for w in weights], axis=0)
     weights, biases, inputs = jnp.asarray(weights), jnp.asarray(biases), jnp.asarray(inputs)
-    labels = jnp.reshape(jnp.asarray(labels).astype(jnp.int32), (-1, num_true))
+    labels = jnp.asarray(labels).astype(jnp.int32)
+    # Checked before the sampler draws (and a seed generator advances).
     if weights.shape[0] != num_classes or biases.shape != (num_classes,):
         raise ValueError(f"weights must be [num_classes={num_classes}, dim] and biases "
                          f"[num_classes], got {weights.shape} and {biases.shape}.")
+    if inputs.ndim != 2 or inputs.shape[1] != weights.shape[1]:
+        raise ValueError(f"inputs must be [batch_size, dim={weights.shape[1]}], got shape "
+                         f"{inputs.shape}.")
+    if labels.size != inputs.shape[0] * num_true:
+        raise ValueError(f"labels must be [batch_size={inputs.shape[0]}, num_true={num_true}], "
+                         f"got shape {labels.shape}.")
+    labels = labels.reshape(inputs.shape[0], num_true)
     if sampled_values is None:
         sampled_values = log_uniform_candidate_sampler(labels, num_true, num_sampled, True,
                                                        num_classes, seed)
@@ -489,9 +517,6 @@ def _sampled_logits(weights, biases, labels, inputs, num_sampled, num_classes, n
     sampled = sampled.astype(jnp.int32)
     true_logits = jnp.einsum("bd,btd->bt", inputs, weights[labels]) + biases[labels]
     sampled_logits = inputs @ weights[sampled].T + biases[sampled]
-    if remove_accidental_hits:
-        hits = jnp.any(labels[:, :, None] == sampled[None, None, :], axis=1)
-        sampled_logits = jnp.where(hits, jnp.finfo(sampled_logits.dtype).min, sampled_logits)
     logits = jnp.concatenate([true_logits - jnp.log(true_expected).astype(true_logits.dtype),
                               sampled_logits - jnp.log(sampled_expected).astype(
                                   sampled_logits.dtype)], axis=1)
@@ -503,7 +528,7 @@ def _sampled_logits(weights, biases, labels, inputs, num_sampled, num_classes, n
 def nce_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: int,
              num_classes: int, num_true: int = 1, sampled_values: Any = None,
              name: str = "nce_loss", seed: Any = None) -> jax.Array:
-    """The noise-contrastive estimation loss, as TensorFlow's `nce_loss`.
+    """The noise-contrastive estimation loss, as IPU TensorFlow's `nce_loss`.
 
     The true classes and `num_sampled` sampled ones (shared by the batch,
     log-uniform and unique unless `sampled_values` says otherwise) are
@@ -538,7 +563,7 @@ def nce_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: i
     >>> loss = nce_loss(weights, biases, labels, inputs, 64, 10_000, seed=generator)
     """
     logits, targets = _sampled_logits(weights, biases, labels, inputs, num_sampled,
-                                      num_classes, num_true, sampled_values, False, seed)
+                                      num_classes, num_true, sampled_values, seed)
     losses = jnp.maximum(logits, 0) - logits * targets + jnp.log1p(jnp.exp(-jnp.abs(logits)))
     return jnp.sum(losses, axis=1)
 
@@ -546,11 +571,11 @@ def nce_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: i
 def sampled_softmax_loss(weights: Any, biases: Any, labels: Any, inputs: Any, num_sampled: int,
                          num_classes: int, num_true: int = 1, sampled_values: Any = None,
                          name: str = "sampled_softmax_loss", seed: Any = None) -> jax.Array:
-    """The sampled softmax loss, as TensorFlow's `sampled_softmax_loss`.
+    """The sampled softmax loss, as IPU TensorFlow's `sampled_softmax_loss`.
 
-    As `nce_loss`, but sampled classes that are also a true class of an
-    example are left out of its softmax, and the loss is the softmax cross
-    entropy over the true and sampled classes.
+    As `nce_loss`, but the loss is the softmax cross entropy over the true
+    and sampled classes. As in IPU TensorFlow (unlike TensorFlow's CPU
+    version), a sampled class that is also a true class is not removed.
 
     Args:
         weights: `[num_classes, dim]` class embeddings, or a list of parts.
@@ -575,7 +600,7 @@ def sampled_softmax_loss(weights: Any, biases: Any, labels: Any, inputs: Any, nu
     >>> loss = sampled_softmax_loss(weights, biases, labels, inputs, 64, 10_000, seed=1)
     """
     logits, targets = _sampled_logits(weights, biases, labels, inputs, num_sampled,
-                                      num_classes, num_true, sampled_values, True, seed)
+                                      num_classes, num_true, sampled_values, seed)
     return -jnp.sum(targets * jax.nn.log_softmax(logits, axis=1), axis=1)
 
 

@@ -27,6 +27,8 @@ import numpy as np
 
 def _indices(name: str, values: Any) -> jax.Array:
     values = jnp.asarray(values)
+    if values.size == 0:
+        raise ValueError(f"{name} is empty: give at least one slice.")
     if values.ndim != 1 or not jnp.issubdtype(values.dtype, jnp.integer):
         raise ValueError(f"{name} must be a list or rank-1 array of integers, got "
                          f"{values.dtype} of shape {values.shape}.")
@@ -53,15 +55,15 @@ def _slice(dst: Any, src: Any, num_elems: Any, src_offsets: Any, dst_offsets: An
     if dst.ndim < 2 or src.ndim < 2 or dst.shape[1:] != src.shape[1:]:
         raise ValueError(f"dst and src must be of rank 2 or more with the same inner "
                          f"dimensions, got shapes {dst.shape} and {src.shape}.")
-    num_elems = _indices("num_elems", num_elems)
-    src_offsets = _indices("src_offsets", src_offsets)
-    dst_offsets = _indices("dst_offsets", dst_offsets)
+    given = {"num_elems": num_elems, "src_offsets": src_offsets, "dst_offsets": dst_offsets}
+    num_elems, src_offsets, dst_offsets = (_indices(k, v) for k, v in given.items())
     if not num_elems.shape == src_offsets.shape == dst_offsets.shape:
         raise ValueError(f"num_elems, src_offsets and dst_offsets need one entry per slice, "
                          f"got {num_elems.shape[0]}, {src_offsets.shape[0]} and "
                          f"{dst_offsets.shape[0]}.")
-    _check_fits("src_offsets", src_offsets, num_elems, src.shape[0])
-    _check_fits("dst_offsets", dst_offsets, num_elems, dst.shape[0])
+    # The values as given: lists and NumPy arrays stay checkable inside jax.jit.
+    _check_fits("src_offsets", given["src_offsets"], given["num_elems"], src.shape[0])
+    _check_fits("dst_offsets", given["dst_offsets"], given["num_elems"], dst.shape[0])
     rows = jnp.arange(dst.shape[0], dtype=jnp.int32)[:, None]
     inside = (rows >= dst_offsets) & (rows < dst_offsets + num_elems)  # [dst rows, slices]
     last = inside.shape[1] - 1 - jnp.argmax(inside[:, ::-1], axis=1)  # the later slice wins
@@ -71,10 +73,13 @@ def _slice(dst: Any, src: Any, num_elems: Any, src_offsets: Any, dst_offsets: An
     return jnp.where(covered, jnp.take(src, source, axis=0).astype(dst.dtype), kept)
 
 
-def _starts(num_elems: Any) -> jax.Array:
-    """Where each slice starts in a contiguous run of all slices."""
-    num_elems = _indices("num_elems", num_elems)
-    return jnp.cumsum(num_elems) - num_elems
+def _starts(num_elems: Any) -> Any:
+    """Where each slice starts in a contiguous run of all slices (on the host when known)."""
+    counts = _indices("num_elems", num_elems)
+    if isinstance(num_elems, jax.core.Tracer):
+        return jnp.cumsum(counts) - counts
+    counts = np.asarray(num_elems)
+    return np.cumsum(counts) - counts
 
 
 def sequence_slice(dst: Any, src: Any, num_elems: Any, src_offsets: Any, dst_offsets: Any,
