@@ -35,20 +35,32 @@ def _collapse(alignment, blank):
 
 
 def _sequence_log_probs(log_probs, length, blank):
-    """log P(sequence) for every sequence of one entry, over all alignments (a jnp sum)."""
+    """log P(sequence) for every sequence of one entry, over all alignments.
+
+    In NumPy for NumPy input; in jax.numpy (differentiable, slower) otherwise.
+    """
+    numpy = isinstance(log_probs, np.ndarray)
     total = {}
     for alignment in itertools.product(range(log_probs.shape[-1]), repeat=int(length)):
         score = sum(log_probs[t, alignment[t]] for t in range(int(length)))
         total.setdefault(_collapse(alignment, blank), []).append(score)
+    if numpy:
+        return {seq: np.logaddexp.reduce(np.array(s)) for seq, s in total.items()}
     return {seq: jax.scipy.special.logsumexp(jnp.stack(s)) for seq, s in total.items()}
 
 
+def _log_softmax(logits):
+    if isinstance(logits, np.ndarray):
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return jax.nn.log_softmax(logits)
+
+
 def _exact_loss(logits, labels, label_length, lengths, blank):
-    log_probs = jax.nn.log_softmax(logits)
-    return jnp.stack([
-        -_sequence_log_probs(log_probs[:, b], lengths[b], blank % C)[
-            tuple(int(v) for v in labels[b, : label_length[b]])]
-        for b in range(logits.shape[1])])
+    log_probs = _log_softmax(logits)
+    losses = [-_sequence_log_probs(log_probs[:, b], lengths[b], blank % C)[
+        tuple(int(v) for v in labels[b, : label_length[b]])] for b in range(logits.shape[1])]
+    return np.array(losses) if isinstance(logits, np.ndarray) else jnp.stack(losses)
 
 
 def _data(seed=0):
@@ -131,7 +143,7 @@ def test_a_wide_beam_finds_the_exact_most_likely_sequences(blank):
         logits, lengths, beam_width=np.int64(64), top_paths=top, blank_index=blank)
     assert neg_log_probs.shape == lengths_out.shape == (B, top)
     assert predictions.shape == (B, top, T)
-    log_probs = jax.nn.log_softmax(logits)
+    log_probs = _log_softmax(logits)
     for b in range(B):
         exact = sorted(_sequence_log_probs(log_probs[:, b], lengths[b], blank % C).items(),
                        key=lambda item: -float(item[1]))[:top]
