@@ -279,11 +279,6 @@ _MERGE_REMOTE_BUFFERS = {
 }
 
 
-def _legacy_key(value: Any) -> Any:
-    # Only True, False and None are looked up; 1 and 0 must not pass for them.
-    return value if value is None or isinstance(value, bool) else object()
-
-
 def set_optimization_options(
     opts: IPUConfig,
     combine_embedding_lookups: bool = False,
@@ -340,9 +335,8 @@ def set_optimization_options(
     """
     arguments = dict(locals())
     # Older SDKs took a bool or None here.
-    arguments["merge_remote_buffers"] = _MERGE_REMOTE_BUFFERS.get(
-        _legacy_key(merge_remote_buffers), merge_remote_buffers
-    )
+    if merge_remote_buffers is None or isinstance(merge_remote_buffers, bool):
+        arguments["merge_remote_buffers"] = _MERGE_REMOTE_BUFFERS[merge_remote_buffers]
     return assign(
         opts,
         "set_optimization_options",

@@ -55,16 +55,17 @@ from keras_ipu.device import checkpoints
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
 
-def keras_seed(seed: Any) -> int | None:
-    """A Keras seed (an integer) from an IPU layer's seed.
+def keras_seed(seed: Any) -> Any:
+    """A Keras seed (an integer) from an IPU layer's or operator's seed.
 
     Args:
-        seed: `None`, an integer, or IPU TensorFlow's pair of 32-bit
-            integers (a list, tuple or array of two).
+        seed: `None`, an integer, IPU TensorFlow's pair of 32-bit integers
+            (a list, tuple or array of two), or a `keras.random.SeedGenerator`
+            (which operators drawing inside a compiled step need).
 
     Returns:
-        `None`, the integer itself, or one non-negative integer below 2**31
-        that the pair determines.
+        `None`, the integer itself, one non-negative integer below 2**31
+        that the pair determines, or the `SeedGenerator` unchanged.
 
     Raises:
         ValueError: For anything else.
@@ -74,8 +75,10 @@ def keras_seed(seed: Any) -> int | None:
     >>> keras_seed([1, 2]) == keras_seed((1, 2))
     True
     """
-    if seed is None or isinstance(seed, (int, np.integer)):
-        return None if seed is None else int(seed)
+    if seed is None or isinstance(seed, keras.random.SeedGenerator):
+        return seed
+    if isinstance(seed, (int, np.integer)):
+        return int(seed)
     pair = np.asarray(seed)
     if pair.shape != (2,) or not np.issubdtype(pair.dtype, np.integer):
         raise ValueError(

@@ -107,8 +107,6 @@ class _PackedWeights:
 class _PopnnRecurrent(keras.layers.Layer):
     """The IPU TensorFlow constructor and checks shared by the four layers."""
 
-    _keras_class: type = None
-
     def __init__(self, num_units, dtype="float32", partials_dtype="float32", seed=None,
                  weights_initializer=None, bias_initializer=None, activation="tanh",
                  recurrent_activation="sigmoid", name=None, **kwargs):

@@ -379,14 +379,6 @@ def ctc_beam_search_decoder(
 # log of how often the sampler is expected to pick its class.
 
 
-def _keras_seed(seed: Any) -> Any:
-    import keras
-
-    from keras_ipu.keras.layers import keras_seed
-
-    return seed if isinstance(seed, keras.random.SeedGenerator) else keras_seed(seed)
-
-
 def _log_uniform_probability(classes: jax.Array, range_max: int) -> jax.Array:
     # log1p keeps the precision that log((k + 2) / (k + 1)) loses for large k.
     return jnp.log1p(1.0 / (classes.astype(jnp.float32) + 1.0)) / np.log(range_max + 1.0)
@@ -437,12 +429,14 @@ def log_uniform_candidate_sampler(true_classes: Any, num_true: int, num_sampled:
     """
     import keras
 
+    from keras_ipu.keras.layers import keras_seed
+
     _check_counts(num_sampled, range_max, num_true)
     if unique and num_sampled > range_max:
         raise ValueError(f"num_sampled={num_sampled} unique classes cannot come from "
                          f"range_max={range_max} classes.")
     try:
-        bits = keras.random.randint((2,), 0, 2**31 - 1, dtype="int32", seed=_keras_seed(seed))
+        bits = keras.random.randint((2,), 0, 2**31 - 1, dtype="int32", seed=keras_seed(seed))
     except ValueError as error:
         if seed is not None:
             raise

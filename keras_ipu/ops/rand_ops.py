@@ -43,9 +43,7 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
 
     from keras_ipu.keras.layers import keras_seed
 
-    if not isinstance(seed, keras.random.SeedGenerator):
-        seed = keras_seed(seed)
-    return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=seed)
+    return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=keras_seed(seed))
 
 
 __all__ = ["dropout"]
