@@ -180,6 +180,65 @@ def test_an_exception_in_a_hook_stops_the_run_and_leaves_the_model_usable(strate
     assert np.isfinite(history.history["loss"][-1])
 
 
+class ReadWeights(keras.callbacks.Callback):
+    """Reads the model's weights in the first batch hook of each mode (a state sync)."""
+
+    def __init__(self, raise_in=None):
+        super().__init__()
+        self.read: dict = {}
+        self.raise_in = raise_in
+
+    def _read(self, mode, batch):
+        if batch == 0:
+            self.read[mode] = self.model.get_weights()
+            if mode == self.raise_in:
+                raise ValueError(f"stop in {mode}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._read("fit", batch)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._read("evaluate", batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._read("predict", batch)
+
+
+def test_a_hook_reading_the_model_in_the_first_execution_gets_its_initial_weights(strategy):
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    plain, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    initial = model.get_weights()
+    reader = ReadWeights()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[reader])
+    trained = model.get_weights()
+    model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[reader])
+    model.predict(x, batch_size=BATCH, verbose=0, callbacks=[reader])
+    assert_weights_close(initial, reader.read["fit"], atol=0)
+    assert_weights_close(trained, reader.read["evaluate"], atol=0)
+    assert_weights_close(trained, reader.read["predict"], atol=0)
+    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["fit", "evaluate", "predict"])
+def test_a_hook_raising_in_the_first_execution_keeps_the_weights(mode, strategy):
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    plain, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    initial = model.get_weights()
+    calls = {"fit": lambda cb: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=cb),
+             "evaluate": lambda cb: model.evaluate(x, y, batch_size=BATCH, verbose=0,
+                                                   callbacks=cb),
+             "predict": lambda cb: model.predict(x, batch_size=BATCH, verbose=0, callbacks=cb)}
+    with pytest.raises(ValueError, match=f"stop in {mode}"):
+        calls[mode]([ReadWeights(raise_in=mode)])
+    assert_weights_close(initial, model.get_weights(), atol=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 def test_stop_training_ends_at_the_next_execution_boundary(strategy):
     x, y = data_for("sequential", samples=BATCHES * BATCH)
     _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
