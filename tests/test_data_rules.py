@@ -71,6 +71,25 @@ def test_not_enough_data_raises_before_training(strategy):
     assert_weights_close(before, model.get_weights(), atol=0)
 
 
+def test_errors_name_the_steps_argument_and_the_data_of_their_call(strategy):
+    _, model = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)  # 8 batches of 8
+    for call in (lambda: model.evaluate(x, y, batch_size=8, steps=12, verbose=0),
+                 lambda: model.predict(x, batch_size=8, steps=12, verbose=0)):
+        with pytest.raises(ValueError, match=r"or choose `steps` dividing 8\."):
+            call()
+    with pytest.raises(ValueError, match=r"or choose `steps_per_epoch` dividing 8\."):
+        model.fit(x, y, batch_size=8, steps_per_epoch=12, verbose=0)
+    val_x, val_y = data_for("sequential", samples=40, seed=1)  # 5 batches
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"number of batches \(5\) in the validation data "
+                                         r"provided\. Divisors of 5: 1, 5\."):
+        model.fit(x, y, batch_size=8, validation_data=(val_x, val_y), verbose=0)
+    with pytest.raises(ValueError, match=r"The provided validation data has a partial batch"):
+        model.fit(x, y, batch_size=8, validation_data=(val_x[:36], val_y[:36]), verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+
+
 def test_bad_steps_per_execution_and_batch_size(strategy):
     _, model = twin("sequential", strategy)
     x, y = data_for("sequential", samples=32)

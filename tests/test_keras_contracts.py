@@ -78,6 +78,23 @@ def test_trainer_helpers_used_by_the_ipu_loop():
         assert hasattr(JAXTrainer, name)
 
 
+def test_the_symbolic_build_pulls_a_batch_only_for_what_is_unbuilt():
+    # trainer._BuildPass: Keras' fit draws a shuffled pass for its build only when it
+    # builds; it takes the first batch of a list its epoch iterator yields.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    pulled = []
+
+    def iterator():
+        pulled.append(True)
+        yield 0, 0, [(np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32"))]
+
+    model._symbolic_build(iterator=iterator())
+    assert pulled == [True] and model._compile_metrics.built
+    model._symbolic_build(iterator=iterator())
+    assert pulled == [True]  # everything built: no batch, no draw
+
+
 def test_data_adapter_functions():
     from keras.src.trainers.data_adapters import (
         array_slicing,

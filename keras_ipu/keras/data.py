@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from keras import config as keras_config
 from keras.src import backend
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -30,6 +31,15 @@ DEFAULT_BATCH_SIZE = 32
 
 # One execution's host data: (first step, last step, stacked batches).
 Execution = tuple[int, int, Any]
+
+# What the errors call a run's steps argument, its data, and that data as a subject.
+ROLES = {
+    "fit": ("steps_per_epoch", "the dataset provided", "The provided set of data"),
+    "validation": ("validation_steps", "the validation data provided",
+                   "The provided validation data"),
+    "evaluate": ("steps", "the dataset provided", "The provided set of data"),
+    "predict": ("steps", "the dataset provided", "The provided set of data"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +78,14 @@ def make_feed(
     steps_per_execution: int = 1,
     epochs: int = 1,
     replicas: int = 1,
+    role: str = "fit",
 ) -> ArrayFeed | AdapterFeed:
     """Checks the data of a run and returns the feed that batches it.
 
     Args:
         x, y, sample_weight: The data, as `keras.Model.fit` takes it.
-        batch_size: Batch size for array data (default 32).
+        batch_size: Batch size for array data; by default, as in Keras, the
+            size that makes `steps` batches of the data, or 32 without `steps`.
         steps: Batches per epoch, for all replicas together
             (`steps_per_epoch` / `steps`), or `None` for the size of the data.
         shuffle: Shuffle array data each pass (`True` or `"batch"`).
@@ -81,6 +93,7 @@ def make_feed(
         steps_per_execution: The model's steps per execution.
         epochs: Epochs the run consumes (for the enough-data check).
         replicas: The replication factor: batch `i` goes to replica `i % R`.
+        role: What the data is for, a key of `ROLES` (named by the errors).
 
     Returns:
         An `ArrayFeed` for arrays, an `AdapterFeed` for anything else Keras
@@ -94,6 +107,7 @@ def make_feed(
     _check_positive("steps_per_execution", steps_per_execution)
     if steps is not None and steps != -1:
         _check_positive("steps", steps)
+    steps = _capped_steps(steps)
     if class_weight is not None and sample_weight is not None:
         raise ValueError(
             "`sample_weight` and `class_weight` cannot both be given. "
@@ -103,15 +117,16 @@ def make_feed(
     if arrays is not None:
         return ArrayFeed(
             arrays,
-            batch_size=batch_size or DEFAULT_BATCH_SIZE,
+            batch_size=batch_size,
             steps=steps,
             shuffle=shuffle,
             class_weight=class_weight,
             steps_per_execution=steps_per_execution,
             epochs=epochs,
             replicas=replicas,
+            role=role,
         )
-    if batch_size is not None and not isinstance(x, data_adapters.DataAdapter):
+    if batch_size is not None and not isinstance(x, data_adapters.data_adapter.DataAdapter):
         logger.info("`batch_size` is ignored for %s input.", type(x).__name__)
     adapter = data_adapters.get_data_adapter(
         x,
@@ -127,6 +142,7 @@ def make_feed(
         steps_per_execution=steps_per_execution,
         epochs=epochs,
         replicas=replicas,
+        role=role,
     )
 
 
@@ -136,6 +152,7 @@ def plan_steps(
     steps_per_execution: int,
     epochs: int,
     replicas: int = 1,
+    role: str = "fit",
 ) -> FeedPlan:
     """Applies the step rules to the size of the data.
 
@@ -143,6 +160,7 @@ def plan_steps(
         ValueError: As `make_feed`.
     """
     continues = steps is not None and steps != -1  # epochs continue through the data
+    steps_argument, provided, _ = ROLES[role]
     if not continues:
         if num_batches is None:
             raise ValueError(
@@ -179,13 +197,13 @@ def plan_steps(
             f"Your input does not have enough data. Make sure that your dataset "
             f"or generator can generate at least {consumed * epochs} batches "
             f"(currently it can only generate {num_batches} batches), or choose "
-            f"`steps_per_epoch` dividing {num_batches}."
+            f"`{steps_argument}` dividing {num_batches}."
         )
     to_this_replica = " to this replica" if replicas > 1 else ""
     if steps_per_execution > per_replica:
         warnings.warn(
-            f"`steps_per_execution` has been set to {steps_per_execution} but the "
-            f"dataset provided{to_this_replica} only contains {per_replica} batches. "
+            f"`steps_per_execution` has been set to {steps_per_execution} but "
+            f"{provided}{to_this_replica} only contains {per_replica} batches. "
             f"Using {per_replica} as `steps_per_execution`.",
             stacklevel=3,
         )
@@ -194,7 +212,7 @@ def plan_steps(
         divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
         raise ValueError(
             f"`steps_per_execution` ({steps_per_execution}) must be a divisor of the "
-            f"number of batches ({per_replica}) in the dataset provided{to_this_replica}. "
+            f"number of batches ({per_replica}) in {provided}{to_this_replica}. "
             f"Divisors of {per_replica}: {_short_list(divisors)}."
         )
     return FeedPlan(per_replica, steps_per_execution, num_batches, replicas)
@@ -215,15 +233,15 @@ class ArrayFeed:
         self,
         arrays: Any,
         *,
-        batch_size: int,
+        batch_size: int | None,
         steps: int | None,
         shuffle: bool | str,
         class_weight: dict | None,
         steps_per_execution: int,
         epochs: int,
         replicas: int,
+        role: str = "fit",
     ):
-        _check_positive("batch_size", batch_size)
         x, y, sample_weight = arrays
         if class_weight is not None:
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(
@@ -232,16 +250,20 @@ class ArrayFeed:
         data = tuple(part for part in (x, y, sample_weight) if part is not None)
         self._data = jax.tree_util.tree_map(_host_array, data)
         rows = _common_length(self._data)
+        if batch_size is None:
+            batch_size = -(-rows // steps) if steps and steps > 0 else DEFAULT_BATCH_SIZE
+        _check_positive("batch_size", batch_size)
         if rows % batch_size:
             raise ValueError(
-                f"The provided set of data has a partial batch, which could result "
+                f"{ROLES[role][2]} has a partial batch, which could result "
                 f"in data being dropped. Either adjust the `batch_size` of your "
                 f"model (currently set to {batch_size}) or pad your dataset to "
                 f"ensure there are no partial batches ({rows} samples is not a "
                 f"multiple of {batch_size})."
             )
         self.batch_size = batch_size
-        self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs, replicas)
+        self.plan = plan_steps(rows // batch_size, steps, steps_per_execution, epochs, replicas,
+                               role)
         self._shuffle = shuffle
         self._order: np.ndarray | None = None
         self._offset = self.plan.num_batches  # start a new pass first
@@ -320,6 +342,22 @@ class ArrayFeed:
         if self._resident is not None:
             self._resident.new_pass(self._order)
 
+    def draw_build_pass(self) -> None:
+        """Draws (and drops) what a pass of Keras' array adapter draws for its first batch.
+
+        Keras' `fit` takes the batch that builds a model from a pass of its
+        own (on the CPU, without look-ahead): one permutation of the rows,
+        or (`"batch"`) of the first batch's rows.
+        """
+        if self._shuffle == "batch":
+            np.random.permutation(self.batch_size)
+        elif self._shuffle:
+            np.random.permutation(_common_length(self._data))
+
+    def rewind(self) -> None:
+        """Starts the next execution at the beginning of a new pass over the data."""
+        self._offset = self.plan.num_batches
+
     def _rows(self, start: int, count: int) -> slice | np.ndarray:
         if self._order is None:
             return slice(start, start + count)
@@ -347,20 +385,23 @@ class AdapterFeed:
         steps_per_execution: int,
         epochs: int,
         replicas: int,
+        role: str = "fit",
     ):
         self._adapter = adapter
         if _has_partial_batch(adapter):
             raise ValueError(
-                f"The provided set of data has a partial batch of "
+                f"{ROLES[role][2]} has a partial batch of "
                 f"{adapter.partial_batch_size} samples, which could result in "
                 f"data being dropped. Pad your dataset, or drop the remainder when "
                 f"batching, to ensure there are no partial batches."
             )
-        self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs, replicas)
+        self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs, replicas,
+                               role)
         self._iterator: Iterator | None = None
         self._pending: list[Any] = []
         self._seen = 0
         self._shapes: Any = None
+        self._started = False
         self.ran_out_of_data = False
 
     @property
@@ -378,6 +419,7 @@ class AdapterFeed:
         """One epoch's executions; stops early, with a warning, if data runs out."""
         plan = self.plan
         shape = _execution_shape(plan)
+        self._started = True
         self._adapter.on_epoch_begin()
         for begin in range(0, plan.steps, plan.steps_per_execution):
             try:
@@ -403,6 +445,21 @@ class AdapterFeed:
             self._iterator = None
             self._seen = 0
         self._adapter.on_epoch_end()
+
+    def draw_build_pass(self) -> None:
+        """Nothing: the first batch starts the adapter's iterator, which the epoch goes on with."""
+
+    def rewind(self) -> None:
+        """Starts the next execution with a new iterator from the adapter.
+
+        As Keras' epoch iterator after `reset()`: a `PyDataset` starts again
+        at its first batch, a generator replays the batches Keras peeked at
+        and goes on. Before the first execution, nothing changes (the batch
+        taken for building the model is kept for it).
+        """
+        if self._started:
+            self._iterator, self._pending, self._seen = None, [], 0
+            self._started = False
 
     def _next_batch(self) -> Any:
         if self._pending:
@@ -500,6 +557,15 @@ def _single_target(y: Any) -> Any:
             f"Use `sample_weight` for models with several outputs."
         )
     return leaves[0]
+
+
+def _capped_steps(steps: int | None) -> int | None:
+    """`steps`, capped by `keras.config.set_max_steps_per_epoch` as Keras' epoch iterator."""
+    max_steps = keras_config.max_steps_per_epoch()
+    if max_steps and (not steps or max_steps < steps):
+        warnings.warn(f"Limiting steps_per_epoch to {max_steps}", stacklevel=5)
+        return max_steps
+    return steps
 
 
 def _check_positive(name: str, value: Any) -> None:

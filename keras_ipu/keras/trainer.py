@@ -15,10 +15,12 @@ interfaces, with the stages on their IPUs.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
+from keras import config as keras_config
 from keras.src import callbacks as callbacks_module
 from keras.src import optimizers as optimizers_module
 from keras.src import tree
@@ -74,6 +76,7 @@ def fit(
 ):
     """Keras `fit` on the IPU system (see `ExtensionBase.fit`)."""
     model._assert_compile_called("fit")
+    epochs = _capped_epochs(epochs)
     options = options_of(model)
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
@@ -82,7 +85,6 @@ def fit(
         (x, y, sample_weight), validation_data = data.validation_split(
             x, y, sample_weight, validation_split
         )
-    initial_epoch = model._initial_epoch or initial_epoch
     feed = data.make_feed(
         x,
         y,
@@ -92,7 +94,7 @@ def fit(
         shuffle=shuffle,
         class_weight=class_weight,
         steps_per_execution=model.steps_per_execution,
-        epochs=max(epochs - initial_epoch, 1),
+        epochs=max(epochs - (model._initial_epoch or initial_epoch), 1),
         replicas=replicas.local_count,
     )
     _check_accumulation(model, feed.plan, options, placement.plan)
@@ -107,9 +109,10 @@ def fit(
             steps=validation_steps,
             steps_per_execution=model.steps_per_execution,
             replicas=replicas.local_count,
+            role="validation",
         )
     _log_plan(model, feed, options)
-    model._symbolic_build(data_batch=feed.first_batch())
+    model._symbolic_build(iterator=_BuildPass(feed))
     run = programs.prepare(model, "fit", placement, feed, options)
     val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                if val_feed else None)
@@ -120,6 +123,8 @@ def fit(
     training_logs: dict = {}
     training_finished = False
     callbacks.on_train_begin()
+    # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
+    initial_epoch = model._initial_epoch or initial_epoch
     try:
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
@@ -144,6 +149,24 @@ def fit(
             callbacks.on_train_end(logs=training_logs)
         _forget_state(model)
     return model.history
+
+
+class _BuildPass:
+    """The first batch for Keras' symbolic build, given as its epoch iterator gives it.
+
+    Keras' `fit` starts a pass over the data when it builds an unbuilt model
+    (or its metrics or loss) and another for the first epoch, so a shuffled
+    pass draws its permutation twice. Keras pulls the batch only when it
+    builds: the feed then draws what that pass drew, and after
+    `keras.utils.set_random_seed` the epochs see plain Keras' order.
+    """
+
+    def __init__(self, feed):
+        self._feed = feed
+
+    def __iter__(self):
+        self._feed.draw_build_pass()
+        yield 0, 0, [self._feed.first_batch()]
 
 
 def evaluate(
@@ -173,6 +196,7 @@ def evaluate(
         steps=steps,
         steps_per_execution=model.steps_per_execution,
         replicas=replicas.local_count,
+        role="evaluate",
     )
     model._symbolic_build(data_batch=feed.first_batch())
     run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
@@ -188,6 +212,9 @@ def evaluate(
 
 
 def _evaluate_feed(model, run: Run, feed, callbacks) -> dict:
+    # Each evaluation starts at the beginning of its data, as Keras' `evaluate` does
+    # (with `validation_steps`, every epoch's validation reads the same batches).
+    feed.rewind()
     model.stop_evaluating = False
     callbacks.on_test_begin()
     model.reset_metrics()
@@ -211,6 +238,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         steps=steps,
         steps_per_execution=model.steps_per_execution,
         replicas=replicas.local_count,
+        role="predict",
     )
     _build_for_predict(model, feed.first_batch())
     run = programs.prepare(model, "predict", placement, feed, options_of(model))
@@ -327,6 +355,15 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
         if hooks is not None:
             hooks.close()
     return logs
+
+
+def _capped_epochs(epochs: int) -> int:
+    """`epochs`, capped by `keras.config.set_max_epochs` as Keras' `fit` caps it."""
+    max_epochs = keras_config.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        warnings.warn(f"Limiting epochs to {max_epochs}", stacklevel=4)
+        return max_epochs
+    return epochs
 
 
 def _connection() -> str:

@@ -1,0 +1,138 @@
+"""`fit`'s arguments and Keras' settings around it behave as in plain Keras 3.
+
+Each test runs the same call on a plain Keras model and an IPU model with the
+same initial weights and compares what comes out.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import assert_history_close, assert_weights_close
+from models import data_for, twin
+
+BATCH = 8
+
+
+class Batches(keras.utils.PyDataset):
+    """Array batches as a `PyDataset`, in order."""
+
+    def __init__(self, x, y, batch_size=BATCH):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+def _both(plain, on_ipu, call):
+    """`call(model)` on each model: (plain's result, the IPU model's)."""
+    return call(plain), call(on_ipu)
+
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_the_first_shuffled_fit_of_a_fresh_model_sees_plain_kerases_order(shuffle, strategy):
+    # Keras builds the metrics from a shuffled pass of its own first: its draw counts.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=96)
+    results = []
+    for model in (plain, on_ipu):
+        keras.utils.set_random_seed(7)
+        results.append(model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=shuffle, verbose=0))
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    assert_history_close(results[0].history, results[1].history)
+
+
+def test_backup_and_restore_resumes_at_the_backed_up_epoch(strategy, tmp_path):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("interrupted")
+
+    histories = []
+    for name, model in (("plain", plain), ("ipu", on_ipu)):
+        backup = str(tmp_path / name)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0,
+                      callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+        histories.append(model.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0,
+                                   callbacks=[keras.callbacks.BackupAndRestore(backup)]))
+    assert histories[1].epoch == histories[0].epoch == [3, 4]
+    assert int(on_ipu.optimizer.iterations) == int(plain.optimizer.iterations) == 5 * 8
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["arrays", "py_dataset"])
+def test_validation_steps_read_the_same_batches_every_epoch(source, strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    val_x, val_y = data_for("sequential", samples=6 * BATCH, seed=1)
+    validation = (val_x, val_y) if source == "arrays" else Batches(val_x, val_y)
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+        validation_data=validation, validation_steps=2))
+    assert_history_close(expected.history, actual.history)
+    # Every epoch's validation: the first two batches, with that epoch's weights.
+    first_two = on_ipu.evaluate(val_x[: 2 * BATCH], val_y[: 2 * BATCH], batch_size=BATCH,
+                                verbose=0)
+    np.testing.assert_allclose(actual.history["val_loss"][-1], first_two[0], rtol=1e-6)
+
+
+def test_a_py_dataset_validates_arrays_trained_with_a_batch_size(strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    validation = Batches(*data_for("sequential", samples=32, seed=1))
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        validation_data=validation))
+    assert_history_close(expected.history, actual.history)
+    np.testing.assert_allclose(
+        *_both(plain, on_ipu, lambda model: model.evaluate(validation, batch_size=BATCH,
+                                                           verbose=0)), rtol=1e-6)
+
+
+def test_the_batch_size_is_inferred_from_the_steps_as_in_keras(strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        x, y, steps_per_epoch=4, epochs=2, shuffle=False, verbose=0))
+    assert_history_close(expected.history, actual.history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    assert int(on_ipu.optimizer.iterations) == 8  # batches of 16, not 32
+    np.testing.assert_allclose(
+        *_both(plain, on_ipu, lambda model: model.evaluate(x, y, steps=4, verbose=0)),
+        rtol=1e-6)
+    np.testing.assert_allclose(
+        *_both(plain, on_ipu, lambda model: model.predict(x, steps=4, verbose=0)),
+        rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def capped():
+    """Keras' debugging caps on epochs and steps, reset after the test."""
+    yield keras.config
+    keras.config.set_max_epochs(None)
+    keras.config.set_max_steps_per_epoch(None)
+
+
+def test_kerases_caps_on_epochs_and_steps_per_epoch_hold(capped, strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    capped.set_max_epochs(2)
+    capped.set_max_steps_per_epoch(4)
+    with pytest.warns(UserWarning, match="Limiting epochs to 2"):
+        expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+            x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0))
+    assert actual.epoch == expected.epoch == [0, 1]
+    assert int(on_ipu.optimizer.iterations) == int(plain.optimizer.iterations) == 2 * 4
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    assert_history_close(expected.history, actual.history)
