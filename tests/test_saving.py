@@ -179,3 +179,34 @@ def test_a_failed_save_leaves_the_previous_file_in_place(strategy, tmp_path, mon
             model.save(target)
     assert target.read_bytes() == good
     assert sorted(os.listdir(tmp_path)) == ["m.keras"]
+
+
+@pytest.mark.parametrize("name", ["m.keras", "m.weights.h5"])
+def test_a_saved_file_gets_the_mode_and_the_link_a_plain_save_keeps(name, strategy, tmp_path):
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    save = {"m.keras": lambda m, path: m.save(path),
+            "m.weights.h5": lambda m, path: m.save_weights(path)}[name]
+    kept, link = "kept" + name.removeprefix("m"), "link" + name.removeprefix("m")
+    previous = os.umask(0o022)
+    try:
+        for owner, saved in (("plain", plain), ("ipu", model)):
+            folder = tmp_path / owner
+            folder.mkdir()
+            save(saved, folder / name)  # new: the umask's mode
+            (folder / kept).touch()
+            os.chmod(folder / kept, 0o640)
+            save(saved, folder / kept)  # existing: its mode stays
+            os.symlink(folder / kept, folder / link)
+            save(saved, folder / link)  # through the link
+    finally:
+        os.umask(previous)
+    for owner in ("plain", "ipu"):
+        folder = tmp_path / owner
+        assert os.stat(folder / name).st_mode & 0o777 == 0o644, owner
+        assert os.stat(folder / kept).st_mode & 0o777 == 0o640, owner
+        assert os.path.islink(folder / link), owner
+    assert (tmp_path / "ipu" / kept).stat().st_size > 0
+    assert sorted(os.listdir(tmp_path / "ipu")) == sorted([kept, link, name])

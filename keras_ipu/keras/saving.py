@@ -3,7 +3,9 @@
 `write_whole` makes `model.save` and `model.save_weights` (and so
 `keras.callbacks.ModelCheckpoint`) write to a temporary file next to the
 target and move it into place only once complete: a save that fails leaves
-the previous file as it was. `check_model_file` explains why a `.keras` file
+the previous file as it was. The file gets the mode a plain Keras save gives
+it (the existing file's, else the umask's), and a symbolic link is written
+through, as Keras writes through it. `check_model_file` explains why a `.keras` file
 cannot be a Keras model (Keras itself says "File not found" for a file that
 exists but is not a zip archive); `install` makes `keras.models.load_model`
 run it first inside a strategy scope (outside, Keras is left as it is).
@@ -12,7 +14,8 @@ run it first inside a strategy scope (outside, Keras is left as it is).
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
+import shutil
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -51,18 +54,34 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
 
         if not io_utils.ask_to_proceed_with_overwrite(path):
             return None
-    folder = os.path.dirname(os.path.abspath(path))
+    path = os.path.realpath(path)  # a link stays a link: its target is replaced
+    folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(
-        dir=folder, prefix=f".{os.path.basename(path)}.", suffix=suffix)
-    os.close(handle)
+    temporary = _new_file(folder, f".{os.path.basename(path)}.", suffix)
     try:
         result = write(temporary)
+        if os.path.exists(path):
+            shutil.copymode(path, temporary)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
     return result
+
+
+def _new_file(folder: str, prefix: str, suffix: str) -> str:
+    """Creates an empty file of a new name in `folder`, with the umask's mode.
+
+    Unlike `tempfile.mkstemp` (mode 0600), the mode is the one a file that
+    Keras creates gets, so the saved file can be shared as a plain save's.
+    """
+    while True:
+        name = os.path.join(folder, f"{prefix}{secrets.token_hex(8)}{suffix}")
+        try:
+            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return name
+        except FileExistsError:  # 2**64 names: another try is enough
+            continue
 
 
 def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
