@@ -87,6 +87,11 @@ def test_a_pipelined_export_equals_predict(strategy, tmp_path):
 
     warm_up(runtime)
     np.testing.assert_allclose(runtime(x[:2]), expected[:2], atol=1e-6)
+    # One input: positionally, by name, or as one dict (a list of lists is one array).
+    (name,) = runtime.input_names
+    for call in (lambda: runtime(**{name: x[:2]}), lambda: runtime({name: x[:2]}),
+                 lambda: runtime(x[:2].tolist())):
+        np.testing.assert_allclose(call(), expected[:2], atol=1e-6)
 
 
 def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):

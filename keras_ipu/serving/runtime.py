@@ -94,9 +94,7 @@ class ServingRuntime:
         """
         if not kwargs and self._exported_arrays(args):
             return self._named(self._call_step(*args))
-        bound = list(args) if len(args) == len(self.inputs) and not kwargs else self._bind(
-            args, kwargs)
-        return self._named(self._call_step(*self._checked(bound, leading=())))
+        return self._named(self._call_step(*self._checked(self._bind(args, kwargs), leading=())))
 
     def _exported_arrays(self, args: Sequence[Any]) -> bool:
         """Whether `args` are NumPy arrays of the exported shapes and dtypes, in order.
