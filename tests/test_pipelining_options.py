@@ -88,3 +88,43 @@ def test_saved_without_kwargs(strategy, tmp_path):
     assert restored.pipelining_device_mapping == (1, 0)
     assert restored.pipelining_accumulate_outfeed is False
     assert restored.pipelining_kwargs == {}
+
+
+def test_numpy_integers_are_taken_and_saved_as_numbers(strategy, tmp_path):
+    import numpy as np
+
+    two = np.int64(2)
+    with strategy.scope():
+        model = sequential()
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=two)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=two,
+                                     device_mapping=tuple(np.arange(2)))
+        model.set_infeed_queue_options(prefetch_depth=two)
+        model.set_outfeed_queue_options(buffer_depth=np.int32(3))
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    restored = options.options_of(loaded)
+    assert restored.gradient_accumulation_steps == 2
+    assert restored.pipelining_gradient_accumulation_steps_per_replica == 2
+    assert restored.pipelining_device_mapping == (0, 1)
+    assert restored.infeed_kwargs == {"prefetch_depth": 2}
+    assert restored.outfeed_kwargs == {"buffer_depth": 3}
+    assert type(options.options_of(model).pipelining_device_mapping[0]) is int
+
+
+def test_a_mapping_to_an_ipu_the_device_lacks_is_named():
+    import numpy as np
+
+    from conftest import configure
+
+    configure(4)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+        model.set_pipeline_stage_assignment([0, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4, device_mapping=[0, 5])
+    x = np.zeros((16, 6), "float32")
+    with pytest.raises(ValueError, match=r"`device_mapping` \[0, 5\] maps a stage to IPU 5, but "
+                                         r"the model's device has 4 IPUs: map the stages to "
+                                         r"IPUs 0 to 3\."):
+        model.fit(x, np.zeros((16, 3), "float32"), batch_size=4, verbose=0)

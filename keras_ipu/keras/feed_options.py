@@ -13,6 +13,7 @@ with Keras and unknown keys are refused.
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,16 +118,19 @@ def _checked(kind: str, kwargs: Any, valid: Mapping[str, str], automatic: tuple[
                 f"Unknown {kind} queue option `{key}`.{hint} Valid options: "
                 f"{', '.join(sorted(valid))}."
             )
+    checked = dict(kwargs)
     for key in _DEPTHS & set(kwargs):
         value = kwargs[key]
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_DEPTH
-        ):
+        if value is None:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                or not 1 <= value <= _MAX_DEPTH):
             raise ValueError(
                 f"The {kind} queue option `{key}` must be an integer from 1 to {_MAX_DEPTH} "
                 f"(or None for the default), got {value!r}."
             )
-    return dict(kwargs)
+        checked[key] = int(value)  # NumPy integers saved as JSON numbers
+    return checked
 
 
 __all__ = ["infeed_options", "outfeed_options", "prefetch_depth", "buffer_depth"]

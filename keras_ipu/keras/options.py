@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -210,13 +211,18 @@ def gradient_accumulation_options(
     )
 
 
+def _is_integer(value: Any) -> bool:
+    """Python and NumPy integers, not bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_steps(steps: Any) -> int | None:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and (not _is_integer(steps) or steps < 1):
         raise ValueError(
             f"Expected `gradient_accumulation_steps_per_replica` to be a positive "
             f"integer, but got {steps!r} instead."
         )
-    return steps
+    return None if steps is None else int(steps)  # NumPy integers saved as JSON numbers
 
 
 # `set_pipelining_options(**pipelining_kwargs)`: keys that have arguments of
@@ -277,13 +283,14 @@ def pipelining_options(
     steps = _check_steps(gradient_accumulation_steps_per_replica)
     if device_mapping is not None and (
         not isinstance(device_mapping, (list, tuple))
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                   for i in device_mapping)
+        or not all(_is_integer(i) and i >= 0 for i in device_mapping)
     ):
         raise ValueError(
             f"Expected `device_mapping` to be a list of non-negative integers, got "
             f"{device_mapping!r}."
         )
+    if device_mapping is not None:
+        device_mapping = [int(i) for i in device_mapping]
     if accumulate_outfeed is not None and not isinstance(accumulate_outfeed, bool):
         raise TypeError(f"`accumulate_outfeed` must be a bool, got {accumulate_outfeed!r}.")
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)

@@ -573,7 +573,7 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     if plan is None:
         placement = Placement(replication.replicas_for(model))
     else:
-        mapping = pipelined.device_mapping(plan, options)
+        mapping = pipelined.device_mapping(plan, options, len(context.device_ipus(model)))
         # In a multi-host job each instance pipelines over its own IPUs: the
         # replicas are the instances' pipelines.
         replicas = replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)

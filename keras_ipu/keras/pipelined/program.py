@@ -54,11 +54,18 @@ def _is_array_like(x: Any) -> bool:
                                 for leaf in leaves)
 
 
-def device_mapping(plan, options: IPUOptions) -> tuple[int, ...]:
+def device_mapping(plan, options: IPUOptions, num_ipus: int | None = None) -> tuple[int, ...]:
     """Stage -> IPU: `set_pipelining_options(device_mapping=...)`, else stage i on IPU i.
 
+    Args:
+        plan: The model's `PipelinePlan`.
+        options: The model's IPU options.
+        num_ipus: The IPUs of the model's device, when known: the mapping
+            must name only those.
+
     Raises:
-        ValueError: When the mapping does not give one IPU per stage.
+        ValueError: When the mapping does not give one IPU per stage, or
+            names an IPU the device does not have.
     """
     mapping = options.pipelining_device_mapping
     if mapping is None:
@@ -67,6 +74,11 @@ def device_mapping(plan, options: IPUOptions) -> tuple[int, ...]:
         raise ValueError(
             f"Each stage must be mapped to an IPU: {len(mapping)} mappings != "
             f"{plan.num_stages} stages (`device_mapping` {list(mapping)})."
+        )
+    if num_ipus is not None and max(mapping) >= num_ipus:
+        raise ValueError(
+            f"`device_mapping` {list(mapping)} maps a stage to IPU {max(mapping)}, but the "
+            f"model's device has {num_ipus} IPUs: map the stages to IPUs 0 to {num_ipus - 1}."
         )
     return tuple(mapping)
 
