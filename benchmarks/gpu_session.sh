@@ -5,17 +5,20 @@
 # Here, once (it needs PyPI), from the repository root:
 #     bash benchmarks/gpu_session.sh wheels        # keras, namex, optree wheels into .whl/
 # There, one part per call, carrying .whl (logs and JSON results land in $OUT):
+#     bash benchmarks/gpu_session.sh acceptance    # the issue's open GPU figures, ~8 minutes:
+#                                                  # the one call a 15-minute lease allows
 #     bash benchmarks/gpu_session.sh throughput    # single IPU vs limit, GA 8, resident cut
 #     bash benchmarks/gpu_session.sh table         # plain Keras vs keras_ipu, 4 models
 #     bash benchmarks/gpu_session.sh first-fit     # the executable cache, fresh processes
 #     bash benchmarks/gpu_session.sh zoo           # the single-IPU zoo
 set -euo pipefail
 
-part=${1:?"a part: wheels, throughput, table, first-fit or zoo"}
+part=${1:?"a part: wheels, acceptance, throughput, table, first-fit or zoo"}
 wheels=.whl
 case "$part" in
-    wheels | throughput | table | first-fit | zoo) ;;
-    *) echo "unknown part $part: wheels, throughput, table, first-fit or zoo" >&2; exit 2 ;;
+    wheels | acceptance | throughput | table | first-fit | zoo) ;;
+    *) echo "unknown part $part: wheels, acceptance, throughput, table, first-fit or zoo" >&2
+       exit 2 ;;
 esac
 
 if [[ $part == wheels ]]; then
@@ -38,6 +41,9 @@ python3 -c "import jax, keras; print('jax', jax.__version__, 'keras', keras.__ve
 jax.devices())" | tee -a "$out/device.txt"
 
 case "$part" in
+    acceptance)
+        python3 benchmarks/gpu_acceptance.py --out "$out" --budget 480
+        ;;
     throughput)
         python3 benchmarks/bench_single_ipu.py --repeats 3 --skip compile \
             --output "$out/bench_single_ipu.json" 2>&1 | tee "$out/single_ipu.log"
