@@ -184,3 +184,27 @@ def test_a_subclassed_model_built_with_its_input_shape_exports(strategy, tmp_pat
     runtime = model.export_for_ipu_serving(tmp_path / "e")
     x = np.arange(12, dtype="float32").reshape(3, 4)
     np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=3, verbose=0), atol=1e-6)
+
+
+def test_a_sequential_export_keeps_its_inputs_names_and_dtypes(strategy, tmp_path):
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 50, size=(8, 3)).astype("int32")
+    with strategy.scope():
+        named = keras.Sequential([keras.Input((3,), batch_size=2, dtype="int32", name="tokens"),
+                                  keras.layers.Embedding(50, 4), keras.layers.Flatten(),
+                                  keras.layers.Dense(2)])
+        built = keras.Sequential([keras.layers.Dense(2)])
+        built.build((None, 6))
+        inputs = keras.Input((6,))
+        functional = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    named.compile(steps_per_execution=2)
+    runtime = ipu.serving.export_keras(named, str(tmp_path / "named"), batch_size=2)
+    assert runtime.inputs == [{"name": "tokens", "shape": [2, 3], "dtype": "int32"}]
+    expected = named.predict(tokens, batch_size=2, verbose=0)
+    np.testing.assert_allclose(runtime.run_many(tokens.reshape(4, 2, 3)).reshape(8, 2),
+                               expected, atol=1e-6)
+    np.testing.assert_allclose(runtime(tokens=tokens[:2]), expected[:2], atol=1e-6)
+    # Inputs Keras named itself (keras_tensor_<n>) are named by position.
+    for name, model in (("built", built), ("functional", functional)):
+        exported = ipu.serving.export_keras(model, str(tmp_path / name), batch_size=2)
+        assert exported.input_names == ["input_0"], name

@@ -32,6 +32,8 @@ _SIGNATURE_ERROR = (
     "Cannot get model's input signature. Please specify the input shape using "
     "`model.build()` or invoke your model using real data."
 )
+# The name Keras gives an input tensor no one named (`keras_tensor`, `keras_tensor_3`, ...).
+_KERAS_TENSOR_NAME = "keras_tensor"
 _BATCH_ERROR = (
     "Not all dimensions of inputs can be determined. Please specify batch size in model's "
     "input layer or specify `batch_size` parameter when exporting model."
@@ -151,11 +153,13 @@ def _pipeline_programs(model, plan, specs, preprocessing_step, postprocessing_st
 
 
 def _input_signature(model: Any, batch_size: int | None):
-    """`(input structure, flat input specs with the batch size, names)`."""
-    try:
-        structure = model.input
-    except (AttributeError, ValueError):
-        structure = None
+    """`(input structure, flat input specs with the batch size, names)`.
+
+    Inputs are named as the model names them; an input Keras named itself
+    (`keras_tensor_<n>`, which changes with the tensors a process made
+    before) is `input_<i>`, its position.
+    """
+    structure = _model_inputs(model)
     if structure is None:
         shape = (getattr(model, "_build_shapes_dict", None) or {}).get("input_shape")
         if shape is None:
@@ -167,7 +171,7 @@ def _input_signature(model: Any, batch_size: int | None):
         names, flat = ["input_0"], [structure]
     else:
         flat = tree.flatten(structure)
-        names = [getattr(t, "name", None) or f"input_{i}" for i, t in enumerate(flat)]
+        names = [_input_name(t, i) for i, t in enumerate(flat)]
     specs = []
     for name, tensor in zip(names, flat):
         shape = tuple(tensor.shape)
@@ -177,6 +181,32 @@ def _input_signature(model: Any, batch_size: int | None):
             raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape})")
         specs.append(jax.ShapeDtypeStruct(shape, np.dtype(str(tensor.dtype))))
     return structure, specs, names
+
+
+def _model_inputs(model: Any) -> Any:
+    """The model's input tensors, or `None` for a model built from a shape alone.
+
+    A Sequential model never called has no `input`, but the tensors of its
+    `InputLayer` (named, with their dtypes) are its `inputs`.
+    """
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        pass
+    try:
+        inputs = list(model.inputs or ())
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _input_name(tensor: Any, position: int) -> str:
+    name = getattr(tensor, "name", None)
+    if not name or name.startswith(_KERAS_TENSOR_NAME):
+        return f"input_{position}"
+    return name
 
 
 def _prepare_directory(export_dir: str, purge: bool) -> None:
