@@ -96,3 +96,78 @@ def test_misuse_says_what_to_do():
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
     final = ipu.loops.repeat(3, lambda x: (x * 2, outfeed.enqueue(x)), [jnp.float32(1)])
     assert float(final) == 8 and outfeed.dequeue().tolist() == [1, 2, 4]
+
+
+def test_a_strategy_run_fills_the_outfeeds_its_loops_enqueue_to():
+    # The TF2 custom loop: strategy.run(fn) with an infeed and an outfeed, then dequeue.
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(3, i, np.float32) for i in range(10)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(total, x):
+        total = total + jnp.sum(x)
+        return total, outfeed.enqueue(total)
+
+    with strategy.scope():
+        total = strategy.run(lambda: ipu.loops.repeat(10, body, [0.0], infeed))
+        totals = np.cumsum(3 * np.arange(10))
+        np.testing.assert_allclose(total, totals[-1])
+        np.testing.assert_allclose(outfeed.dequeue(), totals)
+        # A compiled computation inside the run: its outfeed leaves with the run's outputs.
+        nested = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+        def run_compiled(x):
+            with ipu.scopes.ipu_scope("/device:IPU:0"):
+                return ipu.ipu_compiler.compile(
+                    lambda v: ipu.loops.repeat(3, lambda c: (c * 2, nested.enqueue(c)), [v]),
+                    [x])
+
+        [doubled] = strategy.run(run_compiled, args=(np.float32(1),))
+    assert float(doubled) == 8 and nested.dequeue().tolist() == [1, 2, 4]
+
+
+def test_a_lone_input_is_one_input_as_in_the_seeds_examples():
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(value):
+        output = value + 1
+        return output, outfeed.enqueue(output)
+
+    value = np.ones((4, 4), np.float32)
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [result] = ipu.ipu_compiler.compile(lambda v: ipu.loops.repeat(20, body, (v)), value)
+        [count] = ipu.ipu_compiler.compile(
+            lambda: ipu.loops.while_loop(lambda x: x < 10, lambda x: x + 3, 0))
+    np.testing.assert_array_equal(result, np.full((4, 4), 21))
+    assert outfeed.dequeue().shape == (20, 4, 4) and int(count) == 12
+
+
+def test_the_outfeed_mode_is_checked_and_takes_its_values():
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(outfeed_mode="get_last")
+    assert last.outfeed_mode is ipu.ipu_outfeed_queue.IPUOutfeedMode.LAST
+    ipu.loops.repeat(3, lambda x: (x + 1, last.enqueue(x)), [jnp.float32(0)])
+    assert float(last.dequeue()) == 2
+    for bad in ("LAST", 2, object()):
+        with pytest.raises(ValueError, match=r"outfeed_mode must be IPUOutfeedMode\.ALL or "):
+            ipu.ipu_outfeed_queue.IPUOutfeedQueue(outfeed_mode=bad)
+
+
+def test_synthetic_data_feeds_zeros_and_returns_nothing(monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--use_synthetic_data")
+    configure(1)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(3, 7.0, np.float32)] * 4)
+    every = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(
+        outfeed_mode=ipu.ipu_outfeed_queue.IPUOutfeedMode.LAST)
+
+    def body(total, x):
+        total = total + jnp.sum(x)
+        return total, every.enqueue({"x": x, "total": total}), last.enqueue(total)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [total] = ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(4, body, [0.0], infeed))
+    assert float(total) == 0  # the device got zeros
+    shapes = {key: value.shape for key, value in every.dequeue().items()}
+    assert shapes == {"x": (0, 3), "total": (0,)}
+    with pytest.raises(ValueError, match="--use_synthetic_data returns no data to the host"):
+        last.dequeue()

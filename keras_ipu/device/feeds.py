@@ -251,22 +251,55 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
                            "compiled for that IPU device.")
     device, shard = scope
     target = system.require().ipus_of_device(device)[shard].device
+    return call_compiled(lambda *args: _outputs(computation(*args)), target,
+                         _as_list(inputs))
+
+
+def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """Runs `fn(*args, **kwargs)` under `jax.jit` on `device`; outfeeds get what it enqueues.
+
+    The values a loop inside enqueues leave the program with its outputs and
+    reach their queues once it has run (inside another such call, they leave
+    with the outer program's). Operations `fn` returns (outfeed markers) come
+    back as `None`.
+
+    Args:
+        fn: A JAX-traceable function.
+        device: The JAX device to run on; array arguments are copied there.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments, or `None`.
+
+    Returns:
+        `fn`'s result.
+
+    Example:
+
+    >>> call_compiled(lambda x: x * 2, jax.devices()[0], (np.ones(3),))
+    Array([2., 2., 2.], dtype=float32)
+    """
+    outer = _OUTFED.get()
     queues: list = []
 
-    def traced(*args):
+    def traced(args, kwargs):
         token = _OUTFED.set([])
         try:
-            result = computation(*args)
+            result = fn(*args, **kwargs)
             outfed = _OUTFED.get()
         finally:
             _OUTFED.reset(token)
         queues.extend(queue for queue, _ in outfed)
-        return _outputs(result), [value for _, value in outfed]
+        result = jax.tree_util.tree_map(
+            lambda v: None if isinstance(v, Operation) else v, result)
+        return result, [value for _, value in outfed]
 
-    result, outfed = jax.jit(traced)(*jax.device_put(list(inputs or []), target))
+    args, kwargs = jax.device_put((tuple(args), dict(kwargs or {})), device)
+    result, outfed = jax.jit(traced)(args, kwargs)
     for queue, value in zip(queues, outfed):
-        queue._receive(value)
-    return list(result)
+        if outer is not None:
+            outer.append((queue, value))
+        else:
+            queue._receive(value)
+    return result
 
 
 class IPUOutfeedMode(enum.Enum):
@@ -277,8 +310,9 @@ class IPUOutfeedMode(enum.Enum):
     >>> IPUOutfeedQueue(outfeed_mode=IPUOutfeedMode.LAST)
     """
 
-    ALL = 1
-    LAST = 2
+    # IPU TensorFlow's values: `IPUOutfeedMode("get_last")` is `LAST`.
+    ALL = "all"
+    LAST = "get_last"
 
 
 class Operation:
@@ -350,7 +384,10 @@ class IPUInfeedQueue:
         if len(elements) < count:
             raise ValueError(f"The infeed ran out: {len(elements)} elements left for a loop "
                              f"of {count} iterations.")
-        return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
+        stacked = jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
+        if _synthetic_data():  # no host data reaches the device: it gets zeros
+            return jax.tree_util.tree_map(np.zeros_like, stacked)
+        return stacked
 
 
 class IPUOutfeedQueue:
@@ -363,6 +400,10 @@ class IPUOutfeedQueue:
         device_ordinal: Accepted for compatibility.
         replication_factor: Accepted for compatibility.
         io_batch_size: Accepted for compatibility.
+
+    Raises:
+        ValueError: For an `outfeed_mode` that is not an `IPUOutfeedMode`
+            (or one's value).
 
     Example:
 
@@ -378,7 +419,7 @@ class IPUOutfeedQueue:
     def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
                  device_ordinal: int = 0, replication_factor: int | None = None,
                  io_batch_size: int = 1):
-        self.outfeed_mode = outfeed_mode or IPUOutfeedMode.ALL
+        self.outfeed_mode = _outfeed_mode(outfeed_mode)
         self._pending: list = []
         self._received: list = []
 
@@ -396,6 +437,9 @@ class IPUOutfeedQueue:
         return _Enqueued()
 
     def _receive(self, stacked: Any) -> None:
+        if _synthetic_data():  # nothing returns to the host: empty arrays of the structure
+            stacked = jax.tree_util.tree_map(
+                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), stacked)
         self._received.append(stacked)
 
     def dequeue(self, wait_for_completion: bool = False) -> Any:
@@ -405,18 +449,40 @@ class IPUOutfeedQueue:
             With `ALL`, every enqueued value stacked on a leading axis (in
             order, over loops); with `LAST`, the last one.
 
+        With `--use_synthetic_data` nothing returns to the host: `ALL` gives
+        empty arrays of the enqueued structure, `LAST` raises.
+
         Raises:
-            ValueError: With `LAST` when nothing was enqueued.
+            ValueError: With `LAST` when nothing was enqueued (or returned).
         """
         received, self._received = self._received, []
         if self.outfeed_mode == IPUOutfeedMode.LAST:
-            if not received:
-                raise ValueError("The outfeed has no last element: nothing was enqueued.")
+            if not received or _synthetic_data():
+                raise ValueError("The outfeed has no last element: nothing was enqueued"
+                                 + (" (--use_synthetic_data returns no data to the host)."
+                                    if _synthetic_data() else "."))
             return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
         if not received:
             return []
         return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
 
+
+
+def _synthetic_data() -> bool:
+    """Whether `--use_synthetic_data` is on: no data moves between host and device."""
+    configured = system.current()
+    return configured is not None and bool(configured.option("use_synthetic_data"))
+
+
+def _outfeed_mode(mode: Any) -> IPUOutfeedMode:
+    if mode is None:
+        return IPUOutfeedMode.ALL
+    try:
+        return IPUOutfeedMode(mode)
+    except ValueError:
+        raise ValueError(
+            f"outfeed_mode must be IPUOutfeedMode.ALL or IPUOutfeedMode.LAST (or their values "
+            f"'all', 'get_last'), got {mode!r}.") from None
 
 
 def repeat(n: int, body: Callable, inputs: Any = None,
@@ -446,7 +512,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"repeat needs n >= 1 iterations, got {n!r}.")
-    carried = tuple(jax.tree_util.tree_map(jnp.asarray, tuple(inputs or ())))
+    carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     data = infeed_queue._take(n) if infeed_queue is not None else None
     queues: list = []
 
@@ -505,7 +571,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
         raise ValueError("while_loop takes no infeed_queue here: its iteration count is known "
                          "only on the device. Use ipu.loops.repeat(n, body, inputs, "
                          "infeed_queue).")
-    carried = tuple(jax.tree_util.tree_map(jnp.asarray, tuple(inputs or ())))
+    carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     limit = np.iinfo(np.int32).max if maximum_iterations is None else maximum_iterations
 
     def keep_going(state):
@@ -518,6 +584,16 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
 
     _, final = jax.lax.while_loop(keep_going, step, (0, carried))
     return _unpacked(final)
+
+
+def _as_list(inputs: Any) -> list:
+    """Loop or computation inputs as a list: `None` is none, a lone value is one.
+
+    IPU TensorFlow's examples pass a lone tensor as `(x)`, which is not a tuple.
+    """
+    if inputs is None:
+        return []
+    return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
 
 
 def _outputs(values: Any) -> list:

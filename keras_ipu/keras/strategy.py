@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_ipu.device import feeds
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import context, extensions
 
@@ -76,7 +77,9 @@ class IPUStrategy:
         compiled for the IPU: here it is compiled with `jax.jit` (it must be
         JAX-traceable: `keras.ops`, `jax.numpy`, stateless Keras calls) and
         runs on the JAX device of the first IPU of `ipu_device`. Array
-        arguments are copied there first.
+        arguments are copied there first. Values that `ipu.loops` inside
+        enqueue to an `IPUOutfeedQueue` reach it once `fn` has run (its
+        `dequeue` returns them).
 
         Args:
             fn: The function to run.
@@ -95,11 +98,8 @@ class IPUStrategy:
         >>> strategy.run(lambda x: x * 2, args=(np.ones(3),))
         Array([2., 2., 2.], dtype=float32)
         """
-        import jax
-
         device = ipu_system.require().ipus_of_device(self.ipu_device)[0].device
-        args, kwargs = jax.device_put((tuple(args), dict(kwargs or {})), device)
-        return jax.jit(fn)(*args, **kwargs)
+        return feeds.call_compiled(fn, device, args, kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.
