@@ -98,6 +98,28 @@ def test_time_major_recurrent_layers_equal_batch_major_ones_transposed(layer_cla
     assert shapes[0] == (3, 5, 6) and all(s == (5, 6) for s in shapes[1:])
 
 
+@pytest.mark.parametrize("layer_class, states", [(ipu_layers.PopnnLSTM, 2),
+                                                  (ipu_layers.PopnnGRU, 1)])
+def test_recurrent_layers_refuse_a_bad_input_shape_or_initial_state(layer_class, states):
+    with pytest.raises(ValueError, match=r"the input shape must be \[time, batch, features\] "
+                                         r"with a known number of features, got \(2, 3\)"):
+        layer_class(4, time_major=True).build((2, 3))
+    with pytest.raises(ValueError, match=r"with a known number of features"):
+        layer_class(4).build((2, 5, None))
+    x = _images((2, 5, 3))  # [batch, time, features]
+    wrong = [np.zeros((2, 5), "float32")] * states
+    with pytest.raises(ValueError, match=rf"initial_state must be {states} states? of shape "
+                                         r"\[2, 4\] \(batch, units\), got shapes \[\[2, 5\]"):
+        layer_class(4)(x, initial_state=wrong)
+    if states == 2:
+        with pytest.raises(ValueError, match=r"initial_state must be 2 states"):
+            layer_class(4)(x, initial_state=np.zeros((2, 4), "float32"))
+    layer = layer_class(4)  # a valid state is taken: zeros are the default state
+    zeros = [np.zeros((2, 4), "float32")] * states
+    np.testing.assert_allclose(layer(x, initial_state=zeros), layer(x), atol=1e-6)
+    assert not np.allclose(layer(x, initial_state=[z + 1 for z in zeros]), layer(x))
+
+
 def _text_model(scope):
     keras.utils.set_random_seed(11)
     with scope:

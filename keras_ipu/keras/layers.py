@@ -310,6 +310,7 @@ class _IPURecurrent:
     """
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
+        self._check_initial_state(initial_state, sequences)
         if not self.time_major:
             return super().call(sequences, initial_state=initial_state, mask=mask,
                                 training=training)
@@ -324,9 +325,35 @@ class _IPURecurrent:
         return _swap_leading(outputs)
 
     def build(self, sequences_shape, initial_state_shape=None):
+        shape = tuple(sequences_shape)
+        if len(shape) != 3 or shape[2] is None:
+            layout = "[time, batch, features]" if self.time_major else "[batch, time, features]"
+            raise ValueError(f"{self.name}: the input shape must be {layout} with a known "
+                             f"number of features, got {shape}.")
         if self.time_major:
             sequences_shape = (sequences_shape[1], sequences_shape[0], *sequences_shape[2:])
         super().build(sequences_shape, initial_state_shape)
+
+    def _check_initial_state(self, initial_state, sequences) -> None:
+        """Raises `ValueError` unless `initial_state` holds one `[batch, units]` per state."""
+        if initial_state is None:
+            return
+        states = initial_state if isinstance(initial_state, (list, tuple)) else [initial_state]
+        sizes = self.cell.state_size
+        sizes = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+        batch = tuple(sequences.shape)[1 if self.time_major else 0]
+        shapes = [tuple(getattr(state, "shape", ())) for state in states]
+        expected = [(batch, size) for size in sizes]
+
+        def fits(shape, wanted):
+            return len(shape) == len(wanted) and all(
+                a is None or b is None or a == b for a, b in zip(shape, wanted))
+
+        if len(shapes) != len(expected) or not all(map(fits, shapes, expected)):
+            raise ValueError(f"{self.name}: initial_state must be {len(expected)} "
+                             f"state{'s' if len(expected) > 1 else ''} of shape "
+                             f"{list(expected[0])} (batch, units), got shapes "
+                             f"{[list(shape) for shape in shapes]}.")
 
     def compute_output_shape(self, sequences_shape, initial_state_shape=None):
         if not self.time_major:
