@@ -102,9 +102,9 @@ class FlatOptimizer:
                 or _decays_some_only(optimizer, variables)):
             return None
         length = sum(int(np.prod(v.shape)) for v in variables)
-        per_variable = _unallocated_clone(optimizer, [
+        per_variable = unallocated_clone(optimizer, [
             (f"{_STAND_IN}_{i}", v.shape, v.dtype) for i, v in enumerate(variables)])
-        flat = _unallocated_clone(optimizer, [(_STAND_IN, (length,), variables[0].dtype)])
+        flat = unallocated_clone(optimizer, [(_STAND_IN, (length,), variables[0].dtype)])
         if _signature(per_variable.variables) != _signature(optimizer.variables):
             return None  # not built the way this module expects: keep the per-variable update
         mapping = _mapping(per_variable.variables, flat.variables, variables)
@@ -180,7 +180,7 @@ def _signature(variables) -> list:
     return [(tuple(v.shape), str(v.dtype)) for v in variables]
 
 
-def _unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> Any:
+def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> Any:
     """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, allocating nothing.
 
     Slots made in a `StatelessScope` wait for values; they are taken off
@@ -189,10 +189,12 @@ def _unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) ->
     """
     clone = optimizer.__class__.from_config(optimizer.get_config())
     pending = list(global_state.get_global_attribute("uninitialized_variables") or [])
-    with keras.StatelessScope(initialize_variables=False):
-        clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
-                     for name, shape, dtype in stand_ins])
-    global_state.set_global_attribute("uninitialized_variables", pending)
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype,
+                                        name=name) for name, shape, dtype in stand_ins])
+    finally:
+        global_state.set_global_attribute("uninitialized_variables", pending)
     return clone
 
 

@@ -14,6 +14,7 @@ gives it, then all IPUs exchange the tick's activations. Training is in
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from keras.src import tree
 from keras_ipu.device import schedules
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages
-from keras_ipu.keras.pipelined import instances
+from keras_ipu.keras.pipelined import flat_optimizer, instances
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -183,13 +184,8 @@ class PipelinedModel:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
-        # One optimizer clone per IPU, built on that IPU's variables; Keras
-        # names optimizer slots after their variable, which maps them back.
-        # Names repeat where optimizers nest (a `LossScaleOptimizer` and the
-        # optimizer it wraps each have an `iteration`): the k-th variable of
-        # a name in a clone is the k-th of that name in the optimizer, as
-        # both build their variables in the same order.
-        names = _occurrences(optimizer.variables)
+        # One optimizer clone per IPU, built on that IPU's variables; its
+        # variables map back to the optimizer's by name (`optimizer_positions`).
         # Clipped by the norm over every IPU's gradients before the clones
         # step (`pipelined/update.py`): the clones do not clip again.
         self.global_clipnorm = _global_clipnorm(optimizer)
@@ -202,7 +198,7 @@ class PipelinedModel:
             clone.build(variables)
             flat = FlatOptimizer.of(clone, variables)
             order = flat.storage_order if flat else tuple(range(len(clone.variables)))
-            in_clone = [names[key] for key in _occurrences(clone.variables)]
+            in_clone = optimizer_positions(optimizer, clone, model.trainable_variables, ids)
             self.optimizers.append(clone)
             self.flat_optimizers.append(flat)
             self.optimizer_storage.append(order)
@@ -255,13 +251,81 @@ def _unique(values: list[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def optimizer_positions(optimizer, clone, trainable: Sequence, ids: Sequence[int]) -> list[int]:
+    """Where each variable of `clone` (built on `trainable[i] for i in ids`) is in `optimizer`.
+
+    Keras names a slot after its variable's path (most optimizers), after its
+    variable's name (Adafactor: `kernel` for every kernel), or not at all
+    (Nadam's `u_product`, auto-named with a process-wide counter). So both
+    are built again, allocating nothing, over stand-ins named after their
+    index in the model: each slot's name then says its variable. Names still
+    repeat where optimizers nest (a `LossScaleOptimizer` and the optimizer it
+    wraps each have an `iteration`): the k-th variable of a name is matched
+    with the k-th, as every build creates its variables in the same order.
+
+    Args:
+        optimizer: The model's optimizer, built on all of `trainable`.
+        clone: An optimizer of its class and config, built on the `ids` variables.
+        trainable: The model's trainable variables.
+        ids: The indices of the clone's variables in `trainable`.
+
+    Returns:
+        For each of `clone.variables`, its index in `optimizer.variables`.
+
+    Raises:
+        NotImplementedError: When the optimizer's variables cannot be split
+            between IPUs this way.
+    """
+    def stand_ins(indices):
+        return [(f"w{i}", tuple(trainable[i].shape), trainable[i].dtype) for i in indices]
+
+    whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
+    part = _named_clone(optimizer, stand_ins(ids))
+    positions = _occurrences(whole.variables)
+    keys = list(_occurrences(part.variables))
+    if not (_same_shapes(whole.variables, optimizer.variables)
+            and _same_shapes(part.variables, clone.variables)
+            and all(key in positions for key in keys)):
+        raise NotImplementedError(
+            f"The variables of {type(optimizer).__name__} cannot be split between the "
+            f"pipeline's IPUs (its slots are not named after their variables). Train with "
+            f"another optimizer, or without pipelining.")
+    return [positions[key] for key in keys]
+
+
+def _named_clone(optimizer, stand_ins: list) -> Any:
+    """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, for its names.
+
+    Allocating nothing where it can; an optimizer that makes variables from
+    values (Nadam, Adafactor) refuses a stateless scope and gets zeros.
+    """
+    try:
+        return flat_optimizer.unallocated_clone(optimizer, stand_ins)
+    except ValueError:
+        clone = optimizer.__class__.from_config(optimizer.get_config())
+        clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
+                     for name, shape, dtype in stand_ins])
+        return clone
+
+
+def _same_shapes(variables, others) -> bool:
+    return [(tuple(v.shape), str(v.dtype)) for v in variables] == [
+        (tuple(v.shape), str(v.dtype)) for v in others]
+
+
+# Keras' automatic variable names (`variable`, `variable_3`): the number
+# counts variables made in the process, not in one optimizer.
+_AUTOMATIC_NAME = re.compile(r"^variable(_\d+)?$")
+
+
 def _occurrences(variables) -> dict[tuple[str, int], int]:
     """`(name, k) -> index` of the k-th variable called `name` in `variables`."""
     seen: dict[str, int] = {}
     keys = {}
     for i, variable in enumerate(variables):
-        k = seen[variable.name] = seen.get(variable.name, -1) + 1
-        keys[(variable.name, k)] = i
+        name = "variable" if _AUTOMATIC_NAME.match(variable.name) else variable.name
+        k = seen[name] = seen.get(name, -1) + 1
+        keys[(name, k)] = i
     return keys
 
 
@@ -363,13 +427,25 @@ class PipelineState:
             # over the sharded array (half a second per dtype on a first fit).
             host = {dtype: instances.replica_row(array, replica)
                     for dtype, array in packed[part].items()}
-            for d in range(self.ipus):
+            for d in self._holders_first(part):
                 arrays = self.layouts[part][d].unpack({k: v[d] for k, v in host.items()})
                 for i, array in zip(self.indices(part, d), arrays):
                     if values[i] is None:
                         values[i] = array
             result[part] = values
         return result
+
+
+    def _holders_first(self, part: str) -> list[int]:
+        """The IPUs to take a part's shared values from, those that update them first.
+
+        The optimizer of an IPU without trainable variables never steps, so
+        its copy of the shared `iterations` stays where it started.
+        """
+        ipus = range(self.ipus)
+        if part != "optimizer_variables":
+            return list(ipus)
+        return sorted(ipus, key=lambda d: not self.pipelined.trainable_of[d])
 
 
 def _part_length(model, part: str) -> int:
