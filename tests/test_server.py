@@ -106,6 +106,8 @@ def test_concurrent_clients_get_their_own_rows(served):
     (b'{"instances": [{"a": [1, 2, 3], "b": [1, 2]}]}', 400, "rows of shape (3,)"),
     (b'{"inputs": {"a": [["x", "y", "z", "w"]], "b": [[1, 2]]}}', 400, "is not float32 data"),
     (b'{"signature": 1}', 400, "Missing 'inputs' or 'instances'"),
+    (b'{"signature_name": "other", "inputs": {"a": [[1, 2, 3, 4]], "b": [[1, 2]]}}', 400,
+     'Serving signature name: "other" not found'),
     (b'{"inputs": {"a": [[1, 2, 3, 4]]}}', 400, "missing ['b']"),
     (b"[" * 20_000_000, 413, "larger than"),
 ])
@@ -140,6 +142,32 @@ def test_an_unknown_model_is_404(served):
 
     code, reply = asyncio.run(post())
     assert code == 404 and "Servable not found" in reply["error"]
+
+
+def test_the_version_paths_serve_version_1_only(served):
+    model, url, _ = served
+    body = {"signature_name": "serving_default", "inputs": {"a": [[1.0] * 4], "b": [[1.0] * 2]}}
+
+    async def calls():
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for method, path, payload in (("get", "/versions/1", None),
+                                          ("get", "/versions/1/metadata", None),
+                                          ("post", "/versions/1:predict", body),
+                                          ("post", "/versions/2:predict", body)):
+                async with session.request(method, url + path, json=payload) as response:
+                    answers.append((response.status, await response.json()))
+            return answers
+
+    status, metadata, predicted, missing = asyncio.run(calls())
+    assert status[0] == metadata[0] == predicted[0] == 200
+    assert status[1]["model_version_status"][0]["version"] == "1"
+    assert "serving_default" in metadata[1]["metadata"]["signature_def"]["signature_def"]
+    np.testing.assert_allclose(
+        predicted[1]["outputs"],
+        model.predict([np.ones((8, 4)), np.ones((8, 2))], batch_size=8, verbose=0)[:1],
+        atol=1e-5)
+    assert missing == (404, {"error": "Servable not found for request: Specific(adder, 2)"})
 
 
 def test_ctrl_c_stops_the_server_cleanly(served):

@@ -182,6 +182,10 @@ def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.nd
         raise RequestError(f"JSON Parse error: {error}") from None
     if not isinstance(request, dict) or ("instances" in request) == ("inputs" in request):
         raise RequestError("Missing 'inputs' or 'instances' keys (exactly one of them).")
+    signature = request.get("signature_name", SIGNATURE_NAME)
+    if signature not in ("", SIGNATURE_NAME):
+        raise RequestError(f'Serving signature name: "{signature}" not found in signature def '
+                           f"(an export has one: {SIGNATURE_NAME!r}).")
     names = runtime.input_names
     if "instances" in request:
         instances = request["instances"]
@@ -280,8 +284,14 @@ def _nested_template(shape: tuple[int, ...], fmt: str) -> str:
     return template
 
 
+# The export's one signature, as TensorFlow Serving names a SavedModel's default.
+SIGNATURE_NAME = "serving_default"
+# The one version a server of one export has.
+VERSION = "1"
+
+
 def status_response() -> dict:
-    return {"model_version_status": [{"version": "1", "state": "AVAILABLE",
+    return {"model_version_status": [{"version": VERSION, "state": "AVAILABLE",
                                       "status": {"error_code": "OK", "error_message": ""}}]}
 
 
@@ -295,8 +305,8 @@ def metadata_response(name: str, runtime: ServingRuntime) -> dict:
 
     signature = {"inputs": tensors(runtime.inputs), "outputs": tensors(runtime.outputs),
                  "method_name": "tensorflow/serving/predict"}
-    return {"model_spec": {"name": name, "signature_name": "", "version": "1"},
-            "metadata": {"signature_def": {"signature_def": {"serving_default": signature}}}}
+    return {"model_spec": {"name": name, "signature_name": "", "version": VERSION},
+            "metadata": {"signature_def": {"signature_def": {SIGNATURE_NAME: signature}}}}
 
 
 def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float = 2.0):
@@ -316,11 +326,13 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
         return web.json_response({"error": message}, status=status)
 
     def known(request) -> bool:
-        return request.match_info["name"] == model_name
+        version = request.match_info.get("version", VERSION)
+        return request.match_info["name"] == model_name and version == VERSION
 
     def unknown(request):
-        return error(f"Servable not found for request: Latest({request.match_info['name']})",
-                     404)
+        name, version = request.match_info["name"], request.match_info.get("version")
+        wanted = f"Specific({name}, {version})" if version is not None else f"Latest({name})"
+        return error(f"Servable not found for request: {wanted}", 404)
 
     async def status(request):
         return web.json_response(status_response()) if known(request) else unknown(request)
@@ -357,9 +369,11 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
     app["batcher"] = batcher
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app.router.add_get("/v1/models/{name:[^/:]+}", status)
-    app.router.add_get("/v1/models/{name:[^/:]+}/metadata", metadata)
-    app.router.add_post("/v1/models/{name:[^/:]+}:predict", predict)
+    # TensorFlow Serving's paths, for the latest version and for a given one.
+    for model in ("/v1/models/{name:[^/:]+}", "/v1/models/{name:[^/:]+}/versions/{version:\\d+}"):
+        app.router.add_get(model, status)
+        app.router.add_get(model + "/metadata", metadata)
+        app.router.add_post(model + ":predict", predict)
     return app
 
 
