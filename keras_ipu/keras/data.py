@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -32,13 +32,21 @@ DEFAULT_BATCH_SIZE = 32
 # One execution's host data: (first step, last step, stacked batches).
 Execution = tuple[int, int, Any]
 
-# What the errors call a run's steps argument, its data, and that data as a subject.
+class Role(NamedTuple):
+    """What a run's errors call its steps argument and its data (as object and subject)."""
+
+    steps_argument: str
+    data: str
+    subject: str
+
+
+_DATASET = ("the dataset provided", "The provided set of data")
 ROLES = {
-    "fit": ("steps_per_epoch", "the dataset provided", "The provided set of data"),
-    "validation": ("validation_steps", "the validation data provided",
-                   "The provided validation data"),
-    "evaluate": ("steps", "the dataset provided", "The provided set of data"),
-    "predict": ("steps", "the dataset provided", "The provided set of data"),
+    "fit": Role("steps_per_epoch", *_DATASET),
+    "validation": Role("validation_steps", "the validation data provided",
+                       "The provided validation data"),
+    "evaluate": Role("steps", *_DATASET),
+    "predict": Role("steps", *_DATASET),
 }
 
 
@@ -160,7 +168,7 @@ def plan_steps(
         ValueError: As `make_feed`.
     """
     continues = steps is not None and steps != -1  # epochs continue through the data
-    steps_argument, provided, _ = ROLES[role]
+    steps_argument, provided = ROLES[role].steps_argument, ROLES[role].data
     if not continues:
         if num_batches is None:
             raise ValueError(
@@ -255,7 +263,7 @@ class ArrayFeed:
         _check_positive("batch_size", batch_size)
         if rows % batch_size:
             raise ValueError(
-                f"{ROLES[role][2]} has a partial batch, which could result "
+                f"{ROLES[role].subject} has a partial batch, which could result "
                 f"in data being dropped. Either adjust the `batch_size` of your "
                 f"model (currently set to {batch_size}) or pad your dataset to "
                 f"ensure there are no partial batches ({rows} samples is not a "
@@ -390,7 +398,7 @@ class AdapterFeed:
         self._adapter = adapter
         if _has_partial_batch(adapter):
             raise ValueError(
-                f"{ROLES[role][2]} has a partial batch of "
+                f"{ROLES[role].subject} has a partial batch of "
                 f"{adapter.partial_batch_size} samples, which could result in "
                 f"data being dropped. Pad your dataset, or drop the remainder when "
                 f"batching, to ensure there are no partial batches."
