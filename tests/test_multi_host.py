@@ -139,6 +139,7 @@ def test_helpers_across_two_instances():
         assert "mean [0.5 1. ]" in out
         assert "gather [0, 1, 1]" in out
         assert "bcast 5.0 6.0" in out
+        assert "ipus [0, 1, 2, 3]" in out  # the job's IPUs, numbered one by one
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
 
 

@@ -42,10 +42,11 @@ def global_ipus(local_ipus: Sequence[VirtualIPU]) -> tuple[VirtualIPU, ...]:
         return local_ipus
     mine = process_devices(jax.process_index())
     positions = [mine.index(ipu.device) for ipu in local_ipus]
-    ipus = []
+    ipus: list[VirtualIPU] = []
     for process in range(jax.process_count()):
         devices = process_devices(process)
-        ipus += [VirtualIPU(len(ipus), devices[position]) for position in positions]
+        for position in positions:  # numbered one by one, not one number per process
+            ipus.append(VirtualIPU(len(ipus), devices[position]))
     return tuple(ipus)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 from job import say
 
 import keras_ipu as ipu
+from keras_ipu.device import processes, system
 
 config = ipu.config.IPUConfig()
 ipu.distributed.update_ipu_config(config)
@@ -17,6 +18,7 @@ say("mean", dist.allreduce(np.array([i, 2.0 * i])))
 say("gather", dist.allgather(np.full((i + 1,), i)).tolist())
 say("bcast", dist.broadcast(np.float32(i + 5)), dist.broadcast(np.float32(i + 5), root_rank=1))
 say("devices", len(jax.devices()), len(jax.local_devices()))
+say("ipus", [v.index for v in processes.global_ipus(system.require().ipus)])
 hvd = ipu.horovod  # the seed's names and signatures
 hvd.init()
 say("hvd", hvd.allreduce(tensor=np.float32(i + 1)), hvd.allreduce(np.float32(i + 1), op=hvd.Sum),
