@@ -146,3 +146,47 @@ def test_the_balanced_split_is_the_best_contiguous_one():
         partition.fewest_stages([1] * 6, [10] * 6, 15, minimum=2, maximum=3)
     with pytest.raises(ValueError, match="Cannot split 2 layers into 3"):
         partition.balanced_split([1, 1], [1, 1], 3)
+
+
+def _fit_report(num_ipus, *, accumulation=1, stages=None):
+    """The fit report of a small MLP on `num_ipus` IPUs (pipelined over `stages`)."""
+    configure(num_ipus)
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = _wide_model(64)
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    if stages:
+        model.set_pipeline_stage_assignment(stages)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation)
+    elif accumulation > 1:
+        model.set_gradient_accumulation_options(
+            gradient_accumulation_steps_per_replica=accumulation)
+    x, y = _data(8 * 4 * num_ipus)
+    model.fit(x, y, batch_size=4, verbose=0)
+    return model, ipu.utils.execution_report(model, mode="fit")
+
+
+def _all_reduce(variables, replicas):
+    from keras_ipu.device.replicate import all_reduce_cycles
+
+    bytes_ = sum(int(np.prod(v.shape)) * 4 for v in variables)
+    return all_reduce_cycles(bytes_, replicas, hardware.hardware_for("ipu2"))
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_replicas_sum_their_gradients_once_per_weight_update(accumulation):
+    one = _fit_report(1, accumulation=accumulation)[1].ipus[0].estimated_cycles
+    model, two = _fit_report(2, accumulation=accumulation)
+    updates = 8 // accumulation  # per execution of 8 micro-batches
+    expected = updates * _all_reduce(model.trainable_variables, 2)
+    assert two.ipus[0].estimated_cycles - one == pytest.approx(expected, abs=2)
+
+
+def test_a_replicated_pipeline_counts_its_largest_stages_gradient_sum():
+    one = _fit_report(2, accumulation=4, stages=[0, 0, 1])[1].ipus[0].estimated_cycles
+    model, replicated = _fit_report(4, accumulation=4, stages=[0, 0, 1])
+    stage_0 = [v for layer in model.layers[:2] for v in layer.trainable_variables]
+    updates = 8 // 4
+    expected = updates * _all_reduce(stage_0, 2)  # stage 0 holds the most
+    assert replicated.replicas == 2
+    assert replicated.ipus[0].estimated_cycles - one == pytest.approx(expected, abs=2)

@@ -72,8 +72,10 @@ class ExecutionProgram:
             state has a leading replica axis and the batches
             `[steps, replicas, ...]` (see `Replicas`).
         hardware: The hardware description used for the accounting.
-        exchange_bytes_per_step: Bytes each replica all-reduces per step
-            (gradients), for the cycle estimate.
+        exchange_bytes_per_step: Bytes of gradients each replica all-reduces
+            per step (one weight update), for the cycle estimate; for a
+            pipeline, the most any of its IPUs all-reduces (they sum their
+            stages' gradients side by side).
         micro_batches_per_step: Batches one step consumes (gradient
             accumulation); the report counts steps in batches.
         finalize: Applied to the stacked outfeed inside the compiled program
@@ -408,16 +410,18 @@ class ExecutionProgram:
                 loop: loops.LoopChoice, seconds: float, options: str) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
         cost = cost() if callable(cost) else cost
-        count = self.replicas.count
-        # The cost is one step's (one batch's): each batch of the execution costs it.
-        steps = _leading(batches) * self.micro_batches_per_step
-        step_cycles = cost.cycles(self.hardware) + all_reduce_cycles(
-            self.exchange_bytes_per_step, count, self.hardware
-        )
+        # The cost is one batch's: each batch of the execution costs it. The
+        # replicas sum their gradients once per step (weight update), after
+        # its micro-batches.
+        micro = self.micro_batches_per_step
+        steps = _leading(batches) * micro
+        all_reduce = all_reduce_cycles(self.exchange_bytes_per_step, self.replica_count,
+                                       self.hardware)
+        step_cycles = cost.cycles(self.hardware) + all_reduce / micro
         pipeline_report = None
         if self._pipeline is not None:
             per_pass, pipeline_report = self._pipeline(self.hardware)
-            step_cycles = per_pass / self.micro_batches_per_step
+            step_cycles = (per_pass + all_reduce) / micro
         cycles = int(round(step_cycles * steps))
         report = ExecutionReport(
             mode=self.mode,

@@ -181,6 +181,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             replicas=Replicas(ipus),
             hardware=hardware,
             micro_batches_per_step=micro,
+            exchange_bytes_per_step=_largest_gradients(pipe) if mode == "fit" else 0,
             finalize=finalize,
             execution=execution,
             pipeline=cost,
@@ -226,6 +227,14 @@ def _plan_key(plan) -> tuple:
         (id(call.node), call.stage, call.input_keys, call.output_keys)
         for calls in plan.stages for call in calls
     )
+
+
+def _largest_gradients(pipe) -> int:
+    """Bytes of the gradients of the IPU that holds the most: replicated, each IPU
+    sums its stages' gradients with its replicas', side by side with the others."""
+    variables = pipe.model.trainable_variables
+    return max((accounting.tree_bytes([variables[i] for i in ids]) for ids in pipe.trainable_of),
+               default=0)
 
 
 def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
