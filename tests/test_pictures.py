@@ -57,6 +57,9 @@ def test_a_pipelined_reports_pictures_and_html(strategy, tmp_path):
     # Boxes last as long as the report's per-stage cycles.
     lengths = {label[0]: length for row, _, length, label in figure.axes[0].boxes if row == 0}
     assert lengths["F"] == pytest.approx(report.pipeline.stage_forward_cycles[0])
+    # The timeline is one pass, with each tick's synchronisation: as long as the report's.
+    end = max(start + length for _, start, length, _ in figure.axes[0].boxes)
+    assert end + report.pipeline.sync_cycles == pytest.approx(report.estimated_cycles, abs=1)
     memory = report.plot_memory(tmp_path / "memory.png")
     bars = [p.get_height() for p in memory.axes[0].patches]
     assert len(bars) == 4 * 2 and (tmp_path / "memory.png").exists()
@@ -74,3 +77,19 @@ def test_a_single_ipu_timeline(strategy):
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     figure = ipu.utils.execution_report(model, "fit").plot_timeline()
     assert len(figure.axes[0].boxes) == 4
+
+
+def test_every_replica_of_a_pipeline_shows_its_stash(strategy):
+    configure(4)
+    x, y = data_for("sequential", samples=64)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = two_stage_mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    report = ipu.utils.execution_report(model, "fit")
+    assert report.replicas == 2 and len(report.ipus) == 4
+    bars = [p.get_height() * 2**20 for p in report.plot_memory().axes[0].patches]
+    stash = bars[2 * 4: 3 * 4]  # state, temporaries, stash, io: 4 bars each
+    np.testing.assert_allclose(stash, list(report.pipeline.stash_bytes) * 2, rtol=1e-6)
+    assert min(stash) > 0

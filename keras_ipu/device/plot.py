@@ -19,7 +19,8 @@ _FORWARD, _BACKWARD = "#4C78A8", "#F58518"
 
 
 def timeline(table: schedules.ScheduleTable, forward_cycles: float | Sequence[float] = 1.0,
-             backward_cycles: float | Sequence[float] | None = None, title: str | None = None):
+             backward_cycles: float | Sequence[float] | None = None, title: str | None = None,
+             sync_cycles: float = 0.0):
     """Draws a schedule table in time: one row per IPU, one box per forward or backward.
 
     Args:
@@ -28,6 +29,8 @@ def timeline(table: schedules.ScheduleTable, forward_cycles: float | Sequence[fl
         backward_cycles: The same for backward passes (default: twice the
             forward cycles).
         title: The figure's title (default: the schedule's name).
+        sync_cycles: Cycles each tick ends with (synchronisation and
+            exchange), drawn as the gap before the next tick.
 
     Returns:
         The matplotlib `Figure`; its axes' `boxes` attribute lists the drawn
@@ -56,7 +59,7 @@ def timeline(table: schedules.ScheduleTable, forward_cycles: float | Sequence[fl
                       color=_FORWARD if op.phase == "F" else _BACKWARD)
             axes.text(start + length / 2, ipu, label, ha="center", va="center", fontsize=7,
                       color="white")
-        start += duration
+        start += duration + sync_cycles
     axes.boxes = boxes
     axes.set_yticks(range(table.num_ipus), [f"IPU {i}" for i in range(table.num_ipus)])
     axes.invert_yaxis()

@@ -64,6 +64,8 @@ class PipelineReport:
         ticks: Time steps of one pass.
         ignored_options: Pipelining options accepted without effect on the
             device model.
+        sync_cycles: The synchronisation and exchange between two ticks,
+            which each tick pays besides its slowest op.
     """
 
     schedule: str
@@ -78,6 +80,7 @@ class PipelineReport:
     stash_bytes: tuple[int, ...] = ()
     recomputation: bool = False
     ignored_options: tuple[str, ...] = ()
+    sync_cycles: float = 0.0
 
     def __str__(self) -> str:
         stages = ", ".join(
@@ -274,8 +277,10 @@ class ExecutionReport:
             figure = plot.timeline(table, pipeline.stage_forward_cycles,
                                    pipeline.stage_backward_cycles if self.mode == "fit"
                                    else None,
-                                   title=f"{pipeline.schedule} pipeline ({self.mode}), "
-                                         f"utilisation {pipeline.utilisation:.0%}")
+                                   title=f"{pipeline.schedule} pipeline ({self.mode}), one pass "
+                                         f"of {pipeline.micro_batches} micro-batches, "
+                                         f"utilisation {pipeline.utilisation:.0%}",
+                                   sync_cycles=pipeline.sync_cycles)
         else:
             steps = self.steps_per_execution
             figure = plot.steps_timeline([ipu.index for ipu in self.ipus], steps,
@@ -302,10 +307,13 @@ class ExecutionReport:
 
         stash = [0] * len(self.ipus)
         if self.pipeline is not None and self.pipeline.stash_bytes:
-            positions = {ipu.index: i for i, ipu in enumerate(self.ipus)}
-            for stage, ipu in enumerate(self.pipeline.device_mapping):
-                if ipu in positions:
-                    stash[positions[ipu]] += self.pipeline.stash_bytes[stage]
+            # The IPUs come replica by replica; the mapping names a replica's own IPUs.
+            per_replica = len(self.ipus) // max(self.replicas, 1)
+            for position in range(len(self.ipus)):
+                stash[position] = sum(
+                    size for ipu, size in zip(self.pipeline.device_mapping,
+                                              self.pipeline.stash_bytes)
+                    if ipu == position % per_replica)
         figure = plot.memory(self.ipus, stash, title=f"Memory per IPU ({self.mode})")
         if path is not None:
             figure.savefig(path)

@@ -296,6 +296,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
                 for s, count in enumerate(table.stash_counts())
             ),
             recomputation=recompute,
+            sync_cycles=hardware.sync_cycles,
             ignored_options=tuple(sorted(
                 key for key in options.pipelining_kwargs
                 if "no effect" in PIPELINING_KWARGS[key])),
