@@ -190,6 +190,12 @@ def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: A
 
     table = schedules.build_schedule(schedule, num_stages, gradient_accumulation_steps,
                                      device_mapping, training=training)
+    minimum = schedules.minimum_micro_batches(table.schedule, num_stages)
+    if gradient_accumulation_steps < minimum:  # as a fit or an inference would refuse it
+        raise ValueError(
+            f"{gradient_accumulation_steps} micro-batches are too few for the "
+            f"{table.schedule.name} schedule of {num_stages} pipeline stages: the minimum is "
+            f"{minimum}.")
     figure = plot.timeline(table)
     if path is not None:
         figure.savefig(path)

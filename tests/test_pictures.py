@@ -35,6 +35,14 @@ def test_the_timeline_draws_the_schedule_table(schedule, tmp_path):
         all(op is None for op in tick) for tick in table.ticks)
 
 
+def test_a_schedule_that_cannot_run_is_refused_as_fit_refuses_it():
+    for schedule in ("Grouped", "Interleaved"):
+        with pytest.raises(ValueError, match=rf"2 micro-batches are too few for the {schedule} "
+                                             r"schedule of 3 pipeline stages: the minimum is 3"):
+            ipu.utils.plot_schedule(3, 2, schedule)
+    assert len(ipu.utils.plot_schedule(3, 1, "Sequential").axes[0].boxes) == 3 * 2
+
+
 def test_the_three_schedules_look_different():
     drawn = {s: [(row, start, length) for row, start, length, _ in
                  ipu.utils.plot_schedule(3, 8, s).axes[0].boxes] for s in SCHEDULES}
