@@ -102,6 +102,20 @@ def test_bad_input_is_one_line_and_status_2(args, message, export_dir):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_missing_array_or_an_unwritable_outdir_is_one_line_and_status_2(export_dir,
+                                                                          tmp_path):
+    np.savez(tmp_path / "inputs.npz", a=np.ones((1, 4), "float32"))
+    (tmp_path / "a_file").touch()
+    for args, message in (
+            (["--inputs", f"x={tmp_path / 'inputs.npz'}[b]"], "has no array 'b'; it has ['a']"),
+            (["--input_exprs", "x=np.ones((1, 4));y=np.ones((1, 4))", "--outdir",
+              str(tmp_path / "a_file")],
+             "cannot make the folder")):
+        result = _cli("run", "--dir", str(export_dir), *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["show", "run", "serve", "convert", "demo"])
 def test_every_command_has_help(command):
     result = _cli(command, "--help")

@@ -209,12 +209,18 @@ def _run(args: argparse.Namespace) -> None:
         for name, value in outputs.items():
             print(f"{name}: {np.array2string(value, threshold=64)}")
         return
-    os.makedirs(args.outdir, exist_ok=True)
+    try:
+        os.makedirs(args.outdir, exist_ok=True)
+    except OSError as error:
+        raise CommandError(f"--outdir {args.outdir!r}: cannot make the folder ({error})") from None
     for name, value in outputs.items():
         path = os.path.join(args.outdir, f"{name}.npy")
         if os.path.exists(path) and not args.overwrite:
             raise CommandError(f"{path} exists; pass --overwrite to replace it")
-        np.save(path, value)
+        try:
+            np.save(path, value)
+        except OSError as error:
+            raise CommandError(f"--outdir: cannot write {path!r} ({error})") from None
         print(f"{name}: saved to {path}")
 
 
@@ -235,6 +241,9 @@ def _file_inputs(spec: str) -> dict:
         if isinstance(loaded, np.lib.npyio.NpzFile):
             if key is None and len(loaded.files) != 1:
                 raise CommandError(f"--inputs {name}: name the array of {value!r}: {loaded.files}")
+            if key is not None and key not in loaded.files:
+                raise CommandError(f"--inputs {name}: {value!r} has no array {key!r}; it has "
+                                   f"{loaded.files}")
             loaded = loaded[key or loaded.files[0]]
         inputs[name] = loaded
     return inputs
