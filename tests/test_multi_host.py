@@ -93,6 +93,30 @@ def test_cli_run_dispatches_on_num_instances(capsys):
     assert "multiple of --num-instances" in capsys.readouterr().err
 
 
+def test_the_launcher_splits_its_options_from_the_script_and_its_own():
+    split = launcher._split
+    assert split(["--num-instances", "2", "train.py", "--epochs", "3", "-m", "x"]) == (
+        ["--num-instances", "2"], ["train.py", "--epochs", "3", "-m", "x"])
+    assert split(["--num-instances=2", "-m", "package.train", "--num-replicas", "8"]) == (
+        ["--num-instances=2"], ["-m", "package.train", "--num-replicas", "8"])
+    assert split(["--num-replicas", "4", "--num-instances", "2", "--", "--odd-name.py"]) == (
+        ["--num-replicas", "4", "--num-instances", "2"], ["--odd-name.py"])
+
+
+def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
+    done = launch("--num-instances", "2", "-m", "module_job", "--epochs", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (0, 1):
+        assert f"module {index} ['--epochs', '3']" in lines_of(done.stdout, index)
+    for args, message in ((["--num-instances", "2"], "give the script to run"),
+                          (["--num-instances", "2", "-m"], "give the script to run"),
+                          (["--num-instances", "2", "--ipus-per-replica", "0", "x.py"],
+                           "--ipus-per-replica must be at least 1, got 0")):
+        failed = launch(*args)
+        assert failed.returncode == 2 and message in failed.stderr, failed.stderr
+        assert "Traceback" not in failed.stderr
+
+
 def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
     from keras_ipu.distributed import strategy
 

@@ -68,9 +68,14 @@ def instance_environment(index: int, num_instances: int, coordinator: str,
     return env
 
 
+_OPTIONS_WITH_VALUES = ("--num-instances", "--num-replicas", "--ipus-per-replica",
+                        "--coordinator")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-ipu run",
+        usage="keras-ipu run --num-instances N [options] [--] (SCRIPT | -m MODULE) [ARGS...]",
         description="Start N instances of a training script on this machine (multi-host "
                     "training over JAX's distributed runtime).",
     )
@@ -84,9 +89,31 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="address of instance 0's coordination service "
                              "(default: a free port on 127.0.0.1)")
-    parser.add_argument("script", help="the Python script (or -m MODULE)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`(the launcher's options, the instances' command)`.
+
+    The command starts at `--`, at `-m`, or at the first argument that is
+    not one of the launcher's options, so that the script's own options
+    (`-m`, `--epochs`) are never taken for the launcher's.
+    """
+    options, index = [], 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            return options, argv[index + 1:]
+        name = token.split("=", 1)[0]
+        if name in _OPTIONS_WITH_VALUES and "=" not in token:
+            options += argv[index:index + 2]
+            index += 2
+        elif name in _OPTIONS_WITH_VALUES or token in ("-h", "--help"):
+            options.append(token)
+            index += 1
+        else:
+            return options, argv[index:]
+    return options, []
 
 
 def main(argv: Sequence[str]) -> int:
@@ -106,16 +133,17 @@ def main(argv: Sequence[str]) -> int:
     >>> main(["--num-instances", "2", "train.py", "--epochs", "3"])
     0
     """
-    argv = list(argv)
-    if "--" in argv:  # everything after `--` is the script's
-        cut = argv.index("--")
-        options, command = argv[:cut], argv[cut + 1:]
-        args = _parser().parse_args([*options, *command[:1]])
-        args.args = command[1:]
-    else:
-        args = _parser().parse_args(argv)
+    parser = _parser()
+    options, command = _split(list(argv))
+    args = parser.parse_args(options)
+    if not command or command == ["-m"]:
+        parser.error("give the script to run: SCRIPT [ARGS...] or -m MODULE [ARGS...]")
     if args.num_instances < 1:
         print(f"error: --num-instances must be at least 1, got {args.num_instances}",
+              file=sys.stderr)
+        return 2
+    if args.ipus_per_replica is not None and args.ipus_per_replica < 1:
+        print(f"error: --ipus-per-replica must be at least 1, got {args.ipus_per_replica}",
               file=sys.stderr)
         return 2
     if args.num_replicas is not None and (
@@ -124,8 +152,7 @@ def main(argv: Sequence[str]) -> int:
               f"--num-instances ({args.num_instances}): each instance runs the same number "
               f"of replicas", file=sys.stderr)
         return 2
-    command = [sys.executable, "-u", *(["-m", args.args.pop(0)] if args.script == "-m"
-                                       and args.args else [args.script]), *args.args]
+    command = [sys.executable, "-u", *command]
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     return Job(command, args.num_instances, coordinator, args.num_replicas,
                args.ipus_per_replica).run()

@@ -35,7 +35,10 @@ def show_main(argv: Sequence[str]) -> int:
 def run_main(argv: Sequence[str]) -> int:
     """`keras-ipu run --dir DIR (--inputs ... | --input_exprs ...) [--outdir DIR] [--overwrite]`."""
     parser = argparse.ArgumentParser(
-        prog="keras-ipu run", description="Run one batch through an export.")
+        prog="keras-ipu run", description="Run one batch through an export.",
+        epilog="With --num-instances N, `keras-ipu run` starts N instances of a training "
+               "script instead (multi-host training): see "
+               "`keras-ipu run --num-instances 1 --help`.")
     parser.add_argument("--dir", required=True, help="the export directory")
     parser.add_argument("--inputs", default="",
                         help="name=file.npy pairs, separated by ';' or ',' "
