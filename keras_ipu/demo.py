@@ -6,6 +6,7 @@ Run with `keras-ipu demo` or `python -m keras_ipu.demo`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -118,13 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gradient-accumulation", type=int, default=5)
     parser.add_argument("--no-pipeline", action="store_true", help="replicas only")
     args = parser.parse_args(argv)
-    run(
-        num_ipus=args.ipus,
-        epochs=args.epochs,
-        steps_per_execution=args.steps_per_execution,
-        gradient_accumulation=args.gradient_accumulation,
-        pipelined=not args.no_pipeline,
-    )
+    least = {"--ipus": 1 if args.no_pipeline else 2, "--epochs": 1, "--steps-per-execution": 1,
+             "--gradient-accumulation": 1}
+    for flag, minimum in least.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < minimum:
+            pipelined = flag == "--ipus" and not args.no_pipeline
+            why = " (a 2-stage pipeline; --no-pipeline for 1)" if pipelined else ""
+            parser.error(f"{flag} must be at least {minimum}{why}, got {value}")
+    try:
+        run(
+            num_ipus=args.ipus,
+            epochs=args.epochs,
+            steps_per_execution=args.steps_per_execution,
+            gradient_accumulation=args.gradient_accumulation,
+            pipelined=not args.no_pipeline,
+        )
+    except (ValueError, RuntimeError) as error:  # keras_ipu's checks: the numbers do not fit
+        print(f"keras-ipu demo: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

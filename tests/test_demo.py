@@ -31,3 +31,18 @@ def test_demo_trains_pipelined_and_replicated():
     assert [ipu.index for ipu in report.ipus] == [0, 1, 2, 3] and report.replicas == 2
     assert report.pipeline.schedule == "Grouped" and report.pipeline.num_stages == 2
     assert "2-stage pipeline, 2 replica(s)" in "\n".join(lines)
+
+
+def test_bad_demo_arguments_are_one_line_errors(capsys):
+    import pytest
+
+    for args, message in ((["--ipus", "1"], "--ipus must be at least 2 (a 2-stage pipeline"),
+                          (["--ipus", "0", "--no-pipeline"], "--ipus must be at least 1, got 0"),
+                          (["--steps-per-execution", "0"], "--steps-per-execution must be at")):
+        with pytest.raises(SystemExit) as exited:
+            demo.main(args)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+    # Numbers keras_ipu refuses: its own message, before anything trains.
+    assert demo.main(["--ipus", "2", "--steps-per-execution", "7", "--epochs", "1"]) == 2
+    assert ("`steps_per_execution` (7) must be a divisor of the number of batches (120)"
+            in capsys.readouterr().err)
