@@ -118,6 +118,10 @@ def test_a_config_file_with_comments_fp16_and_ignored_options(saved_mlp, tmp_pat
 
 @pytest.mark.parametrize("args, message", [
     (["--num_ipus", "2", "--manual_sharding", "^block_0$"], "gives 1 regex lists for --num_ipus 2"),
+    (["--num_ipus", "2", "--manual_sharding", "^block_", "^nothing$"],
+     "no layer name matches the regexes of IPU 1 (['^nothing$'])"),
+    (["--pipeline_cfg", '{"converter": "manual", "manual_pipeline_config": [["^block_"], '
+      '["^nothing$"]], "device_info": [0, 1]}'], "no layer name matches the regexes of stage 1"),
     (["--precision_mode", "FP8"], "must be FP16 or FP32"),
     (["--pipeline_cfg", "{not json"], "--pipeline_cfg is not JSON"),
     (["--pipeline_cfg", '{"converter": "magic"}'], "must be auto, manual or load"),

@@ -134,7 +134,9 @@ def _stage_plan(model, options: ConvertOptions, summary: dict):
             raise ValueError(
                 f"--manual_sharding gives {len(patterns)} regex lists for --num_ipus "
                 f"{options.num_ipus}: give one per IPU.")
-        return _by_patterns(model, patterns), tuple(range(len(patterns)))
+        stage_of = _by_patterns(model, patterns)
+        _check_every_stage_used(stage_of, options.manual_sharding, "--manual_sharding", "IPU")
+        return stage_of, tuple(range(len(patterns)))
     config = options.pipeline_cfg
     if config is None:
         return None
@@ -147,6 +149,8 @@ def _stage_plan(model, options: ConvertOptions, summary: dict):
             raise ValueError("The manual converter needs `manual_pipeline_config` (one regex list "
                              "per stage) and `device_info` (one IPU per stage).")
         stage_of = _by_patterns(model, patterns)
+        _check_every_stage_used(stage_of, config.get("manual_pipeline_config"),
+                                "manual_pipeline_config", "stage")
         _write_solution(config.get("solution_dir"), stage_of, mapping, summary)
         return stage_of, tuple(mapping)
     if converter == "load":
@@ -169,6 +173,17 @@ def _by_patterns(model, patterns: list[list[re.Pattern]]) -> dict[str, int]:
             (s for s, regexes in enumerate(patterns) if any(r.search(layer.name)
                                                            for r in regexes)), 0)
     return stage_of
+
+
+def _check_every_stage_used(stage_of: dict[str, int], given: Sequence[Any], option: str,
+                            unit: str) -> None:
+    """Raises `ValueError` when a regex list took no layer: its IPU would run no stage."""
+    used = set(stage_of.values())
+    empty = [f"{unit} {s} ({given[s]!r})" for s in range(len(given)) if s not in used]
+    if empty:
+        raise ValueError(
+            f"{option}: no layer name matches the regexes of {', '.join(empty)}; each "
+            f"{unit} needs at least one layer (layers: {', '.join(stage_of)}).")
 
 
 def _patterns(value: Any) -> list[re.Pattern]:
