@@ -136,3 +136,58 @@ def test_kerases_caps_on_epochs_and_steps_per_epoch_hold(capped, strategy):
     assert int(on_ipu.optimizer.iterations) == int(plain.optimizer.iterations) == 2 * 4
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
     assert_history_close(expected.history, actual.history)
+
+
+class ShuffledBatches(Batches):
+    """`Batches` that records which batch each training step took."""
+
+    def __init__(self, x, y, seen):
+        super().__init__(x, y)
+        self.seen = seen
+
+    def __getitem__(self, index):
+        self.seen.append(index)
+        return super().__getitem__(index)
+
+
+def test_a_shuffled_py_dataset_gives_plain_kerases_order_from_the_first_fit(strategy):
+    # Keras builds the loss and metrics from a pass of its own: its shuffle counts.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    seen, histories = {}, []
+    for name, model in (("plain", plain), ("ipu", on_ipu)):
+        seen[name] = []
+        keras.utils.set_random_seed(11)
+        data = ShuffledBatches(x, y, seen[name])
+        data.shuffle = True
+        histories.append(model.fit(data, epochs=2, shuffle=True, verbose=0))
+    assert seen["ipu"] == seen["plain"] and len(seen["ipu"]) == 1 + 2 * 8
+    assert_history_close(histories[0].history, histories[1].history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+def test_a_layer_frozen_after_compile_predicts_and_evaluates_as_in_keras(strategy):
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    before = _both(plain, on_ipu, lambda model: model.predict(x, batch_size=BATCH, verbose=0))
+    for model in (plain, on_ipu):
+        model.layers[0].trainable = False  # no compile(): the state's structure changes
+    after = _both(plain, on_ipu, lambda model: model.predict(x, batch_size=BATCH, verbose=0))
+    np.testing.assert_allclose(after[1], before[1], atol=1e-6)
+    np.testing.assert_allclose(after[1], after[0], atol=1e-6)
+    np.testing.assert_allclose(
+        *_both(plain, on_ipu, lambda model: model.evaluate(x, y, batch_size=BATCH, verbose=0)),
+        rtol=1e-6)
+    # Training it takes compile(), as in Keras: its error, and the weights are kept.
+    weights, errors = on_ipu.get_weights(), []
+    for model in (plain, on_ipu):
+        model.layers[0].trainable = True
+        model.layers[1].trainable = False
+        with pytest.raises(ValueError) as raised:
+            model.fit(x, y, batch_size=BATCH, verbose=0)
+        errors.append(str(raised.value).splitlines()[0])
+    for error in errors:  # Keras' own error: the optimizer's slots fit the old variables
+        assert error.startswith("Invalid variable value in StatelessScope") and "(8, 3)" in error
+    assert_weights_close(weights, on_ipu.get_weights(), atol=0)
+    on_ipu.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    assert np.isfinite(on_ipu.fit(x, y, batch_size=BATCH, verbose=0).history["loss"][0])

@@ -409,6 +409,7 @@ class AdapterFeed:
         self._pending: list[Any] = []
         self._seen = 0
         self._shapes: Any = None
+        self._first: Any = None
         self._started = False
         self.ran_out_of_data = False
 
@@ -418,10 +419,11 @@ class AdapterFeed:
         return jax.tree_util.tree_leaves(self.first_batch())[0].shape[0]
 
     def first_batch(self) -> Any:
-        """The first batch (kept for the first execution)."""
-        if not self._pending:
-            self._pending.append(self._next_batch())
-        return self._pending[0]
+        """The first batch seen (pulled now, and kept for the first execution, if none was)."""
+        if self._first is None:
+            self._first = self._next_batch()
+            self._pending.append(self._first)
+        return self._first
 
     def executions(self) -> Iterator[Execution]:
         """One epoch's executions; stops early, with a warning, if data runs out."""
@@ -455,7 +457,19 @@ class AdapterFeed:
         self._adapter.on_epoch_end()
 
     def draw_build_pass(self) -> None:
-        """Nothing: the first batch starts the adapter's iterator, which the epoch goes on with."""
+        """Takes the first batch from a pass of its own, which then ends, as Keras' `fit` does.
+
+        Keras builds a model from a new iterator's first batch and resets
+        before the first epoch, which starts another: a shuffled
+        `PyDataset` draws its order twice, and its `on_epoch_end` runs once
+        more; a generator's new iterator replays the batches Keras peeked at.
+        """
+        self._adapter.on_epoch_begin()
+        try:
+            self.first_batch()
+        finally:
+            self._iterator, self._pending, self._seen = None, [], 0
+            self._adapter.on_epoch_end()
 
     def rewind(self) -> None:
         """Starts the next execution with a new iterator from the adapter.

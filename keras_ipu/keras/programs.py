@@ -54,7 +54,9 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
         key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
     else:
         key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
-    run = cached_run(model, mode, key, build)
+    # Which variables are trainable is part of the program: setting a layer's
+    # `trainable` after compile() gives another one, as Keras' jit retraces.
+    run = cached_run(model, mode, (key, _state_structure(model, parts)), build)
     keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
     spe = feed.plan.steps_per_execution
     host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
@@ -64,6 +66,13 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     batches = run.codec.batch_spec(run.layout.to_program(batches))
     run.program.prepare(run.codec.spec(keras_state), batches)
     return run
+
+
+def _state_structure(model, parts) -> tuple:
+    """The variables each part of a mode's state holds, by identity."""
+    return tuple(tuple(id(v) for v in getattr(model, part)) for part in parts
+                 if part != "optimizer_variables") + (
+        (len(model.optimizer.variables),) if "optimizer_variables" in parts else ())
 
 
 def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, hardware):

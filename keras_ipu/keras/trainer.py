@@ -319,10 +319,10 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                     state = codec.to_device(model._get_jax_state(
                         **dict.fromkeys(parts, True), purge_model_variables=True))
                     model._jax_state_synced = False
-                    if not run.program.donates_state:
-                        # The variables are purged: a hook that reads the model
-                        # while this execution runs gets the state it started from.
-                        _keep_state(model, state, codec)
+                    # The variables are purged: until the execution's own
+                    # state comes back, this is the model's (a hook reading the
+                    # model while it runs, or a call that fails before it does).
+                    _keep_state(model, state, codec)
                 ended = _submit_streamed(hooks, stream, begin, batches)
                 new_state, outfeed = execute(state, batches)
                 outfeed, returned = _split_steps(run, outfeed)
