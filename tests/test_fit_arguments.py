@@ -191,3 +191,25 @@ def test_a_layer_frozen_after_compile_predicts_and_evaluates_as_in_keras(strateg
     assert_weights_close(weights, on_ipu.get_weights(), atol=0)
     on_ipu.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     assert np.isfinite(on_ipu.fit(x, y, batch_size=BATCH, verbose=0).history["loss"][0])
+
+
+def test_the_plan_is_logged_with_the_pipelines_accumulation(caplog):
+    import logging
+
+    import keras_ipu as ipu
+
+    from conftest import configure
+    from models import two_stage_mlp
+
+    configure(4)
+    x, y = data_for("sequential", samples=64)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = two_stage_mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    with caplog.at_level(logging.INFO, logger="keras_ipu"):
+        model.fit(x, y, batch_size=2, verbose=0)
+    assert ("Training is distributed and accumulating 4 batches per optimizer step across 2 "
+            "replicas, your effective batch size is 16.") in caplog.text
+    assert ("Doing 2 weight updates per execution per replica, which is 4 per epoch per "
+            "replica.") in caplog.text

@@ -675,3 +675,12 @@ def test_accumulate_outfeed_averages_the_micro_batches_of_a_pass(strategy):
         running = np.cumsum(per_batch) / np.arange(1, 17)
         expected = running.reshape(4, 4).mean(axis=1) if accumulate else running[3::4]
         np.testing.assert_allclose(batch_logs, expected, rtol=1e-5)
+        # The epoch's logs and evaluate() are the last logs the callbacks got, with one
+        # replica as with several (the reference's "logs of the last step").
+        history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                            callbacks=[recorder := _LossRecorder()])
+        assert history.history["loss"][-1] == pytest.approx(recorder.losses[-1], rel=1e-6)
+        tested = _LossRecorder()
+        tested.on_test_batch_end = tested.on_train_batch_end
+        evaluated = model.evaluate(x, y, batch_size=2, verbose=0, callbacks=[tested])
+        assert evaluated == pytest.approx(tested.losses[-1], rel=1e-6)

@@ -55,6 +55,9 @@ class Run:
             the execution instead of streaming them (asynchronous
             callbacks): `outfeed -> (outfeed as without them, per-step
             outputs [steps, replicas, ...])`.
+        accumulated_logs: Whether the outfeed's logs are the means a pipeline
+            accumulates over each pass (`accumulate_outfeed`): they are the
+            epoch's logs then, not the metrics' running state.
 
     Example:
 
@@ -67,6 +70,7 @@ class Run:
     replica_count: int
     batches_per_step: int | None = None
     split_steps: Callable[[Any], tuple[Any, Any]] | None = None
+    accumulated_logs: bool = False
 
 
 def cached_run(model: Any, mode: str, key: Any, build: Callable[[], Run]) -> Run:

@@ -97,7 +97,7 @@ def fit(
         epochs=max(epochs - (model._initial_epoch or initial_epoch), 1),
         replicas=replicas.local_count,
     )
-    _check_accumulation(model, feed.plan, options, placement.plan)
+    accumulation = _check_accumulation(model, feed.plan, options, placement.plan)
     val_feed = None
     if validation_data is not None:
         val_x, val_y, val_sw = _unpack(validation_data)
@@ -111,7 +111,7 @@ def fit(
             replicas=replicas.local_count,
             role="validation",
         )
-    _log_plan(model, feed, options)
+    _log_plan(model, feed, accumulation)
     model._symbolic_build(iterator=_BuildPass(feed))
     run = programs.prepare(model, "fit", placement, feed, options)
     val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
@@ -463,9 +463,10 @@ def _has_batch_hooks(callbacks, *hooks: str) -> bool:
 
 
 def _epoch_logs(model, run: Run, logs) -> dict:
-    if run.replica_count == 1:
+    if run.replica_count == 1 and not run.accumulated_logs:
         return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
-    # Keras' metric variables hold one replica's state: use the reduced logs.
+    # Keras' metric variables hold one replica's state, and a pipeline that
+    # accumulates its outfeed reports its passes' means: the last logs are the epoch's.
     return dict(pythonify_logs(logs))
 
 
@@ -604,7 +605,8 @@ def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None)
         )
 
 
-def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> None:
+def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> int:
+    """The micro-batches per weight update (the pipeline's for a pipelined model), checked."""
     if pipeline_plan is not None:
         accumulation = pipelined.accumulation_steps(model, options)
     else:
@@ -621,6 +623,7 @@ def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) ->
             f"`steps_per_execution` is divisible by "
             f"`gradient_accumulation_steps_per_replica`."
         )
+    return accumulation
 
 
 def _build_for_predict(model, batch) -> None:
@@ -639,8 +642,8 @@ def _unpack(batch):
     return data_adapter_utils.unpack_x_y_sample_weight(batch)
 
 
-def _log_plan(model, feed, options: IPUOptions) -> None:
-    plan, accumulation = feed.plan, options.gradient_accumulation_steps
+def _log_plan(model, feed, accumulation: int) -> None:
+    plan = feed.plan
     if plan.steps_per_execution == 1 and plan.steps > 1:
         logger.info(
             "The model `%s` has been configured with only 1 steps per execution. "
@@ -657,3 +660,8 @@ def _log_plan(model, feed, options: IPUOptions) -> None:
             f" across {plan.replicas} replicas" if plan.replicas > 1 else "",
             feed.batch_size * accumulation * plan.replicas,
         )
+    updates = plan.steps_per_execution // accumulation
+    logger.info(
+        "Doing %d weight update%s per execution per replica, which is %d per epoch per replica.",
+        updates, "s" if updates != 1 else "", plan.steps // accumulation,
+    )

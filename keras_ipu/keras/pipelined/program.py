@@ -197,7 +197,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
                            if mode == "predict" else tuple)
         return run.Run(program, layout, codec.PipelineCodec(state), replicas.count,
                        batches_per_step=None if mode == "predict" else micro,
-                       split_steps=split_steps)
+                       split_steps=split_steps,
+                       accumulated_logs=accumulate_outfeed and mode != "predict")
 
     return key, build
 
