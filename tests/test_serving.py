@@ -114,6 +114,22 @@ def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
                                      postprocessing_step=lambda v: jnp.sum(v),
                                      postprocessing_step_signature=None)
     assert float(alike(x)) == 60
+    # A preprocessing step's signature gives the export's inputs (here int32 [1, 3]).
+    def to_model(tokens):
+        return jnp.reshape(tokens.astype(jnp.float32), (-1, 3, 1)) * 10
+
+    signature = (keras.Input((3,), batch_size=None, dtype="int32", name="tokens"),)
+    for directory, export in (("e", lambda **kw: model.export_for_ipu_serving(
+            tmp_path / "e", **kw)), ("f", lambda **kw: ipu.serving.export_keras(
+            model, str(tmp_path / "f"), **kw))):
+        signed = export(preprocessing_step=to_model, preprocessing_step_signature=signature,
+                        postprocessing_step=lambda v: jnp.sum(v))
+        assert signed.inputs == [{"name": "tokens", "shape": [1, 3], "dtype": "int32"}], directory
+        assert float(signed(tokens=np.array([[-1, 2, -3]], "int32"))) == 60
+    with pytest.raises(TypeError, match=r"preprocessing_step_signature\[0\] must have a shape "
+                                        r"and a dtype"):
+        model.export_for_ipu_serving(tmp_path / "g", preprocessing_step=to_model,
+                                     preprocessing_step_signature=[None])
 
 
 def test_one_export_for_cpu_and_cuda(strategy, tmp_path):

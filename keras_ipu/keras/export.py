@@ -46,15 +46,19 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
                  postprocessing_step: Callable[..., Any] | None = None,
                  purge_export_dir: bool = False,
                  platforms: Sequence[str] | None = None,
-                 int64_to_int32: bool = False) -> runtime.ServingRuntime:
+                 int64_to_int32: bool = False,
+                 preprocessing_step_signature: Any = None) -> runtime.ServingRuntime:
     """Writes a serving export of `model`; returns its runtime (see `export_for_ipu_serving`).
 
     `int64_to_int32` exports int64 inputs as int32 (`keras-ipu convert
-    --int64_to_int32_conversion`).
+    --int64_to_int32_conversion`). With a `preprocessing_step`, a
+    `preprocessing_step_signature` (specs with `shape` and `dtype`) gives the
+    export's inputs, which the step turns into the model's.
 
     Raises:
         ValueError: Model not created in an IPUStrategy, unknown batch size,
             non-empty directory without `purge_export_dir`, bad output names.
+        TypeError: A signature entry without a shape and a dtype.
         RuntimeError: Model not built.
     """
     if context.state_of(model).strategy is None:
@@ -63,6 +67,8 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
             f"it in `IPUStrategy().scope()` to export it for IPU serving."
         )
     structure, specs, names = _input_signature(model, batch_size)
+    if preprocessing_step is not None and preprocessing_step_signature is not None:
+        specs, names = _step_inputs(preprocessing_step_signature, specs[0].shape[0])
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
                  for s in specs]
@@ -181,6 +187,32 @@ def _input_signature(model: Any, batch_size: int | None):
             raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape})")
         specs.append(jax.ShapeDtypeStruct(shape, np.dtype(str(tensor.dtype))))
     return structure, specs, names
+
+
+def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:
+    """`(specs, names)` of a preprocessing step's signature: its inputs become the export's.
+
+    Each entry has a `shape` (a leading `None` is the export's batch size)
+    and a `dtype`: a `jax.ShapeDtypeStruct`, a `keras.Input`, a `tf.TensorSpec`.
+    """
+    entries = list(signature) if isinstance(signature, (list, tuple)) else [signature]
+    specs, names = [], []
+    for position, entry in enumerate(entries):
+        shape, dtype = getattr(entry, "shape", None), getattr(entry, "dtype", None)
+        if shape is None or dtype is None:
+            raise TypeError(
+                f"preprocessing_step_signature[{position}] must have a shape and a dtype (a "
+                f"jax.ShapeDtypeStruct, keras.Input or tf.TensorSpec), got {entry!r}.")
+        dims = tuple(shape)
+        if dims and dims[0] is None:
+            dims = (batch, *dims[1:])
+        name = _input_name(entry, position)
+        if any(d is None for d in dims):
+            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {dims})")
+        specs.append(jax.ShapeDtypeStruct(dims, np.dtype(getattr(dtype, "as_numpy_dtype",
+                                                                 dtype))))
+        names.append(name)
+    return specs, names
 
 
 def _model_inputs(model: Any) -> Any:

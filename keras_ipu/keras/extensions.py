@@ -316,10 +316,14 @@ class ExtensionBase:
             output_names: A name, or one per output (default `output_0`, ...).
             preprocessing_step: A JAX-traceable function of the inputs, run
                 before the model inside the exported program.
-            preprocessing_step_signature: Accepted for ported code; the
-                signature comes from the model's inputs.
+            preprocessing_step_signature: The inputs of
+                `preprocessing_step`, which become the export's: specs with a
+                `shape` (a leading `None` is the batch size) and a `dtype`
+                (`jax.ShapeDtypeStruct`, `keras.Input`, `tf.TensorSpec`). Without
+                it, the export takes the model's inputs.
             postprocessing_step: A JAX-traceable function of the outputs.
-            postprocessing_step_signature: Accepted for ported code.
+            postprocessing_step_signature: Accepted for ported code (the
+                outputs' signature is traced from the program).
             purge_export_dir: Empty a non-empty `export_dir` first.
             platforms: Platforms the export runs on (default: this one),
                 e.g. `("cpu", "cuda")`.
@@ -342,7 +346,8 @@ class ExtensionBase:
 
         return export.export_model(self, export_dir, batch_size, output_names,
                                    preprocessing_step, postprocessing_step, purge_export_dir,
-                                   platforms)
+                                   platforms,
+                                   preprocessing_step_signature=preprocessing_step_signature)
 
     def _pipeline_assignment_changed(self):
         # Called by the stage assignment methods: compiled programs are stale.

@@ -38,11 +38,15 @@ def export_keras(model: Any, export_dir: str, batch_size: int | None = None,
         output_names: A name, or one per output (default `output_0`, ...).
         preprocessing_step: A JAX-traceable function of the inputs, run
             before the model.
-        preprocessing_step_signature: Accepted for ported code; the
-            signature comes from the model's inputs.
+        preprocessing_step_signature: The inputs of
+            `preprocessing_step`, which become the export's: specs with a
+            `shape` (a leading `None` is the batch size) and a `dtype`
+            (`jax.ShapeDtypeStruct`, `keras.Input`, `tf.TensorSpec`). Without
+            it, the export takes the model's inputs.
         postprocessing_step: A JAX-traceable function of the outputs, run
             after it.
-        postprocessing_step_signature: Accepted for ported code.
+        postprocessing_step_signature: Accepted for ported code (the
+            outputs' signature is traced from the program).
         purge_export_dir: Empty a non-empty `export_dir` first.
         platforms: The platforms the export runs on (default: this one),
             e.g. `("cpu", "cuda")`.
@@ -62,7 +66,8 @@ def export_keras(model: Any, export_dir: str, batch_size: int | None = None,
     from keras_ipu.keras import export
 
     return export.export_model(model, export_dir, batch_size, output_names, preprocessing_step,
-                               postprocessing_step, purge_export_dir, platforms)
+                               postprocessing_step, purge_export_dir, platforms,
+                               preprocessing_step_signature=preprocessing_step_signature)
 
 
 def __getattr__(name: str):
