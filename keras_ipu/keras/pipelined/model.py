@@ -14,7 +14,6 @@ gives it, then all IPUs exchange the tick's activations. Training is in
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from keras.src import tree
 from keras_ipu.device import schedules
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages
-from keras_ipu.keras.pipelined import flat_optimizer, instances
+from keras_ipu.keras.pipelined import instances, optimizer_copies
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -184,21 +183,17 @@ class PipelinedModel:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
-        # One optimizer clone per IPU, built on that IPU's variables; its
-        # variables map back to the optimizer's by name (`optimizer_positions`).
-        # Clipped by the norm over every IPU's gradients before the clones
-        # step (`pipelined/update.py`): the clones do not clip again.
-        self.global_clipnorm = _global_clipnorm(optimizer)
+        # One optimizer copy per IPU, built on that IPU's variables
+        # (`optimizer_copies`). Clipped by the norm over every IPU's gradients
+        # before the copies step (`pipelined/update.py`): they do not clip again.
+        self.global_clipnorm = optimizer_copies.global_clipnorm(optimizer)
         for ids in self.trainable_of:
-            # A fresh config each time: `from_config` may consume its argument.
-            clone = optimizer.__class__.from_config(
-                _without_global_clipnorm(optimizer.get_config()))
             variables = [model.trainable_variables[i] for i in ids]
-            _exclude_from_weight_decay_as(optimizer, clone, variables)
-            clone.build(variables)
+            clone = optimizer_copies.copy_for(optimizer, variables)
             flat = FlatOptimizer.of(clone, variables)
             order = flat.storage_order if flat else tuple(range(len(clone.variables)))
-            in_clone = optimizer_positions(optimizer, clone, model.trainable_variables, ids)
+            in_clone = optimizer_copies.positions(optimizer, clone, model.trainable_variables,
+                                                  ids)
             self.optimizers.append(clone)
             self.flat_optimizers.append(flat)
             self.optimizer_storage.append(order)
@@ -216,117 +211,9 @@ class PipelinedModel:
             self.model.optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-def _global_clipnorm(optimizer) -> float | None:
-    """The optimizer's `global_clipnorm` (a `LossScaleOptimizer`'s inner optimizer's)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return getattr(inner, "global_clipnorm", None) or None
-
-
-def _without_global_clipnorm(config: dict) -> dict:
-    """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
-    config = dict(config)
-    if isinstance(config.get("inner_optimizer"), dict):
-        inner = dict(config["inner_optimizer"])
-        inner["config"] = _without_global_clipnorm(inner["config"])
-        config["inner_optimizer"] = inner
-    if "global_clipnorm" in config:
-        config["global_clipnorm"] = None
-    return config
-
-
-def _exclude_from_weight_decay_as(optimizer, clone, variables) -> None:
-    """Excludes from `clone`'s weight decay the variables `optimizer` excludes.
-
-    `exclude_from_weight_decay(...)` is not part of an optimizer's config, so
-    a clone made from the config would decay every variable.
-    """
-    if optimizer.weight_decay is None:
-        return
-    excluded = [v for v in variables if not optimizer._use_weight_decay(v)]
-    if excluded:
-        clone.exclude_from_weight_decay(var_list=excluded)
-
-
 def _unique(values: list[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
-
-def optimizer_positions(optimizer, clone, trainable: Sequence, ids: Sequence[int]) -> list[int]:
-    """Where each variable of `clone` (built on `trainable[i] for i in ids`) is in `optimizer`.
-
-    Keras names a slot after its variable's path (most optimizers), after its
-    variable's name (Adafactor: `kernel` for every kernel), or not at all
-    (Nadam's `u_product`, auto-named with a process-wide counter). So both
-    are built again, allocating nothing, over stand-ins named after their
-    index in the model: each slot's name then says its variable. Names still
-    repeat where optimizers nest (a `LossScaleOptimizer` and the optimizer it
-    wraps each have an `iteration`): the k-th variable of a name is matched
-    with the k-th, as every build creates its variables in the same order.
-
-    Args:
-        optimizer: The model's optimizer, built on all of `trainable`.
-        clone: An optimizer of its class and config, built on the `ids` variables.
-        trainable: The model's trainable variables.
-        ids: The indices of the clone's variables in `trainable`.
-
-    Returns:
-        For each of `clone.variables`, its index in `optimizer.variables`.
-
-    Raises:
-        NotImplementedError: When the optimizer's variables cannot be split
-            between IPUs this way.
-    """
-    def stand_ins(indices):
-        return [(f"w{i}", tuple(trainable[i].shape), trainable[i].dtype) for i in indices]
-
-    whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
-    part = _named_clone(optimizer, stand_ins(ids))
-    positions = _occurrences(whole.variables)
-    keys = list(_occurrences(part.variables))
-    if not (_same_shapes(whole.variables, optimizer.variables)
-            and _same_shapes(part.variables, clone.variables)
-            and all(key in positions for key in keys)):
-        raise NotImplementedError(
-            f"The variables of {type(optimizer).__name__} cannot be split between the "
-            f"pipeline's IPUs (its slots are not named after their variables). Train with "
-            f"another optimizer, or without pipelining.")
-    return [positions[key] for key in keys]
-
-
-def _named_clone(optimizer, stand_ins: list) -> Any:
-    """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, for its names.
-
-    Allocating nothing where it can; an optimizer that makes variables from
-    values (Nadam, Adafactor) refuses a stateless scope and gets zeros.
-    """
-    try:
-        return flat_optimizer.unallocated_clone(optimizer, stand_ins)
-    except ValueError:
-        clone = optimizer.__class__.from_config(optimizer.get_config())
-        clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
-                     for name, shape, dtype in stand_ins])
-        return clone
-
-
-def _same_shapes(variables, others) -> bool:
-    return [(tuple(v.shape), str(v.dtype)) for v in variables] == [
-        (tuple(v.shape), str(v.dtype)) for v in others]
-
-
-# Keras' automatic variable names (`variable`, `variable_3`): the number
-# counts variables made in the process, not in one optimizer.
-_AUTOMATIC_NAME = re.compile(r"^variable(_\d+)?$")
-
-
-def _occurrences(variables) -> dict[tuple[str, int], int]:
-    """`(name, k) -> index` of the k-th variable called `name` in `variables`."""
-    seen: dict[str, int] = {}
-    keys = {}
-    for i, variable in enumerate(variables):
-        name = "variable" if _AUTOMATIC_NAME.match(variable.name) else variable.name
-        k = seen[name] = seen.get(name, -1) + 1
-        keys[(name, k)] = i
-    return keys
 
 
 # --------------------------------------------------------------------------- state

@@ -1,0 +1,167 @@
+"""One copy of the model's optimizer per IPU of a pipeline, and where its variables go.
+
+Each IPU steps its own variables with its own copy of the optimizer, built
+from the optimizer's config on those variables alone. `positions` says where
+each of a copy's variables is in the model's optimizer, so the packed state
+moves between the two (`model.PipelineState`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from keras_ipu.keras.pipelined import flat_optimizer
+
+
+def copy_for(optimizer, variables: Sequence) -> Any:
+    """A copy of `optimizer` built on `variables`, clipping nothing by the global norm.
+
+    The copy excludes from weight decay the variables the optimizer excludes
+    (`exclude_from_weight_decay` is not in an optimizer's config). The
+    pipeline clips by the norm over every IPU's gradients before the copies
+    step, so they do not clip again.
+
+    Args:
+        optimizer: The model's (built) optimizer.
+        variables: One IPU's trainable variables.
+
+    Returns:
+        The built copy.
+
+    Example:
+
+    >>> copy_for(model.optimizer, model.layers[0].trainable_variables).variables
+    """
+    # A fresh config each time: `from_config` may consume its argument.
+    copy = optimizer.__class__.from_config(_without_global_clipnorm(optimizer.get_config()))
+    _exclude_from_weight_decay_as(optimizer, copy, variables)
+    copy.build(variables)
+    return copy
+
+
+def global_clipnorm(optimizer) -> float | None:
+    """The optimizer's `global_clipnorm` (a `LossScaleOptimizer`'s inner optimizer's).
+
+    Example:
+
+    >>> global_clipnorm(keras.optimizers.SGD(global_clipnorm=1.0))
+    1.0
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(inner, "global_clipnorm", None) or None
+
+
+def _without_global_clipnorm(config: dict) -> dict:
+    """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
+    config = dict(config)
+    if isinstance(config.get("inner_optimizer"), dict):
+        inner = dict(config["inner_optimizer"])
+        inner["config"] = _without_global_clipnorm(inner["config"])
+        config["inner_optimizer"] = inner
+    if "global_clipnorm" in config:
+        config["global_clipnorm"] = None
+    return config
+
+
+def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:
+    """Excludes from `copy`'s weight decay the variables `optimizer` excludes.
+
+    `exclude_from_weight_decay(...)` is not part of an optimizer's config, so
+    a copy made from the config would decay every variable.
+    """
+    if optimizer.weight_decay is None:
+        return
+    excluded = [v for v in variables if not optimizer._use_weight_decay(v)]
+    if excluded:
+        copy.exclude_from_weight_decay(var_list=excluded)
+
+
+def positions(optimizer, copy, trainable: Sequence, ids: Sequence[int]) -> list[int]:
+    """Where each variable of `copy` (built on `trainable[i] for i in ids`) is in `optimizer`.
+
+    Keras names a slot after its variable's path (most optimizers), after its
+    variable's name (Adafactor: `kernel` for every kernel), or not at all
+    (Nadam's `u_product`, auto-named with a process-wide counter). So both
+    are built again, allocating nothing, over stand-ins named after their
+    index in the model: each slot's name then says its variable. Names still
+    repeat where optimizers nest (a `LossScaleOptimizer` and the optimizer it
+    wraps each have an `iteration`): the k-th variable of a name is matched
+    with the k-th, as every build creates its variables in the same order.
+
+    Args:
+        optimizer: The model's optimizer, built on all of `trainable`.
+        copy: The IPU's copy (`copy_for`), built on the `ids` variables.
+        trainable: The model's trainable variables.
+        ids: The indices of the clone's variables in `trainable`.
+
+    Returns:
+        For each of `copy.variables`, its index in `optimizer.variables`.
+
+    Raises:
+        NotImplementedError: When the optimizer's variables cannot be split
+            between IPUs this way.
+
+    Example:
+
+    >>> ids = [2, 3]   # the second Dense layer's kernel and bias
+    >>> copy = copy_for(model.optimizer, [model.trainable_variables[i] for i in ids])
+    >>> positions(model.optimizer, copy, model.trainable_variables, ids)
+    """
+    def stand_ins(indices):
+        return [(f"w{i}", tuple(trainable[i].shape), trainable[i].dtype) for i in indices]
+
+    whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
+    part = _named_clone(optimizer, stand_ins(ids))
+    index_of = _occurrences(whole.variables)
+    keys = list(_occurrences(part.variables))
+    if not (_same_shapes(whole.variables, optimizer.variables)
+            and _same_shapes(part.variables, copy.variables)
+            and all(key in index_of for key in keys)):
+        raise NotImplementedError(
+            f"The variables of {type(optimizer).__name__} cannot be split between the "
+            f"pipeline's IPUs (its slots are not named after their variables). Train with "
+            f"another optimizer, or without pipelining.")
+    return [index_of[key] for key in keys]
+
+
+def _named_clone(optimizer, stand_ins: list) -> Any:
+    """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, for its names.
+
+    Allocating nothing where it can; an optimizer that makes variables from
+    values (Nadam, Adafactor) refuses a stateless scope and gets zeros.
+    """
+    try:
+        return flat_optimizer.unallocated_clone(optimizer, stand_ins)
+    except ValueError:
+        clone = optimizer.__class__.from_config(optimizer.get_config())
+        clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
+                     for name, shape, dtype in stand_ins])
+        return clone
+
+
+def _same_shapes(variables, others) -> bool:
+    return [(tuple(v.shape), str(v.dtype)) for v in variables] == [
+        (tuple(v.shape), str(v.dtype)) for v in others]
+
+
+# Keras' automatic variable names (`variable`, `variable_3`): the number
+# counts variables made in the process, not in one optimizer.
+_AUTOMATIC_NAME = re.compile(r"^variable(_\d+)?$")
+
+
+def _occurrences(variables) -> dict[tuple[str, int], int]:
+    """`(name, k) -> index` of the k-th variable called `name` in `variables`."""
+    seen: dict[str, int] = {}
+    keys = {}
+    for i, variable in enumerate(variables):
+        name = "variable" if _AUTOMATIC_NAME.match(variable.name) else variable.name
+        k = seen[name] = seen.get(name, -1) + 1
+        keys[(name, k)] = i
+    return keys
+
+
+__all__ = ["copy_for", "global_clipnorm", "positions"]
