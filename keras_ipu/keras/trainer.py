@@ -463,7 +463,9 @@ def _has_batch_hooks(callbacks, *hooks: str) -> bool:
 
 
 def _epoch_logs(model, run: Run, logs) -> dict:
-    if run.replica_count == 1 and not run.accumulated_logs:
+    # --use_synthetic_data: nothing comes back to the host, the metrics' state neither.
+    synthetic = bool(ipu_system.require().option("use_synthetic_data"))
+    if run.replica_count == 1 and not run.accumulated_logs and not synthetic:
         return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
     # Keras' metric variables hold one replica's state, and a pipeline that
     # accumulates its outfeed reports its passes' means: the last logs are the epoch's.
