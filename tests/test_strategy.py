@@ -196,7 +196,8 @@ def test_synthetic_data_flag_moves_no_data(strategy, monkeypatch):
     config.configure_ipu_system()
     with strategy.scope():
         # Its outputs on zeros are not zeros: the device's loss on them is not 0.
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, bias_initializer="ones")])
+        model = keras.Sequential([keras.Input((6,)),
+                                  keras.layers.Dense(3, bias_initializer="ones")])
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x, y = data_for("sequential", samples=16)
     x[:] = np.nan  # never reaches the device
