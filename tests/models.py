@@ -86,6 +86,21 @@ BUILDERS = {
 }
 
 
+class ArrayBatches(keras.utils.PyDataset):
+    """Array data as a `PyDataset` of `batch_size` batches, in order."""
+
+    def __init__(self, x, y, batch_size: int):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
 def data_for(kind: str, samples: int = 64, seed: int = 0):
     """(x, y) for a model kind: dicts for the two-input, two-output model."""
     rng = np.random.default_rng(seed)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_weights_close
-from models import data_for, twin
+from models import ArrayBatches, data_for, twin
 
 
 def _weights_unchanged(model, call):
@@ -139,29 +139,16 @@ def test_generator_with_a_partial_batch_raises(strategy):
     model.fit(_generator(x, y, 4), steps_per_epoch=7, verbose=0)  # still usable
 
 
-class _Sequence(keras.utils.PyDataset):
-    def __init__(self, x, y, batch):
-        super().__init__()
-        self.x, self.y, self.batch = x, y, batch
-
-    def __len__(self):
-        return len(self.x) // self.batch
-
-    def __getitem__(self, i):
-        s = slice(i * self.batch, (i + 1) * self.batch)
-        return self.x[s], self.y[s]
-
-
 def test_py_dataset_matches_plain_keras(strategy):
     plain, model = twin("sequential", strategy, steps_per_execution=2)
     x, y = data_for("sequential", samples=32)
-    expected = plain.fit(_Sequence(x, y, 8), epochs=2, shuffle=False, verbose=0)
-    actual = model.fit(_Sequence(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(ArrayBatches(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    actual = model.fit(ArrayBatches(x, y, 8), epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
     assert_weights_close(plain.get_weights(), model.get_weights())
     np.testing.assert_allclose(
-        model.evaluate(_Sequence(x, y, 8), verbose=0),
-        plain.evaluate(_Sequence(x, y, 8), verbose=0),
+        model.evaluate(ArrayBatches(x, y, 8), verbose=0),
+        plain.evaluate(ArrayBatches(x, y, 8), verbose=0),
         atol=1e-6,
     )
 

@@ -11,24 +11,16 @@ import numpy as np
 import pytest
 
 from conftest import assert_history_close, assert_weights_close
-from models import data_for, twin
+from models import ArrayBatches, data_for, twin
 
 BATCH = 8
 
 
-class Batches(keras.utils.PyDataset):
-    """Array batches as a `PyDataset`, in order."""
+class Batches(ArrayBatches):
+    """Array batches of `BATCH` rows as a `PyDataset`, in order."""
 
-    def __init__(self, x, y, batch_size=BATCH):
-        super().__init__()
-        self.x, self.y, self.batch_size = x, y, batch_size
-
-    def __len__(self):
-        return len(self.x) // self.batch_size
-
-    def __getitem__(self, index):
-        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
-        return self.x[rows], self.y[rows]
+    def __init__(self, x, y):
+        super().__init__(x, y, BATCH)
 
 
 def _both(plain, on_ipu, call):

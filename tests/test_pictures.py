@@ -49,15 +49,20 @@ def test_the_three_schedules_look_different():
     assert len({tuple(sorted(boxes)) for boxes in drawn.values()}) == 3
 
 
-def test_a_pipelined_reports_pictures_and_html(strategy, tmp_path):
-    configure(2)
+def _pipelined_fit_report(num_ipus: int):
+    """The fit report of a 2-stage pipeline (GA 8, one pass an execution) on `num_ipus` IPUs."""
+    configure(num_ipus)
     x, y = data_for("sequential", samples=64)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = two_stage_mlp()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=8)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    report = ipu.utils.execution_report(model, "fit")
+    return ipu.utils.execution_report(model, "fit")
+
+
+def test_a_pipelined_reports_pictures_and_html(strategy, tmp_path):
+    report = _pipelined_fit_report(2)
     figure = report.plot_timeline(tmp_path / "fit.png")
     table = schedules.build_schedule("Grouped", 2, 8)
     assert _rows(figure) == [[f"{op.phase}{op.micro_batch}" for op in table.ops_of(i)]
@@ -88,14 +93,7 @@ def test_a_single_ipu_timeline(strategy):
 
 
 def test_every_replica_of_a_pipeline_shows_its_stash(strategy):
-    configure(4)
-    x, y = data_for("sequential", samples=64)
-    with ipu.ipu_strategy.IPUStrategy().scope():
-        model = two_stage_mlp()
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=8)
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    report = ipu.utils.execution_report(model, "fit")
+    report = _pipelined_fit_report(4)
     assert report.replicas == 2 and len(report.ipus) == 4
     bars = [p.get_height() * 2**20 for p in report.plot_memory().axes[0].patches]
     stash = bars[2 * 4: 3 * 4]  # state, temporaries, stash, io: 4 bars each

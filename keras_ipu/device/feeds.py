@@ -457,10 +457,11 @@ class IPUOutfeedQueue:
         """
         received, self._received = self._received, []
         if self.outfeed_mode == IPUOutfeedMode.LAST:
-            if not received or _synthetic_data():
-                raise ValueError("The outfeed has no last element: nothing was enqueued"
-                                 + (" (--use_synthetic_data returns no data to the host)."
-                                    if _synthetic_data() else "."))
+            if _synthetic_data():
+                raise ValueError("The outfeed has no last element: --use_synthetic_data "
+                                 "returns no data to the host.")
+            if not received:
+                raise ValueError("The outfeed has no last element: nothing was enqueued.")
             return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
         if not received:
             return []

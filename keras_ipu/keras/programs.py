@@ -69,10 +69,14 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
 
 
 def _state_structure(model, parts) -> tuple:
-    """The variables each part of a mode's state holds, by identity."""
-    return tuple(tuple(id(v) for v in getattr(model, part)) for part in parts
-                 if part != "optimizer_variables") + (
-        (len(model.optimizer.variables),) if "optimizer_variables" in parts else ())
+    """The variables each part of a mode's state holds: the model's by identity, the
+    optimizer's by count (they follow the trainable variables it was built on)."""
+    def structure(part):
+        if part == "optimizer_variables":
+            return len(model.optimizer.variables)
+        return tuple(id(v) for v in getattr(model, part))
+
+    return tuple(structure(part) for part in parts)
 
 
 def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, hardware):
