@@ -76,7 +76,8 @@ _SUBMODULES = (
 )
 # IPU TensorFlow's operator modules, also under `ipu.ops`.
 _OPS = ("all_to_all_op", "cross_replica_ops", "embedding_ops", "image_ops", "internal_ops",
-        "math_ops", "nn_ops", "rand_ops", "reduce_scatter_op", "replication_ops", "rnn_ops",
+        "math_ops", "nn_ops", "normalization_ops", "rand_ops", "reduce_scatter_op",
+        "replication_ops", "rnn_ops",
         "slicing_ops", "statistics_ops")
 _LAZY_NAMES = {
     "IPUStrategy": ("keras_ipu.ipu_strategy", "IPUStrategy"),

@@ -106,7 +106,7 @@ def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epoc
     >>> infeed = IPUInfeedQueue(batches())
     >>> stats = json.loads(infeed_benchmark(infeed, 2, 100, print_stats=False))
     """
-    from keras_ipu.device.feeds import IPUInfeedQueue
+    from keras_ipu.device.queues import IPUInfeedQueue
 
     if not isinstance(infeed_queue, IPUInfeedQueue):
         raise TypeError(f"infeed_queue must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue, got "

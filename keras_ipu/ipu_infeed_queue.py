@@ -1,5 +1,5 @@
 """`ipu.ipu_infeed_queue`: `IPUInfeedQueue`, a loop's data; see `keras_ipu.device.feeds`."""
 
-from keras_ipu.device.feeds import IPUInfeedQueue
+from keras_ipu.device.queues import IPUInfeedQueue
 
 __all__ = ["IPUInfeedQueue"]

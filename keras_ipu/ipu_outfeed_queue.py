@@ -1,5 +1,5 @@
 """`ipu.ipu_outfeed_queue`: `IPUOutfeedQueue` and its modes; see `keras_ipu.device.feeds`."""
 
-from keras_ipu.device.feeds import IPUOutfeedMode, IPUOutfeedQueue
+from keras_ipu.device.queues import IPUOutfeedMode, IPUOutfeedQueue
 
 __all__ = ["IPUOutfeedMode", "IPUOutfeedQueue"]

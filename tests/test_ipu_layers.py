@@ -219,3 +219,77 @@ def test_recomputation_checkpoints_are_stashed_and_change_no_number(as_function,
     assert recomputed[2] < checkpointed[2] < stashed[2]
     assert ignored[2] == recomputed[2]
     assert checkpointed[3] == ("schedule" if loop == "scan" else "host")
+
+
+def _group_norm_reference(x, groups, strided, epsilon):
+    """NumPy: channels-last x, channel c in group c % groups (strided) or c // (C / groups)."""
+    channels = x.shape[-1]
+    group = np.arange(channels) % groups if strided else np.arange(channels) // (channels // groups)
+    out = np.empty_like(x)
+    for g in range(groups):
+        members = x[..., group == g]
+        axes = tuple(range(1, x.ndim))
+        mean = members.mean(axis=axes, keepdims=True)
+        variance = members.var(axis=axes, keepdims=True)
+        out[..., group == g] = (members - mean) / np.sqrt(variance + epsilon)
+    return out
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_the_functional_normalisations_compute_the_seeds_operators(strided):
+    from keras_ipu import normalization_ops  # was: from tensorflow.python.ipu import ...
+
+    x = np.random.default_rng(0).normal(size=(2, 3, 3, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        normalization_ops.group_norm(x, groups=4, strided_channel_grouping=strided),
+        _group_norm_reference(x, 4, strided, 1e-6), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(normalization_ops.instance_norm(x),
+                               _group_norm_reference(x, 8, True, 1e-6), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(normalization_ops.layer_norm(x),
+                               _group_norm_reference(x, 1, True, 1e-6), rtol=1e-4, atol=1e-5)
+    # Channels first, and gamma / beta as values or initializers.
+    gamma = np.arange(1, 9, dtype=np.float32)
+    first = normalization_ops.group_norm(np.moveaxis(x, -1, 1), groups=2, channels_axis=1,
+                                         param_initializers={"gamma": gamma, "beta": "ones"})
+    expected = _group_norm_reference(x, 2, True, 1e-6) * gamma + 1
+    np.testing.assert_allclose(np.moveaxis(np.asarray(first), 1, -1), expected, rtol=1e-4,
+                               atol=1e-5)
+    # The layer computes the same (its epsilon given).
+    layer = ipu.keras.layers.GroupNormalization(groups=2, epsilon=1e-6)
+    layer.build(x.shape)
+    layer.gamma.assign(gamma)
+    np.testing.assert_allclose(
+        layer(x), normalization_ops.group_norm(x, 2, param_initializers={"gamma": layer.gamma}),
+        rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="8 channels .* cannot be split into 3 groups"):
+        normalization_ops.group_norm(x, groups=3)
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        normalization_ops.layer_norm(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="takes 'gamma' and 'beta', got \\['scale'\\]"):
+        normalization_ops.layer_norm(x, param_initializers={"scale": gamma})
+
+
+def test_the_seeds_outlined_function_example_runs_with_layer_norm():
+    # Seed 13.2.1: an outlined function of matmul, layer_norm and gelu, called twice in a loop.
+    from keras_ipu import nn_ops, normalization_ops
+
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.ones((8, 8), np.float32)] * 10)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    w1 = np.random.default_rng(1).normal(size=(8, 8)).astype(np.float32)
+    w2 = np.random.default_rng(2).normal(size=(8, 8)).astype(np.float32)
+
+    @ipu.outlined_function
+    def func(a, b):
+        return nn_ops.gelu(normalization_ops.layer_norm(a @ b))
+
+    def body(x):
+        return outfeed.enqueue(func(func(x, w1), w2))
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(10, body, [], infeed), inputs=[])
+    result = outfeed.dequeue()
+    plain = np.asarray(nn_ops.gelu(normalization_ops.layer_norm(
+        np.asarray(nn_ops.gelu(normalization_ops.layer_norm(np.ones((8, 8), np.float32) @ w1)))
+        @ w2)))
+    assert result.shape == (10, 8, 8)
+    np.testing.assert_allclose(result[3], plain, rtol=1e-4, atol=1e-5)

@@ -171,3 +171,118 @@ def test_synthetic_data_feeds_zeros_and_returns_nothing(monkeypatch):
     assert shapes == {"x": (0, 3), "total": (0,)}
     with pytest.raises(ValueError, match="--use_synthetic_data returns no data to the host"):
         last.dequeue()
+
+
+def test_a_loop_nested_in_a_body_returns_every_inner_iteration_in_order():
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def outer(i):
+        inner = ipu.loops.repeat(2, lambda j: (j + 1, outfeed.enqueue(j)), [i * 10])
+        return i + 1, inner
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [count, last] = ipu.ipu_compiler.compile(
+            lambda: ipu.loops.repeat(3, lambda i, _: outer(i), [jnp.int32(0), jnp.int32(0)]))
+    assert (int(count), int(last)) == (3, 22)
+    assert outfeed.dequeue().tolist() == [0, 1, 10, 11, 20, 21]
+    # Eagerly too (the queue got values, not leaked tracers).
+    ipu.loops.repeat(2, lambda i: outer(i)[0], [jnp.int32(0)])
+    assert outfeed.dequeue().tolist() == [0, 1, 10, 11]
+
+
+def test_a_second_enqueue_in_one_iteration_is_refused_as_on_the_ipu():
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def twice(x):
+        return x + 1, outfeed.enqueue(x), outfeed.enqueue(x * 10)
+
+    with pytest.raises(ValueError, match="enqueued once in an iteration"):
+        ipu.loops.repeat(3, twice, [jnp.int32(0)])
+    with pytest.raises(ValueError, match="enqueued once in an iteration"):
+        # The body's own enqueue and a nested loop's on the same queue.
+        ipu.loops.repeat(2, lambda x: (ipu.loops.repeat(2, lambda y: (y, outfeed.enqueue(y)),
+                                                        [x]), outfeed.enqueue(x)),
+                         [jnp.int32(0)])
+    with pytest.raises(RuntimeError, match="cannot be called in the body of "
+                                           "ipu.loops.while_loop"):
+        ipu.loops.while_loop(lambda x: x < 3, lambda x: (x + 1, outfeed.enqueue(x)), [0])
+    assert outfeed.dequeue() == []
+
+
+def test_strategy_run_fixes_python_values_and_passes_queues_as_the_tf2_loops_do():
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(2, i, np.float32) for i in range(8)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def training_loop(infeed, outfeed, steps, scale=1.0):
+        def body(total, x):
+            total = total + scale * jnp.sum(x)
+            return total, outfeed.enqueue(total)
+        return ipu.loops.repeat(steps, body, [0.0], infeed)
+
+    with strategy.scope():
+        first = strategy.run(training_loop, args=(infeed, outfeed, 4))
+        second = strategy.run(training_loop, args=(infeed, outfeed), kwargs={"steps": 2,
+                                                                             "scale": 10.0})
+    assert float(first) == 2 * (0 + 1 + 2 + 3) and float(second) == 10 * 2 * (4 + 5)
+    np.testing.assert_allclose(outfeed.dequeue(), [0, 2, 6, 12, 80, 180])
+    assert float(ipu.loops.repeat(np.int64(3), lambda x: x + 1, [0.0])) == 3
+    for bad in (0, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="repeat needs n >= 1 iterations, a Python or "
+                                             "NumPy integer"):
+            ipu.loops.repeat(bad, lambda x: x + 1, [0.0])
+
+
+def test_a_compiled_program_runs_again_without_tracing_and_reads_the_next_elements():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(3, i, np.float32) for i in range(9)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    traces = []
+
+    def body(total, x):
+        traces.append(None)
+        return total + jnp.sum(x), outfeed.enqueue(x[0])
+
+    def my_net(start):
+        return ipu.loops.repeat(3, body, [start], infeed)
+
+    assert not infeed.dequeued and infeed.number_of_tuple_elements == 1
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        totals = [float(ipu.ipu_compiler.compile(my_net, [np.float32(s)])[0]) for s in (0, 1, 2)]
+    assert totals == [0 + 9, 1 + 36, 2 + 63]  # 3 * (0+1+2), 3 * (3+4+5), 3 * (6+7+8)
+    assert len(traces) == 1  # one trace (of the loop's body) for the three calls
+    assert outfeed.dequeue().tolist() == list(range(9)) and infeed.dequeued
+    with pytest.raises(ValueError, match="The infeed ran out: 0 elements left"):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(my_net, [np.float32(0)])
+
+
+def test_a_loop_that_cannot_run_takes_nothing_from_its_infeed():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(5)])
+
+    def body(total, x):
+        return total + x
+
+    assert float(ipu.loops.repeat(3, body, [0.0], infeed)) == 3
+    with pytest.raises(ValueError, match="The infeed ran out: 2 elements left for a loop of 3"):
+        ipu.loops.repeat(3, body, [0.0], infeed)
+    with pytest.raises(ValueError, match="The infeed ran out: 2 elements left for a loop of 3"):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(3, body, [0.0], infeed))
+    with pytest.raises(ZeroDivisionError):  # a body that fails to trace
+        ipu.loops.repeat(2, lambda total, x: 1 / 0, [0.0], infeed)
+    with pytest.raises(ZeroDivisionError):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(
+                lambda: ipu.loops.repeat(2, lambda total, x: 1 / 0, [0.0], infeed))
+    assert float(ipu.loops.repeat(2, body, [0.0], infeed)) == 3 + 4
+
+
+def test_the_queues_have_ipu_tensorflows_members():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([(np.ones(2), {"a": np.zeros(1),
+                                                                "b": np.zeros(3)})])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    assert infeed.initializer is None and infeed.deleter is None and outfeed.deleter is None
+    assert infeed.number_of_tuple_elements == 3 and not infeed.dequeued
+    with pytest.raises(ValueError, match="get_next\\(\\) is obsolete"):
+        infeed.get_next()
+    assert ipu.ipu_infeed_queue.IPUInfeedQueue([]).number_of_tuple_elements == 0

@@ -168,3 +168,54 @@ def test_normalise_image_pads_to_four_channels(dtype, out_dtype):
     assert not out[..., 3].any()
     with pytest.raises(ValueError, match="3 channels innermost"):
         image_ops.normalise_image(np.ones((2, 4), dtype), [0] * 3, [1] * 3)
+
+
+def test_dropout_seeds_computed_in_the_program_match_fixed_pairs_and_rates_are_checked():
+    x = np.ones((8, 8), np.float32)
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [traced] = ipu.ipu_compiler.compile(
+            lambda a, s: rand_ops.dropout(a, 0.5, seed=s + 1), [x, np.array([2, 3], np.int32)])
+    np.testing.assert_array_equal(traced, rand_ops.dropout(x, 0.5, seed=[3, 4]))
+    for rate in (-0.5, 1.0, 1.5, "0.1"):
+        with pytest.raises(ValueError, match=r"a number in \[0, 1\); got"):
+            rand_ops.dropout(x, rate, seed=[1, 2])
+
+
+def test_all_to_all_takes_negative_dimensions_and_refuses_others():
+    x = np.arange(8, dtype=np.float32).reshape(4, 1, 2)  # replica r holds [[2r, 2r + 1]]
+    positive = _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 1, 1, 2), x)
+    negative = _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, -1, -1, 2), x)
+    np.testing.assert_array_equal(positive, [[[0, 2]], [[1, 3]], [[4, 6]], [[5, 7]]])
+    np.testing.assert_array_equal(negative, positive)
+    for bad in (2, -3, 1.0):
+        with pytest.raises(ValueError, match="split_dimension must be a dimension of the "
+                                             r"input's shape \(1, 2\), from -2 to 1"):
+            all_to_all_op.all_to_all(x[0], bad, 0, 1)
+
+
+class _Gathering(keras.layers.Layer):
+    """Each replica's rows with its group's: all_gather, all_to_all, reduce_scatter, sums."""
+
+    def call(self, x):
+        gathered = keras.ops.reshape(all_to_all_op.all_gather(x, 2), (-1, 4))  # [2b, 2] -> ..
+        exchanged = all_to_all_op.all_to_all(x, 1, 1, 2)
+        scattered = reduce_scatter_op.reduce_scatter(keras.ops.reshape(x, (-1,)), 2)
+        summed = cross_replica_ops.cross_replica_sum(x, 2)
+        return (gathered, exchanged, keras.ops.reshape(scattered, (1, -1)), summed)
+
+
+def test_a_layer_using_group_collectives_builds_and_runs_replicated():
+    # Keras infers the layer's outputs outside the replicated step: the groups must not fail.
+    configure(4)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((2,), batch_size=1)
+        model = keras.Model(inputs, _Gathering()(inputs))
+        model.compile()
+    assert [tuple(o.shape) for o in model.outputs] == [(1, 4), (1, 2), (1, 1), (1, 2)]
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)  # replica r's batch: [[2r, 2r + 1]]
+    gathered, exchanged, scattered, summed = model.predict(x, batch_size=1, verbose=0)
+    np.testing.assert_array_equal(gathered, [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7],
+                                             [4, 5, 6, 7]])
+    np.testing.assert_array_equal(exchanged, [[0, 2], [1, 3], [4, 6], [5, 7]])
+    np.testing.assert_array_equal(scattered[:, 0], [0 + 2, 1 + 3, 4 + 6, 5 + 7])
+    np.testing.assert_array_equal(summed, [[2, 4], [2, 4], [10, 12], [10, 12]])

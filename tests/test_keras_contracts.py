@@ -331,3 +331,19 @@ def test_weight_decay_exclusions_are_asked_per_variable():
     kernel = keras.Variable(np.zeros((2, 3), "float32"), name="kernel")
     assert optimizer._use_weight_decay(bias) is False
     assert optimizer._use_weight_decay(kernel) is True
+
+
+def test_a_layers_output_is_inferred_in_the_symbolic_scope():
+    # keras_ipu.ops.symbolic: collectives computed as a group's first replica there.
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(in_symbolic_scope())
+            return x
+
+    keras.Sequential([keras.Input((2,)), Probe()])
+    Probe()(np.ones((1, 2), "float32"))
+    assert seen == [True, False]

@@ -89,6 +89,30 @@ def cross_replica_sum(values: Any, group_size: int | None = None) -> Any:
     return jax.tree_util.tree_map(lambda v: jnp.sum(all_gather(v, group_size), axis=0), values)
 
 
+def as_first_of(size: int, op: Any, *args: Any) -> Any:
+    """`op(*args)` as replica 0 of `size` replicas that all hold `args` computes it.
+
+    For code traced outside any replicated program that still needs a
+    group's result shapes (Keras inferring a layer's output before the
+    replicated step exists): the replicas are a `vmap` axis here.
+
+    Args:
+        size: The number of replicas to act as.
+        op: A collective operation of this module (or built on them).
+        *args: Its arguments; arrays are the same on every replica.
+
+    Returns:
+        Replica 0's result.
+
+    Example:
+
+    >>> as_first_of(2, all_gather, x).shape   # (2, *x.shape)
+    """
+    replicated = jax.vmap(lambda *a: op(*a), axis_name=REPLICA_AXIS, axis_size=size,
+                          in_axes=None)
+    return jax.tree_util.tree_map(lambda v: v[0], replicated(*args))
+
+
 def group_of(group_size: int | None) -> tuple[int, jax.Array]:
     """`(size, position)`: the size of this replica's group and its place in it.
 

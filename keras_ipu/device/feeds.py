@@ -8,23 +8,25 @@ with JAX functions for TensorFlow's graph code:
   IPU (`jax.default_device`); `ipu_shard(index)` on its IPU `index`.
 - `compile(computation, inputs)` compiles `computation` with `jax.jit` for
   that IPU and runs it at once (IPU TensorFlow builds an op that a session
-  runs later); outfeeds enqueued inside come back with it.
+  runs later); outfeeds enqueued inside come back with it. The program is
+  kept: calling it again with arrays of the same shapes does not retrace.
 - `repeat(n, body, inputs, infeed_queue)` is an on-device loop (`lax.scan`):
   each iteration takes the next element of the infeed, if any, after the
   loop-carried values; values `enqueue`d on an outfeed in the body are
   stacked per iteration and handed to the queue when the loop has run.
 - `while_loop(condition, body, inputs)` is `lax.while_loop`.
 
-The infeed's elements are taken on the host when the loop is built and enter
-the program as its data.
+Inside `compile` (and `strategy.run`) the infeeds' elements are the
+program's inputs, taken on the host each time it runs; a loop run eagerly
+takes them when it is built, as constants. The queues themselves are in
+`keras_ipu.device.queues`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
-import itertools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import system
+from keras_ipu.device import queues, system
 
 # Trace-time context, not global state: the scope a computation is built in,
 # and the outfeed values enqueued by the loops of a `compile` being traced.
@@ -226,6 +228,10 @@ def frontend_attribute(attribute_name: str, attribute_value: str,
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
     """Compiles `computation(*inputs)` for the current IPU and runs it.
 
+    The compiled program is kept: another call of the same `computation`
+    with inputs of the same shapes runs it again without tracing, its
+    loops taking the infeeds' next elements.
+
     Args:
         computation: A JAX-traceable function of `len(inputs)` arguments.
         inputs: A list of arguments (arrays or structures of them), or `None`.
@@ -251,247 +257,198 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
                            "compiled for that IPU device.")
     device, shard = scope
     target = system.require().ipus_of_device(device)[shard].device
-    return call_compiled(lambda *args: _outputs(computation(*args)), target,
-                         _as_list(inputs))
+    return call_compiled(computation, target, _as_list(inputs), outputs=_outputs)
 
 
-def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None) -> Any:
+def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
+                  outputs: Callable = lambda result: result) -> Any:
     """Runs `fn(*args, **kwargs)` under `jax.jit` on `device`; outfeeds get what it enqueues.
 
+    Array arguments (NumPy, JAX, or anything with `__jax_array__`) are the
+    program's inputs, copied to `device`; every other argument (a Python
+    number, a queue, a model) is fixed in the program, as TensorFlow's
+    `tf.function` fixes Python values. The program is kept in the configured
+    system: a later call with the same `fn`, the same fixed arguments and
+    arrays of the same shapes runs it again without tracing. The infeeds its
+    loops read are inputs too: each call takes their next elements.
+
     The values a loop inside enqueues leave the program with its outputs and
-    reach their queues once it has run (inside another such call, they leave
-    with the outer program's). Operations `fn` returns (outfeed markers) come
-    back as `None`.
+    reach their queues once it has run (inside another such call, `fn` is
+    part of the outer program). Operations `fn` returns (outfeed markers)
+    come back as `None`.
 
     Args:
         fn: A JAX-traceable function.
-        device: The JAX device to run on; array arguments are copied there.
+        device: The JAX device to run on.
         args: Its positional arguments.
         kwargs: Its keyword arguments, or `None`.
+        outputs: Applied to `fn`'s result inside the program.
 
     Returns:
-        `fn`'s result.
+        `fn`'s result, through `outputs`.
+
+    Raises:
+        ValueError: When an infeed has fewer elements than the loops need
+            (none is taken).
 
     Example:
 
     >>> call_compiled(lambda x: x * 2, jax.devices()[0], (np.ones(3),))
     Array([2., 2., 2.], dtype=float32)
     """
-    outer = _OUTFED.get()
-    queues: list = []
+    if _OUTFED.get() is not None:  # inside another program's trace: part of it
+        return _without_operations(outputs(fn(*args, **(kwargs or {}))))
+    arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
+    programs = system.require().programs
+    key = (fn, outputs, device, treedef, fixed)
+    try:
+        program = programs.pop(key, None)
+    except TypeError:  # an unhashable fixed argument: a program for this call only
+        key, program = None, None
+    if program is None:
+        program = _Program(fn, outputs, treedef, fixed)
+    if key is not None:
+        programs[key] = program  # most recently used last
+        while len(programs) > _PROGRAMS_KEPT:
+            programs.pop(next(iter(programs)))
+    return program.run(device, arrays)
 
-    def traced(args, kwargs):
-        token = _OUTFED.set([])
+
+# Programs `call_compiled` keeps per configured system (the least recently used go first).
+_PROGRAMS_KEPT = 64
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic, jax.Array)) or hasattr(leaf, "__jax_array__")
+
+
+def _split_arguments(arguments: Any) -> tuple[list, tuple, Any]:
+    """The arguments' arrays (the program's inputs) and the fixed values, with their structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(arguments)
+    arrays = [jnp.asarray(leaf) if hasattr(leaf, "__jax_array__") else leaf
+              for leaf in leaves if _is_array(leaf)]
+    fixed = tuple(_ARRAY if _is_array(leaf) else leaf for leaf in leaves)
+    return arrays, fixed, treedef
+
+
+class _ArraySlot:
+    """Marks where an array argument goes among the fixed ones."""
+
+
+_ARRAY = _ArraySlot()
+
+
+class _MissingFeed(Exception):
+    """A loop being traced reads an infeed the program does not take yet."""
+
+    def __init__(self, plan: list):
+        super().__init__("a loop reads an infeed the program does not take yet")
+        self.plan = plan
+
+
+class _FeedInputs:
+    """The infeed data of a program being traced: its inputs, in the order its loops read them."""
+
+    def __init__(self, plan: list, data: list):
+        self.plan, self.data, self.read = plan, data, 0
+
+    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        index = self.read
+        if index < len(self.plan) and self.plan[index] == (queue, count):
+            self.read += 1
+            return self.data[index]
+        raise _MissingFeed([*self.plan[:index], (queue, count)])
+
+
+# Trace-time context: the infeed inputs of the `call_compiled` program being traced.
+_FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
+
+
+class _Program:
+    """One compiled function: its jitted program, the infeeds it reads and the outfeeds it fills."""
+
+    def __init__(self, fn: Callable, outputs: Callable, treedef: Any, fixed: tuple):
+        self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
+        self.plan: list = []  # (infeed, elements) its loops read, in order
+        self.outfeeds: list = []  # the queues its outfed values go to, in order
+        # The plan is static: a program compiled for one plan never gets another's data.
+        self.jitted = jax.jit(self._traced, static_argnums=2)
+
+    def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
+        supplied = iter(arrays)
+        leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
+        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        outfed_token = _OUTFED.set([])
+        feeds_token = _FEEDS.set(_FeedInputs(list(plan), feed_data))
         try:
-            result = fn(*args, **kwargs)
+            result = self.outputs(self.fn(*args, **kwargs))
             outfed = _OUTFED.get()
         finally:
-            _OUTFED.reset(token)
-        queues.extend(queue for queue, _ in outfed)
-        result = jax.tree_util.tree_map(
-            lambda v: None if isinstance(v, Operation) else v, result)
-        return result, [value for _, value in outfed]
+            _FEEDS.reset(feeds_token)
+            _OUTFED.reset(outfed_token)
+        self.outfeeds = [queue for queue, _ in outfed]
+        return _without_operations(result), [values for _, values in outfed]
 
-    args, kwargs = jax.device_put((tuple(args), dict(kwargs or {})), device)
-    result, outfed = jax.jit(traced)(args, kwargs)
-    for queue, value in zip(queues, outfed):
-        if outer is not None:
-            outer.append((queue, value))
-        else:
-            queue._receive(value)
-    return result
-
-
-class IPUOutfeedMode(enum.Enum):
-    """What an outfeed's `dequeue` returns: every enqueued element, or the last.
-
-    Example:
-
-    >>> IPUOutfeedQueue(outfeed_mode=IPUOutfeedMode.LAST)
-    """
-
-    # IPU TensorFlow's values: `IPUOutfeedMode("get_last")` is `LAST`.
-    ALL = "all"
-    LAST = "get_last"
+    def run(self, device: Any, arrays: list) -> Any:
+        arrays = jax.device_put(arrays, device)
+        while True:
+            taken = _take_all(self.plan)
+            try:
+                feed_data = jax.device_put([queues.stacked(t) for t in taken], device)
+                result, outfed = self.jitted(arrays, feed_data, tuple(self.plan))
+            except _MissingFeed as missing:  # trace again, reading that infeed too
+                _put_back(self.plan, taken)
+                self.plan = missing.plan
+                continue
+            except BaseException:
+                _put_back(self.plan, taken)
+                raise
+            for queue, values in zip(self.outfeeds, outfed):
+                queue.receive(values)
+            return result
 
 
-class Operation:
-    """A side effect a computation returns, as IPU TensorFlow returns an op.
-
-    `compile` and the loops drop it from a computation's or a body's
-    outputs, as IPU TensorFlow drops operations after the tensors; the
-    effect itself (an outfeed's `enqueue`, a `print_tensor`) is already in
-    the program.
-
-    Example:
-
-    >>> def body(x):
-    ...     return x + 1, outfeed.enqueue(x)   # an Operation: dropped
-    """
+def _take_all(plan: list) -> list:
+    """Each planned read's elements, taken only once every read is known to have them all."""
+    needed: dict = {}
+    for queue, count in plan:
+        already = needed.get(queue, 0)
+        left = len(queue.peek(already + count)) - already
+        if left < count:
+            raise ValueError(f"The infeed ran out: {left} elements left for a loop of "
+                             f"{count} iterations.")
+        needed[queue] = already + count
+    return [queue.take(count) for queue, count in plan]
 
 
-class _Enqueued(Operation):
-    """What `enqueue` returns."""
+def _put_back(plan: list, taken: list) -> None:
+    for (queue, _), elements in reversed(list(zip(plan, taken))):
+        queue.put_back(elements)
 
 
-class IPUInfeedQueue:
-    """The elements a loop's iterations take, one each, from a data source.
-
-    Args:
-        dataset: An iterable of elements: arrays, or tuples or dicts of
-            them (a tuple's parts reach the body positionally, a dict's by
-            keyword).
-        feed_name: Accepted for compatibility.
-        device_ordinal: Accepted for compatibility.
-        replication_factor: Accepted for compatibility.
-        data_to_prefetch: Accepted for compatibility.
-        prefetch_depth: Accepted for compatibility.
-
-    Raises:
-        TypeError: When `dataset` is not iterable.
-
-    Example:
-
-    >>> infeed = IPUInfeedQueue(zip(images, labels))
-    >>> repeat(10, body, [0.0], infeed)
-    """
-
-    def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
-                 replication_factor: int = 1, data_to_prefetch: int = 1,
-                 prefetch_depth: int | None = None):
-        self._dataset = dataset
-        try:
-            self._elements = iter(dataset)
-        except TypeError:
-            raise TypeError(f"IPUInfeedQueue needs an iterable of elements, got "
-                            f"{type(dataset).__name__}.") from None
-        self.initializer = None  # IPU TensorFlow's session initializer: nothing to run
-
-    @property
-    def dataset(self) -> Any:
-        """The data source the queue takes its elements from, as it was given.
-
-        Example:
-
-        >>> IPUInfeedQueue([1, 2]).dataset
-        [1, 2]
-        """
-        return self._dataset
-
-    def _take(self, count: int) -> Any:
-        """The next `count` elements, stacked on a leading axis."""
-        elements = list(itertools.islice(self._elements, count))
-        if len(elements) < count:
-            raise ValueError(f"The infeed ran out: {len(elements)} elements left for a loop "
-                             f"of {count} iterations.")
-        stacked = jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
-        if _synthetic_data():  # no host data reaches the device: it gets zeros
-            return jax.tree_util.tree_map(np.zeros_like, stacked)
-        return stacked
+def _without_operations(result: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda v: None if isinstance(v, queues.Operation) else v, result)
 
 
-class IPUOutfeedQueue:
-    """Values a loop's body enqueues, returned to the host by `dequeue`.
-
-    Args:
-        feed_name: Accepted for compatibility.
-        outfeed_mode: `IPUOutfeedMode.ALL` (default: every enqueued value,
-            stacked) or `LAST`.
-        device_ordinal: Accepted for compatibility.
-        replication_factor: Accepted for compatibility.
-        io_batch_size: Accepted for compatibility.
-
-    Raises:
-        ValueError: For an `outfeed_mode` that is not an `IPUOutfeedMode`
-            (or one's value).
-
-    Example:
-
-    >>> outfeed = IPUOutfeedQueue()
-    >>> def body(x):
-    ...     x = x + 1
-    ...     return x, outfeed.enqueue(x)
-    >>> repeat(20, body, [np.zeros(4)])
-    >>> outfeed.dequeue().shape
-    (20, 4)
-    """
-
-    def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
-                 device_ordinal: int = 0, replication_factor: int | None = None,
-                 io_batch_size: int = 1):
-        self.outfeed_mode = _outfeed_mode(outfeed_mode)
-        self._pending: list = []
-        self._received: list = []
-
-    def enqueue(self, tensors: Any) -> _Enqueued:
-        """Enqueues values inside a loop's body; returns a marker the loop drops.
-
-        Raises:
-            RuntimeError: Outside a loop's body.
-        """
-        collector = _ENQUEUES.get()
-        if collector is None:
-            raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside the body of "
-                               "ipu.loops.repeat.")
-        collector.append((self, tensors))
-        return _Enqueued()
-
-    def _receive(self, stacked: Any) -> None:
-        if _synthetic_data():  # nothing returns to the host: empty arrays of the structure
-            stacked = jax.tree_util.tree_map(
-                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), stacked)
-        self._received.append(stacked)
-
-    def dequeue(self, wait_for_completion: bool = False) -> Any:
-        """The values enqueued by the loops run since the last `dequeue`.
-
-        Returns:
-            With `ALL`, every enqueued value stacked on a leading axis (in
-            order, over loops); with `LAST`, the last one.
-
-        With `--use_synthetic_data` nothing returns to the host: `ALL` gives
-        empty arrays of the enqueued structure, `LAST` raises.
-
-        Raises:
-            ValueError: With `LAST` when nothing was enqueued (or returned).
-        """
-        received, self._received = self._received, []
-        if self.outfeed_mode == IPUOutfeedMode.LAST:
-            if _synthetic_data():
-                raise ValueError("The outfeed has no last element: --use_synthetic_data "
-                                 "returns no data to the host.")
-            if not received:
-                raise ValueError("The outfeed has no last element: nothing was enqueued.")
-            return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
-        if not received:
-            return []
-        return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
-
-
-
-def _synthetic_data() -> bool:
-    """Whether `--use_synthetic_data` is on: no data moves between host and device."""
-    configured = system.current()
-    return configured is not None and bool(configured.option("use_synthetic_data"))
-
-
-def _outfeed_mode(mode: Any) -> IPUOutfeedMode:
-    if mode is None:
-        return IPUOutfeedMode.ALL
-    try:
-        return IPUOutfeedMode(mode)
-    except ValueError:
-        raise ValueError(
-            f"outfeed_mode must be IPUOutfeedMode.ALL or IPUOutfeedMode.LAST (or their values "
-            f"'all', 'get_last'), got {mode!r}.") from None
+def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:
+    """Sends a finished loop's stacked values on: the enclosing body, program, or the queue."""
+    enclosing = queues.current_enqueues()
+    outfed = _OUTFED.get()
+    if enclosing is not None:  # a loop nested in a body: a block of that iteration's values
+        enclosing.add(queue, values, block=True)
+    elif outfed is not None:  # inside `call_compiled`: the values leave with its outputs
+        outfed.append((queue, values))
+    else:
+        queue.receive(values)
 
 
 def repeat(n: int, body: Callable, inputs: Any = None,
-           infeed_queue: IPUInfeedQueue | None = None, use_while_v1: bool = True) -> Any:
+           infeed_queue: queues.IPUInfeedQueue | None = None, use_while_v1: bool = True) -> Any:
     """Runs `body` `n` times on the device, carrying `inputs` from one iteration to the next.
 
     Args:
-        n: The number of iterations, at least 1.
+        n: The number of iterations, an integer of at least 1.
         body: `body(*carried, *element)` (a dict element by keyword) returning
             the new carried values, in the order of `inputs`; outfeed
             `enqueue` markers among them are dropped.
@@ -503,48 +460,62 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
-        ValueError: For `n` below 1, an infeed that runs out, or a body that
-            returns another number of values than `inputs` has.
+        ValueError: For `n` below 1 or not an integer, an infeed that runs
+            out (nothing is taken from it), a body that returns another
+            number of values than `inputs` has, or one that enqueues twice
+            on an outfeed.
 
     Example:
 
     >>> repeat(10, lambda x: x + 1, [0.0])
     Array(10., dtype=float32)
     """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"repeat needs n >= 1 iterations, got {n!r}.")
+    n = _iterations(n)
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
-    data = infeed_queue._take(n) if infeed_queue is not None else None
-    queues: list = []
+    feeds, taken, data = _FEEDS.get(), None, None
+    if infeed_queue is not None and feeds is not None:  # inside `call_compiled`: its inputs
+        data = feeds.take(infeed_queue, n)
+    elif infeed_queue is not None:  # eager, or in another trace: the elements as constants
+        taken = infeed_queue.take(n)
+        data = queues.stacked(taken)
+    layout: list = []  # (outfeed, whether its values are a nested loop's block), per record
 
     def step(carry, element):
-        token = _ENQUEUES.set([])
-        try:
+        with queues.collect_enqueues() as enqueued:
             if element is None:
                 new = body(*carry)
             elif isinstance(element, dict):
                 new = body(*carry, **element)
             else:
                 new = body(*carry, *(element if isinstance(element, tuple) else (element,)))
-            enqueued = _ENQUEUES.get()
-        finally:
-            _ENQUEUES.reset(token)
-        queues[:] = [queue for queue, _ in enqueued]
-        new = _carried(new, len(carry))
-        return new, [value for _, value in enqueued]
+        layout[:] = [(queue, block) for queue, _, block in enqueued.records]
+        return _carried(new, len(carry)), [values for _, values, _ in enqueued.records]
 
-    final, outfed = jax.lax.scan(step, carried, data, length=n)
-    collector = _OUTFED.get()
-    for queue, stacked in zip(queues, outfed):
-        if collector is not None:  # inside `compile`: the values leave with its outputs
-            collector.append((queue, stacked))
-        else:
-            queue._receive(stacked)
+    try:
+        final, outfed = jax.lax.scan(step, carried, data, length=n)
+    except BaseException:
+        if taken is not None:  # the loop did not run: its elements stay in the queue
+            infeed_queue.put_back(taken)
+        raise
+    for (queue, block), values in zip(layout, outfed):
+        if block:  # [n, inner iterations, ...] -> one value per inner iteration, in order
+            values = jax.tree_util.tree_map(lambda a: a.reshape((-1, *a.shape[2:])), values)
+        _deliver(queue, values)
     return _unpacked(final)
 
 
+def _iterations(n: Any) -> int:
+    try:
+        count = operator.index(n)
+    except TypeError:
+        count = None
+    if count is None or isinstance(n, bool) or count < 1:
+        raise ValueError(f"repeat needs n >= 1 iterations, a Python or NumPy integer, got {n!r}.")
+    return count
+
+
 def while_loop(condition: Callable, body: Callable, inputs: Any = None,
-               infeed_queue: IPUInfeedQueue | None = None,
+               infeed_queue: queues.IPUInfeedQueue | None = None,
                maximum_iterations: int | None = None, use_while_v1: bool = True) -> Any:
     """Runs `body` while `condition` holds, carrying `inputs` (at most `maximum_iterations`).
 
@@ -562,6 +533,8 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
 
     Raises:
         ValueError: With an `infeed_queue`.
+        RuntimeError: When the body enqueues on an outfeed, for the same
+            reason: enqueue in the body of `repeat`.
 
     Example:
 
@@ -581,10 +554,18 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
 
     def step(state):
         count, carry = state
-        return count + 1, _carried(body(*carry), len(carry))
+        with queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE):
+            new = body(*carry)
+        return count + 1, _carried(new, len(carry))
 
     _, final = jax.lax.while_loop(keep_going, step, (0, carried))
     return _unpacked(final)
+
+
+_WHILE_LOOP_ENQUEUE = (
+    "IPUOutfeedQueue.enqueue cannot be called in the body of ipu.loops.while_loop: its "
+    "iteration count is known only on the device, so the outfeed's size is not. Enqueue in "
+    "the body of ipu.loops.repeat(n, ...) instead.")
 
 
 def _as_list(inputs: Any) -> list:
@@ -602,7 +583,7 @@ def _outputs(values: Any) -> list:
     if values is None:
         return []
     values = values if isinstance(values, (tuple, list)) else (values,)
-    return [value for value in values if not isinstance(value, Operation)]
+    return [value for value in values if not isinstance(value, queues.Operation)]
 
 
 def _carried(new: Any, count: int) -> tuple:

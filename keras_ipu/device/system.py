@@ -53,6 +53,8 @@ class IPUSystem:
         hardware: The hardware every IPU models.
         selection_order: How IPU indices were mapped to JAX devices.
         options: Runtime options from the configuration (read-only).
+        programs: Compiled graph-style programs (`compile`, `strategy.run`),
+            most recently used last.
 
     Example:
 
@@ -68,6 +70,9 @@ class IPUSystem:
     options: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
     )
+    # The graph-style programs compiled for this system (`feeds.call_compiled`), kept so
+    # that calling one again does not retrace; a new configuration starts afresh.
+    programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_ipus(self) -> int:

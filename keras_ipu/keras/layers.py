@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 from keras import ops
@@ -60,12 +62,14 @@ def keras_seed(seed: Any) -> Any:
 
     Args:
         seed: `None`, an integer, IPU TensorFlow's pair of 32-bit integers
-            (a list, tuple or array of two), or a `keras.random.SeedGenerator`
-            (which operators drawing inside a compiled step need).
+            (a list, tuple or array of two, or a pair computed inside the
+            program), or a `keras.random.SeedGenerator` (which operators
+            drawing inside a compiled step need).
 
     Returns:
         `None`, the integer itself, one non-negative integer below 2**31
-        that the pair determines, or the `SeedGenerator` unchanged.
+        that the pair determines (for a computed pair, Keras' seed array
+        `[that integer, 0]`), or the `SeedGenerator` unchanged.
 
     Raises:
         ValueError: For anything else.
@@ -79,12 +83,28 @@ def keras_seed(seed: Any) -> Any:
         return seed
     if isinstance(seed, (int, np.integer)):
         return int(seed)
+    if isinstance(seed, jax.core.Tracer):  # a pair computed inside the program
+        return _traced_pair_seed(seed)
     pair = np.asarray(seed)
     if pair.shape != (2,) or not np.issubdtype(pair.dtype, np.integer):
         raise ValueError(
             f"A seed must be an integer or a pair of 32-bit integers, got {seed!r}.")
     high, low = (int(v) & 0xFFFFFFFF for v in pair)
     return (high * 0x9E3779B1 + low) % (1 << 31)
+
+
+def _traced_pair_seed(seed: Any) -> jax.Array:
+    """Keras' seed array for a pair known only on the device: the integer a fixed pair maps to.
+
+    Modulo 2**31 the 32-bit wrapping arithmetic equals the exact one, so
+    the mask is the one the same pair gives as Python integers.
+    """
+    if tuple(seed.shape) != (2,) or not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise ValueError(f"A seed must be an integer or a pair of 32-bit integers, got an "
+                         f"array of shape {tuple(seed.shape)} and type {seed.dtype}.")
+    high, low = seed.astype(jnp.uint32)
+    mixed = (high * jnp.uint32(0x9E3779B1) + low) & jnp.uint32(0x7FFFFFFF)
+    return jnp.stack([mixed, jnp.uint32(0)])
 
 
 @_register
@@ -161,6 +181,57 @@ class LayerNormalization(keras.layers.LayerNormalization):
                          trainable=trainable, name=name, dtype=dtype, **kwargs)
 
 
+def normalize_groups(inputs: Any, groups: int, channels_axis: int, epsilon: float,
+                     strided: bool, gamma: Any = None, beta: Any = None,
+                     dtype: Any = None) -> Any:
+    """Group normalisation of `inputs`, Poplar's strided grouping or the contiguous one.
+
+    Each sample's channels are split into `groups`; each group is
+    normalised over its channels and every other non-batch axis; then the
+    per-channel `gamma` and `beta`, when given, apply.
+
+    Args:
+        inputs: `[batch, ..., channels, ...]`.
+        groups: The number of groups; it divides the channels.
+        channels_axis: The channels' axis.
+        epsilon: Added to the variance.
+        strided: Channel `c` in group `c % groups` (Poplar's), or in group
+            `c // (channels / groups)`.
+        gamma: Per-channel scales, or `None`.
+        beta: Per-channel offsets, or `None`.
+        dtype: The computation's type (`inputs`' when `None`); statistics
+            are taken in at least float32.
+
+    Returns:
+        The normalised array, of `inputs`' shape and of type `dtype`.
+
+    Example:
+
+    >>> y = normalize_groups(x, groups=2, channels_axis=-1, epsilon=1e-6, strided=True)
+    """
+    dtype = dtype or keras.backend.standardize_dtype(inputs.dtype)
+    x = ops.moveaxis(ops.cast(inputs, dtype), channels_axis, -1)  # [batch, spatial..., C]
+    shape = ops.shape(x)
+    rank, channels = len(shape), shape[-1]
+    if strided:
+        grouped = ops.reshape(x, (*shape[:-1], channels // groups, groups))
+        members = rank - 1  # the axis of a group's channels
+    else:
+        grouped = ops.reshape(x, (*shape[:-1], groups, channels // groups))
+        members = rank
+    # Statistics in at least float32, as Keras' own normalisations.
+    stats_dtype = "float32" if dtype in ("float16", "bfloat16") else None
+    values = grouped if stats_dtype is None else ops.cast(grouped, stats_dtype)
+    mean, variance = ops.moments(values, axes=(*range(1, rank - 1), members), keepdims=True)
+    normalized = (values - mean) * ops.rsqrt(variance + epsilon)
+    x = ops.reshape(ops.cast(normalized, dtype), shape)
+    if gamma is not None:
+        x = x * ops.cast(gamma, dtype)
+    if beta is not None:
+        x = x + ops.cast(beta, dtype)
+    return ops.moveaxis(x, -1, channels_axis)
+
+
 @_register
 class GroupNormalization(keras.layers.Layer):
     """Group normalisation with IPU TensorFlow's arguments, Poplar's grouping included.
@@ -227,26 +298,9 @@ class GroupNormalization(keras.layers.Layer):
                                     name="beta") if self.center else None
 
     def call(self, inputs):
-        x = ops.moveaxis(inputs, self._axis, -1)  # [batch, spatial..., channels]
-        shape = ops.shape(x)
-        rank, channels, groups = len(shape), shape[-1], self._groups
-        if self.strided_channel_grouping:
-            grouped = ops.reshape(x, (*shape[:-1], channels // groups, groups))
-            members = rank - 1  # the axis of a group's channels
-        else:
-            grouped = ops.reshape(x, (*shape[:-1], groups, channels // groups))
-            members = rank
-        # Statistics in at least float32, as Keras' own normalisations.
-        stats_dtype = "float32" if self.compute_dtype in ("float16", "bfloat16") else None
-        values = grouped if stats_dtype is None else ops.cast(grouped, stats_dtype)
-        mean, variance = ops.moments(values, axes=(*range(1, rank - 1), members), keepdims=True)
-        normalized = (values - mean) * ops.rsqrt(variance + self.epsilon)
-        x = ops.reshape(ops.cast(normalized, self.compute_dtype), shape)
-        if self.gamma is not None:
-            x = x * ops.cast(self.gamma, self.compute_dtype)
-        if self.beta is not None:
-            x = x + ops.cast(self.beta, self.compute_dtype)
-        return ops.moveaxis(x, -1, self._axis)
+        return normalize_groups(inputs, self._groups, self._axis, self.epsilon,
+                                self.strided_channel_grouping, self.gamma, self.beta,
+                                self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         return input_shape

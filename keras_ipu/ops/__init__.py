@@ -25,6 +25,7 @@ _SUBMODULES = (
     "internal_ops",
     "math_ops",
     "nn_ops",
+    "normalization_ops",
     "pipelining_ops",
     "rand_ops",
     "reduce_scatter_op",

@@ -15,8 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from keras_ipu.device import collectives
+from keras_ipu.ops import symbolic
 
 
 def all_gather(x: Any, replication_factor: int, name: str | None = None) -> jax.Array:
@@ -40,7 +42,7 @@ def all_gather(x: Any, replication_factor: int, name: str | None = None) -> jax.
 
     >>> all_gather(x, 2)   # under 2 replicas: [x of replica 0, x of replica 1]
     """
-    return collectives.all_gather(x, replication_factor)
+    return symbolic.collective(collectives.all_gather, replication_factor, x, replication_factor)
 
 
 def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_factor: int,
@@ -64,21 +66,36 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
 
     Raises:
         ValueError: When `replication_factor` does not divide the replicas or
-            the split dimension.
+            the split dimension, or a dimension is not one of `x`'s.
 
     Example:
 
     >>> all_to_all(x, 0, 0, 2)   # under 2 replicas, x of 4 rows: rows 0-1 / 2-3 exchanged
     """
     x = jnp.asarray(x)
-    if x.shape[split_dimension] % replication_factor:
+    split = _dimension(split_dimension, x, "split_dimension")
+    concat = _dimension(concat_dimension, x, "concat_dimension")
+    if x.shape[split] % replication_factor:
         raise ValueError(f"replication_factor {replication_factor} must divide dimension "
                          f"{split_dimension} of {x.shape}.")
-    gathered = collectives.all_gather(x, replication_factor)  # [group, ...]
-    _, position = collectives.group_of(replication_factor)
-    blocks = jnp.stack(jnp.split(gathered, replication_factor, axis=split_dimension + 1))
-    mine = blocks[position]  # [group, ...block]: block `position` of each replica
-    return jnp.concatenate(list(mine), axis=concat_dimension)
+    return symbolic.collective(_exchanged, replication_factor, x, split, concat,
+                               replication_factor)
 
+
+def _dimension(dimension: Any, x: jax.Array, argument: str) -> int:
+    """`dimension` of `x` as a non-negative index (negative ones count from the end)."""
+    if isinstance(dimension, bool) or not isinstance(dimension, (int, np.integer)) \
+            or not -x.ndim <= dimension < x.ndim:
+        raise ValueError(f"all_to_all's {argument} must be a dimension of the input's shape "
+                         f"{x.shape}, from {-x.ndim} to {x.ndim - 1}; got {dimension!r}.")
+    return int(dimension) % x.ndim
+
+
+def _exchanged(x: jax.Array, split: int, concat: int, group: int) -> jax.Array:
+    gathered = collectives.all_gather(x, group)  # [group, ...]
+    _, position = collectives.group_of(group)
+    blocks = jnp.stack(jnp.split(gathered, group, axis=split + 1))
+    mine = blocks[position]  # [group, ...block]: block `position` of each replica
+    return jnp.concatenate(list(mine), axis=concat)
 
 __all__ = ["all_gather", "all_to_all"]

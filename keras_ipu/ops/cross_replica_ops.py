@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_ipu.device import collectives
+from keras_ipu.ops import symbolic
 
 
 def cross_replica_sum(x: Any, replica_group_size: int | None = None,
@@ -38,7 +39,8 @@ def cross_replica_sum(x: Any, replica_group_size: int | None = None,
 
     >>> cross_replica_sum(x)   # under 2 replicas: x of replica 0 + x of replica 1
     """
-    return collectives.cross_replica_sum(x, replica_group_size)
+    return symbolic.collective(collectives.cross_replica_sum, replica_group_size, x,
+                               replica_group_size)
 
 
 def assume_equal_across_replicas(tensors: Any, inplace: bool = False) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_ipu.device.feeds import Operation
+from keras_ipu.device.queues import Operation
 
 
 def _print(name: str, value: np.ndarray) -> None:

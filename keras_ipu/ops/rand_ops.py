@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None,
             name: str | None = None, **kwargs: Any) -> Any:
@@ -33,13 +35,18 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
         The input with some elements zeroed.
 
     Raises:
-        ValueError: For a malformed `seed`.
+        ValueError: For a malformed `seed`, or a `rate` outside [0, 1).
 
     Example:
 
     >>> y = dropout(np.ones((4, 4), "float32"), rate=0.5, seed=[1, 2])
     """
     import keras
+
+    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating, np.integer)) \
+            or not 0 <= rate < 1:
+        raise ValueError(f"dropout's rate is the probability that an element is zeroed, a "
+                         f"number in [0, 1); got {rate!r}.")
 
     from keras_ipu.keras.layers import keras_seed
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_ipu.device import collectives
+from keras_ipu.ops import symbolic
 
 # How a group's values combine (`[group, n]` -> `[n]`); LOCAL keeps the replica's own.
 _REDUCTIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
@@ -65,6 +66,10 @@ def reduce_scatter(x: Any, replication_factor: int, op: str = "COLLECTIVE_OP_ADD
         raise ValueError(f"reduce_scatter needs a rank-1 input, got shape {x.shape}.")
     if op not in _REDUCTIONS:
         raise ValueError(f"Unknown op {op!r}; valid: {', '.join(_REDUCTIONS)}.")
+    return symbolic.collective(_scattered, replication_factor, x, replication_factor, op)
+
+
+def _scattered(x: jax.Array, replication_factor: int, op: str) -> jax.Array:
     size, position = collectives.group_of(replication_factor)
     reduced = _REDUCTIONS[op](collectives.all_gather(x, size), x).astype(x.dtype)
     part = -(-x.shape[0] // size)

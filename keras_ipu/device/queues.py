@@ -1,0 +1,377 @@
+"""IPU TensorFlow's infeed and outfeed queues: where loops take their data and put their results.
+
+- `IPUInfeedQueue(dataset)` hands a loop one element per iteration. Its
+  elements are taken on the host when a loop needs them and enter the
+  program as its data; a loop that needs more than the queue has left takes
+  nothing.
+- `IPUOutfeedQueue(outfeed_mode)` receives what a loop's body `enqueue`s:
+  every iteration's value stacked (`ALL`) or the last one (`LAST`), given
+  back by `dequeue` once the program has run.
+
+Each iteration of a body may enqueue once on a queue (IPU TensorFlow: "An
+outfeed can only be enqueued once"); a loop nested in a body passes its
+stacked values on to the enclosing loop, which returns them in iteration
+order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import enum
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_ipu.device import system
+
+
+class Operation:
+    """A side effect a computation returns, as IPU TensorFlow returns an op.
+
+    `compile` and the loops drop it from a computation's or a body's
+    outputs, as IPU TensorFlow drops operations after the tensors; the
+    effect itself (an outfeed's `enqueue`, a `print_tensor`) is already in
+    the program.
+
+    Example:
+
+    >>> def body(x):
+    ...     return x + 1, outfeed.enqueue(x)   # an Operation: dropped
+    """
+
+
+class _Enqueued(Operation):
+    """What `enqueue` returns."""
+
+
+class Enqueues:
+    """What one iteration of a loop body enqueues: per queue, one value or one block of values.
+
+    Args:
+        refusal: Why this body may not enqueue (a `while_loop`'s), or `None`.
+
+    Example:
+
+    >>> with collect_enqueues() as enqueued:
+    ...     outfeed.enqueue(x)
+    >>> [queue for queue, _, _ in enqueued.records]
+    """
+
+    def __init__(self, refusal: str | None = None):
+        self.refusal = refusal
+        self.records: list[tuple[Any, Any, bool]] = []  # (queue, value, is a block)
+
+    def add(self, queue: IPUOutfeedQueue, value: Any, block: bool) -> None:
+        """Adds `queue`'s value for this iteration (`block`: a nested loop's stacked values).
+
+        Raises:
+            RuntimeError: When this body may not enqueue.
+            ValueError: When `queue` already has this iteration's value.
+        """
+        if self.refusal is not None:
+            raise RuntimeError(self.refusal)
+        if any(known is queue for known, _, _ in self.records):
+            raise ValueError("An outfeed can only be enqueued once in an iteration of a loop's "
+                             "body (as on the IPU); enqueue one structure of values, such as "
+                             "a tuple or a dict, instead.")
+        self.records.append((queue, value, block))
+
+
+# Trace-time context, not global state: the enqueues of the loop body being traced.
+_ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
+
+
+@contextlib.contextmanager
+def collect_enqueues(refusal: str | None = None) -> Iterator[Enqueues]:
+    """Collects what the loop body traced inside enqueues.
+
+    Args:
+        refusal: Why the body may not enqueue, or `None` when it may.
+
+    Example:
+
+    >>> with collect_enqueues() as enqueued:
+    ...     body(x)
+    """
+    enqueued = Enqueues(refusal)
+    token = _ENQUEUES.set(enqueued)
+    try:
+        yield enqueued
+    finally:
+        _ENQUEUES.reset(token)
+
+
+def current_enqueues() -> Enqueues | None:
+    """The enqueues of the loop body being traced, or `None` outside any body."""
+    return _ENQUEUES.get()
+
+
+def synthetic_data() -> bool:
+    """Whether `--use_synthetic_data` is on: no data moves between host and device."""
+    configured = system.current()
+    return configured is not None and bool(configured.option("use_synthetic_data"))
+
+
+def stacked(elements: list) -> Any:
+    """Infeed elements stacked on a leading axis (zeros under `--use_synthetic_data`).
+
+    Example:
+
+    >>> stacked([np.ones(3), np.zeros(3)]).shape
+    (2, 3)
+    """
+    data = jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
+    if synthetic_data():  # no host data reaches the device: it gets zeros
+        return jax.tree_util.tree_map(np.zeros_like, data)
+    return data
+
+
+class IPUInfeedQueue:
+    """The elements a loop's iterations take, one each, from a data source.
+
+    Args:
+        dataset: An iterable of elements: arrays, or tuples or dicts of
+            them (a tuple's parts reach the body positionally, a dict's by
+            keyword).
+        feed_name: Accepted for compatibility.
+        device_ordinal: Accepted for compatibility.
+        replication_factor: Accepted for compatibility.
+        data_to_prefetch: Accepted for compatibility.
+        prefetch_depth: Accepted for compatibility.
+
+    Raises:
+        TypeError: When `dataset` is not iterable.
+
+    Example:
+
+    >>> infeed = IPUInfeedQueue(zip(images, labels))
+    >>> repeat(10, body, [0.0], infeed)
+    """
+
+    def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
+                 replication_factor: int = 1, data_to_prefetch: int = 1,
+                 prefetch_depth: int | None = None):
+        self._dataset = dataset
+        try:
+            self._elements = iter(dataset)
+        except TypeError:
+            raise TypeError(f"IPUInfeedQueue needs an iterable of elements, got "
+                            f"{type(dataset).__name__}.") from None
+        self._ahead: collections.deque = collections.deque()  # peeked, not yet taken
+        self._dequeued = False
+
+    @property
+    def dataset(self) -> Any:
+        """The data source the queue takes its elements from, as it was given.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).dataset
+        [1, 2]
+        """
+        return self._dataset
+
+    @property
+    def initializer(self) -> None:
+        """IPU TensorFlow's initialiser op: nothing to run here (`None`), the queue is ready."""
+        return None
+
+    @property
+    def deleter(self) -> None:
+        """IPU TensorFlow's op freeing the queue: nothing to run here (`None`).
+
+        The queue holds only a host iterator, which Python frees with it.
+        """
+        return None
+
+    @property
+    def dequeued(self) -> bool:
+        """Whether a loop has taken elements from the queue.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).dequeued
+        False
+        """
+        return self._dequeued
+
+    @property
+    def number_of_tuple_elements(self) -> int:
+        """The number of arrays in one element (the values each iteration receives).
+
+        Example:
+
+        >>> IPUInfeedQueue([(np.ones(2), np.zeros(1))]).number_of_tuple_elements
+        2
+        """
+        first = self.peek(1)
+        return len(jax.tree_util.tree_leaves(first[0])) if first else 0
+
+    def get_next(self) -> Any:
+        """Obsolete, as in IPU TensorFlow: loops take the queue's elements themselves.
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError("get_next() is obsolete: pass the IPUInfeedQueue to "
+                         "ipu.loops.repeat(n, body, inputs, infeed_queue), which hands each "
+                         "iteration its element.")
+
+    def peek(self, count: int) -> list:
+        """Up to `count` next elements, left in the queue."""
+        self._ahead.extend(itertools.islice(self._elements, max(0, count - len(self._ahead))))
+        return list(itertools.islice(self._ahead, count))
+
+    def take(self, count: int) -> list:
+        """The next `count` elements, taken from the queue.
+
+        Raises:
+            ValueError: When fewer than `count` are left; none is taken.
+        """
+        ahead = self.peek(count)
+        if len(ahead) < count:
+            raise ValueError(f"The infeed ran out: {len(ahead)} elements left for a loop "
+                             f"of {count} iterations.")
+        for _ in ahead:
+            self._ahead.popleft()
+        self._dequeued = True
+        return ahead
+
+    def put_back(self, elements: list) -> None:
+        """Returns taken `elements` to the front of the queue (their program did not run)."""
+        self._ahead.extendleft(reversed(elements))
+
+
+class IPUOutfeedMode(enum.Enum):
+    """What an outfeed's `dequeue` returns: every enqueued element, or the last.
+
+    Example:
+
+    >>> IPUOutfeedQueue(outfeed_mode=IPUOutfeedMode.LAST)
+    """
+
+    # IPU TensorFlow's values: `IPUOutfeedMode("get_last")` is `LAST`.
+    ALL = "all"
+    LAST = "get_last"
+
+
+class IPUOutfeedQueue:
+    """Values a loop's body enqueues, returned to the host by `dequeue`.
+
+    Args:
+        feed_name: Accepted for compatibility.
+        outfeed_mode: `IPUOutfeedMode.ALL` (default: every enqueued value,
+            stacked) or `LAST`.
+        device_ordinal: Accepted for compatibility.
+        replication_factor: Accepted for compatibility.
+        io_batch_size: Accepted for compatibility.
+
+    Raises:
+        ValueError: For an `outfeed_mode` that is not an `IPUOutfeedMode`
+            (or one's value).
+
+    Example:
+
+    >>> outfeed = IPUOutfeedQueue()
+    >>> def body(x):
+    ...     x = x + 1
+    ...     return x, outfeed.enqueue(x)
+    >>> repeat(20, body, [np.zeros(4)])
+    >>> outfeed.dequeue().shape
+    (20, 4)
+    """
+
+    def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
+                 device_ordinal: int = 0, replication_factor: int | None = None,
+                 io_batch_size: int = 1):
+        self.outfeed_mode = _outfeed_mode(outfeed_mode)
+        self._received: list = []
+
+    @property
+    def deleter(self) -> None:
+        """IPU TensorFlow's op freeing the queue: nothing to run here (`None`)."""
+        return None
+
+    def enqueue(self, tensors: Any) -> _Enqueued:
+        """Enqueues values inside a loop's body; returns a marker the loop drops.
+
+        Args:
+            tensors: An array, or a tuple, list or dict of arrays.
+
+        Returns:
+            An `Operation` the loop drops from the body's outputs.
+
+        Raises:
+            RuntimeError: Outside the body of `ipu.loops.repeat` (a
+                `while_loop`'s body included: its iteration count is known
+                only on the device).
+            ValueError: When the queue was already enqueued in this
+                iteration.
+
+        Example:
+
+        >>> def body(x):
+        ...     return x + 1, outfeed.enqueue({"x": x})
+        """
+        enqueued = current_enqueues()
+        if enqueued is None:
+            raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside the body of "
+                               "ipu.loops.repeat.")
+        enqueued.add(self, tensors, block=False)
+        return _Enqueued()
+
+    def receive(self, values: Any) -> None:
+        """Takes a finished program's values for this queue (stacked per iteration)."""
+        if synthetic_data():  # nothing returns to the host: empty arrays of the structure
+            values = jax.tree_util.tree_map(
+                lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), values)
+        self._received.append(values)
+
+    def dequeue(self, wait_for_completion: bool = False) -> Any:
+        """The values enqueued by the loops run since the last `dequeue`.
+
+        Args:
+            wait_for_completion: Accepted for compatibility: the values are
+                there once their program has run.
+
+        Returns:
+            With `ALL`, every enqueued value stacked on a leading axis (in
+            order, over loops); with `LAST`, the last one.
+
+        With `--use_synthetic_data` nothing returns to the host: `ALL` gives
+        empty arrays of the enqueued structure, `LAST` raises.
+
+        Raises:
+            ValueError: With `LAST` when nothing was enqueued (or returned).
+
+        Example:
+
+        >>> outfeed.dequeue()
+        """
+        received, self._received = self._received, []
+        if self.outfeed_mode == IPUOutfeedMode.LAST:
+            if synthetic_data():
+                raise ValueError("The outfeed has no last element: --use_synthetic_data "
+                                 "returns no data to the host.")
+            if not received:
+                raise ValueError("The outfeed has no last element: nothing was enqueued.")
+            return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
+        if not received:
+            return []
+        return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
+
+
+def _outfeed_mode(mode: Any) -> IPUOutfeedMode:
+    if mode is None:
+        return IPUOutfeedMode.ALL
+    try:
+        return IPUOutfeedMode(mode)
+    except ValueError:
+        raise ValueError(
+            f"outfeed_mode must be IPUOutfeedMode.ALL or IPUOutfeedMode.LAST (or their values "
+            f"'all', 'get_last'), got {mode!r}.") from None
