@@ -205,3 +205,29 @@ def test_the_plan_is_logged_with_the_pipelines_accumulation(caplog):
             "replicas, your effective batch size is 16.") in caplog.text
     assert ("Doing 2 weight updates per execution per replica, which is 4 per epoch per "
             "replica.") in caplog.text
+
+
+class _ArrayLike:
+    """A container NumPy reads through `__array__` (an h5py dataset, an xarray)."""
+
+    def __init__(self, array):
+        self.array, self.shape, self.dtype = array, array.shape, array.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype)
+
+    def __len__(self):
+        return len(self.array)
+
+
+def test_array_likes_keras_slices_take_the_batch_size(strategy):
+    plain, on_ipu = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=64)
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        _ArrayLike(x), _ArrayLike(y), batch_size=BATCH, epochs=1, shuffle=False, verbose=0))
+    assert int(on_ipu.optimizer.iterations) == 64 // BATCH  # not batches of 32
+    assert_history_close(expected.history, actual.history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(
+        *_both(plain, on_ipu, lambda model: model.predict(_ArrayLike(x[:40]), batch_size=BATCH,
+                                                           verbose=0)), rtol=1e-6, atol=1e-6)

@@ -157,3 +157,92 @@ def test_dropout_and_noise_draw_plain_keras_random_bits(steps_per_execution, str
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
     # Other masks end elsewhere: the comparison can fail.
     assert np.max(np.abs(other_masks.get_weights()[0] - plain.get_weights()[0])) > 1e-3
+
+
+class _Sampling(keras.Model):
+    """Draws from its own seed generator and counts its calls in `call` (a VAE's sampling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = keras.layers.Dense(4), keras.layers.Dense(4)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.calls.assign_add(1.0)
+        h = self.encoder(x)
+        noise = keras.random.normal(keras.ops.shape(h), seed=self.seed_generator)
+        return self.decoder(h + noise)
+
+
+def test_state_a_subclassed_call_changes_moves_as_in_plain_keras(strategy):
+    # keras_ipu traces `call` to find pipeline stages; that trace must change nothing.
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    keras.utils.set_random_seed(0)
+    plain = _Sampling()
+    plain.compile("adam", "mse")
+    with strategy.scope():
+        on_ipu = _Sampling()
+        on_ipu.compile("adam", "mse")
+    for model in (plain, on_ipu):
+        model(x[:1])  # builds the layers (a call of its own on each model)
+    on_ipu.set_weights(plain.get_weights())
+    for model in (plain, on_ipu):
+        model.fit(x, x, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        model.evaluate(x, x, batch_size=8, verbose=0)
+        model.predict(x, batch_size=8, verbose=0)
+    np.testing.assert_array_equal(on_ipu.seed_generator.state, plain.seed_generator.state)
+    assert float(on_ipu.calls) == float(plain.calls)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+class _Overriding(keras.Model):
+    """Overrides fit, evaluate and predict, each reaching Keras' through `super()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.overrides = []
+
+    def call(self, x):
+        return self.dense(x)
+
+    def fit(self, *args, **kwargs):
+        self.overrides.append("fit")
+        kwargs.setdefault("epochs", 3)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self.overrides.append("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, x, **kwargs):
+        self.overrides.append("predict")
+        return super().predict(x, **kwargs) + 100.0
+
+
+def test_a_models_own_fit_evaluate_and_predict_run_and_reach_the_ipus(strategy):
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x[:, :2] * 2.0
+    keras.utils.set_random_seed(0)
+    plain = _Overriding()
+    plain.compile("sgd", "mse")
+    with strategy.scope():
+        on_ipu = _Overriding()
+        on_ipu.compile("sgd", "mse")
+    for model in (plain, on_ipu):
+        model(x[:1])
+    on_ipu.set_weights(plain.get_weights())
+    histories = [m.fit(x, y, batch_size=8, shuffle=False, verbose=0) for m in (plain, on_ipu)]
+    assert len(histories[1].history["loss"]) == 3  # the override's default epochs
+    assert_history_close(histories[0].history, histories[1].history)
+    np.testing.assert_allclose(on_ipu.evaluate(x, y, batch_size=8, verbose=0),
+                               plain.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(on_ipu.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0), rtol=1e-6)
+    assert on_ipu.overrides == plain.overrides == ["fit", "evaluate", "predict"]
+    assert int(on_ipu.optimizer.iterations) == 12
+    from keras_ipu.keras import run  # the IPU programs ran, not Keras' own loop
+
+    assert all(run.program_for(on_ipu, mode) is not None for mode in ("fit", "evaluate",
+                                                                      "predict"))

@@ -201,3 +201,20 @@ def test_overridden_train_step_cannot_accumulate(strategy):
     x, y = data_for("sequential", samples=16)
     with pytest.raises(RuntimeError, match="`train_step` .* has been overridden"):
         model.fit(x, y, batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_running_mean_accumulates_in_16_bits(dtype, strategy):
+    # The reference's reason for RUNNING_MEAN: 16-bit accumulators stay in range.
+    results = {}
+    for accumulator in ("float32", dtype):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4)
+        model.set_gradient_accumulation_options(4, "running_mean", dtype=accumulator)
+        x, y = data_for("sequential", samples=32)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        results[accumulator] = model.get_weights()
+    assert_weights_close(results["float32"], results[dtype], atol=2e-2)
+    assert any(not np.array_equal(a, b) for a, b in zip(results["float32"], results[dtype]))

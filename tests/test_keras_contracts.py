@@ -347,3 +347,26 @@ def test_a_layers_output_is_inferred_in_the_symbolic_scope():
     keras.Sequential([keras.Input((2,)), Probe()])
     Probe()(np.ones((1, 2), "float32"))
     assert seen == [True, False]
+
+
+def test_array_likes_are_recognised_by_the_array_adapter():
+    # keras_ipu.keras.data passes the batch size for what Keras slices.
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    class ArrayLike:
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros((4, 2))
+
+    assert array_data_adapter.can_convert_arrays((ArrayLike(), None, None))
+    assert not array_data_adapter.can_convert_arrays((iter([1]), None, None))
+
+
+def test_fit_evaluate_and_predict_are_the_jax_trainers():
+    # keras_ipu.keras.extensions routes them to the IPUs for IPU models (overrides' super()).
+    from keras_ipu.keras import extensions
+
+    extensions.install()
+    for name in ("fit", "evaluate", "predict"):
+        owners = [k for k in keras.Model.__mro__ if name in k.__dict__]
+        assert owners[0] is JAXTrainer
+        assert getattr(JAXTrainer, name).__wrapped__ is extensions._original_trainer_methods[name]

@@ -128,3 +128,53 @@ def test_a_mapping_to_an_ipu_the_device_lacks_is_named():
                                          r"the model's device has 4 IPUs: map the stages to "
                                          r"IPUs 0 to 3\."):
         model.fit(x, np.zeros((16, 3), "float32"), batch_size=4, verbose=0)
+
+
+def test_the_references_none_defaults_and_numpy_dtypes_are_taken(strategy):
+    import jax.numpy as jnp
+    import numpy as np
+
+    with strategy.scope():
+        model = sequential()
+    model.set_pipelining_options(pipeline_schedule=None, recomputation_mode=None,
+                                 gradient_accumulation_dtype=None)
+    kept = options.options_of(model).pipelining_kwargs
+    assert "recomputation_mode" not in kept and "pipeline_schedule" not in kept  # defaults
+    model.set_pipelining_options(gradient_accumulation_dtype=np.float16)
+    assert options.options_of(model).pipelined_accumulator_dtype == "float16"
+    for dtype, name in ((None, "float32"), (np.float16, "float16"), (jnp.bfloat16, "bfloat16"),
+                        (np.dtype("float16"), "float16")):
+        model.set_gradient_accumulation_options(4, dtype=dtype)
+        assert options.options_of(model).accumulator_dtype == name
+    with pytest.raises(ValueError, match=r"one of \['float32', 'float16', 'bfloat16'\], got "
+                                         r"'no-such-dtype'"):
+        model.set_pipelining_options(gradient_accumulation_dtype="no-such-dtype")
+    with pytest.raises(ValueError, match="a per-variable function"):
+        model.set_pipelining_options(gradient_accumulation_dtype=lambda v: "float16")
+    with pytest.raises(ValueError, match="one of RecomputationMode.Auto, "):
+        model.set_pipelining_options(recomputation_mode="Auto")
+    assert options.options_of(model).pipelined_accumulator_dtype == "float16"  # kept
+
+
+def test_a_pipelines_accumulator_dtype_is_its_own_option(strategy):
+    import numpy as np
+
+    from conftest import configure
+
+    configure(2)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                      keras.layers.Dense(2)])
+        model.set_pipeline_stage_assignment([0, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     gradient_accumulation_dtype=dtype)
+        model.compile("sgd", "mse", steps_per_execution=4)
+        x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+        model.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0)
+        results[dtype] = model.get_weights()
+    assert any(not np.array_equal(a, b) for a, b in zip(results["float32"], results["bfloat16"]))
+    for a, b in zip(results["float32"], results["bfloat16"]):
+        np.testing.assert_allclose(a, b, atol=5e-2)

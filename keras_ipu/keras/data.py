@@ -134,12 +134,17 @@ def make_feed(
             replicas=replicas,
             role=role,
         )
-    if batch_size is not None and not isinstance(x, data_adapters.data_adapter.DataAdapter):
+    # Array-likes Keras slices (sparse matrices, data frames, objects with `__array__`)
+    # take the batch size, as in plain Keras; other data brings its own batches.
+    sliced = data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
+    if batch_size is not None and not sliced and not isinstance(
+            x, data_adapters.data_adapter.DataAdapter):
         logger.info("`batch_size` is ignored for %s input.", type(x).__name__)
     adapter = data_adapters.get_data_adapter(
         x,
         y,
         sample_weight=sample_weight,
+        batch_size=batch_size,
         steps_per_epoch=None if steps == -1 else steps,
         shuffle=shuffle,
         class_weight=class_weight,

@@ -23,6 +23,7 @@ import json
 import os
 from typing import Any
 
+from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.models import model as keras_model_module
 from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
@@ -375,30 +376,18 @@ class ExtensionBase:
             options.set_options(self, options.IPUOptions.from_config(config))
             stages.assignment_from_config(self, config)
 
-    def fit(
-        self,
-        x=None,
-        y=None,
-        batch_size=None,
-        epochs=1,
-        verbose="auto",
-        callbacks=None,
-        validation_split=0.0,
-        validation_data=None,
-        shuffle=True,
-        class_weight=None,
-        sample_weight=None,
-        initial_epoch=0,
-        steps_per_epoch=None,
-        validation_steps=None,
-        validation_batch_size=None,
-        validation_freq=1,
-    ):
+    def fit(self, *args, **kwargs):
         """Trains the model on the IPU system; same arguments as `keras.Model.fit`.
 
         Each execution runs `steps_per_execution` steps on the device;
         callbacks and the progress bar run once per execution with the last
-        step's logs. All data checks run before any weight changes.
+        step's logs. All data checks run before any weight changes. An
+        override of `fit` in the model's class runs first, as in plain Keras;
+        its `super().fit(...)` trains on the IPUs.
+
+        Args:
+            *args: `keras.Model.fit`'s positional arguments.
+            **kwargs: Its keyword arguments.
 
         Returns:
             A `History` object, as `keras.Model.fit`.
@@ -410,41 +399,21 @@ class ExtensionBase:
                 `steps_per_execution` that does not divide the steps, ...).
             keras_ipu.errors.IPUOutOfMemoryError: When the program does not
                 fit the IPU's memory.
-        """
-        with context.model_scope(self):
-            return trainer.fit(
-                self,
-                x=x,
-                y=y,
-                batch_size=batch_size,
-                epochs=epochs,
-                verbose=verbose,
-                callbacks=callbacks,
-                validation_split=validation_split,
-                validation_data=validation_data,
-                shuffle=shuffle,
-                class_weight=class_weight,
-                sample_weight=sample_weight,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size,
-                validation_freq=validation_freq,
-            )
 
-    def evaluate(
-        self,
-        x=None,
-        y=None,
-        batch_size=None,
-        verbose="auto",
-        sample_weight=None,
-        steps=None,
-        callbacks=None,
-        return_dict=False,
-        **kwargs,
-    ):
+        Example:
+
+        >>> history = model.fit(x, y, batch_size=8, epochs=2)
+        """
+        # Through Keras' `fit`, which runs on the IPUs for this model: an override of
+        # `fit` in the model's own class runs first and sees the caller's arguments.
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
         """Evaluates the model on the IPU system; same arguments as `keras.Model.evaluate`.
+
+        Args:
+            *args: `keras.Model.evaluate`'s positional arguments.
+            **kwargs: Its keyword arguments.
 
         Returns:
             The loss and metrics, as `keras.Model.evaluate`.
@@ -452,25 +421,21 @@ class ExtensionBase:
         Raises:
             RuntimeError: As `fit`.
             ValueError: As `fit`.
-        """
-        with context.model_scope(self):
-            return trainer.evaluate(
-                self,
-                x=x,
-                y=y,
-                batch_size=batch_size,
-                verbose=verbose,
-                sample_weight=sample_weight,
-                steps=steps,
-                callbacks=callbacks,
-                return_dict=return_dict,
-                **kwargs,
-            )
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        Example:
+
+        >>> loss = model.evaluate(x, y, batch_size=8)
+        """
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
         """Predicts on the IPU system; same arguments as `keras.Model.predict`.
 
         Works without `compile()` (one step per execution then).
+
+        Args:
+            *args: `keras.Model.predict`'s positional arguments.
+            **kwargs: Its keyword arguments.
 
         Returns:
             NumPy array(s) of predictions, in input order.
@@ -478,16 +443,12 @@ class ExtensionBase:
         Raises:
             RuntimeError: When no IPU system is configured.
             ValueError: As `fit`.
+
+        Example:
+
+        >>> predictions = model.predict(x, batch_size=8)
         """
-        with context.model_scope(self):
-            return trainer.predict(
-                self,
-                x,
-                batch_size=batch_size,
-                verbose=verbose,
-                steps=steps,
-                callbacks=callbacks,
-            )
+        return super().predict(*args, **kwargs)
 
     def __reduce__(self):
         # The dynamic class cannot be found by name: unpickle through a
@@ -576,10 +537,66 @@ def install() -> None:
     if not _original_new:
         _original_new.append(Model.__dict__["__new__"])
         Model.__new__ = staticmethod(_new_model)
+    _route_trainer_methods()
     # PipelineStage scopes record stages on the layers and calls they see.
     stages.install()
     # Inside a scope, a bad .keras file is named for what is wrong with it.
     saving.install()
+
+
+def _fit_on_ipus(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+                 callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+                 class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+                 validation_steps=None, validation_batch_size=None, validation_freq=1):
+    with context.model_scope(model):
+        return trainer.fit(
+            model, x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
+            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+
+
+def _evaluate_on_ipus(model, x=None, y=None, batch_size=None, verbose="auto",
+                      sample_weight=None, steps=None, callbacks=None, return_dict=False,
+                      **kwargs):
+    with context.model_scope(model):
+        return trainer.evaluate(
+            model, x=x, y=y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+            return_dict=return_dict, **kwargs)
+
+
+def _predict_on_ipus(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    with context.model_scope(model):
+        return trainer.predict(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                               callbacks=callbacks)
+
+
+# Keras' own `fit`, `evaluate` and `predict`, which an IPU model reaches through `super()`
+# (from the extension, or from an override in the model's class) and which run it on the
+# IPUs; other models get Keras' methods unchanged.
+_ON_IPUS = {"fit": _fit_on_ipus, "evaluate": _evaluate_on_ipus, "predict": _predict_on_ipus}
+_original_trainer_methods: dict = {}
+
+
+def _route_trainer_methods() -> None:
+    for name, on_ipus in _ON_IPUS.items():
+        if name not in _original_trainer_methods:
+            original = JAXTrainer.__dict__[name]
+            _original_trainer_methods[name] = original
+            setattr(JAXTrainer, name, _routed(original, on_ipus))
+
+
+def _routed(original: Any, on_ipus: Any) -> Any:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if isinstance(self, ExtensionBase):
+            return on_ipus(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return method
 
 
 def _new_model(cls, *args, **kwargs):

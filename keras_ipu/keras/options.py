@@ -13,6 +13,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod, parse_enum
 from keras_ipu.keras import context, feed_options
@@ -125,6 +127,11 @@ class IPUOptions:
     def accumulator_dtype(self) -> str:
         """The dtype gradients are accumulated in."""
         return self.gradient_accumulation_optimizer_kwargs.get("dtype", "float32")
+
+    @property
+    def pipelined_accumulator_dtype(self) -> str:
+        """The dtype a pipeline accumulates gradients in (its own option, else the above)."""
+        return self.pipelining_kwargs.get("gradient_accumulation_dtype", self.accumulator_dtype)
 
     def to_config(self) -> dict[str, Any]:
         """The saved form (the reference's keys; kwargs are not saved)."""
@@ -349,23 +356,56 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
         raise ValueError(
             f"Unknown `pipelining_kwargs` {unknown}; valid keys are {sorted(PIPELINING_KWARGS)}."
         )
+    # The reference's default `None`s: as if the key were not given.
+    kwargs = {key: value for key, value in kwargs.items()
+              if not (value is None and key in _PIPELINING_NONE_IS_DEFAULT)}
     checks = {
-        "pipeline_schedule": lambda v: isinstance(v, schedules.PipelineSchedule),
-        "recomputation_mode": lambda v: isinstance(v, schedules.RecomputationMode),
-        "continuous_weight_updates": lambda v: isinstance(v, bool),
+        "pipeline_schedule": (lambda v: isinstance(v, schedules.PipelineSchedule),
+                              _members(schedules.PipelineSchedule)),
+        "recomputation_mode": (lambda v: isinstance(v, schedules.RecomputationMode),
+                               _members(schedules.RecomputationMode)),
+        "continuous_weight_updates": (lambda v: isinstance(v, bool), "a bool"),
     }
-    for key, check in checks.items():
+    for key, (check, valid) in checks.items():
         if key in kwargs and not check(kwargs[key]):
             raise ValueError(
                 f"Invalid `{key}` in `pipelining_kwargs`: {kwargs[key]!r}; "
-                f"expected {PIPELINING_KWARGS[key]}."
+                f"expected {PIPELINING_KWARGS[key]}: {valid}."
             )
     if kwargs.get("continuous_weight_updates"):
         raise NotImplementedError(
             "`continuous_weight_updates=True` is not implemented: pipelined models "
             "accumulate gradients and update the weights once per accumulation."
         )
-    return dict(kwargs)
+    if "gradient_accumulation_dtype" in kwargs:
+        kwargs["gradient_accumulation_dtype"] = _accumulator_dtype(
+            kwargs["gradient_accumulation_dtype"], "`gradient_accumulation_dtype`")
+    return kwargs
+
+
+# Keys whose `None` is the reference's default (Grouped, Auto, the variables' type).
+_PIPELINING_NONE_IS_DEFAULT = ("pipeline_schedule", "recomputation_mode",
+                               "gradient_accumulation_dtype")
+
+
+def _members(enum_class: Any) -> str:
+    return "one of " + ", ".join(f"{enum_class.__name__}.{m.name}" for m in enum_class)
+
+
+def _accumulator_dtype(dtype: Any, argument: str) -> str:
+    """A validated accumulator dtype's name (NumPy and JAX types and dtypes, or names)."""
+    if callable(dtype) and not isinstance(dtype, type):
+        raise ValueError(f"The gradient accumulation {argument} must be one type for every "
+                         f"variable, one of {list(_ACCUMULATOR_DTYPES)}; a per-variable "
+                         f"function ({dtype!r}) is not supported.")
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    except TypeError:
+        name = None
+    if name not in _ACCUMULATOR_DTYPES:
+        raise ValueError(f"The gradient accumulation {argument} must be one of "
+                         f"{list(_ACCUMULATOR_DTYPES)}, got {dtype!r}.")
+    return name
 
 
 def _accumulation_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -380,14 +420,12 @@ def _accumulation_kwargs(kwargs: Any) -> dict[str, Any]:
             f"Unknown `gradient_accumulation_optimizer_kwargs` {unknown}; valid keys "
             f"are {sorted(GRADIENT_ACCUMULATION_KWARGS)}."
         )
-    dtype = kwargs.get("dtype", "float32")
-    dtype = getattr(dtype, "name", dtype)  # numpy/jax dtypes
-    if str(dtype) not in _ACCUMULATOR_DTYPES:
-        raise ValueError(
-            f"The gradient accumulation `dtype` must be one of {list(_ACCUMULATOR_DTYPES)}, "
-            f"got {kwargs['dtype']!r}."
-        )
-    return {**kwargs, **({"dtype": str(dtype)} if "dtype" in kwargs else {})}
+    kwargs = dict(kwargs)
+    if kwargs.get("dtype", ...) is None:  # the reference's default: the variables' type
+        del kwargs["dtype"]
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _accumulator_dtype(kwargs["dtype"], "`dtype`")
+    return kwargs
 
 
 def replication_options(options: IPUOptions, method: Any) -> IPUOptions:

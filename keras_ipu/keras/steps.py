@@ -84,8 +84,10 @@ def train_step(
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
             )
+            # In the accumulator's type: a float32 count would promote a 16-bit one.
             acc = jax.tree_util.tree_map(
-                lambda a, g: accumulate(a, g.astype(a.dtype), n, micro_batches), acc, grads
+                lambda a, g: accumulate(a, g.astype(a.dtype), n.astype(a.dtype),
+                                        micro_batches).astype(a.dtype), acc, grads
             )
             return (non_trainable, metrics_vars, acc, n + 1), logs
 

@@ -141,7 +141,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
-           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
+           options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
            reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise)
 
     def build():
@@ -160,7 +160,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         if mode == "fit":
             # Keeping checkpoints, a stage stashes them as it would its activations.
             training_options = (table, options.gradient_accumulation_reduction_method,
-                                options.accumulator_dtype, recompute and not keep_checkpoints,
+                                options.pipelined_accumulator_dtype,
+                                recompute and not keep_checkpoints,
                                 keep_checkpoints)
             execution = training.build_fit_program(pipe, state, *training_options)
             if replicas.count == 1:

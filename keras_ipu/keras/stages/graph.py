@@ -285,7 +285,9 @@ def _trace(model: Any, specs: Any) -> Graph:
     # PipelineStage scopes in `call` need an active strategy scope.
     strategy_scope = context.model_scope(model) if context.current_strategy() is None else (
         contextlib.nullcontext())
-    with strategy_scope, scope.recording() as seen:
+    # Stateless: what `call` assigns while traced (a seed generator's draw, a counter) is
+    # the analysis', not the model's; plain Keras never runs this trace.
+    with strategy_scope, scope.recording() as seen, keras.StatelessScope():
         try:
             outputs = model.call(inputs, **kwargs)
         except Exception as error:
