@@ -108,13 +108,15 @@ def _fit_against_plain(scope, ipu_optimizer, plain_optimizers):
     return model, copies
 
 
-def test_weight_decay_exclusions_reach_every_ipu(strategy):
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_weight_decay_exclusions_reach_every_ipu(loss_scaled, strategy):
     # Keras keeps `exclude_from_weight_decay` out of the optimizer's config:
-    # each IPU's optimizer copy must still skip the same variables.
+    # each IPU's optimizer copy must still skip the same variables (also when a
+    # LossScaleOptimizer wraps the one that decays).
     def excluding_biases():
         optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
         optimizer.exclude_from_weight_decay(var_names=["bias"])
-        return optimizer
+        return keras.optimizers.LossScaleOptimizer(optimizer) if loss_scaled else optimizer
 
     model, (plain, decayed) = _fit_against_plain(
         strategy.scope(), excluding_biases(),

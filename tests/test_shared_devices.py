@@ -36,6 +36,18 @@ def test_more_ipus_than_devices_share_them_in_contiguous_blocks():
     assert system.configure((4,), hardware.hardware_for("ipu2")).shared_devices == {}
 
 
+def test_no_logical_device_straddles_two_blocks_of_shared_ipus():
+    # 16 IPUs on 8 devices would be blocks of 2, but /device:IPU:0's 3 IPUs and
+    # /device:IPU:1's 13 cannot be whole blocks or lie in one: every block grows to 16.
+    devices = jax.devices()
+    configured = system.configure((3, 13), hardware.hardware_for("ipu2"))
+    assert {ipu.device for ipu in configured.ipus} == {devices[0]}
+    configured = system.configure((2, 14), hardware.hardware_for("ipu2"))
+    assert [ipu.device for ipu in configured.ipus] == [d for d in devices for _ in range(2)]
+    configured = system.configure((1, 1, 2, 12), hardware.hardware_for("ipu2"))  # in one, whole
+    assert [ipu.device for ipu in configured.ipus] == [d for d in devices for _ in range(2)]
+
+
 def test_batched_replicas_have_the_collectives_of_separate_devices():
     d = jax.devices()
 

@@ -81,7 +81,9 @@ class IPUMesh:
                 "IPUs that share a JAX device must form contiguous blocks of the "
                 f"{dict(zip(self.axis_names, self.devices.shape))} grid of IPUs; its devices "
                 f"are {names}. "
-                "Configure a number of IPUs that the devices divide evenly."
+                "Each JAX device's block of IPUs must lie along this grid's axes: use "
+                "numbers of replicas and of IPUs per replica that the IPUs per device "
+                "divide (or that divide it), or one JAX device per IPU."
             )
         # The distinct devices, one per block: what `shard_map` runs over.
         self.mesh = Mesh(grid, self.axis_names)

@@ -8,6 +8,7 @@ TensorFlow API configures a process-wide system with
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import re
@@ -186,7 +187,7 @@ def configure(
             f"{list(_SELECTION_ORDERS)}."
         )
     num_ipus = sum(sizes)
-    devices = jax_devices_for(num_ipus)
+    devices = jax_devices_for(num_ipus, sizes)
     block = num_ipus // len(devices)
     order = selection_permutation(selection_order, len(devices))
     ipus = tuple(VirtualIPU(i, devices[order[i // block]]) for i in range(num_ipus))
@@ -230,16 +231,19 @@ def require() -> IPUSystem:
     return _current
 
 
-def jax_devices_for(num_ipus: int) -> list[jax.Device]:
+def jax_devices_for(num_ipus: int, device_sizes: Sequence[int] = ()) -> list[jax.Device]:
     """The distinct JAX devices `num_ipus` virtual IPUs run on.
 
     Accelerators when JAX has any (all IPUs on one GPU rather than on CPU
     devices), else CPU devices: one per IPU when enough exist, otherwise the
-    most devices that divide `num_ipus`, so that each runs an equal,
-    contiguous block of IPUs.
+    most devices that divide `num_ipus` such that each runs an equal,
+    contiguous block of IPUs and no logical device's IPUs straddle two
+    blocks unevenly (each logical device is whole blocks, or inside one).
 
     Args:
         num_ipus: The number of IPUs to place.
+        device_sizes: IPUs per logical device, in order (one device of all
+            when empty).
 
     Returns:
         The devices, `num_ipus // len(devices)` IPUs each.
@@ -254,8 +258,18 @@ def jax_devices_for(num_ipus: int) -> list[jax.Device]:
     # their own IPUs (see `processes.global_ipus`).
     accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
     pool = accelerators or jax.local_devices(backend="cpu")
-    count = max(n for n in range(1, min(num_ipus, len(pool)) + 1) if num_ipus % n == 0)
+    sizes = tuple(device_sizes) or (num_ipus,)
+    count = max(n for n in range(1, min(num_ipus, len(pool)) + 1)
+                if num_ipus % n == 0 and _blocks_fit(sizes, num_ipus // n))
     return pool[:count]
+
+
+def _blocks_fit(device_sizes: Sequence[int], block: int) -> bool:
+    """Whether each logical device is whole blocks of `block` IPUs, or lies inside one."""
+    offsets = itertools.accumulate(device_sizes, initial=0)
+    return all((start % block == 0 and size % block == 0)
+               or start // block == (start + size - 1) // block
+               for start, size in zip(offsets, device_sizes))
 
 
 def request_cpu_devices(count: int) -> None:

@@ -73,6 +73,9 @@ def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:
     `exclude_from_weight_decay(...)` is not part of an optimizer's config, so
     a copy made from the config would decay every variable.
     """
+    # A LossScaleOptimizer decays through the optimizer it wraps (and so does its copy).
+    while hasattr(optimizer, "inner_optimizer") and hasattr(copy, "inner_optimizer"):
+        optimizer, copy = optimizer.inner_optimizer, copy.inner_optimizer
     if optimizer.weight_decay is None:
         return
     excluded = [v for v in variables if not optimizer._use_weight_decay(v)]
