@@ -286,3 +286,21 @@ def test_the_queues_have_ipu_tensorflows_members():
     with pytest.raises(ValueError, match="get_next\\(\\) is obsolete"):
         infeed.get_next()
     assert ipu.ipu_infeed_queue.IPUInfeedQueue([]).number_of_tuple_elements == 0
+
+
+def test_a_program_closing_over_arrays_sees_their_values_at_each_call():
+    # A kept program would keep the values of its trace: one that captured arrays is traced
+    # again (a custom loop reading a model's weights between fits).
+    import keras
+
+    weights = keras.Variable(np.ones(3, np.float32))
+    strategy = ipu.ipu_strategy.IPUStrategy()
+
+    def scaled(x):
+        return x * weights.value
+
+    with strategy.scope():
+        first = strategy.run(scaled, args=(np.full(3, 2.0, np.float32),))
+        weights.assign(np.full(3, 5.0, np.float32))
+        second = strategy.run(scaled, args=(np.full(3, 2.0, np.float32),))
+    assert first.tolist() == [2, 2, 2] and second.tolist() == [10, 10, 10]

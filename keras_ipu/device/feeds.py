@@ -270,7 +270,10 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     `tf.function` fixes Python values. The program is kept in the configured
     system: a later call with the same `fn`, the same fixed arguments and
     arrays of the same shapes runs it again without tracing. The infeeds its
-    loops read are inputs too: each call takes their next elements.
+    loops read are inputs too: each call takes their next elements. A
+    program whose trace captured arrays (`fn` closing over weights, a Keras
+    variable's value) is traced again at each call, so that it sees their
+    values then, as before.
 
     The values a loop inside enqueues leave the program with its outputs and
     reach their queues once it has run (inside another such call, `fn` is
@@ -311,7 +314,10 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
         programs[key] = program  # most recently used last
         while len(programs) > _PROGRAMS_KEPT:
             programs.pop(next(iter(programs)))
-    return program.run(device, arrays)
+    result = program.run(device, arrays)
+    if not program.reusable and key is not None:
+        programs.pop(key, None)
+    return result
 
 
 # Programs `call_compiled` keeps per configured system (the least recently used go first).
@@ -371,6 +377,10 @@ class _Program:
         self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
         self.plan: list = []  # (infeed, elements) its loops read, in order
         self.outfeeds: list = []  # the queues its outfed values go to, in order
+        self.executables: dict = {}  # per plan and input shapes
+        # Whether another call may run it: not when its trace captured arrays (a closure
+        # over weights or a Keras variable), whose values of that trace it would keep.
+        self.reusable = True
         # The plan is static: a program compiled for one plan never gets another's data.
         self.jitted = jax.jit(self._traced, static_argnums=2)
 
@@ -395,7 +405,7 @@ class _Program:
             taken = _take_all(self.plan)
             try:
                 feed_data = jax.device_put([queues.stacked(t) for t in taken], device)
-                result, outfed = self.jitted(arrays, feed_data, tuple(self.plan))
+                result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
             except _MissingFeed as missing:  # trace again, reading that infeed too
                 _put_back(self.plan, taken)
                 self.plan = missing.plan
@@ -406,6 +416,18 @@ class _Program:
             for queue, values in zip(self.outfeeds, outfed):
                 queue.receive(values)
             return result
+
+
+    def _executable(self, arrays: list, feed_data: list) -> Any:
+        plan = tuple(self.plan)
+        leaves, structure = jax.tree_util.tree_flatten((arrays, feed_data))
+        signature = (plan, structure, tuple((a.shape, str(a.dtype)) for a in leaves))
+        executable = self.executables.get(signature)
+        if executable is None:
+            traced = self.jitted.trace(arrays, feed_data, plan)
+            self.reusable = self.reusable and not traced.jaxpr.consts
+            executable = self.executables[signature] = traced.lower().compile()
+        return executable
 
 
 def _take_all(plan: list) -> list:
