@@ -686,3 +686,32 @@ def test_accumulate_outfeed_averages_the_micro_batches_of_a_pass(strategy):
         tested.on_test_batch_end = tested.on_train_batch_end
         evaluated = model.evaluate(x, y, batch_size=2, verbose=0, callbacks=[tested])
         assert evaluated == pytest.approx(tested.losses[-1], rel=1e-6)
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_recomputation_draws_the_forward_ops_dropout_masks(form, monkeypatch):
+    # The backward op recomputes the stage with the seed state its forward op found: later
+    # forward ops have moved it. Plain Keras' accumulation draws the same masks.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+
+    def build():
+        keras.utils.set_random_seed(4)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+
+    plain = build()
+    plain.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=4),
+                  loss="mse")
+    plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = build()
+    model.set_pipeline_stage_assignment([0, 0, 1])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(
+        4, gradient_accumulation_reduction_method="mean",
+        recomputation_mode=ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert ipu.utils.execution_report(model, "fit").pipeline.recomputation

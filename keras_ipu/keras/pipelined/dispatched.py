@@ -249,7 +249,9 @@ class DispatchedFit:
             for s in range(self.last):
                 ipu = self.p.device_mapping[s]
                 args = (local[TRAINABLE][ipu], local[NON_TRAINABLE][ipu], bundle, batch)
-                forward.append(_trace(self.forward_op(s), args, self.devices[ipu], donate=(1,)))
+                # Recomputing, the backward op needs the non-trainable values it was given.
+                donate = () if self.recompute else (1,)
+                forward.append(_trace(self.forward_op(s), args, self.devices[ipu], donate))
             self._forward_traces[key] = forward
         return self._forward_traces[key]
 
@@ -470,18 +472,20 @@ class _Update:
 
     def forward(self, s: int, j: int) -> None:
         ipu, (tv, ntv) = self.runner.mapping[s], (self.local[TRAINABLE], self.local[NON_TRAINABLE])
-        bundle = self._input(s, j)
-        ntv[ipu], message, kept = self.runner.ops.forward[s](tv[ipu], ntv[ipu], bundle,
+        bundle, found = self._input(s, j), ntv[ipu]
+        ntv[ipu], message, kept = self.runner.ops.forward[s](tv[ipu], found, bundle,
                                                              self.data[j])
-        self.stash[(s, j)] = (bundle, kept)
+        # Recomputing, the backward op runs with the non-trainable values this op found:
+        # later forward ops move them (a dropout's seed).
+        self.stash[(s, j)] = (bundle, kept, found if self.runner.fit.recompute else None)
         self.inbox[(s + 1, j)] = self.runner.send(message, s + 1)
 
     def backward(self, s: int, j: int) -> None:
         ipu, (tv, ntv) = self.runner.mapping[s], (self.local[TRAINABLE], self.local[NON_TRAINABLE])
-        bundle, kept = self.stash.pop((s, j))
+        bundle, kept, found = self.stash.pop((s, j))
         message, self.acc[ipu] = self.runner.ops.backward[s](
-            tv[ipu], ntv[ipu], bundle, self.data[j], self.gradients.pop((s, j)), kept,
-            self.acc[ipu], self.runner.js[ipu][j])
+            tv[ipu], ntv[ipu] if found is None else found, bundle, self.data[j],
+            self.gradients.pop((s, j)), kept, self.acc[ipu], self.runner.js[ipu][j])
         self._send_gradient(message, s, j)
 
     def last_op(self, j: int) -> None:

@@ -12,9 +12,10 @@ A forward op keeps what its backward op needs in a stash: the residuals of
 `jax.vjp` of the stage (its activations), without the values the backward op
 can take again itself (weights, its input, the micro-batch). With
 recomputation (`IPUConfig.allow_recompute` or a `recomputation_mode`) it
-keeps nothing but its input, and the backward op recomputes the stage
-forward. Stash rows are reused as soon as a micro-batch's backward op has
-run: a stage holds at most its `stash_counts()` micro-batches.
+keeps only its input and the non-trainable values it ran with (a dropout's
+seed), and the backward op recomputes the stage forward from them. Stash
+rows are reused as soon as a micro-batch's backward op has run: a stage
+holds at most its `stash_counts()` micro-batches.
 
 One `lax.switch` per block picks what an IPU does in it (its ops of the
 block as one branch: the table's distinct per-IPU patterns). The last
@@ -269,8 +270,8 @@ class _ShapeTrace:
     Attributes:
         me: This IPU's index on the mesh (traced).
         bundle_shape: The shape of a message between stages.
-        layouts: Per stage, the layout of its stashed residuals (none when
-            recomputing).
+        layouts: Per stage, the layout of what its forward ops stash (the
+            pullback's residuals, or, recomputing, the non-trainable values).
         lengths: Per dtype, the length of a stash row.
         logs_shape: The shapes of one micro-batch's logs.
     """
@@ -329,7 +330,9 @@ class _Ops:
         f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
         if program.recompute:
             out, aux = f(weights, bundle)
-            residual = trace.zero_residual()
+            # The non-trainable values as this op found them: later forward ops move them
+            # (a dropout's seed), and the recomputation must draw as this op did.
+            residual = trace.layouts[s].pack(jax.tree_util.tree_leaves(ntv), trace.lengths)
         else:
             out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
             kept = kept_residuals(vjp_fn, aux, known, ntv)[0]
@@ -349,6 +352,12 @@ class _Ops:
         """
         program, trace = self.program, self.trace
         f, weights, known, ntv = self.stage(s, non_trainable, metrics, bundle, j)
+        if program.recompute and not fused:  # from the forward op's non-trainable values
+            then = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ntv),
+                                                trace.layouts[s].unpack(residual))
+            ipu = program.pipelined.device_mapping[s]
+            f = program.stages.function(s, self.weights_of[ipu], then, metrics,
+                                        micro_batch_at(self.data, j))
         # Unfused, the pullback is traced for its structure only: XLA drops
         # the forward computation when the residuals come from the stash.
         out, vjp_fn, aux = jax.vjp(f, weights, bundle, has_aux=True)
@@ -408,9 +417,12 @@ class _FitProgram:
         bundle = jnp.zeros(self.pipelined.bundle_shape(mb), jnp.float32)
         ops = _Ops(self, None, first, self._weights(local["trainable_variables"]))
         args = (local["non_trainable_variables"], local["metrics_variables"], bundle, 0)
-        layouts = [] if self.recompute else [
-            FlatLayout.of(jax.eval_shape(lambda s=s: ops.stash_shapes(s, *args)))
-            for s in range(self.pipelined.num_stages)]
+        # Recomputing, a forward op stashes the stage's non-trainable values, else the
+        # residuals of its pullback.
+        stashed = ((lambda s: jax.tree_util.tree_leaves(ops.stage(s, *args)[3]))
+                   if self.recompute else (lambda s: ops.stash_shapes(s, *args)))
+        layouts = [FlatLayout.of(jax.eval_shape(lambda s=s: stashed(s)))
+                   for s in range(self.pipelined.num_stages)]
 
         def last_stage_logs():
             f, weights, _, _ = ops.stage(self.last, *args)
