@@ -370,3 +370,18 @@ def test_fit_evaluate_and_predict_are_the_jax_trainers():
         owners = [k for k in keras.Model.__mro__ if name in k.__dict__]
         assert owners[0] is JAXTrainer
         assert getattr(JAXTrainer, name).__wrapped__ is extensions._original_trainer_methods[name]
+
+
+def test_loss_scale_optimizers_handle_finite_and_non_finite_updates_statelessly():
+    # keras_ipu.keras.pipelined.update: a weightless IPU's clone moves its scale by
+    # every IPU's finiteness through these two.
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                    initial_scale=8.0)
+    optimizer.build([])
+    values = [v.value for v in optimizer.variables]
+    names = [v.name for v in optimizer.variables]
+    _, halved = optimizer._stateless_handle_non_finite_grads(values, [])
+    _, kept = optimizer._stateless_handle_finite_grads(values, [], [])
+    assert float(halved[names.index("dynamic_scale")]) == 4.0
+    assert float(kept[names.index("dynamic_scale")]) == 8.0
+    assert int(kept[names.index("step_counter")]) == 1

@@ -232,6 +232,38 @@ def test_a_stage_with_non_finite_gradients_skips_every_stages_update(policy, for
     _assert_same_training(plain, on_ipu, ATOL[policy])
 
 
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_a_weightless_last_stage_scales_the_loss_as_the_others_skip(form, monkeypatch):
+    # The last stage (an Activation) holds no weights: its optimizer clone, which scales
+    # the loss, sees no gradient, so must halve its scale with the others on an overflow.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+    y[37] = np.inf  # one update's gradients are not finite: skipped, the scale halves
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(3), keras.layers.Activation("linear")])
+
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                   initial_scale=16.0, dynamic_growth_steps=3)
+
+    plain = make()
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        on_ipu = make()
+    plain.compile(optimizer=optimizer(), loss="mse")
+    on_ipu.compile(optimizer=optimizer(), loss="mse", steps_per_execution=4)
+    on_ipu.set_pipeline_stage_assignment([0, 0, 1])
+    on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                  gradient_accumulation_reduction_method="mean")
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    on_ipu.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert float(on_ipu.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale) == 8
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)
+
+
 # --------------------------------------------------------------------------- the report
 
 

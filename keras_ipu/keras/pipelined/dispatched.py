@@ -211,7 +211,7 @@ class DispatchedFit:
             finite, squared = update.combine_summaries(self.p, summaries)
             if finite is not None:
                 acc = update.skipped_unless(finite, acc)
-            tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc, squared)
+            tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc, squared, finite)
             return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulator_dtype)
 
         op.__name__ = f"optimizer_ipu_{ipu}"

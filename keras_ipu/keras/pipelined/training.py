@@ -457,6 +457,7 @@ class _FitProgram:
         non_trainable, metrics, acc, inbox, logs, stash = c
         if self.state.replicas > 1:
             acc = self.state.mesh.psum(acc, REPLICA_AXIS)
+        finite = None
         if p.loss_scaled:
             finite = self.state.mesh.psum((~all_finite(acc)).astype(jnp.int32), IPU_AXIS) == 0
             acc = skipped_unless(finite, acc)
@@ -466,7 +467,7 @@ class _FitProgram:
         trainable, optimizer_vars = jax.lax.switch(
             me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
-            trainable, optimizer_vars, acc, squared)
+            trainable, optimizer_vars, acc, squared, finite)
         # Only the last stage's IPU has the logs; the others hold zeros.
         logs = self.state.mesh.psum(
             jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), logs),

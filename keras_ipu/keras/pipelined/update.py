@@ -182,20 +182,26 @@ def combine_summaries(pipelined: PipelinedModel, summaries: tuple) -> tuple[Any,
 
 def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
                      grads_layout: GradientLayout, ipu: int):
-    """`apply(trainable, optimizer_vars, acc, squared=None) -> (trainable, optimizer_vars)`.
+    """`apply(trainable, optimizer_vars, acc, squared=None, finite=None) -> (trainable, ...)`.
 
     One IPU's step: its optimizer clone applied to its packed variables with
     the summed gradients of an accumulator (`grads_layout`); an elementwise
     optimizer's flat form (`flat_optimizer`) to all of them at once. With
     `global_clipnorm`, `squared` is the squared norm of every IPU's
-    accumulated gradients, which clips them first.
+    accumulated gradients, which clips them first. With a
+    `LossScaleOptimizer`, `finite` says whether every IPU's gradients are
+    finite: an IPU holding no weights moves its loss scale by it (its clone
+    would see no gradient, never skip, and scale the loss wrongly when it is
+    the last stage's).
     """
     t_layout = state.layouts["trainable_variables"][ipu]
     o_layout = state.layouts["optimizer_variables"][ipu]
     optimizer, flat = pipelined.optimizers[ipu], pipelined.flat_optimizers[ipu]
     order = pipelined.optimizer_storage[ipu]
 
-    def apply(trainable, optimizer_vars, acc, squared=None):
+    def apply(trainable, optimizer_vars, acc, squared=None, finite=None):
+        if finite is not None and not pipelined.trainable_of[ipu]:
+            return trainable, _loss_scale_only(optimizer, optimizer_vars, finite)
         if squared is not None:
             scale = loss_scale(pipelined, state, optimizer_vars, ipu)
             acc = clipped_by_global_norm(acc, squared, pipelined.global_clipnorm, scale)
@@ -210,6 +216,16 @@ def optimizer_update(pipelined: PipelinedModel, state: PipelineState,
         return (t_layout.pack(variables, state.lengths["trainable_variables"]),
                 o_layout.pack(flat_optimizer.in_storage_order(optimizer_values, order),
                               state.lengths["optimizer_variables"]))
+
+    def _loss_scale_only(optimizer, optimizer_vars, finite):
+        # An IPU without weights: its clone sees no gradient, so would never skip;
+        # it follows every IPU's finiteness instead, as Keras' one optimizer does.
+        values = flat_optimizer.in_clone_order(o_layout.unpack(optimizer_vars), order)
+        values = jax.lax.cond(
+            finite, lambda v: optimizer._stateless_handle_finite_grads(v, [], [])[1],
+            lambda v: optimizer._stateless_handle_non_finite_grads(v, [])[1], values)
+        return o_layout.pack(flat_optimizer.in_storage_order(values, order),
+                             state.lengths["optimizer_variables"])
 
     return apply
 
