@@ -715,3 +715,22 @@ def test_recomputation_draws_the_forward_ops_dropout_masks(form, monkeypatch):
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     assert ipu.utils.execution_report(model, "fit").pipeline.recomputation
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_each_ipu_reports_the_state_of_its_own_stages(form, monkeypatch):
+    # The program holds every IPU's state padded to the largest; an IPU holds its own.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(32),
+                                  keras.layers.Dense(2)])
+    model.set_pipeline_stage_assignment([0, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+    x = np.ones((16, 32), np.float32)
+    model.fit(x, x[:, :2], batch_size=2, verbose=0)
+    first, second = ipu.utils.execution_report(model, "fit").ipus
+    # Weights and Adam's two slots, 4 bytes each; the optimizer's iteration counters.
+    assert 3 * 4 * (32 * 32 + 32) <= first.state_bytes < 3 * 4 * (32 * 32 + 32) + 64
+    assert 3 * 4 * (32 * 2 + 2) <= second.state_bytes < 3 * 4 * (32 * 2 + 2) + 64

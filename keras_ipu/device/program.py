@@ -13,6 +13,7 @@ first runs; the report says which loop form ran and why.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -111,6 +112,10 @@ class ExecutionProgram:
             `finalize` that reads only those (fit and evaluate logs): XLA
             then compiles no buffer of every step's outputs, nor its fill
             and slice (on CPUs, two kernels of ~8 ms each fewer).
+        state_bytes: Per IPU (in `replicas` order), the state it holds of its
+            own, when the IPUs hold different state in one program (a
+            pipeline's stages, padded to the largest there); by default each
+            IPU's share of the program's state.
 
     Example:
 
@@ -139,12 +144,14 @@ class ExecutionProgram:
         stream: StepStream | None = None,
         schedule_reason: str = "the pipeline schedule is the loop",
         last_outputs_only: bool = False,
+        state_bytes: Sequence[int] | None = None,
     ):
         self._step_fn = step_fn
         self.mode = mode
         self.replicas = replicas
         self.hardware = hardware
         self.exchange_bytes_per_step = exchange_bytes_per_step
+        self._state_bytes = None if state_bytes is None else tuple(state_bytes)
         self.micro_batches_per_step = micro_batches_per_step
         self._pipeline = pipeline
         self.replica_count = replica_count or replicas.count
@@ -382,6 +389,9 @@ class ExecutionProgram:
         )
         # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.jaxpr, self.device.platform)
+        per_ipu = (memory,) * count
+        if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
+            per_ipu = tuple(dataclasses.replace(memory, state_bytes=b) for b in self._state_bytes)
         # Counted over the program before XLA lowers it for this platform, its
         # loops with their trip counts: the execution's cost over its steps,
         # each IPU's share where IPUs share a device. Only the report needs
@@ -389,7 +399,7 @@ class ExecutionProgram:
         def cost():
             return accounting.step_cost(lowered, steps=compiled_steps).per_ipu(sharing)
 
-        return self._checked(compiled, batches, (memory,) * count, cost, loop, started,
+        return self._checked(compiled, batches, per_ipu, cost, loop, started,
                              options.describe())
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],

@@ -361,7 +361,7 @@ class DispatchedFit:
         for d, op_uses in enumerate(by_ipu):
             uses = [*op_uses, ops.update[d]]
             memory.append(accounting.MemoryUse(
-                state_bytes=sum(accounting.tree_bytes(local[part][d]) for part in local),
+                state_bytes=self.state.own_bytes(d),  # not the padding to the largest IPU
                 temporary_bytes=max(u.temporary_bytes for u in uses) + stash[d],
                 io_bytes=accounting.tree_bytes((batch, logs)),
                 code_bytes=sum(u.code_bytes for u in uses),

@@ -259,6 +259,16 @@ class PipelineState:
                 self.layouts[part] = [FlatLayout.of(arrays) for arrays in per_ipu]
                 self.lengths[part] = padded_lengths(self.layouts[part])
 
+    def own_bytes(self, ipu: int) -> int:
+        """Bytes of the state IPU `ipu` holds of its own (its flats without their padding).
+
+        Example:
+
+        >>> state.own_bytes(1)   # the last stage's weights, slots and metrics
+        """
+        return sum(size * np.dtype(dtype).itemsize for layouts in self.layouts.values()
+                   for dtype, size in layouts[ipu].sizes.items())
+
     def to_device(self, keras_state: Sequence[Sequence[Any]]) -> dict:
         """Keras state lists -> the packed, placed device form.
 
