@@ -233,13 +233,16 @@ def test_call_scope_beats_construction_scope(strategy):
 
 
 def test_scopes_must_assign_every_call(strategy):
+    message = "All layers of a pipelined model must have .* However, forgotten has not"
     with strategy.scope():
         inputs = keras.Input((4,))
         with PipelineStage(0):
             h = keras.layers.Dense(4)(inputs)
         h = keras.layers.Dense(4, name="forgotten")(h)
-        model = keras.Model(inputs, h)
-    message = "All layers of a pipelined model must have .* However, forgotten has not"
+        with pytest.raises(ValueError, match=message):  # at construction, as the reference
+            keras.Model(inputs, h)
+    # A model built outside the strategy is checked when its assignment is first used.
+    model = keras.Model(inputs, h)
     with pytest.raises(ValueError, match=message):
         pa.get_assignment(model)
     with pytest.raises(ValueError, match=message):

@@ -497,6 +497,11 @@ class FunctionalExtension(FunctionalPipelineMixin, ExtensionBase):
     True
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # As the reference: scopes that staged only some calls fail at construction.
+        stages.check_scope_stages(self)
+
 
 class SequentialExtension(SequentialPipelineMixin, ExtensionBase):
     """The IPU extension of `keras.Sequential` models.

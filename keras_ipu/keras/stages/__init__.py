@@ -36,6 +36,7 @@ from keras_ipu.keras.stages.mixins import (
 from keras_ipu.keras.stages.model_assignment import (
     assignment_from_config,
     assignment_to_config,
+    check_scope_stages,
     get_assignment,
     invalidate_sequential_assignment,
     pipeline_plan,
@@ -76,6 +77,7 @@ __all__ = [
     "assignment_to_config",
     "call_arguments",
     "check_no_empty_stages",
+    "check_scope_stages",
     "current_pipeline_stage",
     "get_assignment",
     "install",

@@ -43,6 +43,7 @@ import keras
 from keras_ipu.keras import context
 from keras_ipu.keras.stages.assignments import name_of
 from keras_ipu.keras.stages.graph import (
+    FUNCTIONAL,
     MODEL,
     SEQUENTIAL,
     TraceError,
@@ -144,6 +145,25 @@ def get_assignment(model: Any) -> list:
     level = structure(model, kind, model_graph(model, kind, action="get"), annotate)
     check_all_or_none(level)
     return to_assignments(level)
+
+
+def check_scope_stages(model: Any) -> None:
+    """Raises when `PipelineStage` scopes gave a stage to some of a graph's calls but not all.
+
+    The reference checks a Functional model when it is constructed; a
+    subclassed model's calls are known only once it is traced.
+
+    Raises:
+        ValueError: Naming the first call without a stage.
+
+    Example:
+
+    >>> check_scope_stages(model)   # right after keras.Model(inputs, outputs)
+    """
+    kind = model_kind(model)
+    if kind != FUNCTIONAL or not _state(model).use_annotations:
+        return
+    check_all_or_none(structure(model, kind, model_graph(model, kind, action="get"), True))
 
 
 def set_assignment(model: Any, pipeline_stage_assignment: Any) -> None:
