@@ -242,8 +242,8 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
         their values.
 
     Raises:
-        RuntimeError: Outside an `ipu_scope`, as on the IPU ("not compiled
-            for an IPU device").
+        RuntimeError: Outside an `ipu_scope`: the computation is compiled for
+            the scope's IPU.
 
     Example:
 
@@ -293,9 +293,11 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     Raises:
         ValueError: When an infeed has fewer elements than the loops need
             (none is taken).
+        RuntimeError: When no IPU system is configured.
 
     Example:
 
+    >>> configure_ipu_system()   # e.g. an IPUConfig with one IPU
     >>> call_compiled(lambda x: x * 2, jax.devices()[0], (np.ones(3),))
     Array([2., 2., 2.], dtype=float32)
     """
@@ -489,7 +491,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
 
     Example:
 
-    >>> repeat(10, lambda x: x + 1, [0.0])
+    >>> repeat(10, lambda x: x + 1, [np.float32(0)])
     Array(10., dtype=float32)
     """
     n = _iterations(n)
@@ -560,7 +562,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
 
     Example:
 
-    >>> while_loop(lambda x: x < 10, lambda x: x + 3, [0])
+    >>> while_loop(lambda x: x < 10, lambda x: x + 3, [np.int32(0)])
     Array(12, dtype=int32)
     """
     if infeed_queue is not None:

@@ -69,9 +69,19 @@ class Enqueues:
     def add(self, queue: IPUOutfeedQueue, value: Any, block: bool) -> None:
         """Adds `queue`'s value for this iteration (`block`: a nested loop's stacked values).
 
+        Args:
+            queue: The outfeed.
+            value: Its value: what `enqueue` got, or a nested loop's values
+                stacked per inner iteration.
+            block: Whether `value` is a nested loop's stacked values.
+
         Raises:
             RuntimeError: When this body may not enqueue.
             ValueError: When `queue` already has this iteration's value.
+
+        Example:
+
+        >>> enqueued.add(outfeed, {"loss": loss}, block=False)
         """
         if self.refusal is not None:
             raise RuntimeError(self.refusal)
@@ -107,18 +117,42 @@ def collect_enqueues(refusal: str | None = None) -> Iterator[Enqueues]:
 
 
 def current_enqueues() -> Enqueues | None:
-    """The enqueues of the loop body being traced, or `None` outside any body."""
+    """The enqueues of the loop body being traced.
+
+    Returns:
+        The innermost body's `Enqueues`, or `None` outside any body.
+
+    Example:
+
+    >>> current_enqueues() is None   # outside every loop
+    True
+    """
     return _ENQUEUES.get()
 
 
 def synthetic_data() -> bool:
-    """Whether `--use_synthetic_data` is on: no data moves between host and device."""
+    """Whether `--use_synthetic_data` is on: no data moves between host and device.
+
+    Returns:
+        True when the configured system has the option.
+
+    Example:
+
+    >>> synthetic_data()   # KERAS_IPU_FLAGS=--use_synthetic_data
+    True
+    """
     configured = system.current()
     return configured is not None and bool(configured.option("use_synthetic_data"))
 
 
 def stacked(elements: list) -> Any:
     """Infeed elements stacked on a leading axis (zeros under `--use_synthetic_data`).
+
+    Args:
+        elements: Elements of one structure (arrays, tuples or dicts of them).
+
+    Returns:
+        The structure with each array stacked, `[len(elements), ...]`.
 
     Example:
 
@@ -178,7 +212,13 @@ class IPUInfeedQueue:
 
     @property
     def initializer(self) -> None:
-        """IPU TensorFlow's initialiser op: nothing to run here (`None`), the queue is ready."""
+        """IPU TensorFlow's initialiser op: nothing to run here (`None`), the queue is ready.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).initializer is None
+        True
+        """
         return None
 
     @property
@@ -186,6 +226,11 @@ class IPUInfeedQueue:
         """IPU TensorFlow's op freeing the queue: nothing to run here (`None`).
 
         The queue holds only a host iterator, which Python frees with it.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).deleter is None
+        True
         """
         return None
 
@@ -217,21 +262,50 @@ class IPUInfeedQueue:
 
         Raises:
             ValueError: Always.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).get_next()
+        Traceback (most recent call last):
+        ValueError: get_next() is obsolete: ...
         """
         raise ValueError("get_next() is obsolete: pass the IPUInfeedQueue to "
                          "ipu.loops.repeat(n, body, inputs, infeed_queue), which hands each "
                          "iteration its element.")
 
     def peek(self, count: int) -> list:
-        """Up to `count` next elements, left in the queue."""
+        """Up to `count` next elements, left in the queue.
+
+        Args:
+            count: How many to look at.
+
+        Returns:
+            The next elements, fewer where the queue has fewer.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2]).peek(5)
+        [1, 2]
+        """
         self._ahead.extend(itertools.islice(self._elements, max(0, count - len(self._ahead))))
         return list(itertools.islice(self._ahead, count))
 
     def take(self, count: int) -> list:
         """The next `count` elements, taken from the queue.
 
+        Args:
+            count: How many to take.
+
+        Returns:
+            The elements, a list of `count`.
+
         Raises:
             ValueError: When fewer than `count` are left; none is taken.
+
+        Example:
+
+        >>> IPUInfeedQueue([1, 2, 3]).take(2)
+        [1, 2]
         """
         ahead = self.peek(count)
         if len(ahead) < count:
@@ -243,7 +317,15 @@ class IPUInfeedQueue:
         return ahead
 
     def put_back(self, elements: list) -> None:
-        """Returns taken `elements` to the front of the queue (their program did not run)."""
+        """Returns taken `elements` to the front of the queue (their program did not run).
+
+        Args:
+            elements: What `take` returned, in its order.
+
+        Example:
+
+        >>> infeed.put_back(infeed.take(2))   # the queue is as it was
+        """
         self._ahead.extendleft(reversed(elements))
 
 
@@ -294,7 +376,13 @@ class IPUOutfeedQueue:
 
     @property
     def deleter(self) -> None:
-        """IPU TensorFlow's op freeing the queue: nothing to run here (`None`)."""
+        """IPU TensorFlow's op freeing the queue: nothing to run here (`None`).
+
+        Example:
+
+        >>> IPUOutfeedQueue().deleter is None
+        True
+        """
         return None
 
     def enqueue(self, tensors: Any) -> _Enqueued:
@@ -326,7 +414,17 @@ class IPUOutfeedQueue:
         return _Enqueued()
 
     def receive(self, values: Any) -> None:
-        """Takes a finished program's values for this queue (stacked per iteration)."""
+        """Takes a finished program's values for this queue (stacked per iteration).
+
+        Args:
+            values: The enqueued structure, each array `[iterations, ...]`.
+
+        Example:
+
+        >>> outfeed.receive(np.arange(3))
+        >>> outfeed.dequeue()
+        array([0, 1, 2])
+        """
         if synthetic_data():  # nothing returns to the host: empty arrays of the structure
             values = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), values)

@@ -71,7 +71,7 @@ class ExtensionBase:
                 `"mean"` or `"running_mean"` (any case), or a
                 `keras_ipu.gradient_accumulation.GradientAccumulationReductionMethod`.
                 Every call sets it (to SUM when omitted). Saved with the model.
-            use_v2_gradient_accumulation_optimizer: Accepted for
+            use_v2_gradient_accumulation_optimizer: A bool, accepted for
                 compatibility; there is one accumulation implementation.
             **gradient_accumulation_optimizer_kwargs: `dtype`: the
                 accumulator dtype (`"float32"` by default, `"float16"` or
@@ -84,7 +84,8 @@ class ExtensionBase:
                 unknown reduction method, the refused keys `opt`,
                 `num_mini_batches` and `experimental_normalize_gradients`, an
                 unknown key or dtype.
-            TypeError: When the kwargs are not a mapping.
+            TypeError: When `use_v2_gradient_accumulation_optimizer` is not
+                a bool.
 
         Example:
 
@@ -115,8 +116,10 @@ class ExtensionBase:
 
         Args:
             gradient_accumulation_steps_per_replica: Micro-batches per weight
-                update; pipelined training always accumulates, so `fit` needs
-                it. `None` keeps the current value. Saved with the model.
+                update. `fit` needs it, except with
+                `pipeline_schedule=PipelineSchedule.Sequential`, where each
+                batch is one weight update. `None` keeps the current value.
+                Saved with the model.
             device_mapping: One IPU index per pipeline stage (default stage
                 `i` on IPU `i`); stages that share layers must share an IPU.
                 `None` keeps the current mapping. Saved with the model.
@@ -393,10 +396,11 @@ class ExtensionBase:
             A `History` object, as `keras.Model.fit`.
 
         Raises:
-            RuntimeError: When no IPU system is configured, the model is not
-                compiled, or it was compiled with `run_eagerly=True`.
-            ValueError: For data the IPU cannot run (partial batches, a
-                `steps_per_execution` that does not divide the steps, ...).
+            RuntimeError: When no IPU system is configured, or the model was
+                compiled with `run_eagerly=True`.
+            ValueError: When the model is not compiled, or for data the IPU
+                cannot run (partial batches, a `steps_per_execution` that
+                does not divide the steps, ...).
             keras_ipu.errors.IPUOutOfMemoryError: When the program does not
                 fit the IPU's memory.
 
@@ -441,8 +445,9 @@ class ExtensionBase:
             NumPy array(s) of predictions, in input order.
 
         Raises:
-            RuntimeError: When no IPU system is configured.
-            ValueError: As `fit`.
+            RuntimeError: When no IPU system is configured, or the model was
+                compiled with `run_eagerly=True`.
+            ValueError: For data the IPU cannot run, as `fit`.
 
         Example:
 

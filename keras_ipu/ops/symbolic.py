@@ -24,7 +24,17 @@ from keras_ipu.device import collectives
 
 
 def in_keras_symbolic_build() -> bool:
-    """Whether Keras is tracing a layer only for its output's shape (its symbolic scope)."""
+    """Whether Keras is tracing a layer only for its output's shape (its symbolic scope).
+
+    Returns:
+        True inside Keras' `compute_output_spec` (building a model from
+        `keras.Input`s), False when the layer computes values.
+
+    Example:
+
+    >>> in_keras_symbolic_build()   # outside any layer
+    False
+    """
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
