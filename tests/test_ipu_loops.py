@@ -5,6 +5,7 @@ The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -304,3 +305,45 @@ def test_a_program_closing_over_arrays_sees_their_values_at_each_call():
         weights.assign(np.full(3, 5.0, np.float32))
         second = strategy.run(scaled, args=(np.full(3, 2.0, np.float32),))
     assert first.tolist() == [2, 2, 2] and second.tolist() == [10, 10, 10]
+
+
+STEPS = 2
+
+
+def test_a_kept_program_sees_the_python_values_its_function_reads_and_its_argument_types():
+    # The seed's loops re-run with new host values: a program keeps only while they hold.
+    global STEPS
+    scale = np.float32(2)
+
+    def my_net(x):
+        return ipu.loops.repeat(STEPS, lambda v: v * scale, [x])
+
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        first = float(ipu.ipu_compiler.compile(my_net, [np.float32(1)])[0])
+        STEPS, scale = 3, np.float32(3)
+        second = float(ipu.ipu_compiler.compile(my_net, [np.float32(1)])[0])
+    STEPS = 2
+    assert (first, second) == (4.0, 27.0)
+    with strategy.scope():  # 1, 1.0 and True are equal keys of different types
+        kinds = [strategy.run(lambda v: jnp.asarray(v), args=(v,)).dtype for v in (1, 1.0, True)]
+    assert kinds == [jnp.int32, jnp.float32, jnp.bool_]
+
+
+def test_compile_inside_a_jax_transform_and_an_infeed_made_inside_run_as_before():
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        doubled = jax.jit(lambda x: ipu.ipu_compiler.compile(lambda v: v * 2, [x])[0])(
+            np.ones(3, np.float32))
+        made_inside = ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(
+            3, lambda t, e: t + e, [0.0],
+            ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in (1, 2, 3)])))
+    assert doubled.tolist() == [2, 2, 2] and float(made_inside[0]) == 6
+
+
+def test_an_infeed_read_inside_another_loops_body_is_refused():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(6)])
+    with pytest.raises(ValueError, match="A loop inside another loop's body cannot read an "
+                                         "infeed"):
+        ipu.loops.repeat(3, lambda t: ipu.loops.repeat(2, lambda u, e: u + e, [t], infeed),
+                         [jnp.float32(0)])
+    assert len(infeed.peek(10)) == 6  # nothing taken

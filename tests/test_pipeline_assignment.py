@@ -241,6 +241,12 @@ def test_scopes_must_assign_every_call(strategy):
         h = keras.layers.Dense(4, name="forgotten")(h)
         with pytest.raises(ValueError, match=message):  # at construction, as the reference
             keras.Model(inputs, h)
+        class Subclass(keras.Model):  # a subclass calling the functional constructor
+            def __init__(self):
+                super().__init__(inputs, h)
+
+        with pytest.raises(ValueError, match=message):
+            Subclass()
     # A model built outside the strategy is checked when its assignment is first used.
     model = keras.Model(inputs, h)
     with pytest.raises(ValueError, match=message):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -270,10 +271,12 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     `tf.function` fixes Python values. The program is kept in the configured
     system: a later call with the same `fn`, the same fixed arguments and
     arrays of the same shapes runs it again without tracing. The infeeds its
-    loops read are inputs too: each call takes their next elements. A
-    program whose trace captured arrays (`fn` closing over weights, a Keras
-    variable's value) is traced again at each call, so that it sees their
-    values then, as before.
+    loops read are inputs too: each call takes their next elements. The
+    numbers and strings `fn` reads from its closure and globals are part of
+    the program's key; a program whose trace captured arrays (`fn` closing
+    over weights, a Keras variable's value) is traced again at each call,
+    so that it sees their values then. Values read from objects' attributes
+    stay those of the trace, as in `tf.function`.
 
     The values a loop inside enqueues leave the program with its outputs and
     reach their queues once it has run (inside another such call, `fn` is
@@ -305,7 +308,9 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
         return _without_operations(outputs(fn(*args, **(kwargs or {}))))
     arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
     programs = system.require().programs
-    key = (fn, outputs, device, treedef, fixed)
+    # `1`, `1.0` and `True` are equal keys: their types tell them apart.
+    typed = tuple(leaf if leaf is _ARRAY else (type(leaf), leaf) for leaf in fixed)
+    key = (fn, outputs, device, treedef, typed, _host_values(fn))
     try:
         program = programs.pop(key, None)
     except TypeError:  # an unhashable fixed argument: a program for this call only
@@ -324,6 +329,58 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
 
 # Programs `call_compiled` keeps per configured system (the least recently used go first).
 _PROGRAMS_KEPT = 64
+
+# Host values a traced function may read and fix in its program: a kept program is run
+# again only while those it reads from its closure and globals are unchanged.
+_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# Whose functions' globals are their own constants: not walked.
+_LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
+
+
+def _host_values(fn: Callable, depth: int = 4) -> tuple:
+    """The numbers and strings `fn` (and the functions it refers to) read from closures and globals.
+
+    Values read from objects' attributes are not seen: a kept program keeps
+    those of its trace, as `tf.function` does.
+    """
+    values: list = []
+    seen: set = set()
+
+    def visit(function: Any, depth: int) -> None:
+        if isinstance(function, functools.partial):
+            function = function.func
+        function = getattr(function, "__func__", function)  # a bound method's function
+        code = getattr(function, "__code__", None)
+        library = getattr(function, "__module__", None) or ""
+        if (code is None or depth < 0 or id(function) in seen
+                or library.partition(".")[0] in _LIBRARIES):
+            return
+        seen.add(id(function))
+        cells = []
+        for cell in function.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                continue
+        names = _global_names(code)
+        found = function.__globals__
+        for value in cells + [found[name] for name in names if name in found]:
+            if isinstance(value, _HOST_SCALARS):
+                values.append((type(value), value))
+            elif callable(value) and not isinstance(value, type):
+                visit(value, depth - 1)
+
+    visit(fn, depth)
+    return tuple(values)
+
+
+def _global_names(code: Any) -> set:
+    """The global names a code object and the functions defined in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _global_names(constant)
+    return names
 
 
 def _is_array(leaf: Any) -> bool:
@@ -383,6 +440,9 @@ class _Program:
         # Whether another call may run it: not when its trace captured arrays (a closure
         # over weights or a Keras variable), whose values of that trace it would keep.
         self.reusable = True
+        # Whether the loops' infeed data are the program's inputs; otherwise (a queue the
+        # function makes itself, a call inside another JAX trace) constants of one trace.
+        self.feeds_as_inputs = True
         # The plan is static: a program compiled for one plan never gets another's data.
         self.jitted = jax.jit(self._traced, static_argnums=2)
 
@@ -391,7 +451,8 @@ class _Program:
         leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
         outfed_token = _OUTFED.set([])
-        feeds_token = _FEEDS.set(_FeedInputs(list(plan), feed_data))
+        feeds_token = _FEEDS.set(_FeedInputs(list(plan), feed_data) if self.feeds_as_inputs
+                                 else None)
         try:
             result = self.outputs(self.fn(*args, **kwargs))
             outfed = _OUTFED.get()
@@ -402,22 +463,35 @@ class _Program:
         return _without_operations(result), [values for _, values in outfed]
 
     def run(self, device: Any, arrays: list) -> Any:
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)):
+            return self._run_once(arrays)  # inside another JAX trace: part of it
         arrays = jax.device_put(arrays, device)
         while True:
             taken = _take_all(self.plan)
             try:
                 feed_data = jax.device_put([queues.stacked(t) for t in taken], device)
                 result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
-            except _MissingFeed as missing:  # trace again, reading that infeed too
+            except _MissingFeed as missing:
                 _put_back(self.plan, taken)
-                self.plan = missing.plan
+                if len(missing.plan) <= len(self.plan):  # an infeed made in each trace
+                    return self._run_once(arrays)
+                self.plan = missing.plan  # trace again, reading that infeed too
                 continue
             except BaseException:
                 _put_back(self.plan, taken)
                 raise
-            for queue, values in zip(self.outfeeds, outfed):
-                queue.receive(values)
-            return result
+            return self._delivered(result, outfed)
+
+    def _run_once(self, arrays: list) -> Any:
+        """Traced for this call only, its loops' infeed data constants of the trace."""
+        self.reusable = self.feeds_as_inputs = False
+        result, outfed = jax.jit(self._traced, static_argnums=2)(arrays, [], ())
+        return self._delivered(result, outfed)
+
+    def _delivered(self, result: Any, outfed: list) -> Any:
+        for queue, values in zip(self.outfeeds, outfed):
+            queue.receive(values)
+        return result
 
 
     def _executable(self, arrays: list, feed_data: list) -> Any:
@@ -485,9 +559,10 @@ def repeat(n: int, body: Callable, inputs: Any = None,
 
     Raises:
         ValueError: For `n` below 1 or not an integer, an infeed that runs
-            out (nothing is taken from it), a body that returns another
-            number of values than `inputs` has, or one that enqueues twice
-            on an outfeed.
+            out (nothing is taken from it), an infeed read by a loop inside
+            another loop's body, a body that returns another number of
+            values than `inputs` has, or one that enqueues twice on an
+            outfeed.
 
     Example:
 
@@ -495,6 +570,12 @@ def repeat(n: int, body: Callable, inputs: Any = None,
     Array(10., dtype=float32)
     """
     n = _iterations(n)
+    if infeed_queue is not None and queues.current_enqueues() is not None:
+        # Traced once, it would read the same elements at every outer iteration.
+        raise ValueError("A loop inside another loop's body cannot read an infeed: it is "
+                         "traced once, so every outer iteration would get the same "
+                         "elements. Read the infeed in the outer loop and pass the values "
+                         "in.")
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     feeds, taken, data = _FEEDS.get(), None, None
     if infeed_queue is not None and feeds is not None:  # inside `call_compiled`: its inputs

@@ -489,6 +489,7 @@ class ModelExtension(ModelPipelineMixin, ExtensionBase):
         # during __init__: it then takes the Functional extension.
         if isinstance(self, Functional):
             set_class(self, extension_class(type(self)._ipu_base_class, True))
+            stages.check_scope_stages(self)  # as FunctionalExtension.__init__
 
 
 class FunctionalExtension(FunctionalPipelineMixin, ExtensionBase):
