@@ -43,16 +43,18 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
     host's from Python and NumPy: this is `keras.utils.set_random_seed(seed)`
     after checking `device`. Layers built afterwards, weights initialised and
     data shuffled afterwards follow the seed; a layer's own seed generator
-    made earlier keeps its state. Replicas always draw the same random
-    numbers (one seed state, replicated), whatever
-    `experimental_identical_replicas` says.
+    made earlier keeps its state. Replicas draw their own random numbers
+    (replica 0 those one IPU would draw), unless
+    `experimental_identical_replicas` is True; pipelined replicas always
+    draw the same.
 
     Args:
         seed: The new seed, a non-negative integer.
         device: The IPU device the seed is for (`/device:IPU:N` of the
             configured system).
         cpu_device: The host device; accepted for compatibility.
-        experimental_identical_replicas: Accepted for compatibility.
+        experimental_identical_replicas: Whether every replica draws the
+            same random numbers (False: each its own, as the reference).
 
     Raises:
         ValueError: For a seed that is not a non-negative integer, or a
@@ -69,6 +71,7 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
         raise ValueError(f"The seed must be a non-negative integer, got {seed!r}.")
     ipu_system.require().ipus_of_device(device)  # raises for a device it does not have
     keras.utils.set_random_seed(seed)
+    ipu_system.update_options(identical_replicas=bool(experimental_identical_replicas))
 
 
 def running_on_ipu_model() -> bool:

@@ -94,3 +94,21 @@ def test_weights_after_an_interrupt_are_the_last_completed_executions(setup, sou
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     expected_model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(expected_model.get_weights(), model.get_weights(), atol=1e-5)
+
+
+def test_a_ctrl_c_inside_a_deferred_block_is_raised_as_it_ends():
+    # An execution and the keeping of its state are not cut in two by a KeyboardInterrupt.
+    import os
+    import signal
+
+    from keras_ipu.device import interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("the block ran to its end")
+    assert done == ["the block ran to its end"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    with interrupts.deferred():  # nothing arrived: nothing raised
+        done.append("again")

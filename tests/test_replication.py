@@ -193,3 +193,34 @@ def test_options_survive_save_and_load_inside_the_scope(strategy, tmp_path):
     assert config["replicated_metric_reduction_method"] == 2
     plain = keras.models.load_model(tmp_path / "m.keras")  # outside: a plain model
     assert not isinstance(plain, ipu.keras.extensions.SequentialExtension)
+
+
+class _Noise(keras.layers.Layer):
+    """Adds uniform noise from its own seed generator, in training and inference alike."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x + keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
+
+
+@pytest.mark.parametrize("identical", [False, True])
+def test_replicas_draw_their_own_random_numbers_unless_told_otherwise(identical):
+    # The reference's default (experimental_identical_replicas=False): each replica its own.
+    configure(2)
+    ipu.utils.reset_ipu_seed(1, experimental_identical_replicas=identical)
+    x = np.zeros((4, 3), np.float32)
+    plain = keras.Sequential([keras.Input((3,)), _Noise()])
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        on_ipu = keras.Sequential([keras.Input((3,)), _Noise()])
+        on_ipu.compile(steps_per_execution=2)
+    noise = on_ipu.predict(x, batch_size=1, verbose=0)  # rows 0, 2: replica 0; 1, 3: replica 1
+    first = plain.predict(x[:1], batch_size=1, verbose=0)
+    np.testing.assert_array_equal(noise[0], first[0])  # replica 0 draws what one IPU would
+    assert np.array_equal(noise[0], noise[1]) == identical
+    assert not np.array_equal(noise[0], noise[2])  # the next step draws anew
+    # Every replica ends with the one state: 2 steps drawn, as by one IPU.
+    np.testing.assert_array_equal(on_ipu.layers[0].seed_generator.state, [7, 2])
+    ipu.utils.reset_ipu_seed(1)

@@ -203,6 +203,30 @@ def configure(
     return _current
 
 
+def update_options(**changes: Any) -> IPUSystem:
+    """Replaces the configured system by one with `changes` to its runtime options.
+
+    Args:
+        **changes: Option names and their new values.
+
+    Returns:
+        The new configured system (its kept graph-style programs start afresh).
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> update_options(identical_replicas=True).option("identical_replicas")
+    True
+    """
+    global _current
+    current = require()
+    _current = dataclasses.replace(
+        current, options=types.MappingProxyType({**current.options, **changes}))
+    return _current
+
+
 def reset() -> None:
     """Forgets the configured system (the next `fit` needs a new one)."""
     global _current

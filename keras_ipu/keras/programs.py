@@ -86,9 +86,10 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     loop = ipu_system.require().option("execution_loop", "auto")
     buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
     streamed = options.asynchronous_callbacks
+    identical = ipu_system.require().option("identical_replicas", False)
     key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           options.replicated_metric_reduction_method, streamed, buffer_depth)
+           options.replicated_metric_reduction_method, streamed, buffer_depth, identical)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
@@ -131,6 +132,14 @@ def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas
 
 
 def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
+    step = _one_replicas_step(model, mode, options, replicas, custom)
+    if replicas.count > 1 and not ipu_system.require().option("identical_replicas", False):
+        return steps.distinct_random_streams(model, step)
+    return step
+
+
+def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas,
+                       custom: bool):
     if mode == "evaluate":
         return steps.test_step(model)
     if mode == "predict":

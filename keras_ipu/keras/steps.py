@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_ipu.device import collectives
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 
@@ -133,3 +134,48 @@ def predict_step(model: Any) -> Step:
         return outputs, (state[0], non_trainable)
 
     return step
+
+
+def distinct_random_streams(model: Any, step: Step) -> Step:
+    """`step` with each replica drawing its own random numbers, as IPU replicas do by default.
+
+    Keras' seed generators advance only the second word of their state
+    (`[seed, counter]`); each replica's seeds get the first word XORed with
+    a mask of its index for the step, and back after it. Replica 0 draws
+    what one IPU would, the others their own numbers, and every replica
+    still ends the step with the same state.
+
+    Args:
+        model: The Keras model whose seed generators' states are among its
+            non-trainable variables (the state's second part).
+        step: `step(state, data) -> (outputs, state)`, run per replica.
+
+    Returns:
+        The step with per-replica random streams.
+
+    Example:
+
+    >>> step = distinct_random_streams(model, steps.train_step(model, ...))
+    """
+    seeds = [i for i, v in enumerate(model.non_trainable_variables)
+             if v.name == _SEED_STATE_NAME and tuple(v.shape) == (2,)]
+    if not seeds:
+        return step
+
+    def masked(state, mask):
+        non_trainable = list(state[1])
+        for i in seeds:
+            word = non_trainable[i][0] ^ mask.astype(non_trainable[i].dtype)
+            non_trainable[i] = non_trainable[i].at[0].set(word)
+        return (state[0], non_trainable, *state[2:])
+
+    def replicated(state, data):
+        mask = collectives.replica_index().astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+        outputs, state = step(masked(state, mask), data)
+        return outputs, masked(state, mask)
+
+    return replicated
+
+
+# The name Keras gives a `SeedGenerator`'s state variable.
+_SEED_STATE_NAME = "seed_generator_state"

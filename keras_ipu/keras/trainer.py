@@ -26,6 +26,7 @@ from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_ipu.device import interrupts
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.replicate import Replicas
@@ -324,13 +325,15 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                     # model while it runs, or a call that fails before it does).
                     _keep_state(model, state, codec)
                 ended = _submit_streamed(hooks, stream, begin, batches)
-                new_state, outfeed = execute(state, batches)
+                # A Ctrl-C between the execution and keeping its state would lose both.
+                with interrupts.deferred():
+                    new_state, outfeed = execute(state, batches)
+                    if hooks is None or run.program.donates_state:
+                        # The old state was consumed: the new one is the model's now.
+                        _keep_state(model, new_state, codec)
                 outfeed, returned = _split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
                     outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
-                if hooks is None or run.program.donates_state:
-                    # The old state was consumed: the new one is the model's now.
-                    _keep_state(model, new_state, codec)
                 logs = outfeed  # the program returns the last step's logs (or predictions)
                 if collect is not None:
                     collect(outfeed)
