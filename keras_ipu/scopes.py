@@ -1,6 +1,6 @@
-"""`ipu.scopes`: where computations run, and options for them; see `keras_ipu.device.feeds`."""
+"""`ipu.scopes`: where computations run, and options for them; see `keras_ipu.device.scopes`."""
 
-from keras_ipu.device.feeds import (
+from keras_ipu.device.scopes import (
     frontend_attribute,
     ipu_jit_scope,
     ipu_scope,
