@@ -734,3 +734,24 @@ def test_each_ipu_reports_the_state_of_its_own_stages(form, monkeypatch):
     # Weights and Adam's two slots, 4 bytes each; the optimizer's iteration counters.
     assert 3 * 4 * (32 * 32 + 32) <= first.state_bytes < 3 * 4 * (32 * 32 + 32) + 64
     assert 3 * 4 * (32 * 2 + 2) <= second.state_bytes < 3 * 4 * (32 * 2 + 2) + 64
+
+
+def test_a_recomputing_stage_stashes_its_non_trainable_values_too():
+    # Its backward op recomputes with the values its forward op found (BatchNorm's moving
+    # statistics here): the report's stash counts them once per micro-batch held.
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.set_pipeline_stage_assignment([0, 0, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=4,
+        recomputation_mode=ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate)
+    x, y = data_for("sequential", samples=16)
+    model.fit(x, y, batch_size=2, verbose=0)
+    pipeline = ipu.utils.execution_report(model, "fit").pipeline
+    counts = pipeline.stash_counts
+    # Stage 0: its 6 float32 inputs per sample and BatchNorm's 2 x 8 moving statistics.
+    assert pipeline.stash_bytes[0] == counts[0] * (2 * 4 * 6 + 4 * 16)
+    assert pipeline.stash_bytes[1] == counts[1] * 2 * 4 * 8  # no non-trainable values

@@ -296,7 +296,9 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             stash_counts=table.stash_counts(),
             ticks=table.num_ticks,
             stash_bytes=tuple(
-                count * batch * _stashed_bytes(pipe, s, x, recompute, keep_checkpoints)
+                count * (batch * _stashed_bytes(pipe, s, x, recompute, keep_checkpoints)
+                         + (_non_trainable_bytes(pipe, s)
+                            if recompute and not keep_checkpoints else 0))
                 for s, count in enumerate(table.stash_counts())
             ),
             recomputation=recompute,
@@ -326,12 +328,21 @@ def _keeps_checkpoints(options: IPUOptions) -> bool:
     return checkpoints.keeps_checkpoints(mode, schedule_of(options))
 
 
+def _non_trainable_bytes(pipe, stage: int) -> int:
+    """Bytes of the non-trainable values a recomputing stage's forward op stashes (per op)."""
+    variables = pipe.model.non_trainable_variables
+    ipu = pipe.device_mapping[stage]
+    return sum(int(np.prod(variables[i].shape)) * jnp.dtype(variables[i].dtype).itemsize
+               for i in pipe.non_trainable_of[ipu])
+
+
 def _stashed_bytes(pipe, stage: int, x, recompute: bool, keep_checkpoints: bool = False) -> int:
     """Bytes per sample a stage keeps for its backward pass, each tensor in its dtype.
 
     With recomputation only its input (the tensors it receives, as float32,
     or the model inputs for the first stage), and its `RecomputationCheckpoint`
-    layers' outputs when it keeps checkpoints; without, also every activation
+    layers' outputs when it keeps checkpoints (per op it also keeps the
+    non-trainable values it ran with, `_non_trainable_bytes`); without, also every activation
     its layer calls produce (16-bit ones in 16 bits, under a mixed precision
     policy).
     """
