@@ -175,18 +175,24 @@ class _Sampling(keras.Model):
         return self.decoder(h + noise)
 
 
-def test_state_a_subclassed_call_changes_moves_as_in_plain_keras(strategy):
-    # keras_ipu traces `call` to find pipeline stages; that trace must change nothing.
-    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+def _built_twins(model_class, optimizer: str, strategy, x):
+    """A plain and an IPU `model_class()`, compiled, built by a call on `x[:1]`, same weights."""
     keras.utils.set_random_seed(0)
-    plain = _Sampling()
-    plain.compile("adam", "mse")
+    plain = model_class()
+    plain.compile(optimizer, "mse")
     with strategy.scope():
-        on_ipu = _Sampling()
-        on_ipu.compile("adam", "mse")
+        on_ipu = model_class()
+        on_ipu.compile(optimizer, "mse")
     for model in (plain, on_ipu):
         model(x[:1])  # builds the layers (a call of its own on each model)
     on_ipu.set_weights(plain.get_weights())
+    return plain, on_ipu
+
+
+def test_state_a_subclassed_call_changes_moves_as_in_plain_keras(strategy):
+    # keras_ipu traces `call` to find pipeline stages; that trace must change nothing.
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    plain, on_ipu = _built_twins(_Sampling, "adam", strategy, x)
     for model in (plain, on_ipu):
         model.fit(x, x, batch_size=8, epochs=2, shuffle=False, verbose=0)
         model.evaluate(x, x, batch_size=8, verbose=0)
@@ -224,15 +230,7 @@ class _Overriding(keras.Model):
 def test_a_models_own_fit_evaluate_and_predict_run_and_reach_the_ipus(strategy):
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     y = x[:, :2] * 2.0
-    keras.utils.set_random_seed(0)
-    plain = _Overriding()
-    plain.compile("sgd", "mse")
-    with strategy.scope():
-        on_ipu = _Overriding()
-        on_ipu.compile("sgd", "mse")
-    for model in (plain, on_ipu):
-        model(x[:1])
-    on_ipu.set_weights(plain.get_weights())
+    plain, on_ipu = _built_twins(_Overriding, "sgd", strategy, x)
     histories = [m.fit(x, y, batch_size=8, shuffle=False, verbose=0) for m in (plain, on_ipu)]
     assert len(histories[1].history["loss"]) == 3  # the override's default epochs
     assert_history_close(histories[0].history, histories[1].history)

@@ -308,7 +308,6 @@ class _Program:
             queue.receive(values)
         return result
 
-
     def _executable(self, arrays: list, feed_data: list) -> Any:
         plan = tuple(self.plan)
         leaves, structure = jax.tree_util.tree_flatten((arrays, feed_data))
