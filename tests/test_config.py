@@ -773,6 +773,10 @@ def _config(**values):
         ({"select_ipus": [24, 25]}, (4, 4)),
         ({"select_ipus": [16, 2, 29]}, (2, 1, 8)),
         ({"select_ipus": 30}, (16,)),
+        # Its multi-IPU IDs hold the IPUs it lists: 16 is IPUs 5 and 7, 24 IPUs 4-7.
+        ({"select_ipus": [16, 0]}, (2, 1)),
+        ({"select_ipus": [24, 0, 1, 2, 3]}, (4, 1, 1, 1, 1)),
+        ({"select_ipus": [16, 17, 25]}, (2, 2, 4)),
     ],
 )
 def test_configure_passes_device_sizes(device, values, sizes):
@@ -783,8 +787,13 @@ def test_configure_passes_device_sizes(device, values, sizes):
 
 
 @pytest.mark.parametrize("selection, message", [
-    ([24, 16], "configurations 24 and 16 share IPU 0 (ID 24 holds IPUs 0-3, ID 16 IPUs 0-1)"),
+    ([24, 16], "configurations 24 and 16 share IPU 5 (ID 24 holds IPUs 5, 7, 4, 6, ID 16 IPUs "
+               "5, 7)"),
     ([30, 15], "configurations 30 and 15 share IPU 15"),
+    # The tutorial: ID 24 "corresponds to the individual IPUs 4, 5, 6 and 7".
+    ([16, 5], "configurations 16 and 5 share IPU 5"),
+    ([24, 4], "configurations 24 and 4 share IPU 4"),
+    ([28, 25], "configurations 28 and 25 share IPU 3"),
 ])
 def test_selections_that_share_ipus_are_refused(device, selection, message):
     with pytest.raises(ValueError, match=re.escape(message)):
