@@ -44,9 +44,8 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
     after checking `device`. Layers built afterwards, weights initialised and
     data shuffled afterwards follow the seed; a layer's own seed generator
     made earlier keeps its state. Replicas draw their own random numbers
-    (replica 0 those one IPU would draw), unless
-    `experimental_identical_replicas` is True; pipelined replicas always
-    draw the same.
+    (replica 0 those one IPU, or one pipeline, would draw), unless
+    `experimental_identical_replicas` is True.
 
     Args:
         seed: The new seed, a non-negative integer.

@@ -224,3 +224,51 @@ def test_replicas_draw_their_own_random_numbers_unless_told_otherwise(identical)
     # Every replica ends with the one state: 2 steps drawn, as by one IPU.
     np.testing.assert_array_equal(on_ipu.layers[0].seed_generator.state, [7, 2])
     ipu.utils.reset_ipu_seed(1)
+
+
+@pytest.mark.parametrize("identical", [False, True])
+def test_pipelined_replicas_draw_their_own_random_numbers_unless_told_otherwise(identical):
+    configure(4)  # 2 stages × 2 replicas
+    ipu.utils.reset_ipu_seed(1, experimental_identical_replicas=identical)
+    x = np.zeros((4, 3), np.float32)
+    plain = keras.Sequential([keras.Input((3,)), _Noise(), _Noise()])
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        on_ipu = keras.Sequential([keras.Input((3,)), _Noise(), _Noise()])
+        on_ipu.set_pipeline_stage_assignment([0, 1])
+        on_ipu.compile(steps_per_execution=2)
+    noise = on_ipu.predict(x, batch_size=1, verbose=0)  # rows 0, 2: replica 0; 1, 3: replica 1
+    first = plain.predict(x[:1], batch_size=1, verbose=0)
+    np.testing.assert_array_equal(noise[0], first[0])  # replica 0 draws what one pipeline would
+    assert np.array_equal(noise[0], noise[1]) == identical
+    assert not np.array_equal(noise[0], noise[2])
+    for layer in on_ipu.layers:  # one state after the run, as one pipeline's
+        np.testing.assert_array_equal(layer.seed_generator.state, [7, 2])
+    ipu.utils.reset_ipu_seed(1)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipelined_replicas_drop_out_as_replicas_of_one_ipu_do(recompute):
+    # Each replica its own masks, micro-batch by micro-batch, in the schedule's forward ops
+    # and in a recomputing backward op alike.
+    x, y = data_for("sequential", samples=64)
+
+    def fit(pipelined: bool):
+        configure(4 if pipelined else 2)
+        keras.utils.set_random_seed(4)
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = keras.Sequential([
+                keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+        if pipelined:
+            model.set_pipeline_stage_assignment([0, 0, 1])
+            mode = ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate
+            model.set_pipelining_options(
+                4, gradient_accumulation_reduction_method="mean",
+                **({"recomputation_mode": mode} if recompute else {}))
+        else:
+            model.set_gradient_accumulation_options(4, "mean")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    assert_weights_close(fit(pipelined=False), fit(pipelined=True), atol=1e-6)

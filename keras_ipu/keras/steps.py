@@ -157,24 +157,42 @@ def distinct_random_streams(model: Any, step: Step) -> Step:
 
     >>> step = distinct_random_streams(model, steps.train_step(model, ...))
     """
-    seeds = [i for i, v in enumerate(model.non_trainable_variables)
-             if v.name == _SEED_STATE_NAME and tuple(v.shape) == (2,)]
+    seeds = seed_state_indices(model.non_trainable_variables)
     if not seeds:
         return step
 
     def masked(state, mask):
-        non_trainable = list(state[1])
-        for i in seeds:
-            word = non_trainable[i][0] ^ mask.astype(non_trainable[i].dtype)
-            non_trainable[i] = non_trainable[i].at[0].set(word)
+        non_trainable = xor_seed_words(list(state[1]), seeds, mask)
         return (state[0], non_trainable, *state[2:])
 
     def replicated(state, data):
-        mask = collectives.replica_index().astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+        mask = replica_seed_mask(collectives.replica_index())
         outputs, state = step(masked(state, mask), data)
         return outputs, masked(state, mask)
 
     return replicated
+
+
+def seed_state_indices(variables: Any) -> list[int]:
+    """Positions of Keras seed generators' `[seed, counter]` states among `variables`."""
+    return [i for i, v in enumerate(variables)
+            if v.name == _SEED_STATE_NAME and tuple(v.shape) == (2,)]
+
+
+def replica_seed_mask(replica: Any) -> jax.Array:
+    """The word a replica's seeds are XORed with: 0 for replica 0, distinct for the others."""
+    return jnp.asarray(replica).astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+
+
+def xor_seed_words(values: Any, positions: Any, mask: Any) -> Any:
+    """`values` (a list or a dict) with the seed word of the states at `positions` XORed.
+
+    XOR is its own inverse: applied twice with one mask, the states are back.
+    """
+    for i in positions:
+        word = values[i][0] ^ mask.astype(values[i].dtype)
+        values[i] = values[i].at[0].set(word)
+    return values
 
 
 # The name Keras gives a `SeedGenerator`'s state variable.

@@ -25,11 +25,12 @@ from jax.sharding import PartitionSpec as P
 from keras.src import tree
 
 from keras_ipu.device import schedules
+from keras_ipu.device import system as ipu_system
 from keras_ipu.device.mesh import IPUMesh
-from keras_ipu.keras import stages
+from keras_ipu.keras import stages, steps
 from keras_ipu.keras.pipelined import instances, optimizer_copies
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
-from keras_ipu.keras.steps import STATE_PARTS
+from keras_ipu.keras.steps import STATE_PARTS, replica_seed_mask, xor_seed_words
 
 IPU_AXIS = "ipu"
 REPLICA_AXIS = "replica"
@@ -357,14 +358,31 @@ def _part_length(model, part: str) -> int:
 # --------------------------------------------------------------------------- stages
 
 
-class StageRunner:
-    """Runs one stage's layer calls statelessly on an IPU's packed variables."""
+def distinct_replica_streams(state: PipelineState) -> bool:
+    """Whether the pipeline's replicas draw their own random numbers (the IPU's default).
 
-    def __init__(self, pipelined: PipelinedModel, state: PipelineState):
+    `ipu.utils.reset_ipu_seed(..., experimental_identical_replicas=True)` makes
+    them draw the same ones.
+    """
+    return state.replicas > 1 and not ipu_system.require().option("identical_replicas", False)
+
+
+class StageRunner:
+    """Runs one stage's layer calls statelessly on an IPU's packed variables.
+
+    With `distinct_replicas` (traced inside the replicated program), each
+    replica draws its own random numbers, as IPU replicas do by default
+    (`steps.distinct_random_streams`); replica 0 draws what one pipeline would.
+    """
+
+    def __init__(self, pipelined: PipelinedModel, state: PipelineState,
+                 distinct_replicas: bool = False):
         self.p, self.state = pipelined, state
         model = pipelined.model
         self.t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self.n_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self.seeds = (steps.seed_state_indices(model.non_trainable_variables)
+                      if distinct_replicas else [])
         # Each regularized weight counts once, in the first stage that uses it
         # (Keras counts a layer's weight regularization once per model call).
         self.regularized: list[list] = []
@@ -420,7 +438,9 @@ class StageRunner:
             the bundle's last row carries on.
         """
         p, plan = self.p, self.p.plan
-        ntv = dict(ntv)
+        seeds = [i for i in self.seeds if i in ntv]
+        mask = replica_seed_mask(self.state.mesh.axis_index(REPLICA_AXIS)) if seeds else None
+        ntv = xor_seed_words(dict(ntv), seeds, mask)
         env = dict(zip(plan.input_keys, tree.flatten(x)))
         offset = 0
         for key in p.bundle_in[s]:
@@ -441,6 +461,7 @@ class StageRunner:
                 outputs = layer(*args, **kwargs)
             for key, value in zip(call.output_keys, tree.flatten(outputs)):
                 env[key] = value
+        ntv = xor_seed_words(ntv, seeds, mask)
         extra_loss = bundle[-1, 0] + sum(
             (jnp.sum(loss).astype(jnp.float32) for loss in losses), jnp.zeros((), jnp.float32))
         if s == p.num_stages - 1:
@@ -522,7 +543,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
     (evaluate) or outputs (predict), `[1, replicas, steps, ...]`.
     """
     p, model = pipelined, pipelined.model
-    runner = StageRunner(pipelined, state)
+    runner = StageRunner(pipelined, state, distinct_replica_streams(state))
     stages, micro = p.num_stages, table.num_micro_batches
     ticks = _table_arrays(table)
     mapping = jnp.asarray(p.device_mapping, jnp.int32)

@@ -142,7 +142,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
-           reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise)
+           reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise,
+           ipu_system.require().option("identical_replicas", False))
 
     def build():
         used = max(mapping) + 1

@@ -50,6 +50,7 @@ from keras_ipu.keras.pipelined.model import (
     PipelinedModel,
     PipelineState,
     StageRunner,
+    distinct_replica_streams,
     micro_batch_at,
     padded_lengths,
     stage_loss,
@@ -217,7 +218,7 @@ class Stages:
     def __init__(self, pipelined: PipelinedModel, state: PipelineState,
                  checkpoints: bool = False):
         self.p, self.state, self.checkpoints = pipelined, state, checkpoints
-        self.runner = StageRunner(pipelined, state)
+        self.runner = StageRunner(pipelined, state, distinct_replica_streams(state))
         self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
         self.grads = GradientLayout.of(
             [list(zip(state.indices("trainable_variables", ipu), layout.shapes, layout.dtypes))
