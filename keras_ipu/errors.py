@@ -31,7 +31,7 @@ class IPUOutOfMemoryError(RuntimeError):
         super().__init__(
             f"Out of memory on IPU {ipu}: the {program} program needs "
             f"{required_bytes:,} bytes, but the IPU has {capacity_bytes:,} bytes "
-            f"({required_bytes / capacity_bytes:.1f}x its capacity). Usual "
+            f"({required_bytes / capacity_bytes:.2f}x its capacity). Usual "
             f"remedies: pipeline the model over more IPUs "
             f"(`set_pipeline_stage_assignment` and `set_pipelining_options`), "
             f"enable recomputation (`IPUConfig.allow_recompute = True`), or use "

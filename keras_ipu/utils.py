@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from keras_ipu.config.enums import SyntheticDataCategory
@@ -48,7 +49,8 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
     `experimental_identical_replicas` is True.
 
     Args:
-        seed: The new seed, a non-negative integer.
+        seed: The new seed, an integer in [0, 2**64) (Python or NumPy);
+            seeds of 2**32 and more are folded to Keras' 32 bits.
         device: The IPU device the seed is for (`/device:IPU:N` of the
             configured system).
         cpu_device: The host device; accepted for compatibility.
@@ -56,7 +58,7 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
             same random numbers (False: each its own, as the reference).
 
     Raises:
-        ValueError: For a seed that is not a non-negative integer, or a
+        ValueError: For a seed that is not an integer in [0, 2**64), or a
             device the configured system does not have.
         RuntimeError: When no IPU system is configured.
 
@@ -66,10 +68,15 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
     """
     import keras
 
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"The seed must be a non-negative integer, got {seed!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not (
+            0 <= seed < 2**64):
+        raise ValueError(
+            f"The seed must be an integer in [0, 2**64), got {seed!r} of type "
+            f"{type(seed).__name__}.")
     ipu_system.require().ipus_of_device(device)  # raises for a device it does not have
-    keras.utils.set_random_seed(seed)
+    seed = int(seed)
+    # Keras (and NumPy's global generator) take 32-bit seeds, the IPU's are 64-bit.
+    keras.utils.set_random_seed(seed if seed < 2**32 else (seed ^ (seed >> 32)) & 0xFFFFFFFF)
     ipu_system.update_options(identical_replicas=bool(experimental_identical_replicas))
 
 

@@ -801,11 +801,42 @@ def test_selections_that_share_ipus_are_refused(device, selection, message):
     assert device.configured == []
 
 
+@pytest.mark.parametrize("values, message", [
+    ({"device_connection": {"type": "PRE_COMPILE"}},
+     "device_connection.version must be set when device_connection.type is PRE_COMPILE"),
+    ({"device_connection": {"type": "NEVER"}},
+     "device_connection.version must be set when device_connection.type is NEVER"),
+    ({"io_tiles": {"num_io_tiles": 32},
+      "norms": {"experimental": {"distributed_batch_norm_replica_group_size": 2}}},
+     "distributed_batch_norm_replica_group_size (2) is not supported with I/O tiles "
+     "(io_tiles.num_io_tiles=32)"),
+    ({"io_tiles": {"place_ops_on_io_tiles": True}},
+     "io_tiles.place_ops_on_io_tiles needs I/O tiles"),
+    ({"experimental": {"multi_replica_distribution": {"process_count": 2,
+                                                      "process_index": 5}}},
+     "process_index (5) must be in [0, process_count) = [0, 2)"),
+])
+def test_options_that_contradict_each_other_are_refused(device, values, message):
+    # Each value is valid alone; the reference refuses them together when configuring.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ipu_config.configure_ipu_system(_config(auto_select_ipus=1, **values))
+    assert device.configured == []
+
+
+def test_the_combinations_pass_once_completed(device):
+    ipu_config.configure_ipu_system(_config(
+        auto_select_ipus=1, device_connection={"type": "NEVER", "version": "ipu2"},
+        io_tiles={"num_io_tiles": 32, "place_ops_on_io_tiles": True},
+        experimental={"multi_replica_distribution": {"process_count": 2, "process_index": 1}}))
+    assert len(device.configured) == 1
+
+
 def test_configure_passes_hardware_order_and_options(device):
     config = _config(auto_select_ipus=4, allow_recompute=True, selection_order="HOOF")
     config.ipu_model.version = "ipu21"
     config.ipu_model.tiles_per_ipu = 16
     config.device_connection.type = DeviceConnectionType.PRE_COMPILE
+    config.device_connection.version = "ipu21"
     config.configure_ipu_system()
     assert device.hardware == [("ipu21", 16)]
     (call,) = device.configured

@@ -22,6 +22,8 @@ def _configure(connection: str, num_ipus: int = 1) -> None:
     config = ipu.config.IPUConfig()
     config.auto_select_ipus = num_ipus
     config.device_connection.type = DeviceConnectionType[connection]
+    if connection in ("PRE_COMPILE", "NEVER"):  # the hardware to compile for
+        config.device_connection.version = "ipu2"
     config.configure_ipu_system()
 
 

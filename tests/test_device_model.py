@@ -60,6 +60,8 @@ def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strateg
     assert error.required_bytes > error.capacity_bytes
     message = str(error)
     assert "IPU 0" in message and f"{error.required_bytes:,}" in message
+    ratio = error.required_bytes / error.capacity_bytes  # to the hundredth: 1.03x is not 1.0x
+    assert f"({ratio:.2f}x its capacity)" in message
     assert "pipelin" in message and "recomputation" in message and "batch size" in message
     assert_weights_close(before, model.get_weights(), atol=0)
     assert model.optimizer.iterations.numpy() == 0

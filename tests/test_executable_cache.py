@@ -49,6 +49,8 @@ _USER_SCRIPT = textwrap.dedent("""
         config = ipu.config.IPUConfig()
         config.auto_select_ipus = num_ipus
         config.device_connection.type = ipu.config.DeviceConnectionType[sys.argv[1]]
+        if sys.argv[1] == "PRE_COMPILE":
+            config.device_connection.version = "ipu2"
         config.configure_ipu_system()
 
     configured(1)

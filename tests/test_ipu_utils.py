@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -33,11 +35,27 @@ def test_reset_ipu_seed_makes_initialisation_shuffles_and_dropout_repeat():
 
 def test_reset_ipu_seed_checks_the_seed_and_the_device():
     configure(2)  # /device:IPU:0 only, with 2 IPUs
-    with pytest.raises(ValueError, match="non-negative integer, got -1"):
-        ipu.utils.reset_ipu_seed(-1)
+    for seed in (-1, 2**64, 1.0, "1"):
+        with pytest.raises(ValueError, match=re.escape(f"[0, 2**64), got {seed!r}")):
+            ipu.utils.reset_ipu_seed(seed)
     with pytest.raises(ValueError, match="IPU:1"):
         ipu.utils.reset_ipu_seed(1, device="/device:IPU:1")
     ipu.utils.reset_ipu_seed(1, device="/device:IPU:0", experimental_identical_replicas=True)
+
+
+def test_reset_ipu_seed_takes_numpy_and_64_bit_seeds():
+    # The IPU's seeds are 64-bit; Keras' 32-bit: a NumPy integer is a seed like a Python one,
+    # and a seed of 2**32 or more still seeds Keras (folded), deterministically.
+    ipu.utils.reset_ipu_seed(np.int64(3))
+    numpy_seeded = keras.random.uniform((4,))
+    ipu.utils.reset_ipu_seed(3)
+    np.testing.assert_array_equal(numpy_seeded, keras.random.uniform((4,)))
+    draws = []
+    for _ in range(2):
+        ipu.utils.reset_ipu_seed(2**40 + 5)
+        draws.append(keras.random.uniform((4,)))
+    np.testing.assert_array_equal(*draws)
+    assert not np.array_equal(draws[0], numpy_seeded)
 
 
 def test_the_ipus_are_always_the_ipu_model():

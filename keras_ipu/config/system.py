@@ -9,6 +9,7 @@ layer's terms. The device layer is imported on first use, so importing
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from keras_ipu.config import listing
@@ -63,6 +64,7 @@ def configure_ipu_system(
         TypeError: When `config` is not an `IPUConfig`.
         ValueError: When neither or both of `auto_select_ipus` and
             `select_ipus` are set, selected configurations share IPUs,
+            options contradict each other (`_COMBINATION_RULES`),
             `device` is not a CPU device, a value
             changed in place (a list or dict read back and edited) is
             invalid, or the `--executable_cache_path` directory cannot be
@@ -91,6 +93,7 @@ def configure_ipu_system(
         )
     _check_device(device)
     config._validate()
+    _check_combinations(config)
     device_sizes = _device_sizes(config)
     flags = read_flags()
 
@@ -202,6 +205,39 @@ def _check_device(device: Any) -> None:
             f"device must name the host CPU device, such as 'cpu' or '/device:CPU:0', "
             f"got {device!r}."
         )
+
+
+# Options that are each valid but not together, as the reference refuses them
+# when it configures: (is the combination invalid?, what to say).
+_COMBINATION_RULES: tuple[tuple[Callable[[IPUConfig], bool], Callable[[IPUConfig], str]], ...] = (
+    (lambda c: c.device_connection.type.name in ("PRE_COMPILE", "NEVER")
+     and not c.device_connection.version,
+     lambda c: f"device_connection.version must be set when device_connection.type is "
+               f"{c.device_connection.type.name}: the hardware to compile for, one of "
+               f"'ipu1', 'ipu2' or 'ipu21'."),
+    (lambda c: c.norms.experimental.distributed_batch_norm_replica_group_size > 1
+     and c.io_tiles.num_io_tiles > 0,
+     lambda c: f"norms.experimental.distributed_batch_norm_replica_group_size "
+               f"({c.norms.experimental.distributed_batch_norm_replica_group_size}) is not "
+               f"supported with I/O tiles (io_tiles.num_io_tiles={c.io_tiles.num_io_tiles}); "
+               f"set one of them back to its default."),
+    (lambda c: c.io_tiles.place_ops_on_io_tiles and c.io_tiles.num_io_tiles == 0,
+     lambda c: "io_tiles.place_ops_on_io_tiles needs I/O tiles: set io_tiles.num_io_tiles "
+               "to a positive number of tiles."),
+    (lambda c: c.experimental.multi_replica_distribution.process_count > 0
+     and not (0 <= c.experimental.multi_replica_distribution.process_index
+              < c.experimental.multi_replica_distribution.process_count),
+     lambda c: f"experimental.multi_replica_distribution.process_index "
+               f"({c.experimental.multi_replica_distribution.process_index}) must be in "
+               f"[0, process_count) = [0, "
+               f"{c.experimental.multi_replica_distribution.process_count})."),
+)
+
+
+def _check_combinations(config: IPUConfig) -> None:
+    for invalid, message in _COMBINATION_RULES:
+        if invalid(config):
+            raise ValueError(message(config))
 
 
 def _is_set(selection: Any) -> bool:
