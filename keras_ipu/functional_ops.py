@@ -4,9 +4,15 @@ On the IPU an outlined function is compiled once and called wherever it is
 used, which saves code memory at the price of copying its arguments. On the
 device model it is compiled as one function of the program (`jax.jit` with
 `inline=False`): the lowered program holds one copy of its code and calls it
-at each use, and the cost model counts every call. Its body must be pure (a
-JAX function of its arguments): Keras layers that update state when called
-(dropout's seed generator, batch normalisation's statistics) belong outside.
+at each use, and the cost model counts every call.
+
+Each call traces the function where it is called, so what it reads through
+Python closures (a Keras variable, a layer's weight inside a training step)
+is its current value, and gradients reach it: those values become the
+outlined function's extra arguments. Calls whose traces are the same share
+one compiled function. A function with stateful operations (drawing from a
+Keras seed generator, updating batch-normalisation statistics, adding a
+loss) cannot be reused, and is inlined, as on the IPU.
 
 Example:
 
@@ -23,12 +29,16 @@ y = block(block(x, w1), w2)   # one copy of `block` in the program
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+# The compiled functions an outlined function keeps, one per distinct trace.
+_KEPT_TRACES = 32
 
 
 def outlined_function(func: Callable | None = None, unique_sharding: bool = False,
@@ -61,23 +71,73 @@ def outlined_function(func: Callable | None = None, unique_sharding: bool = Fals
     def outline(function: Callable) -> Callable:
         if not callable(function):
             raise TypeError(f"outlined_function needs a function, got {function!r}.")
-        if name is not None:
-            original = function
-
-            def function(*args):
-                return original(*args)
-
-            function.__name__ = function.__qualname__ = name
-        compiled = jax.jit(function, inline=False)
+        label = name or getattr(function, "__name__", "outlined")
+        compiled: collections.OrderedDict = collections.OrderedDict()
 
         @functools.wraps(function)
         def outlined(*args):
             # Objects that stand for arrays (Keras variables) are passed as their values.
-            return compiled(*jax.tree_util.tree_map(_as_array, args))
+            args = jax.tree_util.tree_map(_as_array, args)
+            traced = _pure_trace(function, args)
+            if traced is None:  # stateful: not reusable, so inlined
+                return function(*args)
+            closed, out_tree = traced
+            flat_args, in_tree = jax.tree_util.tree_flatten(args)
+            key = (in_tree, out_tree, str(closed.jaxpr))
+            if key not in compiled:
+                compiled[key] = _compiled_call(closed.jaxpr, label)
+                if len(compiled) > _KEPT_TRACES:
+                    compiled.popitem(last=False)
+            compiled.move_to_end(key)
+            outputs = compiled[key](closed.consts, *flat_args)
+            return jax.tree_util.tree_unflatten(out_tree, outputs)
 
         return outlined
 
     return outline if func is None else outline(func)
+
+
+def _pure_trace(function: Callable, args: tuple) -> tuple[Any, Any] | None:
+    """`(closed jaxpr, output tree)` of `function(*args)` traced here, or None if it is stateful.
+
+    Stateful means that it updated a Keras variable or added a loss: in a
+    Keras stateless scope (a training step) the scope's records are put
+    back as they were, outside one a scope of its own keeps the variables.
+    """
+    from keras.src.backend.common import stateless_scope
+
+    # A new function each time: JAX keeps traces by function, and this one must read
+    # the closure's values as they are now.
+    def fresh(*a):
+        return function(*a)
+
+    outer = stateless_scope.get_stateless_scope()
+    if outer is None:
+        with stateless_scope.StatelessScope(initialize_variables=False) as own:
+            closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
+        stateful = bool(own.state_mapping) or bool(own.losses)
+    else:
+        records, losses = dict(outer.state_mapping), len(outer.losses)
+        try:
+            closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
+        finally:
+            changed = outer.state_mapping.keys() != records.keys() or any(
+                outer.state_mapping[k] is not v for k, v in records.items())
+            stateful = changed or len(outer.losses) != losses
+            outer.state_mapping.clear()
+            outer.state_mapping.update(records)
+            del outer.losses[losses:]
+    return None if stateful else (closed, jax.tree_util.tree_structure(shapes))
+
+
+def _compiled_call(jaxpr: Any, label: str) -> Callable:
+    """One compiled function of the program evaluating `jaxpr`, its captured values arguments."""
+
+    def call(consts, *flat_args):
+        return jax.core.eval_jaxpr(jaxpr, consts, *flat_args)
+
+    call.__name__ = call.__qualname__ = label
+    return jax.jit(call, inline=False)
 
 
 def _as_array(value: Any) -> Any:

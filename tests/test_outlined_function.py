@@ -87,3 +87,93 @@ def test_layers_calling_one_outlined_function_train_on_an_ipu_as_in_plain_keras(
         np.testing.assert_allclose(b, a, atol=1e-6)
     flops = [ipu.utils.execution_report(m, "fit").flops_per_step for m in (outlined, inlined)]
     assert flops[0] == flops[1] > 0
+
+
+def test_values_read_through_closures_are_current_and_get_gradients():
+    # The seed: "IPU functions can access TensorFlow variables" through closures.
+    import keras
+
+    w = keras.Variable(np.ones((2, 2), np.float32))
+    times_w = ipu.outlined_function(lambda a: a @ w)
+    x = np.ones((1, 2), np.float32)
+    np.testing.assert_array_equal(times_w(x), [[2.0, 2.0]])
+    w.assign(2 * np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(times_w(x), [[4.0, 4.0]])
+
+    class Closing(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 1), initializer="ones")
+            self.project = ipu.outlined_function(lambda a: a @ self.w)
+
+        def call(self, a):
+            return self.project(a)
+
+    def trained(scope):
+        with scope:
+            model = keras.Sequential([keras.Input((3,)), Closing()])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        x, y = np.ones((8, 3), np.float32), np.zeros((8, 1), np.float32)
+        return model.fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"], model
+
+    plain_losses, plain = trained(keras.utils.custom_object_scope({}))
+    losses, on_ipu = trained(ipu.ipu_strategy.IPUStrategy().scope())
+    assert losses[1] < losses[0]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    np.testing.assert_allclose(on_ipu.get_weights()[0], plain.get_weights()[0], rtol=1e-6)
+
+
+def test_a_stateful_function_is_inlined_and_its_state_moves():
+    # The seed: "If the provided function contains any stateful operations, such as stateful
+    # random number generation, then the function cannot be reused and it will be inlined".
+    import keras
+
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    dropped = ipu.outlined_function(name="dropped")(lambda a: dropout(a, training=True))
+    x = np.ones((4, 8), np.float32)
+    first, second = dropped(x), dropped(x)
+    assert not np.array_equal(first, second)  # the seed generator moved between the calls
+    np.testing.assert_array_equal(dropout.seed_generator.state.numpy()[1], 2)
+    dropout(x, training=True)  # and the layer is still usable outside
+    text = jax.jit(lambda a: dropped(a) + 0).lower(x).as_text()
+    assert "@dropped" not in text  # inlined, not outlined
+
+
+def test_calls_with_the_same_trace_share_one_function_and_a_new_trace_gets_its_own():
+    scale = {"by": 2.0}
+    scaled = ipu.outlined_function(name="scaled")(lambda a: a * scale["by"])
+    x = np.ones((3,), np.float32)
+
+    def twice(a):
+        return scaled(scaled(a))
+
+    assert jax.jit(twice).lower(x).as_text().count("func.func private @scaled") == 1
+    np.testing.assert_array_equal(twice(x), 4 * x)
+    scale["by"] = 3.0  # a Python number read through the closure: a new trace
+    np.testing.assert_array_equal(twice(x), 9 * x)
+
+
+def test_a_stateful_function_in_a_training_step_draws_as_plain_keras():
+    import keras
+
+    class Noisy(keras.layers.Layer):
+        def build(self, shape):
+            self.dense = keras.layers.Dense(4)
+            self.dropout = keras.layers.Dropout(0.5, seed=3)
+            self.block = ipu.outlined_function(
+                lambda a: self.dropout(self.dense(a), training=True))
+
+        def call(self, a):
+            return self.block(a)
+
+    def trained(scope):
+        keras.utils.set_random_seed(2)
+        with scope:
+            model = keras.Sequential([keras.Input((3,)), Noisy()])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+        x = np.random.default_rng(0).random((8, 3), np.float32)
+        model.fit(x, np.zeros((8, 4), np.float32), batch_size=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    plain = trained(keras.utils.custom_object_scope({}))
+    for a, b in zip(plain, trained(ipu.ipu_strategy.IPUStrategy().scope())):
+        np.testing.assert_allclose(b, a, atol=1e-6)
