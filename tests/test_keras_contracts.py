@@ -385,3 +385,21 @@ def test_loss_scale_optimizers_handle_finite_and_non_finite_updates_statelessly(
     assert float(halved[names.index("dynamic_scale")]) == 4.0
     assert float(kept[names.index("dynamic_scale")]) == 8.0
     assert int(kept[names.index("step_counter")]) == 1
+
+
+def test_model_classes_define_from_config_and_ignore_keys_they_do_not_know():
+    # keras_ipu.keras.model_config wraps `Model.from_config` (which Functional inherits) and
+    # `Sequential.from_config`, and puts the IPU options in Functional and Sequential configs.
+    from keras.src.models.functional import Functional
+    from keras.src.models.model import Model
+    from keras.src.models.sequential import Sequential
+
+    assert isinstance(Model.__dict__["from_config"], classmethod)
+    assert isinstance(Sequential.__dict__["from_config"], classmethod)
+    assert "from_config" not in Functional.__dict__
+    inputs = keras.Input((3,))
+    functional = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    for model in (functional, sequential):
+        config = {**model.get_config(), "a_key_keras_does_not_know": {"x": 1}}
+        assert type(type(model).from_config(config)) is type(model)

@@ -107,6 +107,51 @@ def test_a_model_round_trips_with_every_option(kind, pipelined, strategy, tmp_pa
     assert_weights_close(model.get_weights(), loaded.get_weights(), atol=1e-6)
 
 
+ROUTES = {
+    "json": lambda model, path: keras.models.model_from_json(model.to_json()),
+    "from_config": lambda model, path: type(model).from_config(model.get_config()),
+    "h5": lambda model, path: (model.save(path / "m.h5"),
+                               keras.models.load_model(path / "m.h5", compile=False))[1],
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_configs_carry_the_options_and_the_stages(kind, route, strategy, tmp_path):
+    # As the reference's get_config: JSON, from_config and .h5 keep them, not only .keras.
+    configure(2)
+    with strategy.scope():
+        model = _build(kind, pipelined=True)
+        _set_every_option(model, pipelined=True)
+        copy = ROUTES[route](model, tmp_path)
+    assert options.options_of(copy).to_config() == options.options_of(model).to_config()
+    assert [a.pipeline_stage for a in copy.get_pipeline_stage_assignment()] == [0, 1]
+    # Outside the scope the config loads as a plain model (Keras ignores the key).
+    plain = keras.models.model_from_json(model.to_json())
+    assert not isinstance(plain, ipu.keras.extensions.ExtensionBase)
+    assert "ipu_options" not in plain.get_config()
+
+
+def test_a_subclassed_models_config_stays_its_own(strategy):
+    # Its from_config passes the config to __init__: the options travel in .keras files.
+    with strategy.scope():
+        model = TwoStages(units=5)
+        model(np.ones((1, 6), np.float32))
+    config = model.get_config()
+    assert "ipu_options" not in config
+    assert TwoStages.from_config(config).units == 5
+
+
+def test_feed_options_given_as_numpy_integers_are_saved(strategy, tmp_path):
+    with strategy.scope():
+        model = _functional()
+        model.set_infeed_queue_options(prefetch_depth=np.int32(2), replication_factor=np.int64(1))
+        model.save(tmp_path / "m.keras")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert options.options_of(loaded).infeed_kwargs == {"prefetch_depth": 2,
+                                                         "replication_factor": 1}
+
+
 def test_loaded_outside_the_scope_is_a_plain_model_with_the_same_weights(strategy, tmp_path):
     # A subclassed model that opens PipelineStage scopes cannot run outside
     # an IPUStrategy (as in the reference): the other kinds can.
@@ -210,3 +255,12 @@ def test_a_saved_file_gets_the_mode_and_the_link_a_plain_save_keeps(name, strate
         assert os.path.islink(folder / link), owner
     assert (tmp_path / "ipu" / kept).stat().st_size > 0
     assert sorted(os.listdir(tmp_path / "ipu")) == sorted([kept, link, name])
+
+
+def test_an_unzipped_save_is_keras_own(strategy, tmp_path):
+    with strategy.scope():
+        model = _functional()
+    with pytest.raises(ValueError, match=f"Received: filepath={tmp_path / 't.keras'}$"):
+        model.save(tmp_path / "t.keras", zipped=False)  # the user's path, as plain Keras says
+    model.save(tmp_path / "folder", zipped=False)
+    assert {"config.json", "model.weights.h5", "assets"} <= set(os.listdir(tmp_path / "folder"))

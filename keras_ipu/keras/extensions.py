@@ -29,7 +29,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
-from keras_ipu.keras import context, options, run, saving, stages, trainer
+from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
 from keras_ipu.keras.stages import (
     FunctionalPipelineMixin,
     ModelPipelineMixin,
@@ -279,8 +279,13 @@ class ExtensionBase:
 
         >>> model.save("model.keras")
         """
+        base = super()
+        if zipped is False:  # a folder (Keras refuses `.keras` names): Keras writes it
+            return saving.on_first_instance(
+                lambda: base.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs),
+                filepath)
         return saving.on_first_instance(lambda: saving.write_whole(
-            filepath, overwrite, lambda path: super(ExtensionBase, self).save(
+            filepath, overwrite, lambda path: base.save(
                 path, overwrite=True, zipped=zipped, **kwargs)), filepath)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -361,23 +366,24 @@ class ExtensionBase:
         trainer.sync_pending_state(self)
         return super().jax_state_sync()
 
+    def get_config(self):
+        """Keras' config, with the IPU options where Keras' `from_config` can take them."""
+        config = super().get_config()
+        if model_config.carries_options(self):
+            config = {**config, model_config.CONFIG_KEY: model_config.ipu_config(self)}
+        return config
+
     def save_assets(self, dir_path):
         """Saves the IPU options into the `.keras` file (Keras saving hook)."""
-        config = {
-            **options.options_of(self).to_config(),
-            **stages.assignment_to_config(self),
-        }
         with open(os.path.join(dir_path, _ASSET_FILE), "w") as f:
-            json.dump(config, f)
+            json.dump(model_config.ipu_config(self), f)
 
     def load_assets(self, dir_path):
         """Restores the IPU options saved by `save_assets` (Keras loading hook)."""
         path = os.path.join(dir_path, _ASSET_FILE)
         if os.path.exists(path):
             with open(path) as f:
-                config = json.load(f)
-            options.set_options(self, options.IPUOptions.from_config(config))
-            stages.assignment_from_config(self, config)
+                model_config.restore(self, json.load(f))
 
     def fit(self, *args, **kwargs):
         """Trains the model on the IPU system; same arguments as `keras.Model.fit`.
@@ -553,6 +559,8 @@ def install() -> None:
     stages.install()
     # Inside a scope, a bad .keras file is named for what is wrong with it.
     saving.install()
+    # Configs (JSON, from_config, .h5) carry the IPU options too.
+    model_config.install()
 
 
 def _fit_on_ipus(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",

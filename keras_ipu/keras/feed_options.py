@@ -17,6 +17,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 DEFAULT_PREFETCH_DEPTH = 2
 # The reference's limit on a data stream's prefetch buffer.
 _MAX_DEPTH = 255
@@ -118,7 +120,9 @@ def _checked(kind: str, kwargs: Any, valid: Mapping[str, str], automatic: tuple[
                 f"Unknown {kind} queue option `{key}`.{hint} Valid options: "
                 f"{', '.join(sorted(valid))}."
             )
-    checked = dict(kwargs)
+    # NumPy scalars as Python values: the options are saved with the model as JSON.
+    checked = {key: value.item() if isinstance(value, np.generic) else value
+               for key, value in kwargs.items()}
     for key in _DEPTHS & set(kwargs):
         value = kwargs[key]
         if value is None:

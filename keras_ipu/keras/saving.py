@@ -59,7 +59,12 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
     os.makedirs(folder, exist_ok=True)
     temporary = _new_file(folder, f".{os.path.basename(path)}.", suffix)
     try:
-        result = write(temporary)
+        try:
+            result = write(temporary)
+        except Exception as error:
+            if temporary in str(error):  # Keras named the file it was given
+                error.add_note(f"{temporary} is the temporary file of the save to {path}.")
+            raise
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)

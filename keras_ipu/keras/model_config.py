@@ -1,0 +1,106 @@
+"""The IPU options in a model's config, so that every way Keras saves a model keeps them.
+
+A `.keras` file keeps a model's IPU options (gradient accumulation,
+pipelining, replication, asynchronous callbacks, feed options) and its
+pipeline stage assignment as an asset. The reference also put them in the
+model's `get_config`, so `to_json` / `model_from_json`, `from_config` and
+legacy `.h5` files keep them too: `ipu_config` is what both carry, under
+`CONFIG_KEY` in a config. Keras' own `from_config` of Functional and
+Sequential models ignores keys it does not know, so a model whose config
+carries them still loads without keras_ipu. A subclassed model's
+`from_config` passes its config to `__init__`: its options travel in the
+`.keras` file only. `install` wraps Keras' `from_config` to take the key out
+and, for a model made inside a strategy scope, restore what it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from keras_ipu.keras import options, stages
+
+CONFIG_KEY = "ipu_options"
+
+
+def ipu_config(model: Any) -> dict[str, Any]:
+    """A model's IPU options and stage assignment, as JSON-ready data.
+
+    Args:
+        model: A model made inside an `IPUStrategy` scope.
+
+    Returns:
+        The options' saved form and the assignment's.
+
+    Example:
+
+    >>> ipu_config(model)["gradient_accumulation_steps_per_replica"]
+    4
+    """
+    return {**options.options_of(model).to_config(), **stages.assignment_to_config(model)}
+
+
+def restore(model: Any, config: dict[str, Any]) -> None:
+    """Sets the options and stage assignment `ipu_config` saved.
+
+    Args:
+        model: The loaded model, made inside an `IPUStrategy` scope.
+        config: What `ipu_config` returned.
+
+    Raises:
+        ValueError: When the saved assignment does not match the model.
+
+    Example:
+
+    >>> restore(loaded, ipu_config(model))
+    """
+    options.set_options(model, options.IPUOptions.from_config(config))
+    stages.assignment_from_config(model, config)
+
+
+def carries_options(model: Any) -> bool:
+    """Whether `model.get_config()` carries the IPU options (see the module docstring)."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+
+    base = getattr(type(model), "_ipu_base_class", type(model))
+    from_config = getattr(base.from_config, "__func__", None)
+    return isinstance(model, (Functional, Sequential)) and getattr(
+        from_config, "_keras_ipu_restoring", False)
+
+
+def install() -> None:
+    """Makes Keras' `from_config` of models restore the options a config carries.
+
+    Idempotent. Outside a strategy scope the key is only taken out.
+
+    Example:
+
+    >>> install()
+    """
+    from keras.src.models.model import Model
+    from keras.src.models.sequential import Sequential
+
+    for cls in (Model, Sequential):
+        original = cls.__dict__["from_config"]
+        if not getattr(original.__func__, "_keras_ipu_restoring", False):
+            cls.from_config = classmethod(_restoring(original.__func__))
+
+
+def _restoring(from_config: Any) -> Any:
+    @functools.wraps(from_config)
+    def restoring(cls, config, custom_objects=None):
+        saved = config.get(CONFIG_KEY) if isinstance(config, dict) else None
+        if saved is not None:
+            config = {key: value for key, value in config.items() if key != CONFIG_KEY}
+        model = from_config(cls, config, custom_objects=custom_objects)
+        # Made inside a strategy scope: an IPU model (its class an extension's).
+        if saved is not None and hasattr(type(model), "_ipu_base_class"):
+            restore(model, saved)
+        return model
+
+    restoring._keras_ipu_restoring = True
+    return restoring
+
+
+__all__ = ["CONFIG_KEY", "carries_options", "install", "ipu_config", "restore"]
