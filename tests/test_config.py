@@ -545,6 +545,26 @@ def test_to_dict_from_dict_round_trip():
     assert partial.ipu_model.version == "ipu21" and partial.ipu_model.tiles_per_ipu == 0
 
 
+def test_from_dict_on_a_config_updates_it_and_takes_the_references_flat_form():
+    # The reference: `config.from_dict(d)` sets the values on `config`; its `to_dict` wrote
+    # flat dotted names and enum values.
+    config = IPUConfig()
+    config.auto_select_ipus = 2
+    same = config.from_dict({"ipu_model.tiles_per_ipu": 16, "selection_order": 3,
+                             "device_connection.type": "ON_DEMAND"})
+    assert same is config and config.auto_select_ipus == 2  # left out: kept
+    assert config.ipu_model.tiles_per_ipu == 16
+    assert config.selection_order is SelectionOrder.HOOF
+    assert config.device_connection.type is DeviceConnectionType.ON_DEMAND
+    assert IPUConfig.from_json(config.to_json()) == config
+    other = IPUConfig()
+    assert other.from_json(config.to_json()) is other and other == config
+    with pytest.raises(ValueError, match="SelectionOrder"):
+        IPUConfig.from_dict({"selection_order": 9})
+    with pytest.raises(AttributeError, match="tiles"):
+        config.from_dict({"ipu_model.tiles": 4})
+
+
 @pytest.mark.parametrize(
     "data, error, match",
     [

@@ -18,6 +18,9 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
+import inspect
+import json
 import logging
 import numbers
 import textwrap
@@ -626,6 +629,10 @@ class _Scope:
                 f"Values for {prefix or type(config).__name__!r} must be a mapping, got {values!r}."
             )
         for name, value in values.items():
+            if isinstance(name, str) and "." in name:  # the reference's flat form
+                head, rest = name.split(".", 1)
+                getattr(self, head)._update({rest: value})
+                continue
             member = node.member(name)
             if isinstance(member, Category) and isinstance(value, Mapping):
                 getattr(self, name)._update(value)
@@ -648,7 +655,16 @@ def _nested(config: Config, node: Category, prefix: str) -> dict[str, Any]:
 
 
 def _from_name(path: str, kind: type, value: Any) -> Any:
-    # Enum options are stored as members but written out as names.
+    # Enum options are stored as members but written out as names (the
+    # reference's `to_dict` wrote their values).
+    if issubclass(kind, enum.Enum) and isinstance(value, int) and not isinstance(value, bool):
+        values = {member.value: member for member in kind}
+        if value not in values:
+            raise ValueError(
+                f"{path} must be a member of {kind.__name__}, its name or its value "
+                f"({', '.join(f'{m.name}={m.value}' for m in kind)}), got {value!r}."
+            )
+        return values[value]
     if issubclass(kind, enum.Enum) and isinstance(value, str):
         if value not in kind.__members__:
             raise ValueError(
@@ -698,6 +714,26 @@ class CategoryView(_Scope):
         start = len(self._path) + 1
         values = ", ".join(f"{path[start:]}={_shown(v)}" for path, v in self._options_below())
         return f"{type(self._config).__name__}.{self._path}({values})"
+
+
+class _class_or_instance_method:
+    """A method that gets its class, and the instance it was called on (None on the class)."""
+
+    def __init__(self, function: Callable) -> None:
+        self.__func__ = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, instance: Any, owner: type) -> Callable:
+        function = self.__func__
+
+        @functools.wraps(function)
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return function(owner, instance, *args, **kwargs)
+
+        signature = inspect.signature(function)
+        bound.__signature__ = signature.replace(
+            parameters=list(signature.parameters.values())[2:])
+        return bound
 
 
 class Config(_Scope):
@@ -750,18 +786,22 @@ class Config(_Scope):
     def _scope(self) -> tuple[Config, Category, str]:
         return self, self._schema, ""
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> Config:
-        """Builds a config from a nested dict such as `to_dict()` returns.
+    @_class_or_instance_method
+    def from_dict(cls, config: Config | None, values: Mapping[str, Any]) -> Config:
+        """Builds a config from a dict such as `to_dict()` returns, or updates one.
 
-        Options left out keep their defaults; enum options take a member or
-        its name.
+        Called on the class (`IPUConfig.from_dict(d)`) it returns a new
+        config; called on a config (`config.from_dict(d)`, the reference's
+        form) it sets the values on that config and returns it. Options left
+        out keep their values. Keys are nested, or the reference's flat
+        dotted names (`"ipu_model.tiles_per_ipu"`); enum options take a
+        member, its name or its value.
 
         Args:
-            values: A nested mapping of option values.
+            values: A mapping of option values.
 
         Returns:
-            A new config.
+            The new or updated config.
 
         Raises:
             AttributeError: For an unknown name, or a value given for a
@@ -774,11 +814,49 @@ class Config(_Scope):
         ```python
         config = IPUConfig.from_dict({"auto_select_ipus": 2})
         assert IPUConfig.from_dict(config.to_dict()) == config
+        config.from_dict({"ipu_model.tiles_per_ipu": 16})   # in place
         ```
         """
-        config = cls()
-        config._update(values)
-        return config
+        target = cls() if config is None else config
+        target._update(values)
+        return target
+
+    @_class_or_instance_method
+    def from_json(cls, config: Config | None, text: str) -> Config:
+        """`from_dict` of a JSON string, such as `to_json()` writes.
+
+        Args:
+            text: The JSON text of a mapping of option values.
+
+        Returns:
+            The new or updated config.
+
+        Raises:
+            ValueError: For text that is not JSON, or what `from_dict` raises.
+
+        Example:
+
+        ```python
+        assert IPUConfig.from_json(config.to_json()) == config
+        ```
+        """
+        target = cls() if config is None else config
+        target._update(json.loads(text))
+        return target
+
+    def to_json(self) -> str:
+        """`to_dict()` as a JSON string (when the option values allow it).
+
+        Returns:
+            The JSON text.
+
+        Example:
+
+        ```python
+        text = config.to_json()
+        ```
+        """
+        return json.dumps(self.to_dict())
 
     def _validate(self) -> None:
         # Values are checked on assignment, but a list or dict read back from
