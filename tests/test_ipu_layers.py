@@ -120,6 +120,95 @@ def test_recurrent_layers_refuse_a_bad_input_shape_or_initial_state(layer_class,
     assert not np.allclose(layer(x, initial_state=[z + 1 for z in zeros]), layer(x))
 
 
+_RECURRENT = [ipu_layers.PopnnLSTM, ipu_layers.PopnnGRU]
+
+
+@pytest.mark.parametrize("layer_class", _RECURRENT)
+def test_seed_seeds_the_kernel_and_recurrent_initializers(layer_class):
+    x = _images((2, 5, 3))
+
+    def weights(**kwargs):
+        layer = layer_class(4, **kwargs)
+        layer.build(x.shape)
+        return [keras.ops.convert_to_numpy(w) for w in (layer.cell.kernel,
+                                                         layer.cell.recurrent_kernel)]
+
+    kernel, recurrent = weights(seed=7)
+    gates = 4 if layer_class is ipu_layers.PopnnLSTM else 3
+    np.testing.assert_array_equal(kernel, keras.initializers.GlorotUniform(seed=7)((3, 4 * gates)))
+    np.testing.assert_array_equal(recurrent,
+                                  keras.initializers.Orthogonal(seed=7)((4, 4 * gates)))
+    for again, first in zip(weights(seed=7), (kernel, recurrent)):
+        np.testing.assert_array_equal(again, first)
+    assert not np.allclose(weights(seed=8)[0], kernel)
+    # A user's own seeded initializer keeps its seed.
+    own = weights(seed=7, kernel_initializer=keras.initializers.GlorotUniform(seed=1))[0]
+    np.testing.assert_array_equal(own, keras.initializers.GlorotUniform(seed=1)((3, 4 * gates)))
+
+
+@pytest.mark.parametrize("layer_class", _RECURRENT)
+def test_dropout_seed_alone_seeds_the_dropout_masks(layer_class):
+    x = _images((2, 5, 3))
+
+    def trained_outputs(**kwargs):
+        layer = layer_class(4, dropout=0.5, **kwargs)
+        layer.build(x.shape)
+        layer.set_weights(reference.get_weights())
+        return keras.ops.convert_to_numpy(layer(x, training=True))
+
+    reference = layer_class(4)
+    reference.build(x.shape)
+    first = trained_outputs(dropout_seed=[1, 2], seed=1)
+    np.testing.assert_array_equal(trained_outputs(dropout_seed=[1, 2], seed=2), first)
+    np.testing.assert_array_equal(trained_outputs(dropout_seed=(1, 2)), first)
+    assert not np.allclose(trained_outputs(dropout_seed=[2, 1], seed=1), first)
+    config = layer_class(4, dropout_seed=np.array([1, 2]), seed=3).get_config()
+    assert (config["dropout_seed"], config["seed"]) == ([1, 2], 3)
+
+
+def test_unit_forget_bias_forces_zero_biases_but_the_forget_gates():
+    x = _images((2, 5, 3))
+    forced = ipu_layers.PopnnLSTM(4, bias_initializer="ones")  # unit_forget_bias=True
+    forced.build(x.shape)
+    np.testing.assert_array_equal(forced.cell.bias, np.repeat([0.0, 1.0, 0.0, 0.0], 4))
+    assert keras.initializers.get(forced.get_config()["bias_initializer"]).__class__ is (
+        keras.initializers.Zeros)
+    kept = ipu_layers.PopnnLSTM(4, bias_initializer="ones", unit_forget_bias=False)
+    kept.build(x.shape)
+    np.testing.assert_array_equal(kept.cell.bias, np.ones(16))
+
+
+def _poplar_formula(x):
+    return keras.ops.clip(x * 0.2 + 0.5, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("layer_class, keras_class", [
+    (ipu_layers.PopnnLSTM, keras.layers.LSTM), (ipu_layers.PopnnGRU, keras.layers.GRU)])
+def test_hard_sigmoid_is_poplars_and_survives_the_config(layer_class, keras_class):
+    x = _images((2, 5, 3))  # large enough that Poplar's and Keras 3's formulas differ
+    ours = layer_class(4, activation="hard_sigmoid", recurrent_activation="hard_sigmoid",
+                       return_sequences=True)
+    ours.build(x.shape)
+    poplar = keras_class(4, activation=_poplar_formula,
+                         recurrent_activation=_poplar_formula, return_sequences=True)
+    poplar.build(x.shape)
+    poplar.set_weights(ours.get_weights())
+    expected = keras.ops.convert_to_numpy(poplar(x))
+    np.testing.assert_allclose(ours(x), expected, atol=1e-6)
+    keras_own = keras_class(4, activation="hard_sigmoid", recurrent_activation="hard_sigmoid",
+                            return_sequences=True)
+    keras_own.build(x.shape)
+    keras_own.set_weights(ours.get_weights())
+    assert not np.allclose(keras_own(x), expected, atol=1e-3)
+    # The config names the IPU activation; loading it maps the name again.
+    config = ours.get_config()
+    assert (config["activation"], config["recurrent_activation"]) == ("hard_sigmoid",) * 2
+    loaded = layer_class.from_config(config)
+    loaded.build(x.shape)
+    loaded.set_weights(ours.get_weights())
+    np.testing.assert_allclose(loaded(x), expected, atol=1e-6)
+
+
 def _text_model(scope):
     keras.utils.set_random_seed(11)
     with scope:

@@ -16,9 +16,10 @@ changing its imports:
   (`strided_channel_grouping=True`, the default: channel `c` is in group
   `c % groups`) or the conventional contiguous one.
 - `PopnnLSTM` / `LSTM`, `PopnnGRU` / `GRU`: Keras' recurrent layers with the
-  IPU layers' `dropout_seed`, `time_major` and `partials_dtype` (the
-  precision of Poplar's partial sums: accepted and kept; the device model
-  sums in the computation's type).
+  IPU layers' `seed` (of the weight initializers), `dropout_seed` (of the
+  dropout masks), `time_major`, `partials_dtype` (the precision of
+  Poplar's partial sums: accepted and kept; the device model sums in the
+  computation's type) and Poplar's `"hard_sigmoid"`.
 - `RecomputationCheckpoint`: marks values a recomputing pipeline stage
   keeps, under `RecomputeAndBackpropagateInterleaved`, so that its backward
   op recomputes only what follows them.
@@ -422,17 +423,110 @@ class _IPURecurrent:
         return (shapes[1], shapes[0], *shapes[2:])
 
     def _init_recurrent(self, keras_class: type, arguments: dict, kwargs: dict) -> None:
-        """Keras' `__init__` with the IPU layer's arguments; keeps the IPU-only ones."""
+        """Keras' `__init__` with the IPU layer's arguments; keeps the IPU-only ones.
+
+        `seed` seeds the weight initializers and `dropout_seed` the dropout
+        masks (Keras' own `seed`), each only that, as the IPU layers document.
+        """
         self.time_major = arguments.pop("time_major")
         self.partials_dtype = arguments.pop("partials_dtype")
         self.implementation = arguments.pop("implementation")
-        dropout_seed, seed = arguments.pop("dropout_seed"), arguments.pop("seed")
-        keras_class.__init__(self, seed=keras_seed(seed if seed is not None else dropout_seed),
-                             **arguments, **kwargs)
+        self.dropout_seed = _plain_seed(arguments.pop("dropout_seed"))
+        self.initializer_seed = _plain_seed(arguments.pop("seed"))
+        for name in ("kernel_initializer", "recurrent_initializer"):
+            arguments[name] = seeded_initializer(arguments[name], self.initializer_seed)
+        for name in ("activation", "recurrent_activation"):
+            arguments[name] = ipu_activation(arguments[name])
+        if arguments.get("unit_forget_bias"):
+            # The forget gate's biases start at one, every other bias at zero.
+            arguments["bias_initializer"] = "zeros"
+        keras_class.__init__(self, seed=keras_seed(self.dropout_seed), **arguments, **kwargs)
 
     def get_config(self):
-        return {**super().get_config(), "time_major": self.time_major,
-                "partials_dtype": self.partials_dtype, "implementation": self.implementation}
+        config = {**super().get_config(), "time_major": self.time_major,
+                  "partials_dtype": self.partials_dtype, "implementation": self.implementation,
+                  "seed": self.initializer_seed, "dropout_seed": self.dropout_seed}
+        for name in ("activation", "recurrent_activation"):
+            if getattr(self, name) is poplar_hard_sigmoid:
+                config[name] = "hard_sigmoid"  # the IPU layer's name, mapped again on loading
+        return config
+
+
+@_register
+def poplar_hard_sigmoid(x: Any) -> Any:
+    """The hard sigmoid as Poplar computes it: `clip(0.2 * x + 0.5, 0, 1)`.
+
+    Keras 3's `hard_sigmoid` is `clip(x / 6 + 0.5, 0, 1)`; the IPU recurrent
+    layers, `ipu.nn_ops.hard_sigmoid` and `ipu.rnn_ops` use this one.
+
+    Args:
+        x: A tensor.
+
+    Returns:
+        A tensor of `x`'s shape and type.
+
+    Example:
+
+    >>> poplar_hard_sigmoid(np.array([-3.0, 0.0, 1.0], "float32"))  # [0, 0.5, 0.7]
+    """
+    return ops.clip(x * 0.2 + 0.5, 0.0, 1.0)
+
+
+def ipu_activation(activation: Any) -> Any:
+    """The Keras activation an IPU layer's `activation` argument names.
+
+    Args:
+        activation: An activation name, function or `None` (linear).
+
+    Returns:
+        `poplar_hard_sigmoid` for `"hard_sigmoid"` (or Keras' own
+        `hard_sigmoid` function), as Poplar computes it; `activation`
+        unchanged otherwise.
+
+    Example:
+
+    >>> ipu_activation("hard_sigmoid") is poplar_hard_sigmoid
+    True
+    """
+    if (isinstance(activation, str) and activation == "hard_sigmoid") or (
+            activation is keras.activations.hard_sigmoid):
+        return poplar_hard_sigmoid
+    return activation
+
+
+def seeded_initializer(initializer: Any, seed: Any) -> Any:
+    """`initializer`, drawing from `seed` when it is random and has no seed of its own.
+
+    Args:
+        initializer: A Keras initializer, its name or config, or a callable.
+        seed: `None` (no change), an integer or a pair of 32-bit integers.
+
+    Returns:
+        The initializer: a seeded copy of a random Keras initializer that
+        was not seeded (a name such as `"glorot_uniform"` included), the
+        initializer itself otherwise (a seeded one keeps its own seed).
+
+    Example:
+
+    >>> kernel = seeded_initializer("glorot_uniform", 7)((3, 4))  # the same for every call
+    """
+    initializer = keras.initializers.get(initializer)
+    if seed is None or not isinstance(initializer, keras.initializers.Initializer):
+        return initializer
+    config = initializer.get_config()
+    if "seed" not in config or config["seed"] is not None:
+        return initializer  # not random, or seeded by the user
+    return type(initializer).from_config({**config, "seed": keras_seed(seed)})
+
+
+def _plain_seed(seed: Any) -> Any:
+    """A seed argument as a config keeps it: a pair as a list of ints, checked."""
+    keras_seed(seed)  # raises for a malformed seed
+    if seed is None or isinstance(seed, keras.random.SeedGenerator):
+        return seed
+    if isinstance(seed, (int, np.integer)):
+        return int(seed)
+    return [int(v) for v in np.asarray(seed)]
 
 
 def _arguments(names: dict) -> dict:
@@ -449,16 +543,21 @@ class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
     """Long short-term memory with IPU TensorFlow's arguments (alias `LSTM`).
 
     Keras' `LSTM`, with the IPU layer's defaults (`recurrent_activation`
-    `"sigmoid"`) and its extra arguments.
+    `"sigmoid"`) and its extra arguments. `"hard_sigmoid"` is Poplar's,
+    `clip(0.2 * x + 0.5, 0, 1)`, not Keras 3's.
 
     Args:
         units: Dimension of the output space.
+        unit_forget_bias: Whether the forget gate's biases start at one; it
+            also forces `bias_initializer="zeros"` for the other biases.
         dropout_seed: A seed for the dropout masks (an integer or a pair of
-            32-bit integers), used when `seed` is not given.
+            32-bit integers); `None` draws unseeded masks.
         implementation: Accepted for compatibility (Keras 3 has one).
         partials_dtype: The type of Poplar's partial sums; accepted and kept
             (the device model sums in the computation's type).
-        seed: A seed for the dropout masks (an integer or a pair).
+        seed: An integer seeding `kernel_initializer` and
+            `recurrent_initializer` (those that are random and not seeded
+            already): the same seed, the same weights.
         time_major: Whether sequences are `[time, batch, features]` (inputs
             and sequence outputs) instead of `[batch, time, features]`.
         **kwargs: The other arguments of `keras.layers.LSTM`, with its
@@ -488,16 +587,19 @@ class PopnnGRU(_IPURecurrent, keras.layers.GRU):
     """Gated recurrent unit with IPU TensorFlow's arguments (alias `GRU`).
 
     Keras' `GRU` (`reset_after=True` by default, as the IPU layer), with the
-    IPU layer's extra arguments.
+    IPU layer's extra arguments. `"hard_sigmoid"` is Poplar's,
+    `clip(0.2 * x + 0.5, 0, 1)`, not Keras 3's.
 
     Args:
         units: Dimension of the output space.
         dropout_seed: A seed for the dropout masks (an integer or a pair of
-            32-bit integers), used when `seed` is not given.
+            32-bit integers); `None` draws unseeded masks.
         implementation: Accepted for compatibility (Keras 3 has one).
         partials_dtype: The type of Poplar's partial sums; accepted and kept
             (the device model sums in the computation's type).
-        seed: A seed for the dropout masks (an integer or a pair).
+        seed: An integer seeding `kernel_initializer` and
+            `recurrent_initializer` (those that are random and not seeded
+            already): the same seed, the same weights.
         time_major: Whether sequences are `[time, batch, features]` (inputs
             and sequence outputs) instead of `[batch, time, features]`.
         **kwargs: The other arguments of `keras.layers.GRU`, with its
@@ -564,5 +666,8 @@ __all__ = [
     "PopnnGRU",
     "PopnnLSTM",
     "RecomputationCheckpoint",
+    "ipu_activation",
     "keras_seed",
+    "poplar_hard_sigmoid",
+    "seeded_initializer",
 ]

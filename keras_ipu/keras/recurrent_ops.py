@@ -48,6 +48,7 @@ from keras import ops
 
 from keras_ipu.keras.layers import PopnnGRU as _KerasGRU
 from keras_ipu.keras.layers import PopnnLSTM as _KerasLSTM
+from keras_ipu.keras.layers import poplar_hard_sigmoid
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu.rnn_ops")
 
@@ -55,12 +56,8 @@ LSTMStateTuple = collections.namedtuple("LSTMStateTuple", ("c", "h"))
 LSTMStateTuple.__doc__ = """An LSTM's state, `(c, h)`, as TensorFlow's `LSTMStateTuple`."""
 
 
-def _poplar_hard_sigmoid(x):
-    return ops.clip(x * 0.2 + 0.5, 0.0, 1.0)
-
-
 _ACTIVATIONS = {"tanh": "tanh", "relu": "relu", "softmax": "softmax", "sigmoid": "sigmoid",
-                "hard_sigmoid": _poplar_hard_sigmoid}
+                "hard_sigmoid": poplar_hard_sigmoid}
 _RECURRENT_ACTIVATIONS = ("tanh", "softmax", "sigmoid", "hard_sigmoid")
 _DTYPES = ("float16", "float32")
 
