@@ -1,5 +1,9 @@
 """Embedding operators of `tensorflow.python.ipu.embedding_ops`, on JAX arrays.
 
+`embedding_lookup` is here; the host embeddings (`HostEmbedding`,
+`create_host_embedding` and the optimizer specs) are implemented in
+`keras_ipu.ops.host_embedding`.
+
 Example:
 
 ```python
@@ -15,6 +19,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from keras_ipu.ops.host_embedding import (
+    HostEmbedding,
+    HostEmbeddingOptimizerSpec,
+    HostEmbeddingSGDGAOptimizerSpec,
+    create_host_embedding,
+)
 
 
 def embedding_lookup(params: Any, ids: Any, name: str | None = None,
@@ -58,4 +69,5 @@ def embedding_lookup(params: Any, ids: Any, name: str | None = None,
     return result
 
 
-__all__ = ["embedding_lookup"]
+__all__ = ["HostEmbedding", "HostEmbeddingOptimizerSpec", "HostEmbeddingSGDGAOptimizerSpec",
+           "create_host_embedding", "embedding_lookup"]
