@@ -74,6 +74,9 @@ class IPUSystem:
     # The graph-style programs compiled for this system (`feeds.call_compiled`), kept so
     # that calling one again does not retrace; a new configuration starts afresh.
     programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The host ends of the host embeddings registered with this system, by name
+    # (`keras_ipu.ops.host_embedding`), as IPU TensorFlow registers them with its session.
+    host_embeddings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_ipus(self) -> int:

@@ -8,7 +8,8 @@ same with JAX host callbacks:
 
 - The table is a NumPy array (`get_embedding_tensor()`), updated in place.
 - `lookup(indices)` inside a traced (jitted) function fetches the rows with
-  a host callback; run outside `with embedding.register():` it raises
+  a host callback; run outside `with embedding.register():` (which registers
+  it with the configured IPU system, as IPU TensorFlow with its session) it raises
   (tracing it, when a Keras model is built, needs no registration).
 - A trainable lookup is a `jax.custom_vjp` whose backward pass sends the
   indices and the rows' gradients to the host: SGD there,
@@ -51,14 +52,18 @@ import numpy as np
 from jax.experimental import io_callback
 
 from keras_ipu.device import collectives
+from keras_ipu.device import system as ipu_system
 
 PARTITION_STRATEGIES = ("TOKEN", "ENCODING")
 OPTIMIZERS = ("SGD", "SGD+GA")
 
-# The host ends of the registered embeddings, by name; host callbacks of
-# several replicas (device threads) reach them at once.
-_REGISTERED: dict[str, _HostEnd] = {}
+# Host callbacks of several replicas (device threads) reach the host ends at once.
 _LOCK = threading.Lock()
+
+
+def _registry() -> dict:
+    """The host ends registered with the configured system, by name."""
+    return ipu_system.require().host_embeddings
 
 
 @dataclasses.dataclass
@@ -93,7 +98,7 @@ class _HostEnd:
 
 def _registered(name: str, table: np.ndarray) -> _HostEnd:
     """The host end of embedding `name` of `table`; raises unless it is registered."""
-    end = _REGISTERED.get(name)
+    end = _registry().get(name)
     if end is None:
         raise RuntimeError(f"Host embedding {name!r} is not registered: look it up inside "
                            f"`with embedding.register():` (IPU TensorFlow registers it with "
@@ -229,11 +234,11 @@ class HostEmbeddingOptimizerSpec:
             ValueError: When an embedding of that name is registered already.
         """
         with _LOCK:
-            if name in _REGISTERED:
+            if name in _registry():
                 raise ValueError(f"A host embedding named {name!r} is registered already; "
                                  f"leave its register() context first or use another name.")
             end = _HostEnd(embedding_tensor, float(self._learning_rate), self._accumulation())
-            _REGISTERED[name] = end
+            _registry()[name] = end
         return end
 
     def create_lookup_instruction(self, embedding_tensor, indices, slot_vars,
@@ -274,7 +279,7 @@ class HostEmbeddingOptimizerSpec:
         """
         jax.effects_barrier()
         with _LOCK:
-            _REGISTERED.pop(name, None)
+            _registry().pop(name, None)
         return embedding_tensor
 
 
