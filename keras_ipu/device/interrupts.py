@@ -18,14 +18,15 @@ with interrupts.deferred():
 
 from __future__ import annotations
 
-import contextlib
+# signal's C module: `signal.signal` converts handlers to and from enums at
+# every call (tens of microseconds per execution at steps_per_execution=1).
+import _signal
 import signal
 import threading
-from collections.abc import Iterator
+from typing import Any
 
 
-@contextlib.contextmanager
-def deferred() -> Iterator[None]:
+class deferred:  # noqa: N801 - used as a function: `with deferred():`
     """Holds back SIGINT inside the block; one that arrived is handled as the block ends.
 
     Example:
@@ -33,21 +34,31 @@ def deferred() -> Iterator[None]:
     >>> with deferred():
     ...     state = run(state)
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except ValueError:  # no signal handling here
-        yield
-        return
-    arrived: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: arrived.append((signum, frame)))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if arrived and callable(previous):
-        previous(*arrived[0])  # the default handler raises KeyboardInterrupt here
-    elif arrived and previous == signal.SIG_DFL:
-        signal.raise_signal(signal.SIGINT)
+
+    __slots__ = ("_arrived", "_previous")
+
+    def __enter__(self) -> None:
+        self._previous = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            previous = _signal.getsignal(signal.SIGINT)
+        except ValueError:  # no signal handling here
+            return
+        if previous is None:  # a handler not set from Python: it cannot be put back
+            return
+        self._previous, self._arrived = previous, []
+        _signal.signal(signal.SIGINT, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self._arrived.append((signum, frame))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        previous = self._previous
+        if previous is None:
+            return
+        _signal.signal(signal.SIGINT, previous)
+        if self._arrived and callable(previous):
+            previous(*self._arrived[0])  # the default handler raises KeyboardInterrupt here
+        elif self._arrived and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
