@@ -224,3 +224,30 @@ def test_a_sequential_export_keeps_its_inputs_names_and_dtypes(strategy, tmp_pat
     for name, model in (("built", built), ("functional", functional)):
         exported = ipu.serving.export_keras(model, str(tmp_path / name), batch_size=2)
         assert exported.input_names == ["input_0"], name
+
+
+def test_an_unnamed_input_beside_one_named_input_1_gets_a_name_of_its_own(strategy, tmp_path):
+    # The reference's example names its inputs "input_1" and "input_2"; an unnamed second
+    # input would be `input_1` by position too, and every call by name would bind it twice.
+    with strategy.scope():
+        first, second = keras.Input((4,), name="input_1"), keras.Input((4,))
+        model = keras.Model([first, second], keras.layers.Subtract()([first, second]))
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    assert runtime.input_names == ["input_1", "input_1_1"]
+    a, b = np.ones((2, 4), "float32"), np.full((2, 4), 5, "float32")
+    expected = model.predict([a, b], batch_size=2, verbose=0)
+    for call in (lambda: runtime(a, b),                                   # the short path
+                 lambda: runtime(a.astype("float64"), b.astype("float64")),  # cast
+                 lambda: runtime(a.tolist(), b.tolist()),
+                 lambda: runtime(input_1=a, input_1_1=b),
+                 lambda: runtime({"input_1": a, "input_1_1": b})):
+        np.testing.assert_array_equal(call(), expected)
+    with pytest.raises(TypeError, match=r"Missing inputs \['input_1_1'\]"):
+        runtime(input_1=a)
+    # An export naming two inputs alike (written before) is refused when loaded.
+    path = tmp_path / "e" / "metadata.json"
+    metadata = json.loads(path.read_text())
+    metadata["inputs"][1]["name"] = "input_1"
+    path.write_text(json.dumps(metadata))
+    with pytest.raises(ValueError, match=r"names several inputs \['input_1'\]"):
+        ipu.serving.load(str(tmp_path / "e"))

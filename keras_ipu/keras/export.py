@@ -163,7 +163,8 @@ def _input_signature(model: Any, batch_size: int | None):
 
     Inputs are named as the model names them; an input Keras named itself
     (`keras_tensor_<n>`, which changes with the tensors a process made
-    before) is `input_<i>`, its position.
+    before) is `input_<i>`, its position; names are made distinct
+    (`_unique_names`).
     """
     structure = _model_inputs(model)
     if structure is None:
@@ -177,7 +178,7 @@ def _input_signature(model: Any, batch_size: int | None):
         names, flat = ["input_0"], [structure]
     else:
         flat = tree.flatten(structure)
-        names = [_input_name(t, i) for i, t in enumerate(flat)]
+        names = _unique_names([_given_name(t) for t in flat])
     specs = []
     for name, tensor in zip(names, flat):
         shape = tuple(tensor.shape)
@@ -196,8 +197,9 @@ def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:
     and a `dtype`: a `jax.ShapeDtypeStruct`, a `keras.Input`, a `tf.TensorSpec`.
     """
     entries = list(signature) if isinstance(signature, (list, tuple)) else [signature]
-    specs, names = [], []
-    for position, entry in enumerate(entries):
+    specs = []
+    names = _unique_names([_given_name(entry) for entry in entries])
+    for position, (entry, name) in enumerate(zip(entries, names)):
         shape, dtype = getattr(entry, "shape", None), getattr(entry, "dtype", None)
         if shape is None or dtype is None:
             raise TypeError(
@@ -206,12 +208,10 @@ def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:
         dims = tuple(shape)
         if dims and dims[0] is None:
             dims = (batch, *dims[1:])
-        name = _input_name(entry, position)
         if any(d is None for d in dims):
             raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {dims})")
         specs.append(jax.ShapeDtypeStruct(dims, np.dtype(getattr(dtype, "as_numpy_dtype",
                                                                  dtype))))
-        names.append(name)
     return specs, names
 
 
@@ -234,11 +234,44 @@ def _model_inputs(model: Any) -> Any:
     return inputs[0] if len(inputs) == 1 else inputs
 
 
-def _input_name(tensor: Any, position: int) -> str:
+def _given_name(tensor: Any) -> str | None:
+    """The name someone gave an input, or `None` (Keras' own `keras_tensor_<n>` included)."""
     name = getattr(tensor, "name", None)
     if not name or name.startswith(_KERAS_TENSOR_NAME):
-        return f"input_{position}"
+        return None
     return name
+
+
+def _unique_names(given: Sequence[str | None]) -> list[str]:
+    """One distinct name per input: its given name, else `input_<position>`.
+
+    The runtime binds inputs by name, so two inputs of one name would take
+    the same value. A name already taken (an unnamed second input beside one
+    named `input_1`, or two inputs named alike) gets the first free suffix
+    `_1`, `_2`, ...; a name someone gave is never taken by a generated one.
+
+    Args:
+        given: Per input, the name it was given, or `None`.
+
+    Returns:
+        The export's input names, in order.
+
+    Example:
+
+    >>> _unique_names(["input_1", None, "a", "a"])
+    ['input_1', 'input_1_1', 'a', 'a_1']
+    """
+    names: list[str] = []
+    for position, name in enumerate(given):
+        base = name or f"input_{position}"
+        # Given names are reserved for their inputs; the first of each keeps its own.
+        taken = set(names) | {n for n in given if n and n != name}
+        candidate, suffix = base, 0
+        while candidate in taken:
+            suffix += 1
+            candidate = f"{base}_{suffix}"
+        names.append(candidate)
+    return names
 
 
 def _prepare_directory(export_dir: str, purge: bool) -> None:

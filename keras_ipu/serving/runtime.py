@@ -32,7 +32,8 @@ class ServingRuntime:
 
     Raises:
         FileNotFoundError: When a file of the export is missing.
-        ValueError: When the directory is not a keras_ipu export.
+        ValueError: When the directory is not a keras_ipu export, or names
+            two inputs (or outputs) alike.
 
     Example:
 
@@ -45,6 +46,8 @@ class ServingRuntime:
         self.metadata = _read_metadata(export_dir)
         self.inputs = self.metadata["inputs"]
         self.outputs = self.metadata["outputs"]
+        _check_distinct(export_dir, "input", [entry["name"] for entry in self.inputs])
+        _check_distinct(export_dir, "output", [entry["name"] for entry in self.outputs])
         self.batch_size = int(self.metadata["batch_size"])
         self.iterations = int(self.metadata["iterations"])
         with np.load(os.path.join(export_dir, WEIGHTS_FILE), allow_pickle=False) as archive:
@@ -292,6 +295,16 @@ def _read_metadata(export_dir: str) -> dict:
             f"{export_dir!r} holds an export of format {metadata.get('format')!r}; this "
             f"runtime reads {FORMAT!r}.")
     return metadata
+
+
+def _check_distinct(export_dir: str, kind: str, names: list[str]) -> None:
+    """Raises `ValueError` when two inputs (or outputs) share a name: binding would mix them."""
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(
+            f"The export in {export_dir!r} names several {kind}s {twice} (its {kind}s: "
+            f"{names}); inputs are bound by name, so each needs its own: export it again "
+            f"with this keras_ipu, which names them apart.")
 
 
 def _deserialize(export_dir: str, name: str) -> Any:
