@@ -251,3 +251,31 @@ def test_an_unnamed_input_beside_one_named_input_1_gets_a_name_of_its_own(strate
     path.write_text(json.dumps(metadata))
     with pytest.raises(ValueError, match=r"names several inputs \['input_1'\]"):
         ipu.serving.load(str(tmp_path / "e"))
+
+
+def _pipelined_sequential(stages, device_mapping):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), keras.layers.Dense(2)])
+    model.set_pipeline_stage_assignment(stages)
+    model.set_pipelining_options(device_mapping=device_mapping)
+    model.compile(steps_per_execution=2)
+    return model
+
+
+def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        stale = _pipelined_sequential([0, 1], [0, 1])
+        stale.add(keras.layers.Dense(3))  # the assignment no longer covers every layer
+        three_ipus = _pipelined_sequential([0, 1], [0, 1, 0])  # 2 stages, 3 mappings
+        one_stage = _pipelined_sequential([0, 0], [0, 1])     # 1 stage, 2 mappings
+    x = np.ones((4, 4), "float32")
+    for model, error, message in ((stale, RuntimeError, "no longer valid"),
+                                  (three_ipus, ValueError, r"3 mappings != 2 stages"),
+                                  (one_stage, ValueError, r"2 mappings != 1 stages")):
+        with pytest.raises(error, match=message):
+            model.predict(x, batch_size=2, verbose=0)
+        # Before, export caught the first and served the model unpipelined, and wrote the
+        # other two with their device_mapping.
+        with pytest.raises(error, match=message):
+            model.export_for_ipu_serving(tmp_path / model.name, batch_size=2)
+        assert not (tmp_path / model.name).exists()

@@ -57,9 +57,11 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
 
     Raises:
         ValueError: Model not created in an IPUStrategy, unknown batch size,
-            non-empty directory without `purge_export_dir`, bad output names.
+            non-empty directory without `purge_export_dir`, bad output names,
+            a `device_mapping` that does not name one IPU per pipeline stage.
         TypeError: A signature entry without a shape and a dtype.
-        RuntimeError: Model not built.
+        RuntimeError: Model not built, or a pipeline stage assignment that
+            `predict` refuses too.
     """
     if context.state_of(model).strategy is None:
         raise ValueError(
@@ -296,17 +298,28 @@ def _output_names(names: str | Sequence[str] | None, count: int) -> list[str]:
 
 
 def _plan(model: Any):
-    """The model's pipeline plan, or `None` when it is not pipelined."""
-    from keras_ipu.keras import stages
+    """The model's pipeline plan, or `None` when it is not pipelined.
 
-    try:
-        return stages.pipeline_plan(model, None)
-    except (RuntimeError, ValueError):
-        return None
+    Raises:
+        RuntimeError, ValueError: For a stage assignment `predict` refuses
+            too (a stage without layers, an assignment no longer valid):
+            exporting the model unpipelined instead would silently serve
+            another program than the one the model runs.
+    """
+    from keras_ipu.keras import pipelined
+
+    return pipelined.plan_of(model)
 
 
 def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
-    return tuple(options.options_of(model).pipelining_device_mapping or range(plan.num_stages))
+    """Stage -> IPU, checked as `predict` checks it (one IPU per stage).
+
+    Raises:
+        ValueError: When `device_mapping` does not name one IPU per stage.
+    """
+    from keras_ipu.keras import pipelined
+
+    return pipelined.device_mapping(plan, options.options_of(model))
 
 
 def _pipeline_metadata(model: Any, plan: Any) -> dict:
