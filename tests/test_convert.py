@@ -86,8 +86,9 @@ def test_manual_sharding_and_the_solution_file_round_trip(saved_mlp, tmp_path):
     assert "'block_0': 0" in manual.stdout and "'block_2': 1" in manual.stdout
     np.testing.assert_allclose(_run_export(tmp_path / "manual", x), expected, atol=1e-5)
     solution = tmp_path / "s.pipeconfig"
+    stages = {f"block_{i}": int(i >= 4) for i in range(6)}
     solution.write_text(json.dumps({"device_maping": [1, 0],  # the seed's spelling
-                                    "pipeline_mapping": {"block_0": 0, "block_5": 1}}))
+                                    "pipeline_mapping": stages}))
     loaded = _cli("--model", str(path), "--dir", str(tmp_path / "loaded"), "--batch_size",
                   str(BATCH), "--pipeline_cfg",
                   json.dumps({"converter": "load", "solution_path": str(solution)}))
@@ -135,3 +136,33 @@ def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("solution, message", [
+    ({"device_mapping": [0, 1, 0], "pipeline_mapping": {f"block_{i}": int(i >= 3)
+                                                         for i in range(6)}},
+     "`device_mapping` [0, 1, 0] of {path} has 3 entries for 2 pipeline stages"),
+    ({"device_mapping": [0, 1], "pipeline_mapping": {**{f"block_{i}": int(i >= 3)
+                                                        for i in range(6)}, "zzz": 1}},
+     "`pipeline_mapping` of {path} names layers the model does not have: ['zzz']"),
+    ({"device_mapping": [0, 1], "pipeline_mapping": {"block_0": 0, "block_5": 1}},
+     "gives no stage to the layers ['block_1', 'block_2', 'block_3', 'block_4']"),
+    ({"device_mapping": [0, 1], "pipeline_mapping": {f"block_{i}": 2 * int(i >= 3)
+                                                     for i in range(6)}},
+     "gives no layer to the stages [1] (of stages 0 to 2)"),
+    ({"device_mapping": [0, "1"], "pipeline_mapping": {}},
+     "must be a list of IPU indices (integers >= 0), one per pipeline stage; got [0, '1']"),
+])
+def test_a_solution_file_must_stage_every_layer_and_map_every_stage(solution, message,
+                                                                    saved_mlp, tmp_path):
+    from keras_ipu.keras import convert
+
+    path, _, _ = saved_mlp
+    file = tmp_path / "solution.pipeconfig"
+    file.write_text(json.dumps(solution))
+    options = convert.ConvertOptions(
+        batch_size=BATCH, pipeline_cfg={"converter": "load", "solution_path": str(file)})
+    with pytest.raises(ValueError) as raised:
+        convert.convert(str(path), str(tmp_path / "export"), options)
+    assert message.format(path=file) in str(raised.value)
+    assert not (tmp_path / "export").exists()

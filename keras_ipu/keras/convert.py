@@ -145,7 +145,8 @@ def _stage_plan(model, options: ConvertOptions, summary: dict):
     if converter == "manual":
         patterns = [_patterns(p) for p in config.get("manual_pipeline_config") or []]
         mapping = config.get("device_info")
-        if not patterns or mapping is None or len(mapping) != len(patterns):
+        if (not patterns or not isinstance(mapping, list) or len(mapping) != len(patterns)
+                or not all(_is_index(i) for i in mapping)):
             raise ValueError("The manual converter needs `manual_pipeline_config` (one regex list "
                              "per stage) and `device_info` (one IPU per stage).")
         stage_of = _by_patterns(model, patterns)
@@ -154,7 +155,7 @@ def _stage_plan(model, options: ConvertOptions, summary: dict):
         _write_solution(config.get("solution_dir"), stage_of, mapping, summary)
         return stage_of, tuple(mapping)
     if converter == "load":
-        return _load_solution(config.get("solution_path"))
+        return _load_solution(config.get("solution_path"), [layer.name for layer in _chain(model)])
     if converter == "auto":
         return _auto(model, options, config, summary)
     raise ValueError(f"pipeline_cfg `converter` must be auto, manual or load, got {converter!r}.")
@@ -249,18 +250,67 @@ def _write_solution(directory, stage_of, mapping, summary: dict) -> None:
     summary["solution_path"] = path
 
 
-def _load_solution(path) -> tuple[dict[str, int], tuple[int, ...]]:
+def _load_solution(path, layers: Sequence[str]) -> tuple[dict[str, int], tuple[int, ...]]:
+    """`(stage of each layer name, device mapping)` of a solution file, checked against `layers`.
+
+    Raises:
+        ValueError: A missing or malformed file, a `pipeline_mapping` that
+            names layers the model does not have or leaves some out, or a
+            `device_mapping` that does not give one IPU per stage.
+    """
     if not path or not os.path.isfile(path):
         raise ValueError(f"The load converter needs an existing `solution_path`, got {path!r}.")
     with open(path) as f:
-        solution = json.load(f)
+        try:
+            solution = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"Solution file {path} is not JSON: {error}.") from None
     # The seed's own example spells it "device_maping".
     mapping = solution.get("device_mapping", solution.get("device_maping"))
     stage_of = solution.get("pipeline_mapping")
     if mapping is None or not isinstance(stage_of, dict):
         raise ValueError(f"{path} is not a pipeline solution file: it needs `device_mapping` "
                          f"and `pipeline_mapping`.")
-    return {str(k): int(v) for k, v in stage_of.items()}, tuple(int(i) for i in mapping)
+    if not isinstance(mapping, list) or not all(_is_index(i) for i in mapping):
+        raise ValueError(f"`device_mapping` of {path} must be a list of IPU indices (integers "
+                         f">= 0), one per pipeline stage; got {mapping!r}.")
+    bad = {name: stage for name, stage in stage_of.items() if not _is_index(stage)}
+    if bad:
+        raise ValueError(f"`pipeline_mapping` of {path} must map each layer to a stage (an "
+                         f"integer >= 0); got {bad}.")
+    _check_solution(path, stage_of, mapping, layers)
+    return dict(stage_of), tuple(mapping)
+
+
+def _check_solution(path, stage_of: Mapping[str, int], mapping: Sequence[int],
+                    layers: Sequence[str]) -> None:
+    """Raises `ValueError` unless `stage_of` stages every layer, once, and `mapping` every stage.
+
+    A layer left out would otherwise run on stage 0 and a name the model does
+    not have would be dropped, both silently; the seed's solution files list
+    every node (§19.2.5).
+    """
+    unknown = sorted(set(stage_of) - set(layers))
+    if unknown:
+        raise ValueError(f"`pipeline_mapping` of {path} names layers the model does not have: "
+                         f"{unknown}; its layers: {list(layers)}.")
+    missing = [name for name in layers if name not in stage_of]
+    if missing:
+        raise ValueError(f"`pipeline_mapping` of {path} gives no stage to the layers {missing}: "
+                         f"give each of the model's layers {list(layers)} a stage.")
+    stages = max(stage_of.values()) + 1 if stage_of else 0
+    empty = [s for s in range(stages) if s not in set(stage_of.values())]
+    if empty:
+        raise ValueError(f"`pipeline_mapping` of {path} gives no layer to the stages {empty} "
+                         f"(of stages 0 to {stages - 1}): number the stages from 0, each with "
+                         f"a layer.")
+    if len(mapping) != stages:
+        raise ValueError(f"`device_mapping` {list(mapping)} of {path} has {len(mapping)} "
+                         f"entries for {stages} pipeline stages: it needs one IPU per stage.")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _half_precision(model, excluded: Sequence[str]):
