@@ -279,3 +279,24 @@ def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
         with pytest.raises(error, match=message):
             model.export_for_ipu_serving(tmp_path / model.name, batch_size=2)
         assert not (tmp_path / model.name).exists()
+
+
+def test_a_numpy_batch_size_is_an_int_and_a_bad_one_leaves_the_export_alone(strategy, tmp_path):
+    with strategy.scope():
+        inputs = keras.Input((4,), name="x")
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    directory = tmp_path / "e"
+    model.export_for_ipu_serving(directory, batch_size=2)
+    files = sorted(p.name for p in directory.iterdir())
+    # Before, np.int64 reached metadata.json, which json refused after the purge: the
+    # export was gone and the directory held half an export.
+    runtime = model.export_for_ipu_serving(directory, batch_size=np.int64(4),
+                                           purge_export_dir=True)
+    assert json.loads((directory / "metadata.json").read_text())["batch_size"] == 4
+    x = np.random.default_rng(3).normal(size=(4, 4)).astype("float32")
+    np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=4, verbose=0), atol=1e-6)
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+            model.export_for_ipu_serving(directory, batch_size=bad, purge_export_dir=True)
+    assert sorted(p.name for p in directory.iterdir()) == files
+    assert ipu.serving.load(str(directory)).batch_size == 4

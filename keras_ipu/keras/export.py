@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -56,9 +57,10 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
     export's inputs, which the step turns into the model's.
 
     Raises:
-        ValueError: Model not created in an IPUStrategy, unknown batch size,
-            non-empty directory without `purge_export_dir`, bad output names,
-            a `device_mapping` that does not name one IPU per pipeline stage.
+        ValueError: Model not created in an IPUStrategy, unknown batch size
+            or one that is not a positive integer, non-empty directory
+            without `purge_export_dir`, bad output names, a `device_mapping`
+            that does not name one IPU per pipeline stage.
         TypeError: A signature entry without a shape and a dtype.
         RuntimeError: Model not built, or a pipeline stage assignment that
             `predict` refuses too.
@@ -68,7 +70,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
             f"Model {model.name!r} was not created inside an IPU strategy scope: create "
             f"it in `IPUStrategy().scope()` to export it for IPU serving."
         )
-    structure, specs, names = _input_signature(model, batch_size)
+    structure, specs, names = _input_signature(model, _checked_batch_size(batch_size))
     if preprocessing_step is not None and preprocessing_step_signature is not None:
         specs, names = _step_inputs(preprocessing_step_signature, specs[0].shape[0])
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
@@ -98,15 +100,34 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         **layout,
         **_pipeline_metadata(model, plan),
     }
-    # Only now, with every program built, is the directory emptied and written.
+    # Everything that can fail but writing is done first: only then is the
+    # directory emptied and written, the metadata last (without it, a
+    # directory left half-written is no export, never a corrupt one).
+    serialized = {name: exported.serialize() for name, exported in programs.items()}
+    metadata_text = json.dumps(metadata, indent=2)
     _prepare_directory(export_dir, purge_export_dir)
-    for name, exported in programs.items():
+    for name, data in serialized.items():
         with open(os.path.join(export_dir, name), "wb") as f:
-            f.write(exported.serialize())
+            f.write(data)
     np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE), **weights)
     with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
-        json.dump(metadata, f, indent=2)
+        f.write(metadata_text)
     return runtime.load(export_dir)
+
+
+def _checked_batch_size(batch_size: Any) -> int | None:
+    """`batch_size` as a Python int (NumPy integers included), or `None`.
+
+    Raises:
+        ValueError: When it is not a positive integer.
+    """
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, numbers.Integral):
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if int(batch_size) < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {int(batch_size)}.")
+    return int(batch_size)
 
 
 def _single_programs(model, structure, specs, iterations: int, preprocessing_step,
