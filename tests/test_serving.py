@@ -300,3 +300,20 @@ def test_a_numpy_batch_size_is_an_int_and_a_bad_one_leaves_the_export_alone(stra
             model.export_for_ipu_serving(directory, batch_size=bad, purge_export_dir=True)
     assert sorted(p.name for p in directory.iterdir()) == files
     assert ipu.serving.load(str(directory)).batch_size == 4
+
+
+def test_a_bfloat16_model_exports_and_loads(strategy, tmp_path):
+    import ml_dtypes
+
+    with strategy.scope():
+        inputs = keras.Input((4,), name="x", dtype="bfloat16")
+        model = keras.Model(inputs, keras.layers.Dense(2, dtype="bfloat16")(inputs))
+    model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    # Before, np.savez stored the bfloat16 weights as void bytes (V2) that load could not use.
+    runtime = ipu.serving.load(str(tmp_path / "e"))
+    assert runtime.inputs == [{"name": "x", "shape": [2, 4], "dtype": "bfloat16"}]
+    x = np.random.default_rng(4).normal(size=(2, 4)).astype(ml_dtypes.bfloat16)
+    expected = model.predict(x, batch_size=2, verbose=0)
+    assert runtime(x).dtype == expected.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(runtime(x).astype("float32"), expected.astype("float32"))
+    np.testing.assert_array_equal(runtime(x.astype("float32")), runtime(x))  # same_kind cast

@@ -97,6 +97,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         "outputs": [_signature_entry(n, s) for n, s in
                     zip(_output_names(output_names, len(outputs)), outputs)],
         "platforms": list(platforms),
+        "weight_dtypes": _archive_dtypes(weights),
         **layout,
         **_pipeline_metadata(model, plan),
     }
@@ -350,6 +351,16 @@ def _pipeline_metadata(model: Any, plan: Any) -> dict:
     mapping = _device_mapping(model, plan)
     return {"num_ipus": max(mapping) + 1, "pipeline_stages": plan.num_stages,
             "device_mapping": list(mapping)}
+
+
+def _archive_dtypes(weights: dict[str, np.ndarray]) -> dict[str, str]:
+    """The dtypes a NumPy archive cannot name, by weight: it stores bfloat16 or float8 as bytes.
+
+    (ml_dtypes' types are NumPy "void" dtypes; `np.savez` keeps their bytes,
+    `np.load` gives them back as `V2`, which the runtime views as the dtype
+    recorded here.)
+    """
+    return {key: str(w.dtype) for key, w in weights.items() if w.dtype.kind == "V"}
 
 
 def _signature_entry(name: str, spec: Any) -> dict:

@@ -50,7 +50,8 @@ class ServingRuntime:
         _check_distinct(export_dir, "output", [entry["name"] for entry in self.outputs])
         self.batch_size = int(self.metadata["batch_size"])
         self.iterations = int(self.metadata["iterations"])
-        with np.load(os.path.join(export_dir, WEIGHTS_FILE), allow_pickle=False) as archive:
+        with np.load(os.path.join(export_dir, WEIGHTS_FILE), allow_pickle=False) as stored:
+            archive = _Weights(stored, self.metadata.get("weight_dtypes", {}))
             if "stages" in self.metadata:
                 self._call_step = _Pipeline(export_dir, self.metadata["stages"], archive)
                 self._call_loop = None
@@ -204,6 +205,25 @@ class ServingRuntime:
         if len(outputs) == 1:
             return np.asarray(outputs[0])
         return dict(zip(self.output_names, (np.asarray(o) for o in outputs)))
+
+
+class _Weights:
+    """The weights of an export's archive, each in its exported dtype.
+
+    NumPy's archive stores ml_dtypes' types (bfloat16, float8) as raw bytes
+    (`V2`, `V1`); the export records their dtypes, and each is viewed as its
+    own again.
+    """
+
+    def __init__(self, archive: Any, dtypes: Mapping[str, str]):
+        self._archive = archive
+        self._dtypes = dtypes
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        array = self._archive[key]
+        dtype = self._dtypes.get(key)
+        # NumPy knows the names of ml_dtypes' types once JAX has imported it.
+        return array if dtype is None else array.view(np.dtype(dtype))
 
 
 class _Pipeline:
