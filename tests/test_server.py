@@ -32,13 +32,23 @@ def served(tmp_path_factory):
         h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([a, b]))
         model = keras.Model([a, b], keras.layers.Dense(3)(h))
     model.export_for_ipu_serving(directory, batch_size=8)
+    url, process = _start_server(directory)
+    yield model, url, process
+    _stop(process)
+
+
+def _start_server(directory):
+    """`(the model's URL, the process)` of `keras-ipu serve` on a free port."""
     process = subprocess.Popen(
         [sys.executable, "-m", "keras_ipu", "serve", "--dir", str(directory), "--port", "0"],
         env=fresh_process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
     assert match, line + process.stderr.read()
-    yield model, f"http://127.0.0.1:{match.group(1)}/v1/models/adder", process
+    return f"http://127.0.0.1:{match.group(1)}/v1/models/{directory.name}", process
+
+
+def _stop(process):
     if process.poll() is None:
         process.kill()
         process.wait()
@@ -237,3 +247,49 @@ def test_warm_up_compiles_before_the_first_request(tmp_path):
         jax.monitoring.unregister_event_duration_listener(listener)
     np.testing.assert_allclose(got, model.predict(x, batch_size=4, verbose=0), atol=1e-6)
     assert warmed >= 1 and len(compiles) == warmed
+
+
+def test_an_output_without_the_batch_dimension_is_served_whole(tmp_path):
+    """As the reference's example, a postprocessing step sums over the batch: a request of one
+    batch of rows gets the sum; any other request is refused with 400, and the server goes on.
+
+    (Before, slicing the sum into rows killed the batcher: every request hung.)
+    """
+    import jax.numpy as jnp
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((3,), name="x")
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.export_for_ipu_serving(tmp_path / "summed", batch_size=2,
+                                 postprocessing_step=lambda o: (o, jnp.sum(o)))
+    x = np.random.default_rng(5).normal(size=(2, 3)).astype("float32")
+    expected = model.predict(x, batch_size=2, verbose=0)
+    url, process = _start_server(tmp_path / "summed")
+
+    async def calls():
+        answers = []
+        async with aiohttp.ClientSession() as session:
+            for body in ({"inputs": {"x": x.tolist()}}, {"instances": x.tolist()},
+                         {"instances": x[:1].tolist()}, {"inputs": {"x": x.tolist()}}):
+                async with session.post(url + ":predict", json=body) as response:
+                    answers.append((response.status, await response.json()))
+            async with session.get(url + "/metadata") as response:
+                answers.append((response.status, await response.json()))
+        return answers
+
+    try:
+        columns, rows, one_row, again, metadata = asyncio.run(asyncio.wait_for(calls(), 60))
+    finally:
+        _stop(process)
+    for status, reply in (columns, again):
+        assert status == 200, reply
+        np.testing.assert_allclose(reply["outputs"]["output_0"], expected, atol=1e-5)
+        np.testing.assert_allclose(reply["outputs"]["output_1"], expected.sum(), atol=1e-5)
+    assert rows[0] == 200
+    np.testing.assert_allclose(rows[1]["predictions"]["output_0"], expected, atol=1e-5)
+    np.testing.assert_allclose(rows[1]["predictions"]["output_1"], expected.sum(), atol=1e-5)
+    assert one_row[0] == 400 and "must hold exactly 2 rows" in one_row[1]["error"]
+    outputs = metadata[1]["metadata"]["signature_def"]["signature_def"]["serving_default"][
+        "outputs"]
+    assert outputs["output_1"]["tensor_shape"]["dim"] == []

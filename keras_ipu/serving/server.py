@@ -48,7 +48,8 @@ class _Pending:
     rows: dict[str, np.ndarray]  # name -> [n, ...]
     future: asyncio.Future
     count: int
-    done: dict[int, dict] = dataclasses.field(default_factory=dict)  # first row -> outputs
+    # first row -> (rows, outputs)
+    done: dict[int, tuple[int, dict]] = dataclasses.field(default_factory=dict)
 
 
 class DynamicBatcher:
@@ -70,6 +71,7 @@ class DynamicBatcher:
         self._queue: asyncio.Queue | None = None
         self._device = concurrent.futures.ThreadPoolExecutor(1, "keras_ipu-serve")
         self._task: asyncio.Task | None = None
+        self._whole = set(unbatched_outputs(runtime))
         self.device_calls = 0
 
     def start(self) -> None:
@@ -108,7 +110,10 @@ class DynamicBatcher:
                 except TimeoutError:
                     break
             pieces, carry = _take(carry, batch)
-            await self._run_batch(pieces)
+            try:
+                await self._run_batch(pieces)
+            except Exception as error:  # the batch's requests hear of it; the loop goes on
+                _fail(pieces, error)
 
     async def _run_batch(self, pieces: list[tuple[_Pending, int, int]]) -> None:
         """Runs one padded batch and hands each piece its rows."""
@@ -125,16 +130,40 @@ class DynamicBatcher:
                 self._device, lambda: self.runtime(**inputs))
             self.device_calls += 1
         except Exception as error:  # the device failed: every waiting request hears of it
-            for pending, _, _ in pieces:
-                if not pending.future.done():
-                    pending.future.set_exception(error)
+            _fail(pieces, error)
             return
         outputs = outputs if isinstance(outputs, dict) else {self.runtime.output_names[0]: outputs}
+        whole = self._whole
         offset = 0
         for pending, start, stop in pieces:
-            part = {n: o[offset:offset + stop - start] for n, o in outputs.items()}
+            # An output without the batch dimension belongs to the batch's one request
+            # (`parse_predict` holds such requests to exactly one batch of rows).
+            part = {n: o if n in whole else o[offset:offset + stop - start]
+                    for n, o in outputs.items()}
             offset += stop - start
-            _deliver(pending, start, part)
+            _deliver(pending, start, stop - start, part)
+
+
+def unbatched_outputs(runtime: ServingRuntime) -> list[str]:
+    """The outputs without the batch dimension (e.g. a postprocessing step's sum over the batch).
+
+    Such an output cannot be split into requests' rows: a request to an
+    export that has one must hold exactly one batch of rows, and gets the
+    whole value.
+
+    Example:
+
+    >>> unbatched_outputs(load("summed"))   # postprocessing_step=lambda o: jnp.sum(o)
+    ['output_0']
+    """
+    return [e["name"] for e in runtime.outputs
+            if not e["shape"] or e["shape"][0] != runtime.batch_size]
+
+
+def _fail(pieces, error: Exception) -> None:
+    for pending, _, _ in pieces:
+        if not pending.future.done():
+            pending.future.set_exception(error)
 
 
 def _rows_waiting(carry: list[tuple[_Pending, int]]) -> int:
@@ -156,12 +185,13 @@ def _take(carry, batch: int):
     return pieces, left
 
 
-def _deliver(pending: _Pending, start: int, part: dict[str, np.ndarray]) -> None:
+def _deliver(pending: _Pending, start: int, rows: int, part: dict[str, np.ndarray]) -> None:
     """Adds a piece's outputs to its request; resolves it when its rows are all done."""
-    pending.done[start] = part
-    if sum(len(next(iter(p.values()))) for p in pending.done.values()) == pending.count:
-        ordered = [pending.done[k] for k in sorted(pending.done)]
-        result = {n: np.concatenate([p[n] for p in ordered]) for n in ordered[0]}
+    pending.done[start] = (rows, part)
+    if sum(count for count, _ in pending.done.values()) == pending.count:
+        ordered = [pending.done[k][1] for k in sorted(pending.done)]
+        result = ordered[0] if len(ordered) == 1 else {
+            n: np.concatenate([p[n] for p in ordered]) for n in ordered[0]}
         if not pending.future.done():
             pending.future.set_result(result)
 
@@ -227,6 +257,12 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
             raise RequestError("Inputs have different numbers of rows.")
         count = len(array)
         arrays[name] = array
+    whole = unbatched_outputs(runtime)
+    if whole and count != runtime.batch_size:
+        raise RequestError(
+            f"The export's outputs {whole} have no batch dimension (e.g. a sum over the "
+            f"batch): a request must hold exactly {runtime.batch_size} rows, the export's "
+            f"batch size, to get them; it holds {count}.")
     return arrays
 
 
@@ -234,12 +270,17 @@ def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
     """TensorFlow Serving's predict response, as JSON text.
 
     `{"predictions": ...}` (row format: one entry per row, an object per row
-    when there are several outputs) or `{"outputs": ...}` (columnar).
+    when there are several outputs; an object of whole outputs when some
+    have no batch dimension) or `{"outputs": ...}` (columnar).
     """
     if rows:
         if len(outputs) == 1:
             return '{"predictions": ' + json_array(next(iter(outputs.values()))) + "}"
-        count = len(next(iter(outputs.values())))
+        counts = {len(o) if np.ndim(o) else None for o in outputs.values()}
+        if len(counts) != 1 or None in counts:  # not all rows: no per-row objects
+            return '{"predictions": {' + ", ".join(f"{json.dumps(n)}: {json_array(o)}"
+                                                    for n, o in outputs.items()) + "}}"
+        count = counts.pop()
         per_row = ["{" + ", ".join(f"{json.dumps(n)}: {json_array(o[i])}"
                                    for n, o in outputs.items()) + "}" for i in range(count)]
         return '{"predictions": [' + ", ".join(per_row) + "]}"
@@ -296,11 +337,16 @@ def status_response() -> dict:
 
 
 def metadata_response(name: str, runtime: ServingRuntime) -> dict:
+    whole = set(unbatched_outputs(runtime))
+
+    def dims(entry):  # the batch dimension is any size (-1); an unbatched output has none
+        if entry["name"] in whole:
+            return [{"size": str(d)} for d in entry["shape"]]
+        return [{"size": "-1"}] + [{"size": str(d)} for d in entry["shape"][1:]]
+
     def tensors(entries):
         return {e["name"]: {"dtype": _TF_DTYPES.get(e["dtype"], e["dtype"]), "name": e["name"],
-                            "tensor_shape": {"dim": [{"size": "-1"}] + [
-                                {"size": str(d)} for d in e["shape"][1:]],
-                                "unknown_rank": False}}
+                            "tensor_shape": {"dim": dims(e), "unknown_rank": False}}
                 for e in entries}
 
     signature = {"inputs": tensors(runtime.inputs), "outputs": tensors(runtime.outputs),
@@ -416,4 +462,4 @@ def _aiohttp_web():
     return web
 
 
-__all__ = ["DynamicBatcher", "make_app", "serve"]
+__all__ = ["DynamicBatcher", "make_app", "serve", "unbatched_outputs"]
