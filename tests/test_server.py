@@ -293,3 +293,27 @@ def test_an_output_without_the_batch_dimension_is_served_whole(tmp_path):
     outputs = metadata[1]["metadata"]["signature_def"]["signature_def"]["serving_default"][
         "outputs"]
     assert outputs["output_1"]["tensor_shape"]["dim"] == []
+
+
+def test_json_inputs_cast_by_the_runtimes_same_kind_rule(tmp_path):
+    from keras_ipu.serving import load
+    from keras_ipu.serving.server import RequestError, parse_predict
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        tokens = keras.Input((2,), dtype="int32", name="tokens")
+        model = keras.Model(tokens, keras.layers.Embedding(10, 3)(tokens))
+    model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    runtime = load(str(tmp_path / "e"))
+    rows, _ = parse_predict(b'{"instances": [[1, 2], [3, 4]]}', runtime)
+    assert rows["tokens"].dtype == np.int32
+    np.testing.assert_array_equal(
+        runtime(**rows),
+        model.predict(np.array([[1, 2], [3, 4]], "int32"), batch_size=2, verbose=0))
+    # Before, 1.9 became 1 and "7" became 7, silently.
+    for body, message in ((b'{"instances": [[1.9, 2.7], [3, 4]]}', "values are float64"),
+                          (b'{"inputs": [["7", "1"], [3, 4]]}', "values are text"),
+                          (b'{"inputs": [[1, null], [3, 4]]}', "values are mixed or null"),
+                          (b'{"inputs": [[1, 4294967296], [3, 4]]}', "are outside int32's")):
+        with pytest.raises(RequestError, match=f"Input 'tokens' is not int32 data: .*{message}"):
+            parse_predict(body, runtime)

@@ -244,10 +244,7 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
     arrays, count = {}, None
     for entry in runtime.inputs:
         name = entry["name"]
-        try:
-            array = np.asarray(columns[name], dtype=entry["dtype"])
-        except (TypeError, ValueError) as error:
-            raise RequestError(f"Input {name!r} is not {entry['dtype']} data: {error}") from None
+        array = _cast(name, columns[name], np.dtype(entry["dtype"]))
         row_shape = tuple(entry["shape"][1:])
         if array.ndim != len(row_shape) + 1 or array.shape[1:] != row_shape:
             raise RequestError(
@@ -264,6 +261,33 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
             f"batch): a request must hold exactly {runtime.batch_size} rows, the export's "
             f"batch size, to get them; it holds {count}.")
     return arrays
+
+
+def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
+    """A JSON input as an array of `dtype`, cast by the runtime's rule (NumPy's `same_kind`).
+
+    A float never becomes an integer (`1.9` is not truncated to `1`), text
+    never a number, and an integer only one its dtype can hold.
+
+    Raises:
+        RequestError: When the values are not `dtype` data.
+    """
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise RequestError(f"Input {name!r} is not {dtype} data: {error}") from None
+    if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+        kind = {"U": "text", "O": "mixed or null"}.get(array.dtype.kind, str(array.dtype))
+        raise RequestError(
+            f"Input {name!r} is not {dtype} data: its JSON values are {kind}, which does not "
+            f"cast to {dtype} (NumPy's same_kind rule, as the runtime casts).")
+    if dtype.kind in "iu" and array.size:
+        limits = np.iinfo(dtype)
+        if array.min() < limits.min or array.max() > limits.max:
+            raise RequestError(
+                f"Input {name!r} is not {dtype} data: its values {array.min()} to "
+                f"{array.max()} are outside {dtype}'s [{limits.min}, {limits.max}].")
+    return array.astype(dtype, copy=False)
 
 
 def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
