@@ -90,6 +90,13 @@ def test_run_takes_the_saved_model_tools_options(export_dir, tmp_path):
      "`np.load` is not allowed"),
     (["run", "--dir", "{export}", "--input_exprs", "x=np.ones((2, 4)); y=np.ones((1, 4))"],
      "has shape (2, 4), expected (1, 4)"),
+    # Allowed forms that fail: before, a traceback and status 1.
+    (["run", "--dir", "{export}", "--input_exprs", 'x=np.ones("abc")'],
+     "Cannot evaluate 'np.ones(\"abc\")': 'str' object cannot be interpreted as an integer"),
+    (["run", "--dir", "{export}", "--input_exprs", "x=1/0"],
+     "Cannot evaluate '1/0': division by zero"),
+    (["run", "--dir", "{export}", "--input_exprs", 'x=np.ones((2, 4)) + "x"'],
+     "Cannot evaluate 'np.ones((2, 4)) + \"x\"': ufunc 'add' did not contain a loop"),
     (["run", "--dir", "{export}", "--inputs", "x=missing.npy"], "no file 'missing.npy'"),
     (["run", "--dir", "{export}"], "give the inputs"),
     (["show", "--dir", "no/such/export"], "is not a keras_ipu export"),
@@ -138,6 +145,7 @@ def test_expressions_allow_numpy_constructors_only():
     assert expressions.evaluate("[[1, 2], [3, 4]]").shape == (2, 2)
     assert expressions.evaluate("np.ones(2, dtype=np.int32) * 3").dtype == np.int32
     for bad in ("open('x')", "np.ones(2).tofile('x')", "np.fromfile('x')", "(lambda: 1)()",
-                "np.ones(**{'shape': 2})", "x"):
+                "np.ones(**{'shape': 2})", "x", "np.ones(-1)", "np.ones('abc')", "1/0",
+                "np.ones((2, 4)) + 'x'", "np.ones((100000, 100000, 100000))"):
         with pytest.raises(ValueError):
             expressions.evaluate(bad)

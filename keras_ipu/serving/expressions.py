@@ -31,7 +31,8 @@ def evaluate(expression: str) -> np.ndarray:
         A NumPy array.
 
     Raises:
-        ValueError: For syntax errors and anything but the allowed forms.
+        ValueError: For syntax errors, anything but the allowed forms, and
+            allowed forms that fail (`np.ones("abc")`, `1/0`): one line.
 
     Example:
 
@@ -43,7 +44,20 @@ def evaluate(expression: str) -> np.ndarray:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError as error:
         raise ValueError(f"Cannot parse {expression!r}: {error.msg}.") from None
-    return np.asarray(_value(tree.body, expression))
+    try:
+        return np.asarray(_value(tree.body, expression))
+    except _Refused:
+        raise
+    # What the allowed calls and operators raise for bad arguments: ValueError
+    # (np.ones(-1)), TypeError (np.ones("abc"), an array + "x"), ArithmeticError
+    # (1/0, overflows), MemoryError (an array too large), RecursionError.
+    except (ValueError, TypeError, ArithmeticError, MemoryError, RecursionError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"Cannot evaluate {expression!r}: {message}.") from None
+
+
+class _Refused(ValueError):
+    """An expression of a form that is not allowed (its message names the expression)."""
 
 
 def _value(node: ast.AST, expression: str) -> Any:
@@ -63,15 +77,15 @@ def _value(node: ast.AST, expression: str) -> Any:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_numpy(
             node.func.value):
         if node.func.attr not in CONSTRUCTORS:
-            raise ValueError(
+            raise _Refused(
                 f"`np.{node.func.attr}` is not allowed in {expression!r}; allowed: "
                 f"np.{', np.'.join(CONSTRUCTORS)}.")
         args = [_value(arg, expression) for arg in node.args]
         kwargs = {k.arg: _value(k.value, expression) for k in node.keywords if k.arg}
         if len(kwargs) != len(node.keywords):
-            raise ValueError(f"`**` arguments are not allowed in {expression!r}.")
+            raise _Refused(f"`**` arguments are not allowed in {expression!r}.")
         return getattr(np, node.func.attr)(*args, **kwargs)
-    raise ValueError(
+    raise _Refused(
         f"Only NumPy constructors, numbers, tuples and lists are allowed in {expression!r}; "
         f"found `{ast.unparse(node)}`.")
 
@@ -84,7 +98,7 @@ def _dtype(name: str, expression: str) -> Any:
     try:
         return np.dtype(name).type
     except TypeError:
-        raise ValueError(f"`np.{name}` in {expression!r} is not a NumPy dtype.") from None
+        raise _Refused(f"`np.{name}` in {expression!r} is not a NumPy dtype.") from None
 
 
 __all__ = ["CONSTRUCTORS", "evaluate"]
