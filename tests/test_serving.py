@@ -317,3 +317,30 @@ def test_a_bfloat16_model_exports_and_loads(strategy, tmp_path):
     assert runtime(x).dtype == expected.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(runtime(x).astype("float32"), expected.astype("float32"))
     np.testing.assert_array_equal(runtime(x.astype("float32")), runtime(x))  # same_kind cast
+
+
+class _TwoInputs(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        a, b = inputs
+        return self.dense(a) + b
+
+
+def test_a_subclassed_model_built_with_several_input_shapes_exports(strategy, tmp_path):
+    # The reference's example builds with `model.build([input_shape, input_shape])`; before,
+    # the export took the list for one shape ("Cannot convert ... to a shape").
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(3, 2)).astype("float32")
+    for shapes in ([(None, 4), (None, 2)], ((None, 4), (None, 2))):
+        with strategy.scope():
+            model = _TwoInputs()
+            model.build(shapes)
+        runtime = model.export_for_ipu_serving(tmp_path / str(len(list(tmp_path.iterdir()))),
+                                               batch_size=3)
+        assert runtime.inputs == [{"name": "input_0", "shape": [3, 4], "dtype": "float32"},
+                                  {"name": "input_1", "shape": [3, 2], "dtype": "float32"}]
+        np.testing.assert_allclose(runtime(a, b), model.predict([a, b], batch_size=3, verbose=0),
+                                   atol=1e-6)

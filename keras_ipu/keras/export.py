@@ -192,14 +192,9 @@ def _input_signature(model: Any, batch_size: int | None):
     """
     structure = _model_inputs(model)
     if structure is None:
-        shape = (getattr(model, "_build_shapes_dict", None) or {}).get("input_shape")
-        if shape is None:
-            raise RuntimeError(_SIGNATURE_ERROR)
-        # A subclassed model built with `build(input_shape)`: one float input. A
-        # KerasTensor, not a jax.ShapeDtypeStruct: the batch dimension may be None,
-        # which ShapeDtypeStruct refuses from jax 0.11 on.
-        structure = KerasTensor(tuple(shape), dtype="float32", name="input_0")
-        names, flat = ["input_0"], [structure]
+        structure = _built_inputs(model)
+        flat = tree.flatten(structure)
+        names = [f"input_{i}" for i in range(len(flat))]
     else:
         flat = tree.flatten(structure)
         names = _unique_names([_given_name(t) for t in flat])
@@ -212,6 +207,26 @@ def _input_signature(model: Any, batch_size: int | None):
             raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape})")
         specs.append(jax.ShapeDtypeStruct(shape, np.dtype(str(tensor.dtype))))
     return structure, specs, names
+
+
+def _built_inputs(model: Any) -> Any:
+    """The inputs of a subclassed model built from shapes, in the structure it was built with.
+
+    `build(input_shape)` (or a first call) records one shape, or a list,
+    tuple or dict of them (`build([(None, 4), (None, 2)])`, as the
+    reference's example builds): one float32 input per shape.
+
+    Raises:
+        RuntimeError: When the model was neither built nor called.
+    """
+    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    # `build(input_shape)` records "input_shape"; a `build` of another argument name, its own.
+    shape = shapes.get("input_shape", next(iter(shapes.values())) if len(shapes) == 1 else None)
+    if shape is None:
+        raise RuntimeError(_SIGNATURE_ERROR)
+    # KerasTensors, not jax.ShapeDtypeStructs: the batch dimension may be None,
+    # which ShapeDtypeStruct refuses from jax 0.11 on.
+    return tree.map_shape_structure(lambda s: KerasTensor(tuple(s), dtype="float32"), shape)
 
 
 def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:
