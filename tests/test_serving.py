@@ -344,3 +344,25 @@ def test_a_subclassed_model_built_with_several_input_shapes_exports(strategy, tm
                                   {"name": "input_1", "shape": [3, 2], "dtype": "float32"}]
         np.testing.assert_allclose(runtime(a, b), model.predict([a, b], batch_size=3, verbose=0),
                                    atol=1e-6)
+
+
+def test_a_subclassed_model_exports_the_dtype_it_was_called_with(strategy, tmp_path):
+    class PlusOne(keras.Model):
+        def call(self, x):
+            return x + 1
+
+    with strategy.scope():
+        called, built = PlusOne(), _TwoInputs()
+    tokens = np.array([[16777217, 3]], "int32")  # float32 has no 16777218
+    expected = np.asarray(called(tokens))
+    # Before, exported as float32: 16777217 + 1 came back 16777216.0.
+    runtime = called.export_for_ipu_serving(tmp_path / "called", batch_size=1)
+    assert runtime.inputs == [{"name": "input_0", "shape": [1, 2], "dtype": "int32"}]
+    assert runtime(tokens).dtype == np.int32
+    np.testing.assert_array_equal(runtime(tokens), expected)
+    np.testing.assert_array_equal(runtime(tokens), [[16777218, 4]])
+    # Float inputs are cast to the model's input dtype by Keras, so float64 data is float32;
+    # a model never called has float32 inputs.
+    built([np.ones((2, 4)), np.ones((2, 2))])
+    exported = built.export_for_ipu_serving(tmp_path / "built", batch_size=2)
+    assert [i["dtype"] for i in exported.inputs] == ["float32", "float32"]

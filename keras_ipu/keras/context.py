@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import jax
+
 from keras_ipu.device import system as ipu_system
 
 # The strategies whose scopes are active, innermost last.
@@ -79,6 +81,9 @@ class IPUModelState:
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,
             with the build config it was traced for.
+        called_dtypes: The dtypes of the inputs a subclassed model was
+            first called with, flat (the export's input dtypes: such a model
+            has no `keras.Input` to say them); `None` until then.
 
     Example:
 
@@ -92,6 +97,7 @@ class IPUModelState:
     pending_state: Any = None
     assignment: Any = None
     traced_graph: Any = None
+    called_dtypes: tuple[str, ...] | None = None
 
 
 def state_of(model: Any) -> IPUModelState:
@@ -112,6 +118,29 @@ def state_of(model: Any) -> IPUModelState:
     if state is None:
         state = vars(model)[STATE_ATTRIBUTE] = IPUModelState()
     return state
+
+
+def record_called_dtypes(model: Any, inputs: Any) -> None:
+    """Keeps the dtypes of the first inputs a model is called with that all have one.
+
+    Args:
+        model: A Keras model.
+        inputs: The inputs of a call (arrays, tensors or symbolic tensors,
+            nested in lists, tuples and dicts).
+
+    Example:
+
+    >>> record_called_dtypes(model, np.zeros((2, 3), "int32"))
+    >>> state_of(model).called_dtypes
+    ('int32',)
+    """
+    state = state_of(model)
+    if state.called_dtypes is not None:
+        return
+    dtypes = [getattr(leaf, "dtype", None) for leaf in jax.tree_util.tree_leaves(inputs)]
+    if dtypes and all(d is not None for d in dtypes):
+        # NumPy and JAX dtypes have a `name`; a KerasTensor's dtype is its name.
+        state.called_dtypes = tuple(getattr(d, "name", None) or str(d) for d in dtypes)
 
 
 def model_scope(model: Any) -> contextlib.AbstractContextManager:

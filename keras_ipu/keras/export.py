@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import keras
 import numpy as np
 from keras import KerasTensor, tree
 
@@ -214,7 +215,9 @@ def _built_inputs(model: Any) -> Any:
 
     `build(input_shape)` (or a first call) records one shape, or a list,
     tuple or dict of them (`build([(None, 4), (None, 2)])`, as the
-    reference's example builds): one float32 input per shape.
+    reference's example builds): one input per shape, of the dtype the
+    model was first called with (as Keras casts it: float inputs become
+    the model's input dtype), float32 when it was never called.
 
     Raises:
         RuntimeError: When the model was neither built nor called.
@@ -226,7 +229,25 @@ def _built_inputs(model: Any) -> Any:
         raise RuntimeError(_SIGNATURE_ERROR)
     # KerasTensors, not jax.ShapeDtypeStructs: the batch dimension may be None,
     # which ShapeDtypeStruct refuses from jax 0.11 on.
-    return tree.map_shape_structure(lambda s: KerasTensor(tuple(s), dtype="float32"), shape)
+    structure = tree.map_shape_structure(lambda s: KerasTensor(tuple(s), dtype="float32"), shape)
+    flat = tree.flatten(structure)
+    called = context.state_of(model).called_dtypes
+    if called is None or len(called) != len(flat):
+        return structure
+    return tree.pack_sequence_as(structure, [
+        KerasTensor(t.shape, dtype=_received_dtype(model, d)) for t, d in zip(flat, called)])
+
+
+def _received_dtype(model: Any, dtype: str) -> str:
+    """The dtype a model's `call` receives for an input of `dtype`.
+
+    Keras casts float inputs to the model's input dtype (`autocast`, as
+    `DTypePolicy.convert_input` does); other dtypes pass unchanged.
+    """
+    dtype = keras.backend.standardize_dtype(dtype)
+    if getattr(model, "autocast", False) and keras.backend.is_float_dtype(dtype):
+        return keras.backend.standardize_dtype(model.input_dtype)
+    return dtype
 
 
 def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:

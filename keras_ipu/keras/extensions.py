@@ -497,6 +497,11 @@ class ModelExtension(ModelPipelineMixin, ExtensionBase):
             set_class(self, extension_class(type(self)._ipu_base_class, True))
             stages.check_scope_stages(self)  # as FunctionalExtension.__init__
 
+    def __call__(self, *args, **kwargs):
+        # The dtypes it is called with are the export's: it has no keras.Input to say them.
+        context.record_called_dtypes(self, args[0] if args else kwargs.get("inputs"))
+        return super().__call__(*args, **kwargs)
+
 
 class FunctionalExtension(FunctionalPipelineMixin, ExtensionBase):
     """The IPU extension of Functional models (`keras.Model(inputs, outputs)`).
