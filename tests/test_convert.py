@@ -105,13 +105,16 @@ def test_a_config_file_with_comments_fp16_and_ignored_options(saved_mlp, tmp_pat
         "batch_size": 4,
         "precision_mode": "FP16",
         "precision_conversion_excluded_nodes": ["^head$"],
-        "matmul_amp": 0.6,
-        "gelu_replacement": {"nodes": []}
+        "matmul_amp": 0.6,  // and at the end of a line, as in the seed's gelu_replacement
+        "gelu_replacement": {"nodes": [ // Nodes in GELU function (regular expressions)
+            "intermediate/dense/Sqrt$"]},
+        "embedded_runtime_save_config": {"embedded_runtime_exec_cachedir": "http://cache//x"}
     }""")
     result = _cli("--model", str(path), "--dir", str(tmp_path / "half"), "--config_file",
                   str(config))
     assert result.returncode == 0, result.stderr
     assert "matmul_amp" in result.stdout and "gelu_replacement" in result.stdout
+    assert "'http://cache//x'" in result.stdout  # a string's "//" is no comment
     outputs = _run_export(tmp_path / "half", x)
     np.testing.assert_allclose(outputs, expected, atol=0.05, rtol=0.05)  # float16 blocks
     assert not np.allclose(outputs, expected, atol=1e-6)
@@ -166,3 +169,10 @@ def test_a_solution_file_must_stage_every_layer_and_map_every_stage(solution, me
         convert.convert(str(path), str(tmp_path / "export"), options)
     assert message.format(path=file) in str(raised.value)
     assert not (tmp_path / "export").exists()
+
+
+def test_comments_are_stripped_outside_strings_only():
+    from keras_ipu.keras.convert import strip_comments
+
+    text = '{"a": "http://x", // a comment\n "b": "say \\"//\\"", "c": 1 // "d": 2\n}'
+    assert json.loads(strip_comments(text)) == {"a": "http://x", "b": 'say "//"', "c": 1}

@@ -342,11 +342,40 @@ def read_config_file(path: str) -> dict:
             text = f.read()
     except OSError as error:
         raise ValueError(f"Cannot read --config_file {path!r}: {error.strerror}.") from None
-    text = re.sub(r"^\s*//.*$", "", text, flags=re.MULTILINE)
     try:
-        return json.loads(text)
+        return json.loads(strip_comments(text))
     except json.JSONDecodeError as error:
         raise ValueError(f"--config_file {path!r} is not JSON: {error}.") from None
 
 
-__all__ = ["ConvertOptions", "convert", "read_config_file"]
+def strip_comments(text: str) -> str:
+    """JSON text without its `//` comments, those at the end of a line included.
+
+    A `//` inside a string ("http://...") is the string's, not a comment.
+
+    Example:
+
+    >>> strip_comments('{"url": "http://x", // where\n "n": 1}')
+    '{"url": "http://x", \n "n": 1}'
+    """
+    kept, in_string, index = [], False, 0
+    while index < len(text):
+        char = text[index]
+        if in_string:
+            if char == "\\":  # an escape: the next character is the string's too
+                kept.append(text[index:index + 2])
+                index += 2
+                continue
+            in_string = char != '"'
+        elif char == '"':
+            in_string = True
+        elif text.startswith("//", index):
+            end = text.find("\n", index)
+            index = len(text) if end < 0 else end
+            continue
+        kept.append(char)
+        index += 1
+    return "".join(kept)
+
+
+__all__ = ["ConvertOptions", "convert", "read_config_file", "strip_comments"]
