@@ -176,3 +176,27 @@ def test_comments_are_stripped_outside_strings_only():
 
     text = '{"a": "http://x", // a comment\n "b": "say \\"//\\"", "c": 1 // "d": 2\n}'
     assert json.loads(strip_comments(text)) == {"a": "http://x", "b": 'say "//"', "c": 1}
+
+
+def test_the_ipus_convert_is_asked_for_are_the_ones_run_checks(saved_mlp, tmp_path):
+    path, x, expected = saved_mlp
+    converted = _cli("ipu", "--model", str(path), "--dir", str(tmp_path / "export"),
+                     "--batch_size", str(BATCH), "--num_ipus", "2")
+    assert converted.returncode == 0, converted.stderr
+    metadata = ipu.serving.load(str(tmp_path / "export")).metadata
+    # Before, an export without sharding was always for 1 IPU: run --num_ipus 2 refused it.
+    assert metadata["num_ipus"] == 2 and metadata["device_mapping"] == [0]
+    np.save(tmp_path / "x.npy", x[:BATCH])
+
+    def run(num_ipus):
+        return subprocess.run(
+            [sys.executable, "-m", "keras_ipu", "run", "--dir", str(tmp_path / "export"),
+             "--num_ipus", num_ipus, "--inputs", f"features={tmp_path / 'x.npy'}",
+             "--outdir", str(tmp_path / f"out{num_ipus}")],
+            env=fresh_process_env(), capture_output=True, text=True, timeout=300)
+
+    ran, refused = run("2"), run("1")
+    assert ran.returncode == 0, ran.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "out2" / "output_0.npy"), expected[:BATCH],
+                               atol=1e-5)
+    assert refused.returncode == 2 and "the export runs on 2 IPU(s)" in refused.stderr

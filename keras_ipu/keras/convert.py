@@ -104,17 +104,21 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
             model = _half_precision(model, options.precision_conversion_excluded_nodes)
     summary = {"ignored": dict(options.ignored)}
     plan = _stage_plan(model, options, summary)
+    num_ipus = options.num_ipus
     if plan is not None:
         stage_of, mapping = plan
-        _configure(max(options.num_ipus, max(mapping) + 1))
+        num_ipus = max(num_ipus, max(mapping) + 1)
+        _configure(num_ipus)
         _assign(model, stage_of)
         model.set_pipelining_options(device_mapping=list(mapping))
         summary.update(stage_of_layer=stage_of, device_mapping=list(mapping))
     model.compile(steps_per_execution=max(options.batch_per_step, 1))
     from keras_ipu.keras import export
 
+    # The export is for the IPUs asked for (the reference's "IPUs that the SavedModel will
+    # use"), so that `keras-ipu run --num_ipus` with the same count runs it.
     export.export_model(model, export_dir, batch_size=options.batch_size, purge_export_dir=False,
-                        int64_to_int32=options.int64_to_int32_conversion)
+                        int64_to_int32=options.int64_to_int32_conversion, num_ipus=num_ipus)
     return summary
 
 

@@ -49,11 +49,14 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
                  purge_export_dir: bool = False,
                  platforms: Sequence[str] | None = None,
                  int64_to_int32: bool = False,
-                 preprocessing_step_signature: Any = None) -> runtime.ServingRuntime:
+                 preprocessing_step_signature: Any = None,
+                 num_ipus: int | None = None) -> runtime.ServingRuntime:
     """Writes a serving export of `model`; returns its runtime (see `export_for_ipu_serving`).
 
     `int64_to_int32` exports int64 inputs as int32 (`keras-ipu convert
-    --int64_to_int32_conversion`). With a `preprocessing_step`, a
+    --int64_to_int32_conversion`). `num_ipus` is the IPUs the export is for
+    (`keras-ipu convert --num_ipus`; default: those its stages run on),
+    which `keras-ipu run --num_ipus` checks. With a `preprocessing_step`, a
     `preprocessing_step_signature` (specs with `shape` and `dtype`) gives the
     export's inputs, which the step turns into the model's.
 
@@ -61,7 +64,8 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         ValueError: Model not created in an IPUStrategy, unknown batch size
             or one that is not a positive integer, non-empty directory
             without `purge_export_dir`, bad output names, a `device_mapping`
-            that does not name one IPU per pipeline stage.
+            that does not name one IPU per pipeline stage, `num_ipus` fewer
+            than the IPUs the stages run on.
         TypeError: A signature entry without a shape and a dtype.
         RuntimeError: Model not built, or a pipeline stage assignment that
             `predict` refuses too.
@@ -100,7 +104,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         "platforms": list(platforms),
         "weight_dtypes": _archive_dtypes(weights),
         **layout,
-        **_pipeline_metadata(model, plan),
+        **_pipeline_metadata(model, plan, num_ipus),
     }
     # Everything that can fail but writing is done first: only then is the
     # directory emptied and written, the metadata last (without it, a
@@ -380,12 +384,19 @@ def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
     return pipelined.device_mapping(plan, options.options_of(model))
 
 
-def _pipeline_metadata(model: Any, plan: Any) -> dict:
-    """The stage mapping of a pipelined model (IPUs: one, or one per mapped stage)."""
-    if plan is None:
-        return {"num_ipus": 1, "pipeline_stages": 1, "device_mapping": [0]}
-    mapping = _device_mapping(model, plan)
-    return {"num_ipus": max(mapping) + 1, "pipeline_stages": plan.num_stages,
+def _pipeline_metadata(model: Any, plan: Any, num_ipus: int | None) -> dict:
+    """The IPUs and stage mapping (IPUs: `num_ipus`, else those the stages run on).
+
+    Raises:
+        ValueError: When `num_ipus` is fewer than the IPUs the stages run on.
+    """
+    mapping = (0,) if plan is None else _device_mapping(model, plan)
+    used = max(mapping) + 1
+    if num_ipus is not None and not (isinstance(num_ipus, int) and num_ipus >= used):
+        raise ValueError(f"`num_ipus` must be an integer of at least {used}, the IPUs the "
+                         f"stages run on (device_mapping {list(mapping)}); got {num_ipus!r}.")
+    return {"num_ipus": used if num_ipus is None else num_ipus,
+            "pipeline_stages": 1 if plan is None else plan.num_stages,
             "device_mapping": list(mapping)}
 
 
