@@ -338,3 +338,39 @@ def test_a_pipeline_streams_each_weight_update_and_trains_the_same(form, monkeyp
     program = run.program_for(model, "fit")
     assert program.stream is not None and program.report.steps_per_execution == SPE
     assert program.report.loop == {"scan": "schedule", "host": "host"}[form]
+
+
+class ReadEveryBatch(keras.callbacks.Callback):
+    """Reads the model's weights at the end of every training batch (a state sync each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: list = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.read.append(self.model.get_weights())
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_hooks_reading_a_pipelined_model_while_it_trains_read_whole_weights(form, monkeypatch):
+    # A pipeline's execution consumes the state it starts from, while its hooks read the
+    # model: they read a copy (before, "Array has been deleted").
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    weights = {}
+    for asynchronous in (False, True):
+        configure(2)
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            keras.utils.set_random_seed(1)
+            model = two_stage_mlp()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
+        model.set_asynchronous_callbacks(asynchronous)
+        initial, reader = model.get_weights(), ReadEveryBatch()
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[reader])
+        weights[asynchronous] = model.get_weights()
+        # Asynchronous hooks run at every step, synchronous ones once per execution.
+        assert len(reader.read) == 2 * BATCHES // (1 if asynchronous else 8)
+        if asynchronous:  # while the first execution runs: the weights it started from
+            assert_weights_close(initial, reader.read[0], atol=0)
+    assert_weights_close(weights[False], weights[True], atol=0)

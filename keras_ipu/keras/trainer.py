@@ -324,6 +324,10 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                     # state comes back, this is the model's (a hook reading the
                     # model while it runs, or a call that fails before it does).
                     _keep_state(model, state, codec)
+                if hooks is not None and run.program.donates_state:
+                    # Hooks read the model while the execution consumes its state
+                    # (a pipeline's): they read a copy of it.
+                    _keep_state(model, jax.tree_util.tree_map(jax.numpy.copy, state), codec)
                 ended = _submit_streamed(hooks, stream, begin, batches)
                 # A Ctrl-C between the execution and keeping its state would lose both.
                 with interrupts.deferred():
