@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -755,3 +757,61 @@ def test_a_recomputing_stage_stashes_its_non_trainable_values_too():
     # Stage 0: its 6 float32 inputs per sample and BatchNorm's 2 x 8 moving statistics.
     assert pipeline.stash_bytes[0] == counts[0] * (2 * 4 * 6 + 4 * 16)
     assert pipeline.stash_bytes[1] == counts[1] * 2 * 4 * 8  # no non-trainable values
+
+
+class _AddTwo(keras.layers.Layer):
+    """`t + 2`, typed as its input (a `Lambda`'s output is float32 in Keras' graph)."""
+
+    def call(self, t):
+        return t + 2
+
+    def compute_output_spec(self, t):
+        return keras.KerasTensor(t.shape, t.dtype)
+
+
+def _int_crossing_model(staged: bool):
+    stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+    keras.utils.set_random_seed(2)
+    a, ids = keras.Input((4,)), keras.Input((1,), dtype="int32")
+    with stage(0):
+        h = keras.layers.Dense(3)(a)
+        shifted = _AddTwo()(ids)
+    with stage(1):
+        out = keras.layers.Lambda(
+            lambda t: t[0] + keras.ops.cast(t[1] % 1000, "float32"))([h, shifted])
+    return keras.Model([a, ids], out)
+
+
+def test_32_bit_integers_cross_stages_exactly(strategy):
+    # A float32 cast rounds integers above 2**24: they cross as their bits.
+    configure(2)
+    x = np.random.default_rng(0).random((8, 4), np.float32)
+    ids = (2**24 + 1 + np.arange(8) * 12345).reshape(8, 1).astype(np.int32)
+    y = np.zeros((8, 3), np.float32)
+    plain = _int_crossing_model(staged=False)
+    with strategy.scope():
+        model = _int_crossing_model(staged=True)
+    for m, extra in ((plain, {}), (model, {"steps_per_execution": 2})):
+        m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **extra)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2,
+                                 gradient_accumulation_reduction_method="mean")
+    np.testing.assert_array_equal(model.predict([x, ids], batch_size=2, verbose=0),
+                                  plain.predict([x, ids], batch_size=2, verbose=0))
+    plain.fit([x, ids], y, batch_size=4, shuffle=False, verbose=0)
+    model.fit([x, ids], y, batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def test_a_tensor_without_the_batch_axis_cannot_cross_stages(strategy):
+    configure(2)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        with ipu.keras.PipelineStage(0):
+            h = keras.layers.Dense(6)(inputs)
+            mean = keras.layers.Lambda(lambda t: keras.ops.mean(t, axis=0, keepdims=True))(h)
+        with ipu.keras.PipelineStage(1):
+            out = keras.layers.Add()([h, mean])
+        model = keras.Model(inputs, out)
+        model.compile(steps_per_execution=2)
+    with pytest.raises(ValueError, match=r"stage 0 sends .* of shape \(1, 6\) .* the batch \(2 "):
+        model.predict(np.ones((4, 4), np.float32), batch_size=2, verbose=0)

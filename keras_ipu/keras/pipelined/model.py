@@ -447,7 +447,7 @@ class StageRunner:
             tensor = plan.tensors[key]
             width = int(np.prod(tensor.shape[1:]))
             value = bundle[:-1, offset : offset + width].reshape((-1, *tensor.shape[1:]))
-            env[key] = value.astype(tensor.dtype)
+            env[key] = _from_bundle(value, tensor.dtype)
             offset += width
         losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
@@ -468,7 +468,8 @@ class StageRunner:
             outputs = tree.pack_sequence_as(plan.outputs_struct,
                                             [env[k] for k in plan.output_keys])
             return None, ntv, outputs, extra_loss
-        flat = [env[k].reshape(env[k].shape[0], -1).astype(jnp.float32) for k in p.bundle_out[s]]
+        batch = bundle.shape[0] - 1
+        flat = [_to_bundle(env[k], batch, plan.tensors[k], s) for k in p.bundle_out[s]]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
         carried = jnp.zeros((1, p.boundary_width), jnp.float32).at[0, 0].set(extra_loss)
@@ -488,6 +489,43 @@ class StageRunner:
         new_ntv = {self.n_index[id(v)]: scope.get_current_value(v)
                    for v in layer.non_trainable_variables}
         return outputs, new_ntv, list(scope.losses)
+
+
+def _to_bundle(value, batch: int, tensor, stage: int):
+    """A tensor a stage sends on, as `[batch, values]` float32 rows of the bundle.
+
+    32-bit integers travel as their bits (a float32 cast would round those
+    above 2**24); narrower types are exact in float32. A tensor goes in the
+    type of the graph's tensor (a `Lambda`'s output is float32 there,
+    whatever its function returns), as the receiving stage reads it.
+
+    Raises:
+        ValueError: For a tensor without the batch as its first axis.
+    """
+    if value.ndim == 0 or value.shape[0] != batch:
+        name = getattr(tensor, "name", None) or "a tensor"
+        raise ValueError(
+            f"Pipeline stage {stage} sends {name} of shape {tuple(value.shape)} to a later "
+            f"stage, but a stage sends each sample's values: tensors crossing stages need the "
+            f"batch ({batch} samples) as their first axis. Compute it in the stage that uses "
+            f"it, or keep the batch axis.")
+    # In the type the receiving stage expects: the graph's (Keras' symbolic type).
+    flat = value.reshape(batch, -1).astype(tensor.dtype)
+    if _sent_as_bits(flat.dtype):
+        return jax.lax.bitcast_convert_type(flat, jnp.float32)
+    return flat.astype(jnp.float32)
+
+
+def _from_bundle(value, dtype):
+    """The inverse of `_to_bundle` (integers carry no gradient)."""
+    dtype = jnp.dtype(dtype)
+    if _sent_as_bits(dtype):
+        return jax.lax.bitcast_convert_type(jax.lax.stop_gradient(value), dtype)
+    return value.astype(dtype)
+
+
+def _sent_as_bits(dtype) -> bool:
+    return dtype.itemsize == 4 and dtype != jnp.float32
 
 
 def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool):
