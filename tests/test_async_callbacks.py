@@ -313,6 +313,18 @@ def test_accumulated_pipeline_logs_are_reported_per_execution():
     assert len(recorder.indices("test_end")) == 4
 
 
+def _two_stages(asynchronous: bool, steps_per_execution: int, accumulation: int):
+    """A 2-stage pipelined MLP on 2 IPUs, its callbacks asynchronous or not."""
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        keras.utils.set_random_seed(1)
+        model = two_stage_mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation)
+    model.set_asynchronous_callbacks(asynchronous)
+    return model
+
+
 @pytest.mark.parametrize("form", ["scan", "host"])
 def test_a_pipeline_streams_each_weight_update_and_trains_the_same(form, monkeypatch):
     """Both pipeline forms (schedule program, host-dispatched ops) stream per update."""
@@ -320,13 +332,7 @@ def test_a_pipeline_streams_each_weight_update_and_trains_the_same(form, monkeyp
     x, y = data_for("sequential", samples=BATCHES * BATCH)
     weights = {}
     for asynchronous in (False, True):
-        configure(2)
-        with ipu.ipu_strategy.IPUStrategy().scope():
-            keras.utils.set_random_seed(1)
-            model = two_stage_mlp()
-        model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
-        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
-        model.set_asynchronous_callbacks(asynchronous)
+        model = _two_stages(asynchronous, SPE, accumulation=4)
         recorder = Recorder()
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[recorder])
@@ -359,13 +365,7 @@ def test_hooks_reading_a_pipelined_model_while_it_trains_read_whole_weights(form
     x, y = data_for("sequential", samples=BATCHES * BATCH)
     weights = {}
     for asynchronous in (False, True):
-        configure(2)
-        with ipu.ipu_strategy.IPUStrategy().scope():
-            keras.utils.set_random_seed(1)
-            model = two_stage_mlp()
-        model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
-        model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
-        model.set_asynchronous_callbacks(asynchronous)
+        model = _two_stages(asynchronous, 8, accumulation=2)
         initial, reader = model.get_weights(), ReadEveryBatch()
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[reader])
         weights[asynchronous] = model.get_weights()
