@@ -167,14 +167,22 @@ def test_helpers_across_two_instances():
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
 
 
-def test_a_dead_instance_stops_the_job_and_is_named():
-    done = launch("--num-instances", "2", "failing_job.py", timeout=120,
-                  env={runtime.HEARTBEAT_ENV: "3"})
+@pytest.mark.parametrize("how", ["dies", "raise"])
+def test_a_failed_instance_stops_the_job_at_once_and_is_named(how):
+    """Dead (`os._exit(3)`) or raising `SystemExit(3)` (whose exit would wait in JAX's
+    shutdown barrier for instance 0, itself waiting in a collective for instance 1)."""
+    started = time.monotonic()
+    done = launch("--num-instances", "2", "failing_job.py", *(["raise"] if how == "raise" else []),
+                  timeout=120)
+    elapsed = time.monotonic() - started
     assert done.returncode == 3, done.stdout + done.stderr
     assert "keras-ipu run: instance 1 failed: it exited with status 3" in done.stderr
+    assert "keras-ipu run: stopping instance(s) [0], still running after instance 1 failed" in (
+        done.stderr)
     assert "dying" in lines_of(done.stdout, 1)
-    # Instance 0 never finishes its second collective: the runtime stops it.
+    # Instance 0 never finishes its second collective: the launcher stops it.
     assert "unreachable" not in lines_of(done.stdout, 0)
+    assert elapsed < 60, elapsed  # not the shutdown barrier's 300 s
 
 
 def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):

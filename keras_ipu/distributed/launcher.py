@@ -7,9 +7,11 @@ distributed runtime. The launcher prefixes every line an instance prints with
 `[INDEX]` (standard output and error kept apart), forwards Ctrl-C (SIGINT)
 and SIGTERM to all of them (then exits with 128 + the signal's number, saying
 so), and otherwise exits with the status of the first instance that failed
-(0 when all succeed), naming it and why. When one instance fails, the others stop too: by their
-own error once the runtime misses the dead one's heartbeat, or, should they
-not, by the launcher after that time and a margin.
+(0 when all succeed), naming it and why. Each instance runs the script through
+`instance_main.py`, so that one failing ends at once with its own status
+instead of waiting in JAX's shutdown barrier; the launcher then stops the
+others (SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS`). An instance that
+succeeds while others still run is left waiting for them.
 
 On several machines, start the same script with the cluster's own tools
 (SLURM's `srun`, `mpirun`), which `jax.distributed.initialize()` detects, or
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -30,11 +33,12 @@ from collections.abc import Sequence
 
 from keras_ipu.distributed import runtime
 
-# After an instance fails, the others get this long beyond the runtime's
-# heartbeat timeout to notice and exit by themselves before they are stopped.
-STOP_MARGIN_SECONDS = 10.0
+# Stopped instances (SIGTERM) get this long to exit before they are killed.
+STOP_GRACE_SECONDS = 5.0
 # After Ctrl-C, instances get this long to exit before they are killed.
 INTERRUPT_GRACE_SECONDS = 10.0
+# What every instance runs: the script, ending at once when it fails.
+INSTANCE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "instance_main.py")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,6 +70,23 @@ def instance_environment(index: int, num_instances: int, coordinator: str,
     if ipus_per_replica is not None:
         env[runtime.IPUS_PER_REPLICA_ENV] = str(ipus_per_replica)
     return env
+
+
+def instance_command(command: Sequence[str]) -> list[str]:
+    """The command an instance runs for `SCRIPT ARGS...` or `-m MODULE ARGS...`.
+
+    The script runs through `instance_main.py` (see there); a command that
+    starts with another Python option runs as it is.
+
+    Example:
+
+    >>> instance_command(["train.py", "--epochs", "3"])[-3:]
+    ['train.py', '--epochs', '3']
+    """
+    command = list(command)
+    if command[0].startswith("-") and command[0] != "-m":
+        return [sys.executable, "-u", *command]
+    return [sys.executable, "-u", INSTANCE_MAIN, *command]
 
 
 _OPTIONS_WITH_VALUES = ("--num-instances", "--num-replicas", "--ipus-per-replica",
@@ -152,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
               f"--num-instances ({args.num_instances}): each instance runs the same number "
               f"of replicas", file=sys.stderr)
         return 2
-    command = [sys.executable, "-u", *command]
+    command = instance_command(command)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     return Job(command, args.num_instances, coordinator, args.num_replicas,
                args.ipus_per_replica).run()
@@ -264,13 +285,18 @@ class Job:
         return status
 
     def _wait(self, interrupted: list[int]) -> int:
+        # One waiter per instance: the instances' ends arrive in the order
+        # they happen, so the first to fail is told from those it took down
+        # (a peer's collective fails the moment the failed one's sockets close).
+        ended: queue.Queue = queue.Queue()
+        for index, process in enumerate(self._processes):
+            threading.Thread(target=lambda i=index, p=process: ended.put((i, p.wait())),
+                             daemon=True).start()
         failed: tuple[int, int] | None = None
         stop_at: float | None = None
         announced = False
-        heartbeat = float(os.environ.get(runtime.HEARTBEAT_ENV,
-                                         runtime.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS))
-        while True:
-            codes = [process.poll() for process in self._processes]
+        running = set(range(len(self._processes)))
+        while running:
             if interrupted and not announced:
                 # Instances ending by the forwarded signal are no failures of
                 # their own: the job's status is the interrupt's.
@@ -279,26 +305,22 @@ class Job:
                     f"interrupted by {signal.Signals(interrupted[0]).name}, forwarded to "
                     f"every instance; stopping them (at most {INTERRUPT_GRACE_SECONDS:g} s)")
                 stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
-            if failed is None and not interrupted:
-                # The first failure by time of noticing; among several seen
-                # at once, the lowest index.
-                for index, code in enumerate(codes):
-                    if code not in (None, 0):
-                        failed = (index, code)
-                        self._report(index, code)
-                        stop_at = time.monotonic() + heartbeat + STOP_MARGIN_SECONDS
-                        break
-            if all(code is not None for code in codes):
-                break
-            if stop_at is not None and time.monotonic() > stop_at:
-                running = [i for i, code in enumerate(codes) if code is None]
-                cause = "the interrupt" if failed is None else f"instance {failed[0]} ended"
-                self._print_launcher(f"stopping instance(s) {running}, still running after "
-                                     f"{cause}")
+            if stop_at is not None and time.monotonic() >= stop_at:
+                cause = "the interrupt" if failed is None else f"instance {failed[0]} failed"
+                self._print_launcher(f"stopping instance(s) {sorted(running)}, still running "
+                                     f"after {cause}")
                 self._signal_all(signal.SIGTERM)
-                self._stop_all(5.0)
+                self._stop_all(STOP_GRACE_SECONDS)
                 break
-            time.sleep(0.05)
+            try:
+                index, code = ended.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            running.discard(index)
+            if code != 0 and failed is None and not interrupted:
+                failed = (index, code)
+                self._report(index, code)
+                stop_at = time.monotonic()  # the others at once
         if failed is None and interrupted:
             status = 128 + interrupted[0]
             self._print_launcher(f"job interrupted, exiting with status {status}")

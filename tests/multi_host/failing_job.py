@@ -1,6 +1,11 @@
-"""An instance that dies after the first collective: instance 1 exits with status 3."""
+"""An instance that fails after the first collective: instance 1 exits with status 3.
+
+`failing_job.py`: it dies (`os._exit`); `failing_job.py raise`: it raises
+`SystemExit(3)`, so Python's exit handlers would run (JAX's shutdown barrier).
+"""
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -15,6 +20,8 @@ i = ipu.distributed.instance_index()
 ipu.distributed.allreduce(np.float32(1))
 if i == 1:
     say("dying")
+    if sys.argv[1:] == ["raise"]:
+        raise SystemExit(3)
     os._exit(3)
 time.sleep(1)
 ipu.distributed.allreduce(np.float32(1))
