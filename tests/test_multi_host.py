@@ -153,6 +153,19 @@ def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
     assert np.abs(plain.get_weights()[0]).min() > 0
 
 
+def test_allreduce_keeps_the_shape_and_dtype_as_horovod():
+    ints = np.array([[3, -3, 1], [4, -4, 1]], "int32")  # two instances' values, stacked
+    for op, expected in (("mean", [3, -3, 1]), ("sum", [7, -7, 2]), ("max", [4, -3, 1]),
+                         ("min", [3, -4, 1])):
+        reduced = runtime.reduce_stacked(ints, op)
+        assert reduced.dtype == np.int32 and reduced.tolist() == expected, (op, reduced)
+    for dtype in ("int8", "int64", "float16", "float32"):
+        for op in ("mean", "sum", "max"):
+            value = np.array([1, 2], dtype)
+            assert ipu.distributed.allreduce(value, op=op).dtype == value.dtype, (dtype, op)
+    assert ipu.horovod.allreduce(np.int32(5)).dtype == np.int32
+
+
 def test_helpers_across_two_instances():
     done = launch("--num-instances", "2", "--num-replicas", "4", "--", "helpers_job.py")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -162,6 +175,7 @@ def test_helpers_across_two_instances():
         assert "sum 3.0" in out
         assert "mean [0.5 1. ]" in out
         assert "gather [0, 1, 1]" in out
+        assert "int mean [3, -3] int32 int32" in out  # 7 / 2 and -7 / 2, truncated
         assert "bcast 5.0 6.0" in out
         assert "ipus [0, 1, 2, 3]" in out  # the job's IPUs, numbered one by one
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out

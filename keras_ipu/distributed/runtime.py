@@ -216,6 +216,26 @@ _REDUCTIONS = {"sum": np.sum, "mean": np.mean, "average": np.mean, "max": np.max
                "min": np.min}
 
 
+def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
+    """`stacked[0] op stacked[1] op ...`, in `stacked`'s dtype (as Horovod's allreduce).
+
+    Sums wrap around in an integer dtype; an integer mean is the sum divided
+    by the count, truncated toward zero (Horovod scales the sum by `1 / N`).
+
+    Example:
+
+    >>> reduce_stacked(np.array([[3, -3], [4, -4]], "int32"), "mean")
+    array([ 3, -3], dtype=int32)
+    """
+    stacked = np.asarray(stacked)
+    if op == "sum":
+        return np.sum(stacked, axis=0, dtype=stacked.dtype)
+    if op in ("mean", "average") and not np.issubdtype(stacked.dtype, np.inexact):
+        total = np.sum(stacked, axis=0, dtype=stacked.dtype)
+        return np.trunc(total / stacked.shape[0]).astype(stacked.dtype)
+    return np.asarray(_REDUCTIONS[op](stacked, axis=0)).astype(stacked.dtype, copy=False)
+
+
 def allreduce(value: Any, op: str = "mean") -> Any:
     """Reduces a host value over all instances (every instance must call it).
 
@@ -224,7 +244,8 @@ def allreduce(value: Any, op: str = "mean") -> Any:
         op: `"mean"` (default, as Horovod's `Average`), `"sum"`, `"max"` or `"min"`.
 
     Returns:
-        The reduced value, as NumPy arrays, on every instance.
+        The reduced value, as NumPy arrays of the input's shapes and dtypes, on
+        every instance (see `reduce_stacked`: an integer mean is truncated).
 
     Raises:
         ValueError: For an unknown `op`.
@@ -238,7 +259,7 @@ def allreduce(value: Any, op: str = "mean") -> Any:
     if name not in _REDUCTIONS:
         raise ValueError(f"Unknown reduction {op!r}; valid ones are {sorted(_REDUCTIONS)}.")
     gathered = _gather_stacked(value)
-    return jax.tree_util.tree_map(lambda a: _REDUCTIONS[name](a, axis=0), gathered)
+    return jax.tree_util.tree_map(lambda a: reduce_stacked(a, name), gathered)
 
 
 def allgather(value: Any) -> Any:

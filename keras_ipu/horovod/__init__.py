@@ -48,7 +48,8 @@ def allreduce(tensor: Any, op: str | None = None) -> Any:
         op: `Average` (the default, also for `None`), `Sum`, `Min` or `Max`.
 
     Returns:
-        The reduced value, as NumPy arrays, on every instance.
+        The reduced value, as NumPy arrays of the same shape and dtype as
+        `tensor`, on every instance; an integer `Average` is truncated toward zero.
 
     Raises:
         ValueError: For an unknown `op`.

@@ -15,6 +15,8 @@ i = dist.instance_index()
 say("index", i, "of", dist.num_instances(), "global", dist.num_global_replicas())
 say("sum", dist.allreduce(np.float32(i + 1), op="sum"))
 say("mean", dist.allreduce(np.array([i, 2.0 * i])))
+ints = dist.allreduce(np.array([3 + i, -3 - i], "int32"))  # [3, -3] and [4, -4]
+say("int mean", ints.tolist(), ints.dtype, dist.allreduce(np.int32(i + 1), op="sum").dtype)
 say("gather", dist.allgather(np.full((i + 1,), i)).tolist())
 say("bcast", dist.broadcast(np.float32(i + 5)), dist.broadcast(np.float32(i + 5), root_rank=1))
 say("devices", len(jax.devices()), len(jax.local_devices()))
