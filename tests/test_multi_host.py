@@ -84,6 +84,20 @@ def test_instance_environment_and_launcher_environment_agree():
         runtime.launcher_environment({**env, runtime.INSTANCE_INDEX_ENV: "2"})
 
 
+def test_update_ipu_config_sets_the_multi_replica_distribution_options(monkeypatch):
+    for name, value in launcher.instance_environment(1, 2, "127.0.0.1:1234", 4, base={}).items():
+        monkeypatch.setenv(name, value)
+    config = ipu.config.IPUConfig()
+    assert ipu.distributed.update_ipu_config(config) is config
+    distribution = config.experimental.multi_replica_distribution
+    assert (distribution.process_count, distribution.process_index) == (2, 1)
+    assert config.auto_select_ipus == 2  # 4 replicas over 2 instances
+    monkeypatch.delenv(runtime.NUM_REPLICAS_ENV)
+    config = ipu.distributed.update_ipu_config(ipu.config.IPUConfig())
+    assert config.experimental.multi_replica_distribution.process_count == 2
+    assert config.auto_select_ipus == ipu.config.IPUConfig().auto_select_ipus
+
+
 def test_cli_run_dispatches_on_num_instances(capsys):
     assert cli._launches(["--num-instances", "2", "train.py"])
     assert cli._launches(["--num-instances=2", "--", "train.py"])

@@ -9,11 +9,13 @@ from keras_ipu.distributed import runtime
 
 
 def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
-    """Sets `config.auto_select_ipus` to this instance's share of the job's IPUs.
+    """Sets the multi-replica distribution options and this instance's share of the IPUs.
 
-    Under `keras-ipu run --num-instances N --num-replicas R [--ipus-per-replica K]`
-    an instance gets `R / N × K` IPUs (as `popdist.tensorflow.set_ipu_config`).
-    Without `--num-replicas` the config is left as it is.
+    Under `keras-ipu run --num-instances N` (as `popdist.tensorflow.set_ipu_config`):
+    `experimental.multi_replica_distribution.process_count` becomes `N` and
+    `.process_index` this instance's index; with `--num-replicas R
+    [--ipus-per-replica K]` an instance also gets `auto_select_ipus = R / N × K`.
+    Outside a launched job the config is left as it is.
 
     Args:
         config: An `IPUConfig`, changed in place.
@@ -28,10 +30,17 @@ def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
     >>> config = keras_ipu.config.IPUConfig()
     >>> update_ipu_config(config).auto_select_ipus   # --num-instances 2 --num-replicas 4
     2
+    >>> config.experimental.multi_replica_distribution.process_count
+    2
     """
     shape = runtime.launcher_environment()
+    if shape is None:
+        return config
+    distribution = config.experimental.multi_replica_distribution
+    distribution.process_count = shape["num_instances"]
+    distribution.process_index = shape["instance_index"]
     replicas = os.environ.get(runtime.NUM_REPLICAS_ENV)
-    if shape is None or replicas is None:
+    if replicas is None:
         return config
     per_replica = ipus_per_replica or int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
     config.auto_select_ipus = int(replicas) // shape["num_instances"] * per_replica

@@ -52,7 +52,8 @@ class IPUMultiReplicaStrategy(IPUStrategy):
         super().__init__(ipu_device=ipu_device, **kwargs)
 
     def update_ipu_config(self, config: Any) -> Any:
-        """Updates `config` with this instance's share of the job's IPUs.
+        """Updates `config` with the multi-replica distribution options: the
+        instances' count and this one's index, and this instance's share of the job's IPUs.
 
         Args:
             config: An `IPUConfig`, changed in place.
