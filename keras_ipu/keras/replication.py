@@ -116,6 +116,31 @@ class Layout:
         return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[lead:]), outfeed)
 
 
+def keep_last_replica_metrics(model: Any, replica_count: int) -> None:
+    """Across instances: the model's metric variables become the last global replica's.
+
+    Each instance's Keras state holds its own last replica's metrics; the last
+    global replica runs in the last instance, which sends its values to the
+    others, so `get_metrics_result` is one process's in every instance. Every
+    instance must call it (after an epoch of `fit` or `evaluate`).
+
+    Example:
+
+    >>> keep_last_replica_metrics(model, 4)   # 2 instances × 2 replicas
+    """
+    if replica_count == 1 or jax.process_count() == 1 or not model.metrics_variables:
+        return
+    from jax.experimental import multihost_utils
+
+    model.jax_state_sync()
+    variables = model.metrics_variables
+    last = multihost_utils.broadcast_one_to_all(
+        [np.asarray(v.value) for v in variables],
+        is_source=jax.process_index() == jax.process_count() - 1)
+    for variable, value in zip(variables, last):
+        variable.assign(np.asarray(value))
+
+
 class ReplicaCodec:
     """Moves state and batches between Keras and a (replicated) program.
 
@@ -146,7 +171,9 @@ class ReplicaCodec:
         """Replica 0's weights; the last replica's metrics (what `NONE` reports).
 
         In a multi-host job, of this instance's replicas: the weights are the
-        same on all, and the logs are reduced over all replicas in the program.
+        same on all, the logs are reduced over all replicas in the program, and
+        `keep_last_replica_metrics` then gives every instance the last global
+        replica's metrics.
         """
         first, last = self.replicas.local_replicas[0], self.replicas.local_replicas[-1]
         return {

@@ -361,6 +361,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
     finally:
         if hooks is not None:
             hooks.close()
+    if mode != "predict":
+        replication.keep_last_replica_metrics(model, run.replica_count)
     return logs
 
 

@@ -44,11 +44,16 @@ def run_case(strategy, kind: str, accumulation: int, x, y, evaluate: bool) -> di
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         result = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
         result.update({f"history_{k}": np.asarray(v) for k, v in history.history.items()})
+        # The metric variables: the last global replica's, in every instance.
+        result.update({f"fit_state_{k}": np.asarray(v)
+                       for k, v in model.get_metrics_result().items()})
         if evaluate:
             for method in REDUCTIONS:
                 model.set_replication_options(method)
                 logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
                 result.update({f"eval_{method}_{k}": np.asarray(v) for k, v in logs.items()})
+            result.update({f"eval_state_{k}": np.asarray(v)
+                           for k, v in model.get_metrics_result().items()})
             result["predict"] = np.asarray(model.predict(x, batch_size=BATCH, verbose=0))
     return result
 
