@@ -214,6 +214,8 @@ def test_a_failed_instance_stops_the_job_at_once_and_is_named(how):
 
 
 def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
+    """Weights, history, metric state, evaluate and predict; `steps_per_epoch` and
+    `steps` count the batches of all instances together, as in one process."""
     from multi_host import fit_cases
 
     with launched(tmp_path, "--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
@@ -221,8 +223,7 @@ def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
         configure(4)
         strategy = ipu.ipu_strategy.IPUStrategy()
         x, y = fit_cases.data()
-        cases = [(name, fit_cases.run_case(strategy, kind, accumulation, x, y,
-                                           evaluate=name == "sequential"))
+        cases = [(name, fit_cases.run_case(strategy, name, kind, accumulation, x, y))
                  for name, kind, accumulation in fit_cases.CASES]
         done = finished()
     assert done.returncode == 0, done.stdout + done.stderr

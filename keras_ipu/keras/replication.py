@@ -116,6 +116,29 @@ class Layout:
         return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[lead:]), outfeed)
 
 
+def instance_steps(steps: int | None, replicas: Replicas, argument: str = "steps") -> int | None:
+    """This instance's share of `steps` (`steps_per_epoch`, `steps`), which count the
+    batches of all replicas together, as in one process (PopDist divides them alike).
+
+    Raises:
+        ValueError: When `steps` is fewer than the instances.
+
+    Example:
+
+    >>> instance_steps(8, replicas)   # 2 instances × 2 replicas: 4 batches in each
+    4
+    """
+    if steps is None or steps == -1 or not replicas.spans_processes:
+        return steps
+    instances = replicas.count // replicas.local_count
+    if 0 < steps < instances:
+        raise ValueError(
+            f"{argument}={steps} counts the batches of all {replicas.count} replicas of the "
+            f"{instances} instances together, so it must be at least {instances} (one "
+            f"batch per instance); got {steps}.")
+    return steps // instances if steps > 0 else steps
+
+
 def keep_last_replica_metrics(model: Any, replica_count: int) -> None:
     """Across instances: the model's metric variables become the last global replica's.
 

@@ -11,7 +11,9 @@ BATCH = 4
 SAMPLES = 64
 # (case name, model kind, gradient accumulation steps per replica)
 CASES = (("sequential", "sequential", 1), ("sequential_ga4", "sequential", 4),
-         ("functional", "functional", 1))
+         ("functional", "functional", 1), ("sequential_steps", "sequential", 1))
+# `steps_per_epoch` and `steps` of the "_steps" case: batches of all replicas together.
+STEPS = 8
 REDUCTIONS = ("NONE", "LIST", "SUM", "MEAN")
 
 
@@ -32,8 +34,10 @@ def build(kind: str) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(3)(hidden))
 
 
-def run_case(strategy, kind: str, accumulation: int, x, y, evaluate: bool) -> dict:
-    """Fits for 2 epochs; returns the weights, the history and (optionally) evaluate's logs."""
+def run_case(strategy, name: str, kind: str, accumulation: int, x, y) -> dict:
+    """Fits for 2 epochs; returns the weights, the history and (case "sequential")
+    evaluate's logs; case "sequential_steps" gives `steps_per_epoch` and `steps`."""
+    steps = STEPS if name.endswith("_steps") else None
     with strategy.scope():
         model = build(kind)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
@@ -41,13 +45,20 @@ def run_case(strategy, kind: str, accumulation: int, x, y, evaluate: bool) -> di
         if accumulation > 1:
             model.set_gradient_accumulation_options(
                 gradient_accumulation_steps_per_replica=accumulation)
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            steps_per_epoch=steps)
         result = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
         result.update({f"history_{k}": np.asarray(v) for k, v in history.history.items()})
         # The metric variables: the last global replica's, in every instance.
         result.update({f"fit_state_{k}": np.asarray(v)
                        for k, v in model.get_metrics_result().items()})
-        if evaluate:
+        result["iterations"] = np.asarray(model.optimizer.iterations)
+        if steps:
+            result["eval_steps"] = np.asarray(model.evaluate(x, y, batch_size=BATCH, steps=steps,
+                                                             verbose=0))
+            rows = len(model.predict(x, batch_size=BATCH, steps=steps, verbose=0))
+            result["predict_rows"] = np.asarray(rows * ipu.distributed.num_instances())
+        if name == "sequential":
             for method in REDUCTIONS:
                 model.set_replication_options(method)
                 logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)

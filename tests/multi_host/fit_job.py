@@ -11,7 +11,7 @@ strategy, index = start()
 x, y = instance_data(index)
 results = {}
 for name, kind, accumulation in CASES:
-    case = run_case(strategy, kind, accumulation, x, y, evaluate=name == "sequential")
+    case = run_case(strategy, name, kind, accumulation, x, y)
     results.update({f"{name}/{key}": value for key, value in case.items()})
 np.savez(f"{out}/instance{index}.npz", **results)
 say("done", index)
