@@ -259,6 +259,9 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
         assert every_epoch in out  # the file exists in every instance once its epoch ends
         assert f"written {writes}" in out  # instance 0 alone writes, once per epoch
         assert "reloaded True True" in out  # ckpt and model.keras load the final weights
+        # BackupAndRestore: written and removed once, by instance 0.
+        assert "backup 1 ['latest.weights.h5', 'training_metadata.json']" in out
+        assert "backup 3 None" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
 

@@ -16,9 +16,14 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import threading
 import zipfile
 from collections.abc import Callable
 from typing import Any
+
+# Set while `on_first_instance` runs a save: a save inside it (BackupAndRestore's
+# `save_weights`) runs in instance 0 alone, so it must not wait for the others.
+_WRITING = threading.local()
 
 # The extensions Keras recognises, longest first.
 _EXTENSIONS = (".weights.h5", ".keras", ".h5", ".hdf5")
@@ -114,23 +119,54 @@ def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
     """
     import jax
 
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    if (not jax.distributed.is_initialized() or jax.process_count() == 1
+            or getattr(_WRITING, "active", False)):
         return save()
     import numpy as np
     from jax.experimental import multihost_utils
 
     result, error = None, None
     if jax.process_index() == 0:
+        _WRITING.active = True
         try:
             result = save()
         except Exception as caught:  # told to the others before it is raised
             error = caught
+        finally:
+            _WRITING.active = False
     failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
     if error is not None:
         raise error
     if int(failed):
         raise RuntimeError(f"Instance 0 failed to save {filepath!r}; see its error.")
     return result
+
+
+def backups_on_first_instance(callbacks: Any) -> None:
+    """Makes each `keras.callbacks.BackupAndRestore` of `callbacks` write its backup folder
+    (weights, `training_metadata.json`, the final removal) from instance 0 only.
+
+    Keras' callback writes and removes its files in every instance; on one
+    file system they race (`FileNotFoundError`). Now the others wait for
+    instance 0 as for `save_weights`, and then read what it wrote.
+
+    Example:
+
+    >>> backups_on_first_instance([keras.callbacks.BackupAndRestore("backup")])
+    """
+    import jax
+    from keras.src.callbacks.backup_and_restore import BackupAndRestore
+
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return
+    for callback in callbacks or ():
+        if not isinstance(callback, BackupAndRestore) or "_save_model" in vars(callback):
+            continue
+        for name in ("_save_model", "on_train_end"):
+            write = getattr(callback, name)
+            setattr(callback, name,
+                    lambda *args, write=write, folder=callback.backup_dir, **kwargs:
+                    on_first_instance(lambda: write(*args, **kwargs), folder))
 
 
 def check_model_file(filepath: Any) -> None:

@@ -39,6 +39,7 @@ from keras_ipu.keras import (
     programs,
     replication,
     resident,
+    saving,
 )
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.replication import ReplicaCodec
@@ -439,6 +440,7 @@ def _callback_list(model, callbacks, verbose, epochs, feed, add_history=False):
     """Keras' callback container for a run (a given `CallbackList` is used as it is)."""
     if isinstance(callbacks, callbacks_module.CallbackList):
         return callbacks
+    saving.backups_on_first_instance(callbacks)
     return callbacks_module.CallbackList(
         callbacks,
         add_history=add_history,

@@ -1,4 +1,6 @@
-"""A 2-instance fit with ModelCheckpoint; instance 0 alone writes, every instance reloads."""
+"""A 2-instance fit with ModelCheckpoint; instance 0 alone writes, every instance reloads.
+
+Then a fit with BackupAndRestore, whose folder instance 0 alone writes and removes."""
 
 import os
 import sys
@@ -55,3 +57,8 @@ with strategy.scope():
     same_model = all(np.allclose(a, b, rtol=1e-6) for a, b in
                      zip(loaded.get_weights(), model.get_weights()))
     say("reloaded", same, same_model)
+    backup = os.path.join(out, "backup")
+    for epochs in (1, 3):  # the second fit saves epochs 2 and 3 over the first's backup
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(backup, delete_checkpoint=epochs == 3)])
+        say("backup", epochs, sorted(os.listdir(backup)) if os.path.exists(backup) else None)
