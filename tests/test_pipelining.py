@@ -815,3 +815,44 @@ def test_a_tensor_without_the_batch_axis_cannot_cross_stages(strategy):
         model.compile(steps_per_execution=2)
     with pytest.raises(ValueError, match=r"stage 0 sends .* of shape \(1, 6\) .* the batch \(2 "):
         model.predict(np.ones((4, 4), np.float32), batch_size=2, verbose=0)
+
+
+class _TwiceCall(keras.Model):
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=training, mask=mask) * 2.0
+
+
+class _OwnSteps(keras.Model):
+    def test_step(self, state, data):
+        logs, state = super().test_step(state, data)
+        return {**logs, "extra": logs["loss"] * 2}, state
+
+    def predict_step(self, state, data):
+        outputs, non_trainable = super().predict_step(state, data)
+        return {"y": outputs}, non_trainable
+
+
+@pytest.mark.parametrize("cls, mode, name", [
+    (_TwiceCall, "fit", "call"), (_TwiceCall, "evaluate", "call"),
+    (_TwiceCall, "predict", "call"), (_OwnSteps, "evaluate", "test_step"),
+    (_OwnSteps, "predict", "predict_step")])
+def test_overrides_a_pipeline_would_ignore_are_refused(cls, mode, name, strategy):
+    # As the reference: the stages are the graph's calls and the step the schedule's.
+    configure(2)
+    with strategy.scope():
+        inputs = keras.Input((5,))
+        with ipu.keras.PipelineStage(0):
+            h = keras.layers.Dense(8)(inputs)
+        with ipu.keras.PipelineStage(1):
+            out = keras.layers.Dense(2)(h)
+        model = cls(inputs, out)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    x, y = np.ones((16, 5), np.float32), np.ones((16, 2), np.float32)
+    before = model.get_weights()
+    run = {"fit": lambda: model.fit(x, y, batch_size=1, verbose=0),
+           "evaluate": lambda: model.evaluate(x, y, batch_size=1, verbose=0),
+           "predict": lambda: model.predict(x, batch_size=1, verbose=0)}[mode]
+    with pytest.raises(RuntimeError, match=f"`{name}` for the model .* has been overridden"):
+        run()
+    assert_weights_close(before, model.get_weights(), atol=0)

@@ -155,8 +155,43 @@ def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas
     )
 
 
+# The methods a pipelined model runs as keras_ipu's own, per mode: the stages
+# are the graph's layer calls, and the step is the schedule's.
+_PIPELINED_OWN = {"fit": ("call", "train_step"), "evaluate": ("call", "test_step"),
+                  "predict": ("call", "predict_step")}
+
+
+def check_pipelined_overrides(model, mode: str, plan) -> None:
+    """Refuses, as the reference, overrides a pipelined model would silently ignore.
+
+    A pipelined model's stages are its graph's layer calls and its step the
+    schedule's: an override of a Functional or Sequential model's `call`, or
+    of the mode's step, cannot run.
+
+    Args:
+        model: The model.
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        plan: Its pipeline plan (None when it is not pipelined: nothing to check).
+
+    Raises:
+        RuntimeError: Naming the overridden function.
+
+    Example:
+
+    >>> check_pipelined_overrides(model, "predict", placement.plan)
+    """
+    if plan is None:
+        return
+    for name in _PIPELINED_OWN[mode]:
+        if overrides(model, name):
+            raise RuntimeError(
+                f"The function `{name}` for the model {model.name} has been overridden. "
+                f"This is not supported for pipelined Keras models.")
+
+
 def overrides(model, name: str) -> bool:
-    """Whether the model's class overrides Keras' JAX trainer method `name`.
+    """Whether the model's class overrides Keras' JAX trainer method `name` (or a graph
+    model's `call`).
 
     Example:
 
@@ -164,8 +199,13 @@ def overrides(model, name: str) -> bool:
     False
     """
     from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
 
     base = type(model)._ipu_base_class
+    if name == "call":  # only a graph model's call is Keras' own (a subclassed one's is its)
+        own = next((c for c in (Sequential, Functional) if issubclass(base, c)), None)
+        return own is not None and base.call is not own.call
     return getattr(base, name) is not getattr(JAXTrainer, name)
 
 

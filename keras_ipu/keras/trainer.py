@@ -190,6 +190,7 @@ def evaluate(
     model._assert_compile_called("evaluate")
     placement = _placement(model, "evaluate", options_of(model), x)
     replicas = placement.replicas
+    programs.check_pipelined_overrides(model, "evaluate", placement.plan)
     feed = data.make_feed(
         x,
         y,
@@ -234,6 +235,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     """Keras `predict` on the IPU system (see `ExtensionBase.predict`)."""
     placement = _placement(model, "predict", options_of(model), x)
     replicas = placement.replicas
+    programs.check_pipelined_overrides(model, "predict", placement.plan)
     feed = data.make_feed(
         x,
         batch_size=batch_size,
@@ -602,11 +604,7 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
 
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
-    if plan is not None and programs.overrides(model, "train_step"):
-        raise RuntimeError(
-            f"The function `train_step` for the model {model.name} has been overridden. "
-            f"This is not supported for pipelined Keras models."
-        )
+    programs.check_pipelined_overrides(model, "fit", plan)
     if programs.overrides(model, "train_step") and (
         options.gradient_accumulation_steps > 1 or replicas.count > 1
     ):
