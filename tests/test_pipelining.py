@@ -856,3 +856,33 @@ def test_overrides_a_pipeline_would_ignore_are_refused(cls, mode, name, strategy
     with pytest.raises(RuntimeError, match=f"`{name}` for the model .* has been overridden"):
         run()
     assert_weights_close(before, model.get_weights(), atol=0)
+
+
+def _masked_sequential():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,), dtype="int32"),
+                             keras.layers.Embedding(10, 4, mask_zero=True),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+
+
+def test_a_sequential_model_with_a_mask_pipelines_as_plain_keras_trains(strategy):
+    # Keras puts the mask op (`not_equal`) between the layers of the Sequential's graph: it
+    # runs in the stage of the layer that takes the mask (before, a KeyError).
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, (32, 6)).astype(np.int32)
+    x[:, 4:] = 0
+    y = rng.random((32, 1)).astype(np.float32)
+    plain = _masked_sequential()
+    with strategy.scope():
+        model = _masked_sequential()
+    model.set_pipeline_stage_assignment([0, 1, 1])
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="mean")
+    np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
+                               plain.predict(x, batch_size=2, verbose=0), atol=1e-6)
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)

@@ -438,7 +438,7 @@ def _expand(
                 current = [output]
         return current
     env = {id(t): key for t, key in zip(level.graph.inputs, input_keys)}
-    for entry in level.entries:
+    for entry in _graph_entries(level):
         node = entry.node
         if entry.child is not None:
             inner = _nested_input_keys(entry, env)
@@ -455,6 +455,35 @@ def _expand(
             env.update({id(t): key for t, key in zip(node.outputs, outputs)})
             leaves.append(Leaf(entry, path, inputs, outputs))
     return [env[id(t)] for t in level.graph.outputs]
+
+
+def _graph_entries(level: AssignmentTree) -> list[Entry]:
+    """The level's entries, with a built Sequential model's implicit ops in their place.
+
+    A Sequential model's assignment lists its layers, but its graph also holds
+    the ops Keras adds between them (a mask: `Embedding(mask_zero=True)`'s
+    `not_equal`, which the next layer takes as its `mask`). Each runs in the
+    stage of the first layer that uses what it makes.
+    """
+    if level.kind != SEQUENTIAL or level.graph is None:
+        return level.entries
+    by_node = {id(entry.node): entry for entry in level.entries if entry.node is not None}
+    order = post_order(level.graph)
+    implicit = [node for node in order if id(node) not in by_node]
+    if not implicit:
+        return level.entries
+    in_graph = {id(n) for n in order}
+    for node in reversed(order):  # consumers come later: their stages are known first
+        if id(node) in by_node:
+            continue
+        made = {id(t) for t in node.outputs}
+        stages = [by_node[id(n)].stage for n in order if id(n) in by_node
+                  and by_node[id(n)].stage is not None
+                  and made & {id(t) for t in n.arguments.keras_tensors}]
+        own = [n for n in node.operation._inbound_nodes if id(n) in in_graph]
+        by_node[id(node)] = Entry(node.operation, node, own.index(node),
+                                  min(stages, default=level.entries[-1].stage))
+    return [by_node[id(node)] for node in order]
 
 
 def _expand_root(level: AssignmentTree) -> tuple[list[Leaf], list[int], list[int], TensorKeys]:
