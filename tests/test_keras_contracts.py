@@ -403,3 +403,16 @@ def test_model_classes_define_from_config_and_ignore_keys_they_do_not_know():
     for model in (functional, sequential):
         config = {**model.get_config(), "a_key_keras_does_not_know": {"x": 1}}
         assert type(type(model).from_config(config)) is type(model)
+
+
+def test_keras_masks_are_tensor_attributes():
+    # keras_ipu.keras.pipelined.model sends a tensor's mask across stages with it.
+    from keras.src.backend.common import masking
+
+    inputs = keras.Input((3, 2))
+    masked = keras.layers.Masking()(inputs)
+    assert tuple(masking.get_keras_mask(masked).shape) == (None, 3)
+    value = keras.ops.ones((1, 3, 2))
+    masking.set_keras_mask(value, keras.ops.array([[True, False, True]]))
+    assert keras.ops.convert_to_numpy(masking.get_keras_mask(value)).tolist() == [
+        [True, False, True]]

@@ -886,3 +886,41 @@ def test_a_sequential_model_with_a_mask_pipelines_as_plain_keras_trains(strategy
     plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def _masked_attention(staged: bool):
+    stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, 4))
+    with stage(0):
+        masked = keras.layers.Masking()(inputs)
+    with stage(1):
+        attended = keras.layers.MultiHeadAttention(2, 2)(masked, masked)
+        outputs = keras.layers.Dense(1)(attended)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
+    # A mask Keras keeps on the tensor (Masking's) reaches the attention in the next stage
+    # and masks the loss, as in plain Keras (before, it was dropped at the boundary).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6, 4)).astype(np.float32)
+    x[:, 3:] = 0
+    y = rng.normal(size=(16, 6, 1)).astype(np.float32)
+    plain = _masked_attention(staged=False)
+    with strategy.scope():
+        model = _masked_attention(staged=True)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="mean")
+    np.testing.assert_allclose(model.predict(x, batch_size=1, verbose=0),
+                               plain.predict(x, batch_size=1, verbose=0), atol=1e-6)
+    assert model.evaluate(x, y, batch_size=1, verbose=0) == pytest.approx(
+        plain.evaluate(x, y, batch_size=1, verbose=0), rel=1e-6)
+    plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)

@@ -23,6 +23,7 @@ import keras
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
+from keras.src.backend.common import masking
 
 from keras_ipu.device import schedules
 from keras_ipu.device import system as ipu_system
@@ -135,8 +136,9 @@ class PipelinedModel:
         return batch + 1, self.boundary_width
 
     def width(self, keys) -> int:
-        """Values per sample of a bundle of tensors."""
-        return sum(int(np.prod(self.plan.tensors[k].shape[1:])) for k in keys)
+        """Values per sample of a bundle of tensors (and of the Keras masks they carry)."""
+        return sum(_values_per_sample(self.plan.tensors[k]) + _values_per_sample(
+            _symbolic_mask(self.plan.tensors[k])) for k in keys)
 
     def _place_variables(self) -> None:
         model = self.model
@@ -445,10 +447,16 @@ class StageRunner:
         offset = 0
         for key in p.bundle_in[s]:
             tensor = plan.tensors[key]
-            width = int(np.prod(tensor.shape[1:]))
+            width = _values_per_sample(tensor)
             value = bundle[:-1, offset : offset + width].reshape((-1, *tensor.shape[1:]))
             env[key] = _from_bundle(value, tensor.dtype)
             offset += width
+            mask = _symbolic_mask(tensor)
+            if mask is not None:  # the mask Keras layers find on the tensor, as sent
+                width = _values_per_sample(mask)
+                rows = bundle[:-1, offset : offset + width].reshape((-1, *mask.shape[1:]))
+                masking.set_keras_mask(env[key], jax.lax.stop_gradient(rows) > 0.5)
+                offset += width
         losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
             layer = call.operation
@@ -469,7 +477,8 @@ class StageRunner:
                                             [env[k] for k in plan.output_keys])
             return None, ntv, outputs, extra_loss
         batch = bundle.shape[0] - 1
-        flat = [_to_bundle(env[k], batch, plan.tensors[k], s) for k in p.bundle_out[s]]
+        flat = [part for k in p.bundle_out[s]
+                for part in _with_mask(env[k], batch, plan.tensors[k], s)]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
         carried = jnp.zeros((1, p.boundary_width), jnp.float32).at[0, 0].set(extra_loss)
@@ -489,6 +498,31 @@ class StageRunner:
         new_ntv = {self.n_index[id(v)]: scope.get_current_value(v)
                    for v in layer.non_trainable_variables}
         return outputs, new_ntv, list(scope.losses)
+
+
+def _values_per_sample(tensor) -> int:
+    return 0 if tensor is None else int(np.prod(tensor.shape[1:]))
+
+
+def _symbolic_mask(tensor):
+    """The Keras mask the graph's tensor carries (`Masking`, `Embedding(mask_zero=True)`)."""
+    return masking.get_keras_mask(tensor)
+
+
+def _with_mask(value, batch: int, tensor, stage: int) -> list:
+    """A tensor's bundle rows, then its mask's where the graph's tensor has one.
+
+    Keras layers find a mask on the tensor itself (a `Dense` passes it on, a
+    `MultiHeadAttention` reads it, the loss masks with it): it crosses with it.
+    """
+    parts = [_to_bundle(value, batch, tensor, stage)]
+    mask = _symbolic_mask(tensor)
+    if mask is not None:
+        sent = masking.get_keras_mask(value)
+        if sent is None:  # nothing masked
+            sent = jnp.ones((batch, *mask.shape[1:]), jnp.float32)
+        parts.append(jnp.reshape(sent, (batch, -1)).astype(jnp.float32))
+    return parts
 
 
 def _to_bundle(value, batch: int, tensor, stage: int):
