@@ -23,13 +23,12 @@ import keras
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from keras.src import tree
-from keras.src.backend.common import masking
 
 from keras_ipu.device import schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages, steps
-from keras_ipu.keras.pipelined import instances, optimizer_copies
+from keras_ipu.keras.pipelined import boundary, instances, optimizer_copies
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS, replica_seed_mask, xor_seed_words
 
@@ -137,8 +136,7 @@ class PipelinedModel:
 
     def width(self, keys) -> int:
         """Values per sample of a bundle of tensors (and of the Keras masks they carry)."""
-        return sum(_values_per_sample(self.plan.tensors[k]) + _values_per_sample(
-            _symbolic_mask(self.plan.tensors[k])) for k in keys)
+        return sum(boundary.width(self.plan.tensors[k]) for k in keys)
 
     def _place_variables(self) -> None:
         model = self.model
@@ -446,17 +444,7 @@ class StageRunner:
         env = dict(zip(plan.input_keys, tree.flatten(x)))
         offset = 0
         for key in p.bundle_in[s]:
-            tensor = plan.tensors[key]
-            width = _values_per_sample(tensor)
-            value = bundle[:-1, offset : offset + width].reshape((-1, *tensor.shape[1:]))
-            env[key] = _from_bundle(value, tensor.dtype)
-            offset += width
-            mask = _symbolic_mask(tensor)
-            if mask is not None:  # the mask Keras layers find on the tensor, as sent
-                width = _values_per_sample(mask)
-                rows = bundle[:-1, offset : offset + width].reshape((-1, *mask.shape[1:]))
-                masking.set_keras_mask(env[key], jax.lax.stop_gradient(rows) > 0.5)
-                offset += width
+            env[key], offset = boundary.receive(bundle[:-1], offset, plan.tensors[key])
         losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
             layer = call.operation
@@ -478,7 +466,7 @@ class StageRunner:
             return None, ntv, outputs, extra_loss
         batch = bundle.shape[0] - 1
         flat = [part for k in p.bundle_out[s]
-                for part in _with_mask(env[k], batch, plan.tensors[k], s)]
+                for part in boundary.send(env[k], batch, plan.tensors[k], s)]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
         carried = jnp.zeros((1, p.boundary_width), jnp.float32).at[0, 0].set(extra_loss)
@@ -498,68 +486,6 @@ class StageRunner:
         new_ntv = {self.n_index[id(v)]: scope.get_current_value(v)
                    for v in layer.non_trainable_variables}
         return outputs, new_ntv, list(scope.losses)
-
-
-def _values_per_sample(tensor) -> int:
-    return 0 if tensor is None else int(np.prod(tensor.shape[1:]))
-
-
-def _symbolic_mask(tensor):
-    """The Keras mask the graph's tensor carries (`Masking`, `Embedding(mask_zero=True)`)."""
-    return masking.get_keras_mask(tensor)
-
-
-def _with_mask(value, batch: int, tensor, stage: int) -> list:
-    """A tensor's bundle rows, then its mask's where the graph's tensor has one.
-
-    Keras layers find a mask on the tensor itself (a `Dense` passes it on, a
-    `MultiHeadAttention` reads it, the loss masks with it): it crosses with it.
-    """
-    parts = [_to_bundle(value, batch, tensor, stage)]
-    mask = _symbolic_mask(tensor)
-    if mask is not None:
-        sent = masking.get_keras_mask(value)
-        if sent is None:  # nothing masked
-            sent = jnp.ones((batch, *mask.shape[1:]), jnp.float32)
-        parts.append(jnp.reshape(sent, (batch, -1)).astype(jnp.float32))
-    return parts
-
-
-def _to_bundle(value, batch: int, tensor, stage: int):
-    """A tensor a stage sends on, as `[batch, values]` float32 rows of the bundle.
-
-    32-bit integers travel as their bits (a float32 cast would round those
-    above 2**24); narrower types are exact in float32. A tensor goes in the
-    type of the graph's tensor (a `Lambda`'s output is float32 there,
-    whatever its function returns), as the receiving stage reads it.
-
-    Raises:
-        ValueError: For a tensor without the batch as its first axis.
-    """
-    if value.ndim == 0 or value.shape[0] != batch:
-        name = getattr(tensor, "name", None) or "a tensor"
-        raise ValueError(
-            f"Pipeline stage {stage} sends {name} of shape {tuple(value.shape)} to a later "
-            f"stage, but a stage sends each sample's values: tensors crossing stages need the "
-            f"batch ({batch} samples) as their first axis. Compute it in the stage that uses "
-            f"it, or keep the batch axis.")
-    # In the type the receiving stage expects: the graph's (Keras' symbolic type).
-    flat = value.reshape(batch, -1).astype(tensor.dtype)
-    if _sent_as_bits(flat.dtype):
-        return jax.lax.bitcast_convert_type(flat, jnp.float32)
-    return flat.astype(jnp.float32)
-
-
-def _from_bundle(value, dtype):
-    """The inverse of `_to_bundle` (integers carry no gradient)."""
-    dtype = jnp.dtype(dtype)
-    if _sent_as_bits(dtype):
-        return jax.lax.bitcast_convert_type(jax.lax.stop_gradient(value), dtype)
-    return value.astype(dtype)
-
-
-def _sent_as_bits(dtype) -> bool:
-    return dtype.itemsize == 4 and dtype != jnp.float32
 
 
 def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool):
