@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 # The compiled functions an outlined function keeps, one per distinct trace.
 _KEPT_TRACES = 32
@@ -83,7 +84,9 @@ def outlined_function(func: Callable | None = None, unique_sharding: bool = Fals
                 return function(*args)
             closed, out_tree = traced
             flat_args, in_tree = jax.tree_util.tree_flatten(args)
-            key = (in_tree, out_tree, str(closed.jaxpr))
+            # The printed jaxpr does not show the Python functions its equations
+            # call (a custom_vjp's backward, a host callback): they key it too.
+            key = (in_tree, out_tree, str(closed.jaxpr), tuple(_called(closed.jaxpr)))
             if key not in compiled:
                 compiled[key] = _compiled_call(closed.jaxpr, label)
                 if len(compiled) > _KEPT_TRACES:
@@ -107,7 +110,8 @@ def _pure_trace(function: Callable, args: tuple) -> tuple[Any, Any] | None:
     from keras.src.backend.common import stateless_scope
 
     # A new function each time: JAX keeps traces by function, and this one must read
-    # the closure's values as they are now.
+    # the closure's values as they are now. It bears the user's name in JAX's errors.
+    @functools.wraps(function)
     def fresh(*a):
         return function(*a)
 
@@ -128,6 +132,22 @@ def _pure_trace(function: Callable, args: tuple) -> tuple[Any, Any] | None:
             outer.state_mapping.update(records)
             del outer.losses[losses:]
     return None if stateful else (closed, jax.tree_util.tree_structure(shapes))
+
+
+def _called(jaxpr: Any) -> Iterator[int]:
+    """Identities of the Python callables the equations of `jaxpr` (and inner jaxprs) hold.
+
+    The compiled call that is kept holds the jaxpr, so these stay alive and an
+    identity is not reused while its entry is kept.
+    """
+    for equation in jaxpr.eqns:
+        for value in equation.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr
+                if isinstance(inner, jax_core.Jaxpr):
+                    yield from _called(inner)
+                elif callable(item) and not isinstance(item, type):
+                    yield id(item)
 
 
 def _compiled_call(jaxpr: Any, label: str) -> Callable:

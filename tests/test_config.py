@@ -563,6 +563,8 @@ def test_from_dict_on_a_config_updates_it_and_takes_the_references_flat_form():
         IPUConfig.from_dict({"selection_order": 9})
     with pytest.raises(AttributeError, match="tiles"):
         config.from_dict({"ipu_model.tiles": 4})
+    with pytest.raises(AttributeError, match="no attribute 'auto_select_ipus.x'"):
+        config.from_dict({"auto_select_ipus.x": 1})  # an option is not a category
 
 
 @pytest.mark.parametrize(

@@ -177,3 +177,34 @@ def test_a_stateful_function_in_a_training_step_draws_as_plain_keras():
     plain = trained(keras.utils.custom_object_scope({}))
     for a, b in zip(plain, trained(ipu.ipu_strategy.IPUStrategy().scope())):
         np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_functions_called_inside_key_the_kept_calls_too():
+    # The printed jaxpr does not show a host callback's function or a custom_vjp's backward:
+    # a closure value they read that changes makes a new call, as in plain JAX.
+    state = {"k": 1.0, "scale": 1.0}
+
+    @ipu.outlined_function
+    def scaled(x):
+        k = state["k"]
+        return jax.pure_callback(lambda v: np.asarray(v) * k,
+                                 jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @ipu.outlined_function
+    def summed(x):
+        @jax.custom_vjp
+        def identity(v):
+            return v
+
+        scale = state["scale"]
+        identity.defvjp(lambda v: (v, None), lambda _, g: (g * scale,))
+        return identity(x).sum()
+
+    x = jnp.ones(3)
+    np.testing.assert_array_equal(scaled(x), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(jax.grad(summed)(x), [1.0, 1.0, 1.0])
+    state.update(k=7.0, scale=5.0)
+    np.testing.assert_array_equal(scaled(x), [7.0, 7.0, 7.0])
+    np.testing.assert_array_equal(jax.grad(summed)(x), [5.0, 5.0, 5.0])
+    with pytest.raises(jax.errors.TracerBoolConversionError, match="tracing the function <lambda>"):
+        ipu.outlined_function(lambda a, s: a if s else -a)(x, False)  # the user's name

@@ -631,8 +631,9 @@ class _Scope:
         for name, value in values.items():
             if isinstance(name, str) and "." in name:  # the reference's flat form
                 head, rest = name.split(".", 1)
-                getattr(self, head)._update({rest: value})
-                continue
+                if isinstance(node.member(head), Category):
+                    getattr(self, head)._update({rest: value})
+                    continue
             member = node.member(name)
             if isinstance(member, Category) and isinstance(value, Mapping):
                 getattr(self, name)._update(value)

@@ -7,10 +7,11 @@ model's `get_config`, so `to_json` / `model_from_json`, `from_config` and
 legacy `.h5` files keep them too: `ipu_config` is what both carry, under
 `CONFIG_KEY` in a config. Keras' own `from_config` of Functional and
 Sequential models ignores keys it does not know, so a model whose config
-carries them still loads without keras_ipu. A subclassed model's
-`from_config` passes its config to `__init__`: its options travel in the
-`.keras` file only. `install` wraps Keras' `from_config` to take the key out
-and, for a model made inside a strategy scope, restore what it holds.
+carries them still loads without keras_ipu. A subclass's (a subclassed or
+a Functional subclass model's) `from_config` may pass its config to
+`__init__`: its options travel in the `.keras` file only. `install` wraps
+Keras' `from_config` to take the key out and, for a model made inside a
+strategy scope, restore what it holds.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def carries_options(model: Any) -> bool:
     from keras.src.models.functional import Functional
     from keras.src.models.sequential import Sequential
 
+    # Only Keras' own classes: a subclass's from_config may pass its config to its
+    # __init__, which would get the key when keras_ipu is not there to take it out.
     base = getattr(type(model), "_ipu_base_class", type(model))
-    from_config = getattr(base.from_config, "__func__", None)
-    return isinstance(model, (Functional, Sequential)) and getattr(
-        from_config, "_keras_ipu_restoring", False)
+    return base in (Functional, Sequential)
 
 
 def install() -> None:
