@@ -50,8 +50,9 @@ def test_event_files_hold_the_epoch_logs_and_each_ipus_memory(pipelined, strateg
     np.testing.assert_allclose(_values(validation, "epoch_loss"), history["val_loss"], rtol=1e-6)
     np.testing.assert_allclose(_values(train, "epoch_learning_rate"), [0.05] * 3, rtol=1e-6)
     assert len(_values(train, "epoch_steps_per_second")) == 3
-    # Batch logs once per execution (4 per epoch), as the callbacks get them.
-    assert [e.step for e in train.Scalars("batch_loss")] == list(range(1, 13))
+    # Batch logs once per execution (4 per epoch), as the callbacks get them, each at its
+    # last batch's number since training began (16 batches an epoch).
+    assert [e.step for e in train.Scalars("batch_loss")] == list(range(4, 49, 4))
     report = ipu.utils.execution_report(model, "fit")
     for ipu_report in report.ipus:
         memory = _values(train, f"ipu/memory_bytes/ipu_{ipu_report.index}")
@@ -63,16 +64,31 @@ def test_event_files_hold_the_epoch_logs_and_each_ipus_memory(pipelined, strateg
     assert all(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "train"))
 
 
-def test_asynchronous_callbacks_log_every_step(strategy, tmp_path):
-    x, y = data_for("sequential", samples=64)
-    with strategy.scope():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_asynchronous_callbacks_log_every_step(replicas, tmp_path):
+    # Each batch once, at its number, however many replicas report it.
+    configure(replicas)
+    x, y = data_for("sequential", samples=64 * replicas)
+    with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     model.set_asynchronous_callbacks(True)
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0,
               callbacks=[ipu.keras.callbacks.TensorBoard(tmp_path, update_freq=2)])
     steps = [e.step for e in _read(tmp_path / "train").Scalars("batch_loss")]
-    assert steps == list(range(2, 17, 2))
+    assert steps == list(range(2, 33, 2))  # 16 steps an epoch, each of `replicas` batches
+
+
+def test_a_frequency_that_is_not_the_executions_logs_at_the_execution_reaching_it(strategy,
+                                                                                  tmp_path):
+    x, y = data_for("sequential", samples=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[ipu.keras.callbacks.TensorBoard(tmp_path, update_freq=6)])
+    steps = [e.step for e in _read(tmp_path / "train").Scalars("batch_loss")]
+    assert steps == [8, 12]  # the executions that pass batches 6 and 12 (16 passes none)
 
 
 def test_bad_arguments_raise():

@@ -41,7 +41,10 @@ class TensorBoard(Callback):
         write_images: Write 2-D kernels as images.
         write_steps_per_second: Write `epoch_steps_per_second`.
         update_freq: `"epoch"`, `"batch"`, or a number of batches between
-            batch-level scalars.
+            batch-level scalars. Their step is the batch's number since
+            training began; without asynchronous callbacks a hook sees an
+            execution's last batch, so scalars come at the executions that
+            reach the next multiple of `update_freq`.
         profile_batch, embeddings_freq, embeddings_metadata: Accepted for
             ported code; no effect.
 
@@ -77,7 +80,9 @@ class TensorBoard(Callback):
         self.ignored = {name: value for name, value in zip(
             _NO_EFFECT, (profile_batch, embeddings_freq, embeddings_metadata)) if value}
         self._writers: dict[str, Any] = {}
-        self._train_step = 0
+        # Batches trained before this epoch, and the last batch step written.
+        self._batches_before = 0
+        self._written_step = 0
         self._epoch_started = 0.0
         self._epoch_batches = 0
 
@@ -87,7 +92,7 @@ class TensorBoard(Callback):
         return self._writers[run]
 
     def on_train_begin(self, logs=None):
-        self._train_step = 0
+        self._batches_before = self._written_step = 0
         if self.write_graph:
             lines: list[str] = []
             self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
@@ -96,16 +101,21 @@ class TensorBoard(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_started = time.perf_counter()
+        self._batches_before += self._epoch_batches
         self._epoch_batches = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._train_step += 1
+        # The step is the batch's number since training began: the hook runs once per
+        # execution (its last batch), or per batch (asynchronous; once per replica).
         self._epoch_batches = batch + 1
-        if self.update_freq == "epoch" or self._train_step % self.update_freq:
+        step = self._batches_before + batch + 1
+        if self.update_freq == "epoch" or (
+                step // self.update_freq <= self._written_step // self.update_freq):
             return
+        self._written_step = step
         writer = self._writer("train")
         for name, value in _scalars(logs).items():
-            writer.add_scalar(f"batch_{name}", value, self._train_step)
+            writer.add_scalar(f"batch_{name}", value, step)
 
     def on_epoch_end(self, epoch, logs=None):
         train, validation = self._writer("train"), None
