@@ -46,6 +46,16 @@ def ipu_system():
     configure(1)
 
 
+@pytest.fixture(scope="session")
+def fork_server():
+    """Runs scripts in fresh processes forked from one that has done their imports."""
+    from fork_server import ForkServer
+
+    server = ForkServer(fresh_process_env())
+    yield server
+    server.close()
+
+
 @pytest.fixture
 def strategy():
     return ipu.ipu_strategy.IPUStrategy()

@@ -41,10 +41,13 @@ def _run(args, cwd):
 
 
 @pytest.mark.parametrize("script", RUNNABLE)
-def test_example_runs_unchanged(script, tmp_path):
-    # A copy, so the examples' outputs (exports) land in a temporary folder.
+def test_example_runs_unchanged(script, tmp_path, fork_server):
+    # A copy, so the examples' outputs (exports) land in a temporary folder. Run as
+    # `python SCRIPT` in a fresh process (forked from one that has done the imports).
     shutil.copytree(EXAMPLES, tmp_path / "examples")
-    stdout = _run([script], tmp_path / "examples")
+    status, stdout, stderr = fork_server.run([script], tmp_path / "examples",
+                                             fresh_process_env(), 600)
+    assert status == 0, stderr[-4000:]
     assert "Program ran successfully" in stdout
     if script in EXPORTS:
         export_dir, expected = EXPORTS[script]
