@@ -243,6 +243,29 @@ def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
                                            atol=1e-6, err_msg=f"instance {index}: {name}/{key}")
 
 
+def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp_path):
+    """64 samples in instance 0, 32 in instance 1: `fit`, `evaluate` and `predict` raise in
+    both instances before anything runs, instead of one waiting in a collective until
+    JAX's shutdown timeout (300 s)."""
+    started = time.monotonic()
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py",
+                  str(tmp_path), "uneven", timeout=120)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "keras-ipu run: instance " in done.stderr
+    counts = ("instance 0 has 16 batches (2 executions of 4 steps per replica), "
+              "instance 1 has 8 batches (1 execution of 4 steps per replica).")
+    for index in (0, 1):
+        out = lines_of(done.stdout, index)
+        for mode in ("fit", "evaluate", "predict"):
+            assert f"{mode} raised: `{mode}` across 2 instances: " in out, out
+        assert out.count(counts) == 3, out
+        assert "ipu.distributed.shard_for_instance" in out
+        assert "pass `steps_per_epoch`" in out and "pass `steps`" in out
+        assert "without an error" not in out
+    assert elapsed < 60, elapsed
+
+
 def keras_predict(strategy, predictions, x, mine):
     """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
     rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}

@@ -12,6 +12,7 @@ import numpy as np
 from keras_ipu.device import processes
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import context
+from keras_ipu.keras.data import ROLES, FeedPlan
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 
 # The returned value of one log entry from its per-replica values `[R]`.
@@ -137,6 +138,54 @@ def instance_steps(steps: int | None, replicas: Replicas, argument: str = "steps
             f"{instances} instances together, so it must be at least {instances} (one "
             f"batch per instance); got {steps}.")
     return steps // instances if steps > 0 else steps
+
+
+def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPlan | None]) -> None:
+    """Across instances: raises in every instance when they would run different numbers of steps.
+
+    Each instance feeds its own data; one with fewer batches would finish its
+    executions while the others wait in a collective for it, until the job's
+    shutdown timeout. Every instance must call it, before anything runs (it
+    gathers each instance's plans; nothing when the replicas are in one process).
+
+    Args:
+        replicas: The run's replicas.
+        mode: `"fit"`, `"evaluate"` or `"predict"`, for the message.
+        plans: Per data role (`"fit"`, `"validation"`, `"evaluate"`, `"predict"`),
+            this instance's feed plan, or `None` when it has no such data.
+
+    Raises:
+        ValueError: The same in every instance, naming each instance's batches and
+            executions, when they differ for some role.
+
+    Example:
+
+    >>> check_instance_steps(replicas, "fit", {"fit": feed.plan, "validation": None})
+    """
+    if not replicas.spans_processes:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = np.array([[p.steps * p.replicas, p.steps // p.steps_per_execution,
+                      p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()],
+                    np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine, tiled=False))
+    for k, role in enumerate(plans):
+        counts = every[:, k]
+        if (counts == counts[0]).all():
+            continue
+        each = ", ".join(
+            f"instance {i} has {batches} batches ({executions} execution"
+            f"{'s' if executions != 1 else ''} of {per_execution} steps per replica)"
+            for i, (batches, executions, per_execution) in enumerate(counts.tolist()))
+        argument = ROLES[role].steps_argument
+        raise ValueError(
+            f"`{mode}` across {len(every)} instances: {ROLES[role].subject} gives the "
+            f"instances different numbers of steps, so the job would hang waiting for the "
+            f"instance that finished first: {each}. Every instance must run the same number "
+            f"of steps: give each instance the same number of batches (cut the data with "
+            f"`ipu.distributed.shard_for_instance`), or pass `{argument}` (the batches of all "
+            f"instances together).")
 
 
 def keep_last_replica_metrics(model: Any, replica_count: int) -> None:

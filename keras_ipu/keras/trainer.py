@@ -113,6 +113,8 @@ def fit(
             replicas=replicas.local_count,
             role="validation",
         )
+    replication.check_instance_steps(replicas, "fit", {
+        "fit": feed.plan, "validation": val_feed.plan if val_feed else None})
     _log_plan(model, feed, accumulation)
     model._symbolic_build(iterator=_BuildPass(feed))
     run = programs.prepare(model, "fit", placement, feed, options)
@@ -201,6 +203,7 @@ def evaluate(
         replicas=replicas.local_count,
         role="evaluate",
     )
+    replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
     model._symbolic_build(data_batch=feed.first_batch())
     run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
     _check_attached("evaluate")
@@ -244,6 +247,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         replicas=replicas.local_count,
         role="predict",
     )
+    replication.check_instance_steps(replicas, "predict", {"predict": feed.plan})
     _build_for_predict(model, feed.first_batch())
     run = programs.prepare(model, "predict", placement, feed, options_of(model))
     _check_attached("predict")

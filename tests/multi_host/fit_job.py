@@ -1,13 +1,39 @@
-"""Fits the cases of `fit_cases.py` on 2 instances × 2 IPUs; each instance saves its results."""
+"""Fits the cases of `fit_cases.py` on 2 instances × 2 IPUs; each instance saves its results.
+
+`fit_job.py OUT uneven`: instance 0 feeds 64 samples and instance 1 feeds 32 (not
+dealt with `shard_for_instance`); each of `fit`, `evaluate` and `predict` must
+raise, which each instance prints, and then the job fails with the last error.
+"""
 
 import sys
 
 import numpy as np
-from fit_cases import CASES, instance_data, run_case
+from fit_cases import BATCH, CASES, build, data, instance_data, run_case
 from job import say, start
+
+import keras_ipu as ipu
 
 out = sys.argv[1]
 strategy, index = start()
+if sys.argv[2:] == ["uneven"]:
+    x, y = data()
+    x, y = (x, y) if index == 0 else (x[:32], y[:32])
+    with strategy.scope():
+        model = build("sequential")
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+        calls = {"fit": lambda: model.fit(x, y, batch_size=BATCH, verbose=0),
+                 "evaluate": lambda: model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                 "predict": lambda: model.predict(x, batch_size=BATCH, verbose=0)}
+        for mode, call in calls.items():
+            try:
+                call()
+            except ValueError as error:
+                say(mode, "raised:", error)
+                failure = error
+            else:
+                say(mode, "ran without an error")
+    ipu.distributed.barrier("every instance said what it got")
+    raise failure
 x, y = instance_data(index)
 results = {}
 for name, kind, accumulation in CASES:
