@@ -924,3 +924,21 @@ def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
     plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def test_global_clipnorm_with_the_optimizers_own_accumulation_is_refused(strategy):
+    # The pipeline clips each call's gradients over every IPU; Keras clips their average.
+    configure(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    model.set_pipeline_stage_assignment([0, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    model.compile(keras.optimizers.SGD(1.0, gradient_accumulation_steps=2, global_clipnorm=0.05),
+                  "mse", steps_per_execution=4)
+    before = model.get_weights()
+    x = np.ones((16, 4), np.float32)
+    with pytest.raises(ValueError, match=r"global_clipnorm \(0.05\) and its own "
+                                         r"gradient_accumulation_steps \(2\)"):
+        model.fit(x, np.ones((16, 2), np.float32), batch_size=1, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+    assert model.predict(x, batch_size=1, verbose=0).shape == (16, 2)  # still usable

@@ -55,6 +55,32 @@ def global_clipnorm(optimizer) -> float | None:
     return getattr(inner, "global_clipnorm", None) or None
 
 
+def check_pipelined(optimizer) -> None:
+    """Refuses what the pipeline's optimizer copies cannot do as Keras does.
+
+    The pipeline clips each optimizer call's gradients by their norm over
+    every IPU; an optimizer accumulating gradients itself
+    (`gradient_accumulation_steps`) clips their average once per update.
+
+    Raises:
+        ValueError: For `global_clipnorm` with the optimizer's own
+            `gradient_accumulation_steps`.
+
+    Example:
+
+    >>> check_pipelined(keras.optimizers.SGD(global_clipnorm=1.0))   # fine
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if global_clipnorm(optimizer) and steps and steps > 1:
+        raise ValueError(
+            f"A pipelined model cannot use an optimizer with both global_clipnorm "
+            f"({global_clipnorm(optimizer)}) and its own gradient_accumulation_steps ({steps}): "
+            f"the pipeline clips each call's gradients over every IPU, Keras their average. "
+            f"Accumulate with `model.set_pipelining_options("
+            f"gradient_accumulation_steps_per_replica=...)` instead, or clip with clipnorm.")
+
+
 def _without_global_clipnorm(config: dict) -> dict:
     """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
     config = dict(config)
@@ -167,4 +193,4 @@ def _occurrences(variables) -> dict[tuple[str, int], int]:
     return keys
 
 
-__all__ = ["copy_for", "global_clipnorm", "positions"]
+__all__ = ["check_pipelined", "copy_for", "global_clipnorm", "positions"]
