@@ -759,6 +759,21 @@ def test_a_recomputing_stage_stashes_its_non_trainable_values_too():
     assert pipeline.stash_bytes[1] == counts[1] * 2 * 4 * 8  # no non-trainable values
 
 
+def _stage_scope(staged: bool):
+    """`PipelineStage`, or a scope that stages nothing (the plain twin of a staged model)."""
+    return ipu.keras.PipelineStage if staged else (lambda stage: contextlib.nullcontext())
+
+
+def _compile_twins(plain, model, accumulation: int, steps_per_execution: int,
+                   learning_rate: float) -> None:
+    """Plain Keras with SGD, and the pipeline accumulating the mean of `accumulation` batches."""
+    plain.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse",
+                  steps_per_execution=steps_per_execution)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation,
+                                 gradient_accumulation_reduction_method="mean")
+
+
 class _AddTwo(keras.layers.Layer):
     """`t + 2`, typed as its input (a `Lambda`'s output is float32 in Keras' graph)."""
 
@@ -770,7 +785,7 @@ class _AddTwo(keras.layers.Layer):
 
 
 def _int_crossing_model(staged: bool):
-    stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+    stage = _stage_scope(staged)
     keras.utils.set_random_seed(2)
     a, ids = keras.Input((4,)), keras.Input((1,), dtype="int32")
     with stage(0):
@@ -791,10 +806,7 @@ def test_32_bit_integers_cross_stages_exactly(strategy):
     plain = _int_crossing_model(staged=False)
     with strategy.scope():
         model = _int_crossing_model(staged=True)
-    for m, extra in ((plain, {}), (model, {"steps_per_execution": 2})):
-        m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **extra)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2,
-                                 gradient_accumulation_reduction_method="mean")
+    _compile_twins(plain, model, accumulation=2, steps_per_execution=2, learning_rate=0.01)
     np.testing.assert_array_equal(model.predict([x, ids], batch_size=2, verbose=0),
                                   plain.predict([x, ids], batch_size=2, verbose=0))
     plain.fit([x, ids], y, batch_size=4, shuffle=False, verbose=0)
@@ -877,10 +889,7 @@ def test_a_sequential_model_with_a_mask_pipelines_as_plain_keras_trains(strategy
     with strategy.scope():
         model = _masked_sequential()
     model.set_pipeline_stage_assignment([0, 1, 1])
-    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
-                                 gradient_accumulation_reduction_method="mean")
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
     np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
                                plain.predict(x, batch_size=2, verbose=0), atol=1e-6)
     plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -889,7 +898,7 @@ def test_a_sequential_model_with_a_mask_pipelines_as_plain_keras_trains(strategy
 
 
 def _masked_attention(staged: bool):
-    stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+    stage = _stage_scope(staged)
     keras.utils.set_random_seed(1)
     inputs = keras.Input((6, 4))
     with stage(0):
@@ -913,10 +922,7 @@ def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
     plain = _masked_attention(staged=False)
     with strategy.scope():
         model = _masked_attention(staged=True)
-    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4)
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
-                                 gradient_accumulation_reduction_method="mean")
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
     np.testing.assert_allclose(model.predict(x, batch_size=1, verbose=0),
                                plain.predict(x, batch_size=1, verbose=0), atol=1e-6)
     assert model.evaluate(x, y, batch_size=1, verbose=0) == pytest.approx(
