@@ -218,3 +218,38 @@ def test_a_running_mean_accumulates_in_16_bits(dtype, strategy):
         results[accumulator] = model.get_weights()
     assert_weights_close(results["float32"], results[dtype], atol=2e-2)
     assert any(not np.array_equal(a, b) for a, b in zip(results["float32"], results[dtype]))
+
+
+class _LastPredictionMean(keras.Sequential):
+    """Logs a value of the last batch's predictions besides its metrics'."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {**logs, "last_prediction_mean": keras.ops.mean(y_pred)}
+
+
+@pytest.mark.parametrize("model_class", [keras.Sequential, _LastPredictionMean])
+def test_logs_are_the_last_micro_batchs_as_in_keras(model_class, strategy):
+    # Keras' own accumulation runs a step per micro-batch: its logs are the
+    # last micro-batch's. keras_ipu works them out once after the loop from
+    # the metrics (Keras' own compute_metrics), or per micro-batch when the
+    # model brings its own.
+    def build():
+        keras.utils.set_random_seed(3)
+        return model_class([keras.Input((6,)), keras.layers.Dense(3)])
+
+    plain = build()
+    with strategy.scope():
+        on_ipu = build()
+    plain.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=ACCUMULATION),
+                  loss="mse", metrics=["mae"])
+    on_ipu.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                   steps_per_execution=8)
+    on_ipu.set_gradient_accumulation_options(ACCUMULATION, "mean")
+    x, y = data_for("sequential", samples=64)
+    expected = plain.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    history = on_ipu.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert sorted(history.history) == sorted(expected.history)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)

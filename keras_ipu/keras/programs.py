@@ -146,12 +146,17 @@ def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas
         return steps.predict_step(model)
     if custom:
         return steps.keras_train_step(model)
+    # Callbacks that see every batch need every micro-batch's logs; else the
+    # last's come from the metrics' final state, when Keras works them out so.
+    own_logs = not any(overrides(model, name) for name in ("compute_metrics",
+                                                          "get_metrics_result"))
     return steps.train_step(
         model,
         micro_batches=options.gradient_accumulation_steps,
         reduction=options.gradient_accumulation_reduction_method,
         accumulator_dtype=options.accumulator_dtype,
         replicas=replicas,
+        every_micro_batch_logs=options.asynchronous_callbacks or not own_logs,
     )
 
 

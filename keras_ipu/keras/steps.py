@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from keras import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_ipu.device import collectives
@@ -49,6 +50,7 @@ def train_step(
     reduction: Reduction,
     accumulator_dtype: str,
     replicas: Replicas,
+    every_micro_batch_logs: bool = True,
 ) -> Step:
     """One weight update over `micro_batches` stacked micro-batches.
 
@@ -59,9 +61,17 @@ def train_step(
         reduction: How their gradients are combined.
         accumulator_dtype: The dtype gradients accumulate in.
         replicas: Gradients are summed over these replicas before the update.
+        every_micro_batch_logs: Whether every micro-batch's logs are returned
+            (for callbacks that see each batch). Without, only the last
+            micro-batch's logs are, worked out once after the loop from the
+            metrics' final state: the model's `compute_metrics` and
+            `get_metrics_result` must then be Keras' own, whose logs are the
+            metrics' results. Accelerators pay per kernel: that is one kernel
+            fewer per micro-batch (the logs' copy into the stacked buffer).
 
     Returns:
-        `step(state, data) -> (logs, state)`, with logs per micro-batch.
+        `step(state, data) -> (logs, state)`, with logs per micro-batch
+        (a leading axis of `micro_batches`, or of 1 with only the last's).
     """
     accumulate = ACCUMULATE[reduction]
 
@@ -90,7 +100,8 @@ def train_step(
                 lambda a, g: accumulate(a, g.astype(a.dtype), n.astype(a.dtype),
                                         micro_batches).astype(a.dtype), acc, grads
             )
-            return (non_trainable, metrics_vars, acc, n + 1), logs
+            return (non_trainable, metrics_vars, acc, n + 1), (
+                logs if every_micro_batch_logs else None)
 
         zeros = [jnp.zeros(v.shape, accumulator_dtype) for v in trainable]
         carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
@@ -102,6 +113,8 @@ def train_step(
         else:
             carry, logs = jax.lax.scan(micro_step, carry, data)
         non_trainable, metrics_vars, acc, _ = carry
+        if logs is None:
+            logs = jax.tree_util.tree_map(lambda a: a[None], metrics_logs(model, metrics_vars))
         grads = [g.astype(v.dtype) for g, v in zip(replicas.sum(acc), trainable)]
         trainable, optimizer_vars = model.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
@@ -109,6 +122,13 @@ def train_step(
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
     return step
+
+
+def metrics_logs(model: Any, metrics_vars: Any) -> dict:
+    """The logs Keras' own `compute_metrics` returns once the metrics hold `metrics_vars`."""
+    mapping = list(zip(model.metrics_variables, metrics_vars))
+    with StatelessScope(state_mapping=mapping):
+        return model.get_metrics_result()
 
 
 def keras_train_step(model: Any) -> Step:
