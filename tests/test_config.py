@@ -872,6 +872,7 @@ def test_configure_passes_hardware_order_and_options(device):
         "executable_cache_path": None,
         "execution_loop": "auto",
         "xla_compiler_options": "tuned",
+        "background_loop_compile": "auto",
     }
 
 

@@ -51,6 +51,11 @@ class PoplarFlags:
             pipeline's optimizer steps with the LLVM IR emitters, which
             compile them about three times as fast); `default` uses XLA's
             defaults for every program.
+        background_loop_compile: `--background_loop_compile=auto|true|false`
+            (keras_ipu's own): whether a program's first executions run its
+            step dispatched per step while its on-device loop compiles on a
+            host thread (`auto`, the default: on accelerators, not on CPUs;
+            see `keras_ipu.device.background`).
         unknown: The flags not understood, as written.
 
     Example:
@@ -66,6 +71,7 @@ class PoplarFlags:
     executable_cache_path: str | None = None
     execution_loop: str = "auto"
     xla_compiler_options: str = "tuned"
+    background_loop_compile: str = "auto"
     unknown: tuple[str, ...] = ()
 
 
@@ -105,6 +111,17 @@ def _compiler_choice(text: str | None) -> str:
     return text
 
 
+def _auto_switch(text: str | None) -> str:
+    word = "" if text is None else text.lower()
+    if word == "auto":
+        return word
+    try:
+        return "true" if _switch(word) else "false"
+    except ValueError:
+        raise ValueError("expects auto, true or false, e.g. "
+                         "--background_loop_compile=false") from None
+
+
 def _text(text: str | None) -> str:
     if not text:
         raise ValueError("expects a value, written --flag=value")
@@ -119,6 +136,7 @@ _PARSERS: dict[str, Callable[[str | None], object]] = {
     "executable_cache_path": _text,
     "execution_loop": _loop_form,
     "xla_compiler_options": _compiler_choice,
+    "background_loop_compile": _auto_switch,
 }
 
 

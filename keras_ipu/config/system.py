@@ -279,4 +279,5 @@ def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
         "executable_cache_path": flags.executable_cache_path,
         "execution_loop": flags.execution_loop,
         "xla_compiler_options": flags.xla_compiler_options,
+        "background_loop_compile": flags.background_loop_compile,
     }

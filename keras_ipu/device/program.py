@@ -17,12 +17,20 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from keras_ipu.device import accounting, compiler, convolutions, loops, lowering, precision
+from keras_ipu.device import (
+    accounting,
+    background,
+    compiler,
+    convolutions,
+    loops,
+    lowering,
+    precision,
+)
 from keras_ipu.device.dispatch import DispatchedExecution
 from keras_ipu.device.hardware import IPUHardware
 from keras_ipu.device.outfeed import StepStream
@@ -41,6 +49,29 @@ StepFn = Callable[[State, Batch], tuple[Outputs, State]]
 DEFAULT_MAX_IN_FLIGHT = 4
 
 
+_STEP_FIRST_REASON = ("the step dispatched per step, while the on-device loop compiles on a "
+                      "host thread (--background_loop_compile)")
+
+
+class _Traced(NamedTuple):
+    """A program traced and lowered, and the batches it takes."""
+
+    traced: Any
+    lowered: Any
+    batches: Batch
+
+
+class _Successor:
+    """The executable that takes over from another once ready (the loop after the step)."""
+
+    def __init__(self, ready: Callable[[], bool], take: Callable[[], _Executable]):
+        self.ready = ready
+        self._take = take
+
+    def take(self) -> _Executable:
+        return self._take()
+
+
 class _Executable:
     """A compiled execution, and its report, worked out when first read.
 
@@ -55,6 +86,7 @@ class _Executable:
         self.loop = loop
         self.dispatched = dispatched  # compiled is a `DispatchedExecutable.run`
         self._make_report = make_report
+        self.successor: _Successor | None = None  # set while a better one compiles
 
     @functools.cached_property
     def report(self) -> ExecutionReport:
@@ -327,6 +359,10 @@ class ExecutionProgram:
         if executable is None:
             executable = self._compile(state, batches)
             self._executables[key] = executable
+        elif executable.successor is not None and executable.successor.ready():
+            # The loop compiled in the background: it runs from this execution on.
+            # (Its memory check or compile error raises here, before anything runs.)
+            executable = self._executables[key] = executable.successor.take()
         return executable
 
     def _compiled_batches(self, batches: Batch) -> Batch:
@@ -371,10 +407,64 @@ class ExecutionProgram:
                 executable = self._dispatched.compile(state, self._compiled_batches(batches))()
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
                                      choice, started, executable.compiler, dispatched=True)
+        if choice is None and self._compiles_loop_in_background(batches):
+            return self._step_first(state, batches, started)
         traced, compiled_batches, loop = self._trace(state, batches, choice)
         lowered = lowering.lower_for(self.device.platform, traced)
         options = compiler.choose_options(compiler.STEP, self.device.platform)
         compiled = compiler.compile_lowered(lowered, options)
+        return self._measured(compiled, _Traced(traced, lowered, compiled_batches), options,
+                              state, batches, loop, started)
+
+    def _compiles_loop_in_background(self, batches: Batch) -> bool:
+        """Whether the step runs alone while the on-device loop compiles (`background.py`)."""
+        return (not self._own_execution and self.stream is None
+                and self._loop_request == loops.AUTO and _leading(batches) > 1
+                and background.enabled(self.device.platform))
+
+    def _step_first(self, state: State, batches: Batch, started: float) -> _Executable:
+        """The step alone, compiled now; the on-device loop, compiled on a host thread.
+
+        The step's executable runs the first executions (the `host` form) and
+        hands over to the loop's once that has compiled (`_executable`).
+        """
+        platform = self.device.platform
+        options = compiler.choose_options(compiler.STEP, platform)
+        one_step = jax.tree_util.tree_map(_one_step_spec, batches)
+        step_traced = self._traced(state, one_step)
+        step = _Traced(step_traced, lowering.lower_for(platform, step_traced), one_step)
+        step_compile = background.Compilation(compiler.compile_lowered, step.lowered, options)
+        # XLA compiles the step without Python's lock: meanwhile the loop is traced.
+        loop_started = time.perf_counter()
+        traced = self._traced(state, batches)
+        choice = loops.choose_loop(traced.jaxpr, platform, self._loop_request)
+        if choice.form == loops.HOST:  # the step alone is the program
+            return self._measured(step_compile.result(), step, options, state, batches, choice,
+                                  started)
+        loop = _Traced(traced, lowering.lower_for(platform, traced), batches)
+        trace_seconds = time.perf_counter() - loop_started
+        first = self._measured(step_compile.result(), step, options, state, batches,
+                               loops.LoopChoice(loops.HOST, _STEP_FIRST_REASON), started)
+        # Only now: XLA's autotuning results for the step (its convolutions,
+        # say) are then the loop's too, and no two compilations time kernels
+        # on the device at once.
+        loop_compile = background.Compilation(compiler.compile_lowered, loop.lowered, options)
+        specs = jax.tree_util.tree_map(_spec, (state, batches))
+
+        def handover() -> _Executable:
+            # Its report's compile time: the loop's tracing, lowering and compiling.
+            seconds = trace_seconds + loop_compile.seconds
+            return self._measured(loop_compile.result(), loop, options, *specs, choice,
+                                  time.perf_counter() - seconds)
+
+        first.successor = _Successor(loop_compile.done, handover)
+        return first
+
+    def _measured(self, compiled: Any, traced: _Traced, options: compiler.CompilerOptions,
+                  state: State, batches: Batch, loop: loops.LoopChoice,
+                  started: float) -> _Executable:
+        """The executable of a compiled program, its memory checked and its cost counted."""
+        compiled_batches, lowered = traced.batches, traced.lowered
         count = self.replicas.count
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
@@ -388,7 +478,7 @@ class ExecutionProgram:
             ipus_per_device=sharing,
         )
         # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
-        memory = precision.held_in_16_bits(memory, traced.jaxpr, self.device.platform)
+        memory = precision.held_in_16_bits(memory, traced.traced.jaxpr, self.device.platform)
         per_ipu = (memory,) * count
         if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
             per_ipu = tuple(dataclasses.replace(memory, state_bytes=b) for b in self._state_bytes)
@@ -469,6 +559,11 @@ def _leading(batches: Batch) -> int:
 def _step_slice(batches: Batch, step: int) -> Batch:
     """The batches of one step, keeping the leading steps axis (length 1)."""
     return jax.tree_util.tree_map(lambda a: a[step : step + 1], batches)
+
+
+def _spec(leaf: Any) -> jax.ShapeDtypeStruct:
+    """A leaf's shape and dtype (an array the next execution may consume, or a spec)."""
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
 
 
 def _one_step_spec(leaf: Any) -> jax.ShapeDtypeStruct:

@@ -1,0 +1,162 @@
+"""The on-device loop compiled on a host thread while the first executions run the step alone."""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.device import background, compiler
+
+from conftest import assert_weights_close, configure
+
+
+def _model(strategy) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=4)
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(64, 6)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")
+
+
+@pytest.fixture
+def gated_loop(monkeypatch):
+    """keras_ipu's compilations, the second of each program (its loop) held until `open`."""
+    gate, compiled = threading.Event(), []
+    real = compiler.compile_lowered
+
+    def compile_lowered(lowered, options):
+        compiled.append(lowered)
+        if len(compiled) % 2 == 0:
+            assert gate.wait(timeout=120)
+        return real(lowered, options)
+
+    monkeypatch.setattr(compiler, "compile_lowered", compile_lowered)
+    yield gate, compiled
+    gate.set()
+    background.wait_for_compilations()
+
+
+def _run(strategy, monkeypatch, flag: str, gate: threading.Event | None = None):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--background_loop_compile={flag}")
+    configure(1)
+    model = _model(strategy)
+    x, y = _data()
+    first = model.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
+    reports = [ipu.utils.execution_report(model)]
+    if gate is not None:
+        gate.set()
+    background.wait_for_compilations()
+    second = model.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
+    reports.append(ipu.utils.execution_report(model))
+    outputs = model.predict(x, batch_size=4, verbose=0)
+    background.wait_for_compilations()
+    evaluated = model.evaluate(x, y, batch_size=4, verbose=0)
+    return model.get_weights(), (first, second), outputs, evaluated, reports
+
+
+def test_the_first_executions_run_the_step_until_the_loop_has_compiled(
+        strategy, monkeypatch, gated_loop):
+    gate, compiled = gated_loop
+    weights, histories, outputs, evaluated, reports = _run(strategy, monkeypatch, "true", gate)
+    # The whole first fit ran the step alone (its loop was held back), the second the loop.
+    assert [report.loop for report in reports] == ["host", "scan"]
+    assert "compiles on a host thread" in reports[0].loop_reason
+    assert reports[0].steps_per_execution == reports[1].steps_per_execution == 4
+    assert reports[0].flops_per_step == pytest.approx(reports[1].flops_per_step, rel=0.05)
+    assert len(compiled) == 6  # fit, predict, evaluate: a step and a loop each
+    # The same numbers as the loop from the start.
+    expected = _run(strategy, monkeypatch, "false")
+    assert [report.loop for report in expected[4]] == ["scan", "scan"]
+    assert_weights_close(expected[0], weights, atol=1e-6, rtol=1e-5)
+    for got, want in zip(histories, expected[1]):
+        for name, values in want.items():
+            np.testing.assert_allclose(got[name], values, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(outputs, expected[2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(evaluated, expected[3], rtol=1e-5)
+
+
+def test_a_failed_loop_compilation_raises_at_the_next_execution_and_loses_nothing(
+        strategy, monkeypatch):
+    real = compiler.compile_lowered
+    calls, gate = [], threading.Event()
+
+    def compile_lowered(lowered, options):
+        calls.append(lowered)
+        if len(calls) == 2:  # the fit's loop, once the first fit has run
+            assert gate.wait(timeout=120)
+            raise RuntimeError("XLA could not compile the loop")
+        return real(lowered, options)
+
+    monkeypatch.setattr(compiler, "compile_lowered", compile_lowered)
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
+    configure(1)
+    model = _model(strategy)
+    x, y = _data()
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    gate.set()
+    background.wait_for_compilations()
+    trained = model.get_weights()
+    with pytest.raises(RuntimeError, match="could not compile the loop"):
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(trained, model.get_weights(), atol=0)
+    np.testing.assert_allclose(model.predict(x[:16], batch_size=4, verbose=0),
+                               keras.ops.convert_to_numpy(model(x[:16])), rtol=1e-5, atol=1e-6)
+    background.wait_for_compilations()
+
+
+def test_one_step_executions_and_cpus_compile_no_loop_in_the_background(
+        strategy, monkeypatch):
+    compiled = []
+    real = compiler.compile_lowered
+    monkeypatch.setattr(compiler, "compile_lowered",
+                        lambda lowered, options: compiled.append(lowered) or real(lowered, options))
+    model = _model(strategy)  # auto: not on CPU devices
+    x, y = _data()
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert ipu.utils.execution_report(model).loop == "scan" and len(compiled) == 1
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile")  # bare: true
+    configure(1)
+    model = _model(strategy)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=1)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)  # one step: nothing to loop
+    assert len(compiled) == 2
+
+
+def test_the_flag_decides_per_platform(monkeypatch):
+    assert (background.enabled("gpu"), background.enabled("cpu")) == (True, False)
+    for value, expected in (("false", False), ("true", True), ("auto", False)):
+        monkeypatch.setenv("KERAS_IPU_FLAGS", f"--background_loop_compile={value}")
+        configure(1)
+        assert background.enabled("cpu") is expected
+        assert background.enabled("gpu") is (value != "false")
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=later")
+    with pytest.raises(ValueError, match="--background_loop_compile=later.*auto, true or false"):
+        configure(1)
+
+
+def test_a_compilation_thread_hands_over_its_result_or_error_and_is_waited_for_at_exit():
+    release = threading.Event()
+    compilation = background.Compilation(lambda value: release.wait(30) and value, 7)
+    thread = next(t for t in threading.enumerate() if t.name == background.THREAD_NAME)
+    assert not thread.daemon and not compilation.done()
+    release.set()
+    assert compilation.result() == 7 and compilation.done()
+
+    def fails():
+        raise ValueError("no such program")
+
+    with pytest.raises(ValueError, match="no such program"):
+        background.Compilation(fails).result()
+    background.wait_for_compilations()
+    assert not any(t.name == background.THREAD_NAME for t in threading.enumerate())
