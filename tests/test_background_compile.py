@@ -160,3 +160,23 @@ def test_a_compilation_thread_hands_over_its_result_or_error_and_is_waited_for_a
         background.Compilation(fails).result()
     background.wait_for_compilations()
     assert not any(t.name == background.THREAD_NAME for t in threading.enumerate())
+
+
+def test_programs_across_processes_compile_their_loop_first(strategy, monkeypatch):
+    # Every process must run the same program at each execution: their
+    # collectives pair up. A handover at each process's own time would break that.
+    from types import SimpleNamespace
+
+    from keras_ipu.keras import run
+
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
+    configure(1)
+    model = _model(strategy)
+    x, y = _data()
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    background.wait_for_compilations()
+    program = run.program_for(model, "fit")
+    batches = np.zeros((4, 4, 6), "float32")
+    assert program._compiles_loop_in_background(batches)
+    monkeypatch.setattr(program, "replicas", SimpleNamespace(spans_processes=True))
+    assert not program._compiles_loop_in_background(batches)

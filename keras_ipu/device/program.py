@@ -417,8 +417,13 @@ class ExecutionProgram:
                               state, batches, loop, started)
 
     def _compiles_loop_in_background(self, batches: Batch) -> bool:
-        """Whether the step runs alone while the on-device loop compiles (`background.py`)."""
+        """Whether the step runs alone while the on-device loop compiles (`background.py`).
+
+        Not across processes: each would hand over when its own compilation
+        ends, and their programs' collectives would no longer pair up.
+        """
         return (not self._own_execution and self.stream is None
+                and not self.replicas.spans_processes
                 and self._loop_request == loops.AUTO and _leading(batches) > 1
                 and background.enabled(self.device.platform))
 
