@@ -347,3 +347,30 @@ def test_an_infeed_read_inside_another_loops_body_is_refused():
         ipu.loops.repeat(3, lambda t: ipu.loops.repeat(2, lambda u, e: u + e, [t], infeed),
                          [jnp.float32(0)])
     assert len(infeed.peek(10)) == 6  # nothing taken
+
+
+def test_queues_made_again_get_a_new_program_not_the_kept_one():
+    # A notebook cell making the queues run again: the kept program must not take from, or
+    # fill, the queues of its trace.
+    global _INFEED, _OUTFEED
+
+    def body(total, x):
+        total = total + x
+        return total, _OUTFEED.enqueue(total)
+
+    def my_net():
+        return ipu.loops.repeat(3, body, [0.0], _INFEED)
+
+    for epoch in range(3):
+        _INFEED = ipu.ipu_infeed_queue.IPUInfeedQueue(
+            [np.float32(10 * epoch + i) for i in range(3)])
+        _OUTFEED = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            [total] = ipu.ipu_compiler.compile(my_net)
+        expected = np.cumsum([10 * epoch + i for i in range(3)])
+        assert float(total) == expected[-1]
+        np.testing.assert_array_equal(_OUTFEED.dequeue(), expected)
+        assert len(_INFEED.peek(1)) == 0  # this epoch's elements were taken
+
+
+_INFEED = _OUTFEED = None

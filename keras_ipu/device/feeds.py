@@ -88,7 +88,8 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     arrays of the same shapes runs it again without tracing. The infeeds its
     loops read are inputs too: each call takes their next elements. The
     numbers and strings `fn` reads from its closure and globals are part of
-    the program's key; a program whose trace captured arrays (`fn` closing
+    the program's key, and so are the queues it reads there (by identity: a
+    queue made again gets a new program); a program whose trace captured arrays (`fn` closing
     over weights, a Keras variable's value) is traced again at each call,
     so that it sees their values then. Values read from objects' attributes
     stay those of the trace, as in `tf.function`.
@@ -148,12 +149,14 @@ _PROGRAMS_KEPT = 64
 # Host values a traced function may read and fix in its program: a kept program is run
 # again only while those it reads from its closure and globals are unchanged.
 _HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# The queues a traced function may read: its program takes from and fills those of its trace.
+_QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
 # Whose functions' globals are their own constants: not walked.
 _LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
 
 
 def _host_values(fn: Callable, depth: int = 4) -> tuple:
-    """The numbers and strings `fn` (and the functions it refers to) read from closures and globals.
+    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
 
     Values read from objects' attributes are not seen: a kept program keeps
     those of its trace, as `tf.function` does.
@@ -181,6 +184,10 @@ def _host_values(fn: Callable, depth: int = 4) -> tuple:
         found = function.__globals__
         for value in cells + [found[name] for name in names if name in found]:
             if isinstance(value, _HOST_SCALARS):
+                values.append((type(value), value))
+            elif isinstance(value, _QUEUES):
+                # By identity: a queue made again (a notebook cell run again) is another
+                # program's; the kept one would take from, and fill, the old queue.
                 values.append((type(value), value))
             elif callable(value) and not isinstance(value, type):
                 visit(value, depth - 1)
