@@ -374,3 +374,27 @@ def test_queues_made_again_get_a_new_program_not_the_kept_one():
 
 
 _INFEED = _OUTFEED = None
+
+
+def test_a_function_wrapped_in_jax_jit_runs_as_the_port_of_a_jit_compiled_tf_function():
+    # `@tf.function(jit_compile=True)` ports to `@jax.jit`; its loops still read the infeed
+    # and fill the outfeed.
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(6)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    @jax.jit
+    def training_loop(start):
+        def body(total, x):
+            total = total + x
+            return total, outfeed.enqueue(total)
+        return ipu.loops.repeat(3, body, [start], infeed)
+
+    with strategy.scope():
+        first = strategy.run(training_loop, args=(np.float32(0),))
+        second = strategy.run(training_loop, args=(np.float32(100),))
+    assert (float(first), float(second)) == (0 + 1 + 2, 100 + 3 + 4 + 5)
+    np.testing.assert_array_equal(outfeed.dequeue(), [0, 1, 3, 103, 107, 112])
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [doubled] = ipu.ipu_compiler.compile(jax.jit(lambda v: v * 2), [np.ones(2)])
+    assert doubled.tolist() == [2, 2]

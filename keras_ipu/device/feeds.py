@@ -94,6 +94,9 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     so that it sees their values then. Values read from objects' attributes
     stay those of the trace, as in `tf.function`.
 
+    A function wrapped in `jax.jit` (the port of `@tf.function(jit_compile=True)`)
+    is compiled as the function it wraps: the program is one compiled whole.
+
     The values a loop inside enqueues leave the program with its outputs and
     reach their queues once it has run (inside another such call, `fn` is
     part of the outer program). Operations `fn` returns (outfeed markers)
@@ -120,6 +123,11 @@ def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
     >>> call_compiled(lambda x: x * 2, jax.devices()[0], (np.ones(3),))
     Array([2., 2., 2.], dtype=float32)
     """
+    # `@jax.jit` ports `@tf.function(jit_compile=True)`; the program is compiled whole
+    # anyway, and a loop traced inside the inner jit could not hand its infeed data in
+    # and its outfeed values out of it.
+    while isinstance(fn, jax.stages.Wrapped) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
     if _OUTFED.get() is not None:  # inside another program's trace: part of it
         return _without_operations(outputs(fn(*args, **(kwargs or {}))))
     arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
