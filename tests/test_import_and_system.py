@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from keras_ipu.device import hardware, system
@@ -97,6 +98,11 @@ def test_each_ipu_gets_its_own_device():
     assert all(i.device in jax.devices() for i in configured.ipus)
     with pytest.raises(ValueError, match="Unknown IPU device"):
         configured.ipus_of_device("/device:IPU:7")
+    # A NumPy integer is a device number (as an index anywhere); a bool is none.
+    assert configured.ipus_of_device(np.int64(1)) == configured.ipus_of_device(1)
+    for wrong in (True, np.bool_(False), 2, -1):
+        with pytest.raises(ValueError, match="Unknown IPU device"):
+            configured.ipus_of_device(wrong)
 
 
 def test_selection_orders():

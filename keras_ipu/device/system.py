@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from keras_ipu.device.hardware import IPUHardware
 
@@ -363,6 +364,8 @@ def ipu_ranges(indices: Sequence[int]) -> str:
 def _device_index(device: int | str, names: Sequence[str]) -> int:
     if isinstance(device, str) and device in names:
         return names.index(device)
-    if isinstance(device, int) and 0 <= device < len(names):
-        return device
+    # NumPy integers index like ints; a bool is no device number.
+    if isinstance(device, (int, np.integer)) and not isinstance(device, (bool, np.bool_)):
+        if 0 <= device < len(names):
+            return int(device)
     raise ValueError(f"Unknown IPU device {device!r}; the system has {list(names)}.")
