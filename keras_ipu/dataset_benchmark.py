@@ -60,7 +60,9 @@ def dataset_benchmark(dataset: Any, number_of_epochs: int, elements_per_epochs: 
     """
     for name, value in (("number_of_epochs", number_of_epochs),
                         ("elements_per_epochs", elements_per_epochs)):
-        if not isinstance(value, int) or value < 1:
+        # NumPy integers count as ints do; a bool is no count.
+        whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if not whole or value < 1:
             raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
     epochs = []
     stream = None

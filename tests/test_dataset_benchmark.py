@@ -45,12 +45,16 @@ def test_an_iterator_goes_on_and_runs_out_with_a_clear_error():
     stats = json.loads(ipu.dataset_benchmark.dataset_benchmark(
         [{"x": np.ones(2)}] * 3, 2, 3, print_stats=False, do_memcpy=False))
     assert [e["elements_processed"] for e in stats["epochs"]] == [3, 3]
+    stats = json.loads(ipu.dataset_benchmark.dataset_benchmark(
+        [np.ones(2)] * 3, np.int64(2), np.int32(3), print_stats=False))
+    assert [e["elements_processed"] for e in stats["epochs"]] == [3, 3]
 
 
 @pytest.mark.parametrize("args, error, message", [
     ((42, 1, 1), TypeError, "PyDataset or an iterable"),
     (([1], 0, 1), ValueError, "number_of_epochs must be an integer of at least 1, got 0"),
     (([1], 1, -2), ValueError, "elements_per_epochs must be an integer of at least 1"),
+    (([1], True, 1), ValueError, "number_of_epochs must be an integer of at least 1, got True"),
 ])
 def test_bad_arguments_say_what_is_wrong(args, error, message):
     with pytest.raises(error, match=message):
