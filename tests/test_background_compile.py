@@ -113,6 +113,11 @@ def test_a_failed_loop_compilation_raises_at_the_next_execution_and_loses_nothin
     np.testing.assert_allclose(model.predict(x[:16], batch_size=4, verbose=0),
                                keras.ops.convert_to_numpy(model(x[:16])), rtol=1e-5, atol=1e-6)
     background.wait_for_compilations()
+    # A failed compilation is not kept: the next fit compiles anew, and its loop takes over.
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    background.wait_for_compilations()
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert ipu.utils.execution_report(model).loop == "scan"
 
 
 def test_one_step_executions_and_cpus_compile_no_loop_in_the_background(
@@ -180,3 +185,64 @@ def test_programs_across_processes_compile_their_loop_first(strategy, monkeypatc
     assert program._compiles_loop_in_background(batches)
     monkeypatch.setattr(program, "replicas", SimpleNamespace(spans_processes=True))
     assert not program._compiles_loop_in_background(batches)
+
+
+def _too_big_a_loop(strategy):
+    """A model whose one-step program fits a 3-tile IPU and whose 64-step loop does not."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096)])
+    model.compile(steps_per_execution=64)
+    return model, np.ones((64 * 32, 64), "float32")
+
+
+def test_a_loop_that_might_not_fit_is_checked_before_anything_runs(strategy, monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
+    configure(1, tiles_per_ipu=3)
+    model, x = _too_big_a_loop(strategy)
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError, match="predict program needs 2,1"):
+        model.predict(x, batch_size=32, verbose=0)
+    background.wait_for_compilations()
+    # The step alone would have fitted: its one-step program is well under the capacity.
+    model.compile(steps_per_execution=1)
+    model.predict(x[:32], batch_size=32, verbose=0)
+    report = ipu.utils.execution_report(model, "predict")
+    assert report.ipus[0].memory_bytes < report.ipus[0].memory_capacity_bytes
+
+
+def test_systems_that_never_run_compile_check_and_report_the_loop(strategy, monkeypatch):
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.device_connection.type = ipu.config.DeviceConnectionType.PRE_COMPILE
+    config.device_connection.version = "ipu2"
+    config.configure_ipu_system()
+    model = _model(strategy)
+    x, y = _data()
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert ipu.utils.execution_report(model).loop == "scan"
+    assert not background.enabled("gpu")
+
+
+@pytest.mark.parametrize("last_outputs_only", [False, True])
+def test_a_program_that_returns_every_steps_outputs_compiles_its_loop_first(
+        monkeypatch, last_outputs_only):
+    # The step form returns only the last step's outputs.
+    import jax.numpy as jnp
+
+    from keras_ipu.device import program, system
+    from keras_ipu.device.replicate import Replicas
+
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
+    configure(1)
+    configured = system.current()
+
+    def step(w, x):
+        return jnp.mean((x @ w) ** 2), w * 0.9
+
+    run = program.ExecutionProgram(step, mode="fit", replicas=Replicas(configured.ipus[:1]),
+                                   hardware=configured.hardware,
+                                   last_outputs_only=last_outputs_only)
+    _, losses = run(jnp.eye(3), jnp.ones((5, 4, 3)))
+    assert losses.shape == ((1,) if last_outputs_only else (5,))
+    assert run.report.loop == ("host" if last_outputs_only else "scan")
+    background.wait_for_compilations()

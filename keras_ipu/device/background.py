@@ -34,6 +34,8 @@ from keras_ipu.device import system
 AUTO = "auto"
 CHOICES = (AUTO, "true", "false")
 THREAD_NAME = "keras_ipu-compile"
+# Device connections on which no execution runs (`DeviceConnectionType` names).
+_NEVER_RUNS = frozenset({"PRE_COMPILE", "NEVER"})
 
 
 def enabled(platform: str) -> bool:
@@ -45,7 +47,9 @@ def enabled(platform: str) -> bool:
     Returns:
         The configured `--background_loop_compile`: `true`, `false`, or for
         `auto` (the default, also with no system configured) whether the
-        platform is an accelerator.
+        platform is an accelerator; `False` on a system that never runs
+        executions (`PRE_COMPILE`, `NEVER`), where the loop is what gets
+        compiled, checked and reported.
 
     Example:
 
@@ -53,6 +57,8 @@ def enabled(platform: str) -> bool:
     True
     """
     configured = system.current()
+    if configured and configured.option("device_connection_type") in _NEVER_RUNS:
+        return False  # nothing runs to overlap: the loop is compiled, checked and reported
     choice = configured.option("background_loop_compile", AUTO) if configured else AUTO
     if choice == AUTO:
         return platform != "cpu"

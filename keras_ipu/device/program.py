@@ -87,6 +87,7 @@ class _Executable:
         self.dispatched = dispatched  # compiled is a `DispatchedExecutable.run`
         self._make_report = make_report
         self.successor: _Successor | None = None  # set while a better one compiles
+        self.memory: tuple[accounting.MemoryUse, ...] = ()  # per IPU, as checked
 
     @functools.cached_property
     def report(self) -> ExecutionReport:
@@ -361,8 +362,13 @@ class ExecutionProgram:
             self._executables[key] = executable
         elif executable.successor is not None and executable.successor.ready():
             # The loop compiled in the background: it runs from this execution on.
-            # (Its memory check or compile error raises here, before anything runs.)
-            executable = self._executables[key] = executable.successor.take()
+            # Its memory check or compile error raises here, before this execution
+            # runs; as any failed compilation, it is not kept: the next call compiles anew.
+            try:
+                executable = self._executables[key] = executable.successor.take()
+            except BaseException:
+                del self._executables[key]
+                raise
         return executable
 
     def _compiled_batches(self, batches: Batch) -> Batch:
@@ -420,9 +426,11 @@ class ExecutionProgram:
         """Whether the step runs alone while the on-device loop compiles (`background.py`).
 
         Not across processes: each would hand over when its own compilation
-        ends, and their programs' collectives would no longer pair up.
+        ends, and their programs' collectives would no longer pair up. Not for
+        every step's logs: the step form keeps only the last's (`_joined`).
         """
         return (not self._own_execution and self.stream is None
+                and (self.last_outputs_only or self.mode == "predict")
                 and not self.replicas.spans_processes
                 and self._loop_request == loops.AUTO and _leading(batches) > 1
                 and background.enabled(self.device.platform))
@@ -450,6 +458,10 @@ class ExecutionProgram:
         trace_seconds = time.perf_counter() - loop_started
         first = self._measured(step_compile.result(), step, options, state, batches,
                                loops.LoopChoice(loops.HOST, _STEP_FIRST_REASON), started)
+        if not self._loop_surely_fits(first, state, batches, one_step):
+            # The IPU refuses a program that does not fit before it runs: check the loop now.
+            compiled = compiler.compile_lowered(loop.lowered, options)
+            return self._measured(compiled, loop, options, state, batches, choice, started)
         # Only now: XLA's autotuning results for the step (its convolutions,
         # say) are then the loop's too, and no two compilations time kernels
         # on the device at once.
@@ -464,6 +476,19 @@ class ExecutionProgram:
 
         first.successor = _Successor(loop_compile.done, handover)
         return first
+
+    def _loop_surely_fits(self, step: _Executable, state: State, batches: Batch,
+                          one_step: Batch) -> bool:
+        """Whether the loop fits an IPU with room to spare, judged by the step's memory.
+
+        Beyond the step a loop holds the execution's other batches and, at
+        most, a copy of the state it carries (XLA's copies round a `while`).
+        """
+        count = self.replicas.count
+        more = (accounting.tree_bytes(state)
+                + accounting.tree_bytes(batches) - accounting.tree_bytes(one_step)) // count
+        capacity = self.hardware.memory_capacity_bytes
+        return all(use.total_bytes + more <= capacity for use in step.memory)
 
     def _measured(self, compiled: Any, traced: _Traced, options: compiler.CompilerOptions,
                   state: State, batches: Batch, loop: loops.LoopChoice,
@@ -508,7 +533,9 @@ class ExecutionProgram:
                 raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
                                           self.hardware.memory_capacity_bytes, self.mode)
         report = functools.partial(self._report, batches, memory, cost, loop, seconds, options)
-        return _Executable(compiled, report, loop, dispatched)
+        executable = _Executable(compiled, report, loop, dispatched)
+        executable.memory = tuple(memory)
+        return executable
 
     def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
                 cost: accounting.StepCost | Callable[[], accounting.StepCost],
