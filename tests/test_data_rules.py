@@ -153,6 +153,51 @@ def test_py_dataset_matches_plain_keras(strategy):
     )
 
 
+class _EpochHookedBatches(ArrayBatches):
+    """Batches that log their epoch hooks and reads, and reshuffle themselves per epoch."""
+
+    def __init__(self, x, y, batch_size, log):
+        super().__init__(x, y, batch_size)
+        self.log, self.order = log, None
+
+    def on_epoch_begin(self):
+        self.log.append("begin")
+        if self.order is None:  # made here, as many PyDatasets do
+            self.order = np.arange(len(self))
+
+    def on_epoch_end(self):
+        self.log.append("end")
+        self.order = np.random.permutation(len(self))
+
+    def __getitem__(self, index):
+        self.log.append(int(self.order[index]))
+        return super().__getitem__(int(self.order[index]))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_py_datasets_epoch_hooks_run_as_in_plain_keras(accumulation, strategy):
+    # Batches are read between `on_epoch_begin` and `on_epoch_end`, `on_epoch_end`
+    # runs once per pass (not once more when the run ends), and a second `fit`
+    # starts, as Keras', with the pass its reset ends: a PyDataset reshuffling
+    # itself there trains on Keras' order.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2, optimizer="sgd")
+    on_ipu.set_gradient_accumulation_options(
+        gradient_accumulation_steps_per_replica=accumulation)
+    x, y = data_for("sequential", samples=64)
+    logs = {}
+    for name, model in (("plain", plain), ("ipu", on_ipu)):
+        keras.utils.set_random_seed(3)
+        logs[name] = {"fit": [], "second fit": [], "predict": [], "evaluate": []}
+        for call in ("fit", "second fit"):  # the second finds the model built
+            model.fit(_EpochHookedBatches(x, y, 8, logs[name][call]), epochs=2, shuffle=False,
+                      verbose=0)
+        model.predict(_EpochHookedBatches(x, y, 8, logs[name]["predict"]), verbose=0)
+        model.evaluate(_EpochHookedBatches(x, y, 8, logs[name]["evaluate"]), verbose=0)
+    assert logs["ipu"] == logs["plain"]
+    if accumulation == 1:
+        assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+
+
 def test_shuffled_fit_sees_every_sample_once_per_epoch(strategy):
     _, model = twin("sequential", strategy, steps_per_execution=4)
     x, y = data_for("sequential", samples=32)

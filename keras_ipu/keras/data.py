@@ -371,6 +371,8 @@ class ArrayFeed:
         """Starts the next execution at the beginning of a new pass over the data."""
         self._offset = self.plan.num_batches
 
+    reset = rewind  # arrays have no epoch hooks: Keras' reset only starts a new pass
+
     def _rows(self, start: int, count: int) -> slice | np.ndarray:
         if self._order is None:
             return slice(start, start + count)
@@ -416,6 +418,7 @@ class AdapterFeed:
         self._shapes: Any = None
         self._first: Any = None
         self._started = False
+        self._in_pass = False  # between the adapter's `on_epoch_begin` and `on_epoch_end`
         self.ran_out_of_data = False
 
     @property
@@ -424,8 +427,13 @@ class AdapterFeed:
         return jax.tree_util.tree_leaves(self.first_batch())[0].shape[0]
 
     def first_batch(self) -> Any:
-        """The first batch seen (pulled now, and kept for the first execution, if none was)."""
+        """The first batch seen (pulled now, and kept for the first execution, if none was).
+
+        It is pulled inside a pass (after the adapter's `on_epoch_begin`), as
+        Keras reads every batch: a `PyDataset` may prepare its batches there.
+        """
         if self._first is None:
+            self._begin_pass()
             self._first = self._next_batch()
             self._pending.append(self._first)
         return self._first
@@ -435,13 +443,14 @@ class AdapterFeed:
         plan = self.plan
         shape = _execution_shape(plan)
         self._started = True
-        self._adapter.on_epoch_begin()
+        self._begin_pass()
         for begin in range(0, plan.steps, plan.steps_per_execution):
             try:
                 batches = [self._next_batch() for _ in range(plan.batches_per_execution)]
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True
+                self._end_pass()  # as Keras' epoch iterator, when its input runs out
                 warnings.warn(
                     "Your input ran out of data; interrupting the epoch. Make sure "
                     "that your dataset or generator can generate at least "
@@ -459,22 +468,30 @@ class AdapterFeed:
         ):
             self._iterator = None
             self._seen = 0
-        self._adapter.on_epoch_end()
+        self._end_pass()
 
     def draw_build_pass(self) -> None:
-        """Takes the first batch from a pass of its own, which then ends, as Keras' `fit` does.
+        """Takes the first batch from a pass of its own, as Keras' `fit` does; `reset` ends it.
 
         Keras builds a model from a new iterator's first batch and resets
         before the first epoch, which starts another: a shuffled
-        `PyDataset` draws its order twice, and its `on_epoch_end` runs once
-        more; a generator's new iterator replays the batches Keras peeked at.
+        `PyDataset` draws its order twice.
         """
-        self._adapter.on_epoch_begin()
-        try:
-            self.first_batch()
-        finally:
-            self._iterator, self._pending, self._seen = None, [], 0
-            self._adapter.on_epoch_end()
+        self.first_batch()
+
+    def reset(self) -> None:
+        """Ends the pass under way, or none, as Keras' `fit` resets its epoch iterator.
+
+        Keras' `fit` resets after building the model, whether the build took
+        a pass or not: the adapter's `on_epoch_end` runs once (a `PyDataset`
+        that reshuffles itself there does so before the first epoch), and
+        the first epoch reads from a new iterator (a generator's replays the
+        batches Keras peeked at).
+        """
+        self._iterator, self._pending, self._seen = None, [], 0
+        self._started = False
+        self._in_pass = False
+        self._adapter.on_epoch_end()
 
     def rewind(self) -> None:
         """Starts the next execution with a new iterator from the adapter.
@@ -511,8 +528,20 @@ class AdapterFeed:
             )
 
     def close(self) -> None:
-        """Releases the adapter's workers."""
-        self._adapter.on_epoch_end()
+        """Ends a pass left under way (releasing the adapter's workers)."""
+        self._end_pass()
+
+    def _begin_pass(self) -> None:
+        if not self._in_pass:
+            self._adapter.on_epoch_begin()
+            self._in_pass = True
+
+    def _end_pass(self) -> None:
+        # Once per pass: a `PyDataset`'s `on_epoch_end` (often a reshuffle) runs
+        # as often as in Keras, and not again when the run ends.
+        if self._in_pass:
+            self._in_pass = False
+            self._adapter.on_epoch_end()
 
 
 def validation_split(x: Any, y: Any, sample_weight: Any, split: float):

@@ -115,8 +115,9 @@ def fit(
         )
     replication.check_instance_steps(replicas, "fit", {
         "fit": feed.plan, "validation": val_feed.plan if val_feed else None})
-    _log_plan(model, feed, accumulation)
     model._symbolic_build(iterator=_BuildPass(feed))
+    feed.reset()  # as Keras' `fit`, after the build
+    _log_plan(model, feed, accumulation)  # its batch size is read inside the first epoch
     run = programs.prepare(model, "fit", placement, feed, options)
     val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                if val_feed else None)
@@ -147,6 +148,8 @@ def fit(
     finally:
         model.jax_state_sync()
         feed.close()
+        if val_feed is not None:
+            val_feed.close()
         if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
             model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
@@ -158,11 +161,12 @@ def fit(
 class _BuildPass:
     """The first batch for Keras' symbolic build, given as its epoch iterator gives it.
 
-    Keras' `fit` starts a pass over the data when it builds an unbuilt model
-    (or its metrics or loss) and another for the first epoch, so a shuffled
-    pass draws its permutation twice. Keras pulls the batch only when it
-    builds: the feed then draws what that pass drew, and after
-    `keras.utils.set_random_seed` the epochs see plain Keras' order.
+    Keras' `fit` (and `evaluate`) starts a pass over the data when it builds
+    an unbuilt model (or its metrics or loss) and another for the first
+    epoch, so a shuffled pass draws its permutation twice. Keras pulls the
+    batch only when it builds: the feed then draws what that pass drew, and
+    after `keras.utils.set_random_seed` the epochs see plain Keras' order.
+    Either way Keras then resets its iterator: the caller calls `feed.reset()`.
     """
 
     def __init__(self, feed):
@@ -204,7 +208,8 @@ def evaluate(
         role="evaluate",
     )
     replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
-    model._symbolic_build(data_batch=feed.first_batch())
+    model._symbolic_build(iterator=_BuildPass(feed))
+    feed.reset()  # as Keras' `evaluate`, after the build
     run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
     _check_attached("evaluate")
     callbacks = _callback_list(model, callbacks, verbose, 1, feed)
