@@ -87,6 +87,12 @@ def test_errors_name_the_steps_argument_and_the_data_of_their_call(strategy):
         model.fit(x, y, batch_size=8, validation_data=(val_x, val_y), verbose=0)
     with pytest.raises(ValueError, match=r"The provided validation data has a partial batch"):
         model.fit(x, y, batch_size=8, validation_data=(val_x[:36], val_y[:36]), verbose=0)
+    with pytest.raises(ValueError, match=r"size of the validation data provided\. You must "
+                                         r"specify the number of steps to run "
+                                         r"\(`validation_steps` in `fit`\)"):
+        model.fit(x, y, batch_size=8, validation_data=_generator(val_x, val_y, 8), verbose=0)
+    with pytest.raises(ValueError, match=r"\(`steps` in `predict`\)"):
+        model.predict(_generator(val_x, val_y, 8), verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
 
 
@@ -117,7 +123,9 @@ def _generator(x, y, batch, forever=False):
 def test_unknown_size_needs_steps(strategy):
     _, model = twin("sequential", strategy, steps_per_execution=2)
     x, y = data_for("sequential", samples=32)
-    with pytest.raises(ValueError, match="Could not infer the size of the data"):
+    with pytest.raises(ValueError, match=r"Could not infer the size of the dataset provided\. "
+                                         r"You must specify the number of steps to run "
+                                         r"\(`steps_per_epoch` in `fit`\)"):
         model.fit(_generator(x, y, 8), verbose=0)
 
 

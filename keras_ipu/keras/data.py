@@ -176,10 +176,12 @@ def plan_steps(
     steps_argument, provided = ROLES[role].steps_argument, ROLES[role].data
     if not continues:
         if num_batches is None:
+            # Named for the data of this role: validation data of unknown size
+            # needs `validation_steps`, even when `steps_per_epoch` is given.
+            call = "fit" if role == "validation" else role
             raise ValueError(
-                "Could not infer the size of the data. You must specify the "
-                "number of steps to run (`steps_per_epoch` in `fit`, `steps` "
-                "in `evaluate` and `predict`)."
+                f"Could not infer the size of {provided}. You must specify the "
+                f"number of steps to run (`{steps_argument}` in `{call}`)."
             )
         steps = num_batches
     per_replica, dropped = divmod(steps, replicas)
