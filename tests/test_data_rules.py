@@ -85,7 +85,8 @@ def test_errors_name_the_steps_argument_and_the_data_of_their_call(strategy):
     with pytest.raises(ValueError, match=r"number of batches \(5\) in the validation data "
                                          r"provided\. Divisors of 5: 1, 5\."):
         model.fit(x, y, batch_size=8, validation_data=(val_x, val_y), verbose=0)
-    with pytest.raises(ValueError, match=r"The provided validation data has a partial batch"):
+    with pytest.raises(ValueError, match=r"The provided validation data has a partial batch.*"
+                                         r"adjust the `validation_batch_size`.*set to 8\)"):
         model.fit(x, y, batch_size=8, validation_data=(val_x[:36], val_y[:36]), verbose=0)
     with pytest.raises(ValueError, match=r"size of the validation data provided\. You must "
                                          r"specify the number of steps to run "

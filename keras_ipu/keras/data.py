@@ -38,13 +38,15 @@ class Role(NamedTuple):
     steps_argument: str
     data: str
     subject: str
+    batch_argument: str = "batch_size"
 
 
 _DATASET = ("the dataset provided", "The provided set of data")
 ROLES = {
     "fit": Role("steps_per_epoch", *_DATASET),
+    # Validation data is batched by `validation_batch_size` (else `batch_size`).
     "validation": Role("validation_steps", "the validation data provided",
-                       "The provided validation data"),
+                       "The provided validation data", "validation_batch_size"),
     "evaluate": Role("steps", *_DATASET),
     "predict": Role("steps", *_DATASET),
 }
@@ -271,8 +273,8 @@ class ArrayFeed:
         if rows % batch_size:
             raise ValueError(
                 f"{ROLES[role].subject} has a partial batch, which could result "
-                f"in data being dropped. Either adjust the `batch_size` of your "
-                f"model (currently set to {batch_size}) or pad your dataset to "
+                f"in data being dropped. Either adjust the `{ROLES[role].batch_argument}` "
+                f"of your model (currently set to {batch_size}) or pad your dataset to "
                 f"ensure there are no partial batches ({rows} samples is not a "
                 f"multiple of {batch_size})."
             )
