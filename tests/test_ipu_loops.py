@@ -349,6 +349,22 @@ def test_an_infeed_read_inside_another_loops_body_is_refused():
     assert len(infeed.peek(10)) == 6  # nothing taken
 
 
+def test_a_loop_filling_an_outfeed_inside_a_jit_of_ones_own_says_where_to_run_it():
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(x):
+        return x + 1, outfeed.enqueue(x)
+
+    with pytest.raises(RuntimeError, match="inside a JAX transformation of your own.*"
+                                           "ipu_compiler.compile or strategy.run"):
+        jax.jit(lambda x: ipu.loops.repeat(3, body, [x]))(jnp.float32(1))
+    assert outfeed.dequeue() == []  # nothing reached it
+    # Inside keras_ipu's own compiled function the values come out.
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(lambda x: ipu.loops.repeat(3, body, [x]), [jnp.float32(1)])
+    np.testing.assert_array_equal(outfeed.dequeue(), [1, 2, 3])
+
+
 def test_queues_made_again_get_a_new_program_not_the_kept_one():
     # A notebook cell making the queues run again: the kept program must not take from, or
     # fill, the queues of its trace.

@@ -366,6 +366,14 @@ def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:
         enclosing.add(queue, values, block=True)
     elif outfed is not None:  # inside `call_compiled`: the values leave with its outputs
         outfed.append((queue, values))
+    elif any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)):
+        # A JAX transformation of the caller's own (`jax.jit`, say) traces the loop: its
+        # values exist only inside that program, which has no way to hand them out.
+        raise RuntimeError(
+            "A loop filled an IPUOutfeedQueue inside a JAX transformation of your own "
+            "(jax.jit, say): its values exist only inside that program and cannot reach the "
+            "queue. Run the loop inside ipu.ipu_compiler.compile or strategy.run instead: "
+            "they compile the function and hand its outfeed values out.")
     else:
         queue.receive(values)
 

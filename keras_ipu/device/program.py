@@ -463,8 +463,8 @@ class ExecutionProgram:
             compiled = compiler.compile_lowered(loop.lowered, options)
             return self._measured(compiled, loop, options, state, batches, choice, started)
         # Only now: XLA's autotuning results for the step (its convolutions,
-        # say) are then the loop's too, and no two compilations time kernels
-        # on the device at once.
+        # say) are then the loop's too, and the two compilations never time
+        # kernels on the device at once.
         loop_compile = background.Compilation(compiler.compile_lowered, loop.lowered, options)
         specs = jax.tree_util.tree_map(_spec, (state, batches))
 
