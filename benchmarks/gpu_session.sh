@@ -5,7 +5,7 @@
 # Here, once (it needs PyPI), from the repository root:
 #     bash benchmarks/gpu_session.sh wheels        # keras, namex, optree wheels into .whl/
 # There, one part per call, carrying .whl (logs and JSON results land in $OUT):
-#     bash benchmarks/gpu_session.sh acceptance    # the issue's open GPU figures, ~8 minutes:
+#     bash benchmarks/gpu_session.sh acceptance    # the issue's open GPU figures, ~9 minutes:
 #                                                  # the one call a 15-minute lease allows
 #     bash benchmarks/gpu_session.sh throughput    # single IPU vs limit, GA 8, resident cut
 #     bash benchmarks/gpu_session.sh table         # plain Keras vs keras_ipu, 4 models
@@ -43,6 +43,9 @@ jax.devices())" | tee -a "$out/device.txt"
 case "$part" in
     acceptance)
         python3 benchmarks/gpu_acceptance.py --out "$out" --budget 480
+        # At most 8 files come back from a call: one archive, and the verdicts beside it.
+        (cd "$out" && tar czf results.tgz -- *.json *.log device.txt \
+            && find . -maxdepth 1 -type f ! -name results.tgz ! -name acceptance.json -delete)
         ;;
     throughput)
         python3 benchmarks/bench_single_ipu.py --repeats 3 --skip compile \
