@@ -40,9 +40,9 @@ The three schedules of IPU TensorFlow's `PipelineSchedule`, as built here:
   stage `s` stashes `min(m, p - s)` activations. `T = 2(m + p - 1)` ticks, like
   Grouped, but most ticks mix forward and backward ops, and a bulk-synchronous
   tick lasts as long as its slowest op: with unequal forward and backward costs
-  Interleaved is slower than Grouped, as the reference warns. Training with
-  several stages on one IPU is not implemented (as in IPU TensorFlow). Inference
-  is the same as Grouped inference.
+  Interleaved is slower than Grouped, as the reference warns. Unlike IPU
+  TensorFlow, it also trains with several stages on one IPU (see
+  `build_schedule`). Inference is the same as Grouped inference.
 
 One greedy list scheduler builds all three, parameterised by the rules above:
 phase alternation (Grouped training), backward-first with an in-flight cap
