@@ -11,6 +11,7 @@ from keras_ipu.keras import options
 from models import sequential
 
 Schedule = ipu.pipelining_ops.PipelineSchedule
+StageOptions = ipu.pipelining_ops.PipelineStageOptions
 
 
 def _model(strategy):
@@ -58,6 +59,15 @@ def test_setter_stores_and_keeps(strategy):
         ({"pipeline_schedul": Schedule.Grouped}, ValueError, r"Unknown `pipelining_kwargs`"),
         ({"pipeline_schedule": "Grouped"}, ValueError, r"Invalid `pipeline_schedule`"),
         ({"continuous_weight_updates": True}, NotImplementedError, "not implemented"),
+        # The Poplar options have no effect, but are checked as the reference checks them.
+        ({"forward_propagation_stages_poplar_options": "abc"}, TypeError,
+         "forward_propagation_stages_poplar_options must be a list or a tuple of "
+         "PipelineStageOptions objects"),
+        ({"backward_propagation_stages_poplar_options": [StageOptions(), {"a": 1}]}, TypeError,
+         "Expected all elements of backward_propagation_stages_poplar_options to be of type "
+         "PipelineStageOptions"),
+        ({"weight_update_poplar_options": [StageOptions()]}, TypeError,
+         "weight_update_poplar_options to be of type PipelineStageOptions"),
     ],
 )
 def test_validation_errors_change_nothing(kwargs, error, message, strategy):
@@ -178,3 +188,46 @@ def test_a_pipelines_accumulator_dtype_is_its_own_option(strategy):
     assert any(not np.array_equal(a, b) for a, b in zip(results["float32"], results["bfloat16"]))
     for a, b in zip(results["float32"], results["bfloat16"]):
         np.testing.assert_allclose(a, b, atol=5e-2)
+
+
+def test_per_stage_poplar_options_give_one_entry_per_stage(strategy):
+    """Checked when a run is prepared, before any weight changes; the backward
+    stages' options only when training, as in the reference's `pipeline`."""
+    import numpy as np
+
+    from conftest import configure
+
+    configure(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(2)])
+    model.set_pipeline_stage_assignment([0, 1])
+    model.compile("sgd", "mse", steps_per_execution=4)
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 2), "float32")
+    before = model.get_weights()
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 forward_propagation_stages_poplar_options=[StageOptions()])
+    for run in (lambda: model.fit(x, y, batch_size=2, verbose=0),
+                lambda: model.predict(x, batch_size=2, verbose=0)):
+        with pytest.raises(ValueError, match=r"forward_propagation_stages_poplar_options must "
+                                             r"be a list or a tuple of PipelineStageOptions "
+                                             r"objects of length 2 \(same number as the number "
+                                             r"of computational stages\) but is 1\."):
+            run()
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=4,
+        forward_propagation_stages_poplar_options=(StageOptions(), StageOptions()),
+        backward_propagation_stages_poplar_options=[StageOptions()] * 3,
+        weight_update_poplar_options=StageOptions())
+    model.predict(x, batch_size=2, verbose=0)  # inference has no backward stages
+    with pytest.raises(ValueError, match="backward_propagation_stages_poplar_options must be "
+                                         "a list or a tuple of PipelineStageOptions objects of "
+                                         "length 2"):
+        model.fit(x, y, batch_size=2, verbose=0)
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=4,
+        forward_propagation_stages_poplar_options=[StageOptions()] * 2,
+        backward_propagation_stages_poplar_options=[StageOptions(matmul_options={"a": "1"})] * 2)
+    model.fit(x, y, batch_size=2, verbose=0)

@@ -139,7 +139,8 @@ class ExtensionBase:
             ValueError: For bad steps, mapping or reduction method, and for
                 kwargs that have an argument of their own, are set by Keras,
                 do not work with Keras, or are unknown.
-            TypeError: When `accumulate_outfeed` is not a bool.
+            TypeError: When `accumulate_outfeed` is not a bool, or a Poplar
+                option is not a `PipelineStageOptions` (a list of them per stage).
             NotImplementedError: For `continuous_weight_updates=True`.
 
         Example:

@@ -18,6 +18,7 @@ import numpy as np
 from keras_ipu.device import schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod, parse_enum
 from keras_ipu.keras import context, feed_options
+from keras_ipu.pipelining_ops import PipelineStageOptions
 
 
 class ReplicatedMetricReductionMethod(enum.Enum):
@@ -283,8 +284,9 @@ def pipelining_options(
     Raises:
         ValueError: For bad steps, mapping, reduction method, refused or
             unknown kwargs, or bad kwarg values.
-        TypeError: When the kwargs are not a mapping, or
-            `accumulate_outfeed` is not a bool.
+        TypeError: When the kwargs are not a mapping, `accumulate_outfeed`
+            is not a bool, or a Poplar option is not a `PipelineStageOptions`
+            (a list or tuple of them for the per-stage ones).
         NotImplementedError: For `continuous_weight_updates=True`.
     """
     steps = _check_steps(gradient_accumulation_steps_per_replica)
@@ -380,7 +382,51 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
     if "gradient_accumulation_dtype" in kwargs:
         kwargs["gradient_accumulation_dtype"] = _accumulator_dtype(
             kwargs["gradient_accumulation_dtype"], "`gradient_accumulation_dtype`")
+    _check_stage_poplar_options(kwargs)
     return kwargs
+
+
+# Per-stage Poplar options: one `PipelineStageOptions` per stage (their number
+# is checked against the stages when a run is prepared, `check_stage_poplar_options`).
+STAGE_POPLAR_OPTIONS = ("forward_propagation_stages_poplar_options",
+                        "backward_propagation_stages_poplar_options")
+
+
+def _check_stage_poplar_options(kwargs: Mapping[str, Any]) -> None:
+    """The reference's type checks of the Poplar options (they have no effect, but
+    ported code that passes something else fails there, so it fails here too)."""
+    for name in STAGE_POPLAR_OPTIONS:
+        stage_options = kwargs.get(name)
+        if stage_options is None:
+            continue
+        if not isinstance(stage_options, (list, tuple)):
+            raise TypeError(f"{name} must be a list or a tuple of PipelineStageOptions objects.")
+        for item in stage_options:
+            if not isinstance(item, PipelineStageOptions):
+                raise TypeError(f"Expected all elements of {name} to be of type "
+                                f"PipelineStageOptions, but got {item} instead.")
+    update = kwargs.get("weight_update_poplar_options")
+    if update is not None and not isinstance(update, PipelineStageOptions):
+        raise TypeError(f"weight_update_poplar_options to be of type PipelineStageOptions, "
+                        f"but got {update} instead.")
+
+
+def check_stage_poplar_options(options: IPUOptions, num_stages: int, training: bool) -> None:
+    """Checks that the per-stage Poplar options give one entry per pipeline stage.
+
+    As in the reference's `pipeline`, the backward stages' options are only
+    checked when training.
+
+    Raises:
+        ValueError: When a list has another length than the stages.
+    """
+    for name in STAGE_POPLAR_OPTIONS[:2 if training else 1]:
+        stage_options = options.pipelining_kwargs.get(name)
+        if stage_options is not None and len(stage_options) != num_stages:
+            raise ValueError(
+                f"{name} must be a list or a tuple of PipelineStageOptions objects of "
+                f"length {num_stages} (same number as the number of computational stages) "
+                f"but is {len(stage_options)}.")
 
 
 # Keys whose `None` is the reference's default (Grouped, Auto, the variables' type).

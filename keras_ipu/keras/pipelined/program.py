@@ -17,7 +17,7 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.layers import RecomputationCheckpoint
-from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions
+from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions, check_stage_poplar_options
 from keras_ipu.keras.pipelined import codec, dispatched, optimizer_copies, training
 from keras_ipu.keras.pipelined import model as pipelined_model
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
@@ -116,11 +116,13 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     """The cache key and builder of a pipelined program for a run.
 
     Raises:
-        ValueError: Too few micro-batches for the schedule (naming the minimum), or an
-            optimizer the pipeline cannot step as Keras does.
+        ValueError: Too few micro-batches for the schedule (naming the minimum), an
+            optimizer the pipeline cannot step as Keras does, or per-stage Poplar
+            options that do not give one entry per stage.
         NotImplementedError: Interleaved training with stages sharing an IPU.
     """
     plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
+    check_stage_poplar_options(options, plan.num_stages, training=mode == "fit")
     if mode == "fit" and getattr(model, "optimizer", None) is not None:
         optimizer_copies.check_pipelined(model.optimizer)
     schedule = schedule_of(options)
