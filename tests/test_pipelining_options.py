@@ -68,6 +68,8 @@ def test_setter_stores_and_keeps(strategy):
          "PipelineStageOptions"),
         ({"weight_update_poplar_options": [StageOptions()]}, TypeError,
          "weight_update_poplar_options to be of type PipelineStageOptions"),
+        ({"accumulate_outfeed_dtype": "no-such-dtype"}, TypeError,
+         "Invalid `accumulate_outfeed_dtype`"),
     ],
 )
 def test_validation_errors_change_nothing(kwargs, error, message, strategy):
@@ -164,6 +166,8 @@ def test_the_references_none_defaults_and_numpy_dtypes_are_taken(strategy):
     with pytest.raises(ValueError, match="one of RecomputationMode.Auto, "):
         model.set_pipelining_options(recomputation_mode="Auto")
     assert options.options_of(model).pipelined_accumulator_dtype == "float16"  # kept
+    for dtype in (None, "float16", np.float32, jnp.bfloat16, lambda tensor: np.float32):
+        model.set_pipelining_options(accumulate_outfeed_dtype=dtype)  # as the reference reads it
 
 
 def test_a_pipelines_accumulator_dtype_is_its_own_option(strategy):

@@ -383,7 +383,21 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
         kwargs["gradient_accumulation_dtype"] = _accumulator_dtype(
             kwargs["gradient_accumulation_dtype"], "`gradient_accumulation_dtype`")
     _check_stage_poplar_options(kwargs)
+    _check_outfeed_dtype(kwargs.get("accumulate_outfeed_dtype"))
     return kwargs
+
+
+def _check_outfeed_dtype(dtype: Any) -> None:
+    """`accumulate_outfeed_dtype`, as the reference reads it: `None`, a dtype, or a
+    per-tensor function (it has no effect here, but a bad value fails there)."""
+    if dtype is None or (callable(dtype) and not isinstance(dtype, type)):
+        return
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"Invalid `accumulate_outfeed_dtype` in `pipelining_kwargs`: {dtype!r}; expected "
+            f"None, a dtype or a function of the outfeed tensor that returns one.") from None
 
 
 # Per-stage Poplar options: one `PipelineStageOptions` per stage (their number
