@@ -119,7 +119,6 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         ValueError: Too few micro-batches for the schedule (naming the minimum), an
             optimizer the pipeline cannot step as Keras does, or per-stage Poplar
             options that do not give one entry per stage.
-        NotImplementedError: Interleaved training with stages sharing an IPU.
     """
     plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
     check_stage_poplar_options(options, plan.num_stages, training=mode == "fit")
