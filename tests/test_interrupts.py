@@ -112,3 +112,24 @@ def test_a_ctrl_c_inside_a_deferred_block_is_raised_as_it_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     with interrupts.deferred():  # nothing arrived: nothing raised
         done.append("again")
+
+
+@pytest.mark.parametrize("setup", ["one_ipu", "pipelined"])
+def test_an_interrupt_in_an_asynchronous_hook_keeps_the_executions_whose_hooks_all_ran(setup):
+    # docs/semantics.md: with asynchronous callbacks, the weights are those after the
+    # last execution whose hooks all ran, also when the program consumes its state (a
+    # pipeline's): the interrupted execution's weights are not kept.
+    x, y = data_for("sequential", samples=16 * SPE * BATCH)
+    completed = DONE * SPE * BATCH
+    expected_model = _model(setup)
+    expected_model.fit(x[:completed], y[:completed], batch_size=BATCH, epochs=1,
+                       shuffle=False, verbose=0)
+
+    model = _model(setup)
+    model.set_asynchronous_callbacks(True)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_Interrupt(DONE * SPE + 1)])  # mid-way through execution DONE + 1
+    assert_weights_close(expected_model.get_weights(), model.get_weights(), atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == int(
+        expected_model.optimizer.iterations.numpy())

@@ -344,8 +344,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                 # A Ctrl-C between the execution and keeping its state would lose both.
                 with interrupts.deferred():
                     new_state, outfeed = execute(state, batches)
-                    if hooks is None or run.program.donates_state:
-                        # The old state was consumed: the new one is the model's now.
+                    if hooks is None:
+                        # The old state may be consumed: the new one is the model's now.
                         _keep_state(model, new_state, codec)
                 outfeed, returned = _split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
@@ -357,10 +357,10 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
                     on_end(end, as_logs(outfeed))
                 else:
                     _await_hooks(hooks, ended, outfeed, returned, begin, run.replica_count)
-                    # The device's state wins over a hook's sync during the execution.
+                    # The device's state wins over a hook's sync; kept once its hooks
+                    # all ran (a hook that raises leaves the last execution's).
                     model._jax_state_synced = False
-                    if not run.program.donates_state:
-                        _keep_state(model, new_state, codec)
+                    _keep_state(model, new_state, codec)
                 state = new_state
                 if getattr(model, stop_flag, False):
                     break
