@@ -73,3 +73,24 @@ def test_tuned_optimizer_steps_train_the_same_model(strategy, monkeypatch):
     assert "stage ops: XLA's defaults" in tuned.compiler
     assert "xla_cpu_use_fusion_emitters" not in default.compiler
     assert "xla_cpu_use_fusion_emitters=False" in str(tuned)
+
+
+def test_a_model_fitted_again_after_configuring_another_choice_compiles_with_it(
+        strategy, monkeypatch):
+    # A notebook re-runs its configuration cell with another flag, then the fit cell:
+    # the model's programs are compiled again with the new options, not reused.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--execution_loop=host --xla_compiler_options=default")
+    configure(2)
+    with strategy.scope():
+        model = _convnet()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    x, y = np.ones((32, 8, 8, 2), "float32"), np.ones((32, 3), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert "xla_cpu_use_fusion_emitters" not in ipu.utils.execution_report(model, "fit").compiler
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--execution_loop=host --xla_compiler_options=tuned")
+    configure(2)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    report = ipu.utils.execution_report(model, "fit")
+    assert "optimizer steps: xla_cpu_use_fusion_emitters=False" in report.compiler

@@ -11,11 +11,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from keras_ipu.device import system as ipu_system
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import context
 
 MODES = ("fit", "evaluate", "predict")
+
+# Flags of the configured system that a program reads when it compiles: a
+# system configured again with others compiles the model's programs again.
+_COMPILE_FLAGS = ("xla_compiler_options", "background_loop_compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,8 @@ def cached_run(model: Any, mode: str, key: Any, build: Callable[[], Run]) -> Run
     >>> run = cached_run(model, "fit", key, build)
     """
     programs = context.state_of(model).programs
+    configured = ipu_system.require()
+    key = (key, tuple(configured.option(flag) for flag in _COMPILE_FLAGS))
     known_key, run = programs.get(mode, (None, None))
     if run is None or known_key != key:
         run = build()
