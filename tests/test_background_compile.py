@@ -29,27 +29,43 @@ def _data():
     return rng.normal(size=(64, 6)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")
 
 
-@pytest.fixture
-def gated_loop(monkeypatch):
-    """keras_ipu's compilations, the second of each program (its loop) held until `open`."""
-    gate, compiled = threading.Event(), []
-    real = compiler.compile_lowered
+def _flag(monkeypatch, value: str = "true", **ipu_model) -> None:
+    """Configures one IPU with `--background_loop_compile=value` (`ipu_model` attributes)."""
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--background_loop_compile={value}".rstrip("="))
+    configure(1, **ipu_model)
+
+
+def _watch_compilations(monkeypatch, before=lambda count: None) -> list:
+    """keras_ipu's compilations, listed; `before(count)` runs ahead of each (it may wait
+    or raise)."""
+    compiled, real = [], compiler.compile_lowered
 
     def compile_lowered(lowered, options):
         compiled.append(lowered)
-        if len(compiled) % 2 == 0:
-            assert gate.wait(timeout=120)
+        before(len(compiled))
         return real(lowered, options)
 
     monkeypatch.setattr(compiler, "compile_lowered", compile_lowered)
+    return compiled
+
+
+@pytest.fixture
+def gated_loop(monkeypatch):
+    """keras_ipu's compilations, the second of each program (its loop) held until `open`."""
+    gate = threading.Event()
+
+    def hold_loops(count):
+        if count % 2 == 0:
+            assert gate.wait(timeout=120)
+
+    compiled = _watch_compilations(monkeypatch, hold_loops)
     yield gate, compiled
     gate.set()
     background.wait_for_compilations()
 
 
 def _run(strategy, monkeypatch, flag: str, gate: threading.Event | None = None):
-    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--background_loop_compile={flag}")
-    configure(1)
+    _flag(monkeypatch, flag)
     model = _model(strategy)
     x, y = _data()
     first = model.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
@@ -88,19 +104,15 @@ def test_the_first_executions_run_the_step_until_the_loop_has_compiled(
 
 def test_a_failed_loop_compilation_raises_at_the_next_execution_and_loses_nothing(
         strategy, monkeypatch):
-    real = compiler.compile_lowered
-    calls, gate = [], threading.Event()
+    gate = threading.Event()
 
-    def compile_lowered(lowered, options):
-        calls.append(lowered)
-        if len(calls) == 2:  # the fit's loop, once the first fit has run
+    def fail_the_loop(count):
+        if count == 2:  # the fit's loop, once the first fit has run
             assert gate.wait(timeout=120)
             raise RuntimeError("XLA could not compile the loop")
-        return real(lowered, options)
 
-    monkeypatch.setattr(compiler, "compile_lowered", compile_lowered)
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
-    configure(1)
+    _watch_compilations(monkeypatch, fail_the_loop)
+    _flag(monkeypatch)
     model = _model(strategy)
     x, y = _data()
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
@@ -122,16 +134,12 @@ def test_a_failed_loop_compilation_raises_at_the_next_execution_and_loses_nothin
 
 def test_one_step_executions_and_cpus_compile_no_loop_in_the_background(
         strategy, monkeypatch):
-    compiled = []
-    real = compiler.compile_lowered
-    monkeypatch.setattr(compiler, "compile_lowered",
-                        lambda lowered, options: compiled.append(lowered) or real(lowered, options))
+    compiled = _watch_compilations(monkeypatch)
     model = _model(strategy)  # auto: not on CPU devices
     x, y = _data()
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     assert ipu.utils.execution_report(model).loop == "scan" and len(compiled) == 1
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile")  # bare: true
-    configure(1)
+    _flag(monkeypatch, "")  # bare: true
     model = _model(strategy)
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=1)
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)  # one step: nothing to loop
@@ -141,8 +149,7 @@ def test_one_step_executions_and_cpus_compile_no_loop_in_the_background(
 def test_the_flag_decides_per_platform(monkeypatch):
     assert (background.enabled("gpu"), background.enabled("cpu")) == (True, False)
     for value, expected in (("false", False), ("true", True), ("auto", False)):
-        monkeypatch.setenv("KERAS_IPU_FLAGS", f"--background_loop_compile={value}")
-        configure(1)
+        _flag(monkeypatch, value)
         assert background.enabled("cpu") is expected
         assert background.enabled("gpu") is (value != "false")
     monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=later")
@@ -174,8 +181,7 @@ def test_programs_across_processes_compile_their_loop_first(strategy, monkeypatc
 
     from keras_ipu.keras import run
 
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
-    configure(1)
+    _flag(monkeypatch)
     model = _model(strategy)
     x, y = _data()
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
@@ -196,8 +202,7 @@ def _too_big_a_loop(strategy):
 
 
 def test_a_loop_that_might_not_fit_is_checked_before_anything_runs(strategy, monkeypatch):
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
-    configure(1, tiles_per_ipu=3)
+    _flag(monkeypatch, tiles_per_ipu=3)
     model, x = _too_big_a_loop(strategy)
     with pytest.raises(ipu.errors.IPUOutOfMemoryError, match="predict program needs 2,1"):
         model.predict(x, batch_size=32, verbose=0)
@@ -232,8 +237,7 @@ def test_a_program_that_returns_every_steps_outputs_compiles_its_loop_first(
     from keras_ipu.device import program, system
     from keras_ipu.device.replicate import Replicas
 
-    monkeypatch.setenv("KERAS_IPU_FLAGS", "--background_loop_compile=true")
-    configure(1)
+    _flag(monkeypatch)
     configured = system.current()
 
     def step(w, x):

@@ -88,13 +88,15 @@ class Compilation:
     def _run(self, compile_fn: Callable[..., Any], args: tuple) -> None:
         started = time.perf_counter()
         try:
-            result = compile_fn(*args)
-        except BaseException as error:  # handed to whoever takes the result
-            self.seconds = time.perf_counter() - started
-            self._future.set_exception(error)
-            return
+            result, error = compile_fn(*args), None
+        except BaseException as raised:  # handed to whoever takes the result
+            result, error = None, raised
+        # Timed before the future is done: whoever sees it done reads the time.
         self.seconds = time.perf_counter() - started
-        self._future.set_result(result)
+        if error is None:
+            self._future.set_result(result)
+        else:
+            self._future.set_exception(error)
 
     def done(self) -> bool:
         """Whether the compilation has ended (compiled, or failed)."""

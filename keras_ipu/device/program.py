@@ -61,15 +61,11 @@ class _Traced(NamedTuple):
     batches: Batch
 
 
-class _Successor:
+class _Successor(NamedTuple):
     """The executable that takes over from another once ready (the loop after the step)."""
 
-    def __init__(self, ready: Callable[[], bool], take: Callable[[], _Executable]):
-        self.ready = ready
-        self._take = take
-
-    def take(self) -> _Executable:
-        return self._take()
+    ready: Callable[[], bool]
+    take: Callable[[], _Executable]
 
 
 class _Executable:
