@@ -18,6 +18,12 @@ synthetic float32 data, `shuffle=False`, `verbose=0`. Measured in one process:
                 the single-IPU limit's `model.train_step` does), then one
                 `optimizer.stateless_apply` with the mean; all data already on the device,
                 stacked per execution; state donated.
+    ipu_ga8_program
+                keras_ipu's own compiled execution of ipu_ga8 (its `ExecutionProgram`),
+                called in a loop over the same executions' batches already placed on the
+                device, as the limit is: no `fit` around it, no data copied. Against the
+                limit it measures the device program; against ipu_ga8, what `fit` adds
+                (the infeed's copies, the per-fit setup and tail).
     limit_ga8_no_loss
                 limit_ga8 without the loss: XLA then drops the loss's own arithmetic (on an
                 H100 5 kernels of 19 per micro-batch fewer: its reductions, the tracker's
@@ -28,6 +34,10 @@ synthetic float32 data, `shuffle=False`, `verbose=0`. Measured in one process:
     ipu_r2      keras_ipu `fit` as ipu_ga8 on 2 IPUs (2 replicas, GA 4 per replica: the same
                 256 samples per update).
     limit_r2    limit_ga8 as a 2-replica `shard_map` (4 micro-batches per replica, `psum`).
+
+With `--timeline`, ipu_ga8's fits are also timed by phase (milliseconds, medians): from the
+call to the first execution's dispatch (setup, the first copy), the dispatches, and from the
+last dispatch to the return (waiting for the device, the logs, the state's sync).
 
 Samples/s; the variants are interleaved for `--repeats` rounds and medians reported.
 Results go to benchmarks/results/bench_ga_replication.json. Exits 0 whatever the targets say.
@@ -58,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds")
     parser.add_argument("--executions", type=int, default=None,
                         help="executions per measurement (an epoch)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also time ipu_ga8's fits by phase")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results",
                                                          "bench_ga_replication.json"))
     args = parser.parse_args(argv)
@@ -108,6 +120,79 @@ class FitRunner:
         started = time.perf_counter()
         self.model.fit(self.x, self.y, batch_size=self.batch, epochs=1, shuffle=False, verbose=0)
         return len(self.x) / (time.perf_counter() - started)
+
+    def phases(self):
+        """One run timed by phase (ms): to the first dispatch, the dispatches, the tail."""
+        calls = []
+
+        def timed(program, state, batches):
+            calls.append(time.perf_counter())
+            result = call(program, state, batches)
+            calls.append(time.perf_counter())
+            return result
+
+        configure(self.replicas)
+        call = _patch_program_call(timed)
+        try:
+            started = time.perf_counter()
+            self.model.fit(self.x, self.y, batch_size=self.batch, epochs=1, shuffle=False,
+                           verbose=0)
+            ended = time.perf_counter()
+        finally:
+            _patch_program_call(call)
+        return {"setup": 1e3 * (calls[0] - started), "dispatches": 1e3 * (calls[-1] - calls[0]),
+                "tail": 1e3 * (ended - calls[-1])}
+
+
+def _patch_program_call(replacement):
+    """Sets `ExecutionProgram.__call__`; returns the one it replaces."""
+    from keras_ipu.device.program import ExecutionProgram
+
+    replaced = ExecutionProgram.__call__
+    ExecutionProgram.__call__ = replacement
+    return replaced
+
+
+class ProgramRunner:
+    """A fit runner's compiled execution program, called in a loop over placed batches."""
+
+    def __init__(self, fit_runner):
+        import jax
+        import jax.numpy as jnp
+
+        from keras_ipu.keras.run import run_for
+
+        placed = []
+
+        def recording(program, state, batches):
+            placed.append(batches)
+            return call(program, state, batches)
+
+        call = _patch_program_call(recording)
+        try:
+            fit_runner.run()
+        finally:
+            _patch_program_call(call)
+        self.jax, self.fit_runner, self.batches = jax, fit_runner, placed
+        self.program = run_for(fit_runner.model, "fit").program
+        parts = dict.fromkeys(("trainable_variables", "non_trainable_variables",
+                               "optimizer_variables", "metrics_variables"), True)
+        state = run_for(fit_runner.model, "fit").codec.to_device(
+            fit_runner.model._get_jax_state(**parts, purge_model_variables=False))
+        # A copy: a program that donates its state must not consume the model's buffers.
+        self.state = jax.tree_util.tree_map(jnp.copy, state)
+        self.run()
+
+    def run(self):
+        configure(self.fit_runner.replicas)
+        started = time.perf_counter()
+        state = self.state
+        for batches in self.batches:
+            state, _ = self.program(state, batches)
+        self.program.wait()
+        self.jax.block_until_ready(state)
+        self.state = state
+        return len(self.fit_runner.x) / (time.perf_counter() - started)
 
 
 class LimitRunner:
@@ -210,8 +295,10 @@ def main(argv=None):
     keras.utils.set_random_seed(0)
     weights = build(keras).get_weights()
     print(f"{samples} samples per measurement, {args.repeats} rounds", flush=True)
+    ipu_ga8 = FitRunner(keras, weights, x, y, batch=MICRO, spe=SPE, ga=GA)
     runners = {
-        "ipu_ga8": FitRunner(keras, weights, x, y, batch=MICRO, spe=SPE, ga=GA),
+        "ipu_ga8": ipu_ga8,
+        "ipu_ga8_program": ProgramRunner(ipu_ga8),
         "limit_ga8": LimitRunner(keras, weights, x, y),
         "limit_ga8_no_loss": LimitRunner(keras, weights, x, y, track_loss=False),
         "ipu_b256": FitRunner(keras, weights, x, y, batch=MICRO * GA, spe=UPDATES_PER_EXECUTION),
@@ -224,9 +311,14 @@ def main(argv=None):
         for name, runner in runners.items():
             measured[name].append(runner.run())
         print(f"round {round_ + 1}/{args.repeats}", flush=True)
+    phases = [ipu_ga8.phases() for _ in range(args.repeats)] if args.timeline else []
     median = {name: statistics.median(values) for name, values in measured.items()}
     ratios = {
         "ipu_ga8 / limit_ga8": median["ipu_ga8"] / median["limit_ga8"],
+        "ipu_ga8_program / limit_ga8 (the device program)":
+            median["ipu_ga8_program"] / median["limit_ga8"],
+        "ipu_ga8 / ipu_ga8_program (what fit adds)":
+            median["ipu_ga8"] / median["ipu_ga8_program"],
         "ipu_ga8 / limit_ga8_no_loss": median["ipu_ga8"] / median["limit_ga8_no_loss"],
         "ipu_ga8 / ipu_b256": median["ipu_ga8"] / median["ipu_b256"],
         "limit_ga8 / ipu_b256": median["limit_ga8"] / median["ipu_b256"],
@@ -240,13 +332,21 @@ def main(argv=None):
     print("\nratios:")
     for name, value in ratios.items():
         print(f"  {name:45s} {value:.3f}")
+    timeline = {phase: statistics.median(p[phase] for p in phases)
+                for phase in ("setup", "dispatches", "tail")} if phases else {}
+    if timeline:
+        device_ms = 1e3 * samples / median["ipu_ga8_program"]
+        print("\nipu_ga8's fit by phase (ms, median): " + ", ".join(
+            f"{phase} {ms:.2f}" for phase, ms in timeline.items())
+            + f"; its executions on the device alone: {device_ms:.2f}")
     target = ratios["ipu_ga8 / limit_ga8"]
     print(f"\nTarget: keras_ipu GA=8 >= 0.9x the limit: {'PASS' if target >= 0.9 else 'MISS'} "
           f"({target:.3f})")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"samples_per_s": measured, "median": median, "ratios": ratios,
-                   "repeats": args.repeats, "samples": samples}, f, indent=2)
+                   "repeats": args.repeats, "samples": samples,
+                   "timeline_ms": timeline}, f, indent=2)
     return 0
 
 

@@ -57,13 +57,15 @@ class Step:
 STEPS = (
     Step("single", "bench_single_ipu.py", ("--repeats", "3", "--skip", "compile,compute"),
          ("--quick", "--skip", "compile,compute"), 150, "--output"),
-    Step("ga", "bench_ga_replication.py", ("--repeats", "3"), ("--quick",), 110, "--output"),
+    Step("ga", "bench_ga_replication.py", ("--repeats", "3", "--timeline"), ("--quick",), 110,
+         "--output"),
     Step("table", "bench_accelerator.py",
          ("--models", "dense4096,resnet50", "--rounds", "3", "--first-rounds", "2"),
          ("--quick", "--models", "dense64"), 240, "--json"),
     # What is known less well (BENCHMARKS.md, 2026-11-26): GA with fits 4x as long, so that
     # a fit's fixed costs weigh less; ResNet50 warm with the loop compiled in the foreground.
-    Step("ga_long", "bench_ga_replication.py", ("--repeats", "3", "--executions", "64"),
+    Step("ga_long", "bench_ga_replication.py",
+         ("--repeats", "3", "--executions", "64", "--timeline"),
          ("--quick",), 120, "--output"),
     Step("table_foreground", "bench_accelerator.py",
          ("--models", "resnet50", "--rounds", "3", "--first-rounds", "0"),

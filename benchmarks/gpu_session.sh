@@ -7,17 +7,20 @@
 # There, one part per call, carrying .whl (logs and JSON results land in $OUT):
 #     bash benchmarks/gpu_session.sh acceptance    # the issue's open GPU figures, ~9 minutes:
 #                                                  # the one call a 15-minute lease allows
+#                                                  # (after profile_fit_setup.py, 20 s)
 #     bash benchmarks/gpu_session.sh throughput    # single IPU vs limit, GA 8, resident cut
+#     bash benchmarks/gpu_session.sh ga            # where GA 8's time goes, ~3 minutes: its
+#                                                  # fit by phase, its program alone, the HLO
 #     bash benchmarks/gpu_session.sh table         # plain Keras vs keras_ipu, 4 models
 #     bash benchmarks/gpu_session.sh first-fit     # the executable cache, fresh processes
 #     bash benchmarks/gpu_session.sh zoo           # the single-IPU zoo
 set -euo pipefail
 
-part=${1:?"a part: wheels, acceptance, throughput, table, first-fit or zoo"}
+part=${1:?"a part: wheels, acceptance, throughput, ga, table, first-fit or zoo"}
 wheels=.whl
 case "$part" in
-    wheels | acceptance | throughput | table | first-fit | zoo) ;;
-    *) echo "unknown part $part: wheels, acceptance, throughput, table, first-fit or zoo" >&2
+    wheels | acceptance | throughput | ga | table | first-fit | zoo) ;;
+    *) echo "unknown part $part: wheels, acceptance, throughput, ga, table, first-fit or zoo" >&2
        exit 2 ;;
 esac
 
@@ -42,6 +45,8 @@ jax.devices())" | tee -a "$out/device.txt"
 
 case "$part" in
     acceptance)
+        # A warm fit's host setup by part first (20 s): what GA 8's short fits pay.
+        timeout 60 python3 benchmarks/profile_fit_setup.py 2>&1 | tee "$out/fit_setup.log" || true
         python3 benchmarks/gpu_acceptance.py --out "$out" --budget 480
         # At most 8 files come back from a call: one archive, and the verdicts beside it.
         (cd "$out" && tar czf results.tgz -- *.json *.log device.txt \
@@ -54,6 +59,18 @@ case "$part" in
             --output "$out/bench_ga_replication.json" 2>&1 | tee "$out/ga.log"
         python3 benchmarks/bench_resident_cut.py --output "$out/bench_resident_cut.json" \
             2>&1 | tee "$out/resident_cut.log"
+        ;;
+    ga)
+        for executions in 16 64; do
+            python3 benchmarks/bench_ga_replication.py --repeats 3 --timeline \
+                --executions "$executions" --output "$out/ga_$executions.json" 2>&1 \
+                | tee "$out/ga_$executions.log"
+        done
+        # The optimized HLO of each program (a short run: only the compilations matter).
+        XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
+            python3 benchmarks/bench_ga_replication.py --quick --output /tmp/hlo.json \
+            > /dev/null 2>&1 || true
+        (cd /tmp/hlo && tar czf "$out/hlo.tgz" -- *after_optimizations.txt) || true
         ;;
     table)
         python3 benchmarks/bench_accelerator.py --rounds 3 --first-rounds 2 2>&1 \

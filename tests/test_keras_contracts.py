@@ -416,3 +416,31 @@ def test_keras_masks_are_tensor_attributes():
     masking.set_keras_mask(value, keras.ops.array([[True, False, True]]))
     assert keras.ops.convert_to_numpy(masking.get_keras_mask(value)).tolist() == [
         [True, False, True]]
+
+
+def test_the_metric_resets_keras_ipu_replaces_zero_what_it_says():
+    # keras_ipu.keras.metric_reset: these reset_state functions only zero these variables,
+    # and these containers only reset the metrics it lists.
+    from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
+
+    from keras_ipu.keras.metric_reset import CONTAINED_METRICS, ZEROED_VARIABLES
+
+    class Plain(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__()
+            self.a = self.add_variable(shape=(2,), initializer="ones", name="a")
+
+    for metric in (Plain(), keras.metrics.Mean(), keras.metrics.Sum()):
+        for variable in metric.variables:
+            variable.assign(np.ones(variable.shape))
+        zeroed = {id(v) for v in ZEROED_VARIABLES[type(metric).reset_state](metric)}
+        metric.reset_state()
+        assert zeroed and all((np.asarray(v.value) == 0).all() == (id(v) in zeroed)
+                              for v in metric.variables)
+    inner = keras.metrics.Mean()
+    assert CONTAINED_METRICS[MetricsList.reset_state](MetricsList([inner])) == [inner]
+    compiled = CompileMetrics(["mae"], ["mse"])
+    compiled.build(np.ones((2, 1)), np.ones((2, 1)))
+    listed = CONTAINED_METRICS[CompileMetrics.reset_state](compiled)
+    assert [type(m) for m in listed] == [MetricsList, MetricsList]
+    assert {id(v) for m in listed for v in m.variables} == {id(v) for v in compiled.variables}

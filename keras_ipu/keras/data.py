@@ -11,6 +11,7 @@ leading axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -323,6 +324,11 @@ class ArrayFeed:
         """Whether the executions come from device-resident data (`keep_on_device`)."""
         return self._resident is not None
 
+    @property
+    def shuffles(self) -> bool:
+        """Whether each pass draws an order (`shuffle=True` or `"batch"`)."""
+        return bool(self._shuffle)
+
     def first_batch(self) -> Any:
         """One batch (host arrays), for building the model."""
         return jax.tree_util.tree_map(lambda a: a[: self.batch_size], self._data)
@@ -590,12 +596,20 @@ def _as_arrays(data: Any) -> Any | None:
 
 def _host_array(value: Any) -> np.ndarray:
     array = np.asarray(value)
-    if backend.is_float_dtype(array.dtype) and str(array.dtype) != backend.floatx():
-        return array.astype(backend.floatx())
-    if array.dtype in (np.int64, np.uint64):
+    dtype = _host_dtype(array.dtype, backend.floatx())
+    return array if dtype is None else array.astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_dtype(dtype: np.dtype, floatx: str) -> str | None:
+    """The dtype host data of `dtype` is fed in, or `None` to keep it (cached: Keras'
+    dtype checks cost tens of microseconds per array in every fit)."""
+    if backend.is_float_dtype(dtype) and str(dtype) != floatx:
+        return floatx
+    if dtype in (np.int64, np.uint64):
         # JAX runs 32-bit integers unless x64 is enabled.
-        return array.astype(np.int32 if array.dtype == np.int64 else np.uint32)
-    return array
+        return "int32" if dtype == np.int64 else "uint32"
+    return None
 
 
 def _common_length(data: Any) -> int:

@@ -28,21 +28,19 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from keras_ipu.device import interrupts
 from keras_ipu.device import system as ipu_system
-from keras_ipu.device.infeed import Infeed
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.errors import IPUNotAttachedError
 from keras_ipu.keras import (
     context,
     data,
-    feed_options,
+    infeeds,
+    metric_reset,
     pipelined,
     programs,
     replication,
-    resident,
     saving,
 )
 from keras_ipu.keras.options import IPUOptions, options_of
-from keras_ipu.keras.replication import ReplicaCodec
 from keras_ipu.keras.run import Placement, Run
 from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery, returned_chunk
 from keras_ipu.keras.steps import STATE_PARTS
@@ -123,18 +121,25 @@ def fit(
                if val_feed else None)
     _check_attached("fit")
 
-    callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
-    model.stop_training = False
+    # The first execution's data moves while the callbacks and the state are set up.
+    ahead = infeeds.open_ahead(model, run, feed)
+    try:
+        callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
+        model.stop_training = False
+        callbacks.on_train_begin()
+    except BaseException:
+        infeeds.close(ahead)
+        raise
     training_logs: dict = {}
     training_finished = False
-    callbacks.on_train_begin()
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
     initial_epoch = model._initial_epoch or initial_epoch
     try:
         for epoch in range(initial_epoch, epochs):
-            model.reset_metrics()
+            metric_reset.reset_metrics(model)
             callbacks.on_epoch_begin(epoch)
-            logs = _run_epoch(model, run, feed, "fit", callbacks)
+            logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead)
+            ahead = None  # closed by the epoch
             model.jax_state_sync()
             epoch_logs = _epoch_logs(model, run, logs)
             if val_run is not None and model._should_eval(epoch, validation_freq):
@@ -146,6 +151,7 @@ def fit(
                 break
         training_finished = True
     finally:
+        infeeds.close(ahead)
         model.jax_state_sync()
         feed.close()
         if val_feed is not None:
@@ -228,7 +234,7 @@ def _evaluate_feed(model, run: Run, feed, callbacks) -> dict:
     feed.rewind()
     model.stop_evaluating = False
     callbacks.on_test_begin()
-    model.reset_metrics()
+    metric_reset.reset_metrics(model)
     try:
         logs = _run_epoch(model, run, feed, "evaluate", callbacks)
     finally:
@@ -288,8 +294,9 @@ _BATCH_HOOKS = {
 }
 
 
-def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
-    """Runs one epoch of executions; returns the last outfeed (logs)."""
+def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None):
+    """Runs one epoch of executions (from `infeed` when one is open); returns the last
+    outfeed (logs)."""
     begin_hook, end_hook, as_logs, stop_flag = _BATCH_HOOKS[mode]
     # Batch hooks cost a host sync per execution (Keras converts the logs):
     # call them only when some callback has one.
@@ -307,23 +314,12 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None):
         stream.unmute() if delivery is not None else stream.mute()
     hooks = CallbackThread(delivery, stream.mute if stream else _ignore) if delivery else None
     parts = STATE_PARTS[mode]
-    codec, layout = run.codec, run.layout
+    codec = run.codec
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
-    if synthetic:
-        place = _synthetic_placer(codec, layout)
-    elif _keep_data_on_device(feed, run):
-        place = _already_placed
-    else:
-        place = _placer(codec, layout)
-    depth = feed_options.prefetch_depth(options_of(model).infeed_kwargs)
-    # Host data bound for an accelerator is copied on the infeed thread, so
-    # the copy of the next execution overlaps the device's work on this one.
-    threaded = feed.prefetch_in_thread or (
-        place is not _already_placed and run.program.device.platform != "cpu")
     logs: Any = {}
     model._jax_state_synced = True
     try:
-        with Infeed(feed.executions(), place=place, depth=depth, threaded=threaded) as infeed:
+        with infeed or infeeds.open_infeed(model, run, feed) as infeed:
             for begin, end, batches in infeed:
                 if hooks is None:
                     on_begin(begin)
@@ -513,63 +509,6 @@ def sync_pending_state(model) -> None:
 def _forget_state(model) -> None:
     context.state_of(model).pending_state = None
     model._jax_state = None
-
-
-def _placer(codec, layout):
-    """Regroups an execution's batches and copies them to the devices (infeed)."""
-
-    # An instance with one replica of several gets batches without a replica axis.
-    lone = getattr(codec, "lone_replica", False)
-
-    def place(execution):
-        begin, end, batches = execution
-        if lone:
-            batches = jax.tree_util.tree_map(lambda a: np.expand_dims(a, 1), batches)
-        return begin, end, codec.place(layout.to_program(batches))
-
-    return place
-
-
-def _keep_data_on_device(feed, run: Run) -> bool:
-    """Keeps array data on a one-replica program's accelerator for the run, when it fits.
-
-    See `resident.py`. Pipelines and replicated programs place their batches
-    across several devices and keep the threaded host infeed.
-    """
-    if not isinstance(feed, data.ArrayFeed) or not isinstance(run.codec, ReplicaCodec):
-        return False
-    if run.replica_count != 1:
-        return False
-    device = run.program.device
-    if not feed.resident and not resident.fits_on(
-            device, feed.data_bytes, feed.execution_bytes):
-        return False
-    feed.keep_on_device(device, run.layout.to_program)
-    return True
-
-
-def _already_placed(execution):
-    """Device-resident executions come program-shaped and on the device."""
-    return execution
-
-
-def _synthetic_placer(codec, layout):
-    """`--use_synthetic_data`: no host data moves; the devices get zeros."""
-    zeros: dict = {}
-
-    def place(execution):
-        begin, end, batches = execution
-        batches = layout.to_program(batches)
-        key = jax.tree_util.tree_structure(batches), tuple(
-            (a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batches)
-        )
-        if key not in zeros:
-            zeros[key] = codec.place(
-                jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), batches)
-            )
-        return begin, end, zeros[key]
-
-    return place
 
 
 def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
