@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Host time of a warm `fit` before its first execution runs, by part.
+"""Host time of a warm `fit` before its first execution runs and after its last, by part.
 
 Run from the repository root (on the device to study; it uses JAX's default platform):
 
@@ -11,10 +11,12 @@ data feed, the program's lookup, the metrics' reset, the callbacks, the state's 
 device and the first execution's data. The device idles meanwhile, so on short fits this fixed
 cost weighs on throughput (bench_ga_replication.py's `--timeline` shows its share). This script
 times the model of `bench_ga_replication.py` (GA 8, micro-batch 32, 64 steps per execution)
-for `--fits` warm fits and prints the median time from the call to the first dispatch, and the
+for `--fits` warm fits and prints the median time from the call to the first dispatch and the
 mean time per fit inside each part (the parts are the trainer's own functions, wrapped; what
-no part covers is the rest). "first execution's data" is the wait for the infeed's first item;
-on an accelerator "first dispatch" also waits for its copy to reach the device.
+no part covers is the rest); then the same from the last dispatch's return to the fit's (the
+device's last executions, which the epoch's logs wait for, and what follows). "first
+execution's data" is the wait for the infeed's first item; on an accelerator "first dispatch"
+may also wait for its copy to reach the device.
 """
 
 from __future__ import annotations
@@ -123,27 +125,46 @@ def main(argv=None):
 
     def marked(program, state, batches):
         dispatches.append(time.perf_counter())
-        return original_call(program, state, batches)
+        result = original_call(program, state, batches)
+        dispatches.append(time.perf_counter())
+        return result
 
     ExecutionProgram.__call__ = marked
-    setups = []
+    tail = PartTimer()
+    for owner, name, part in (
+            (trainer, "_epoch_logs", "epoch logs (waits for the device)"),
+            (type(model), "jax_state_sync", "state to the variables"),
+            (keras.callbacks.CallbackList, "on_epoch_end", "callbacks"),
+            (keras.callbacks.CallbackList, "on_train_end", "callbacks"),
+            (type(model.optimizer), "finalize_variable_values", "optimizer's finalize"),
+            (data.ArrayFeed, "close", "feed closed")):
+        tail.wrap(owner, name, part)
+    setups, tails = [], []
     for _ in range(args.fits):
         timer.new_fit()
         dispatches.clear()
         started = time.perf_counter()
         fit()
         setups.append(dispatches[0] - started)
-    ms = 1e3 / args.fits
+        tails.append(time.perf_counter() - dispatches[-1])
     print(f"{jax.devices()[0].device_kind}: {args.fits} warm fits of {args.executions} "
-          f"executions; call -> first dispatch: median {1e3 * statistics.median(setups):.2f} "
-          f"ms, mean {1e3 * statistics.mean(setups):.2f} ms")
-    covered = 0.0
-    for part, seconds in sorted(timer.totals.items(), key=lambda item: -item[1]):
-        if part != "first dispatch":
-            covered += seconds
-        print(f"  {part:28s} {seconds * ms:6.3f} ms")
-    print(f"  {'the rest':28s} {1e3 * statistics.mean(setups) - covered * ms:6.3f} ms")
+          f"executions")
+    _print_parts("call -> first dispatch", setups, timer.totals, args.fits,
+                 uncovered=("first dispatch",))
+    _print_parts("last dispatch -> return (with the device's last executions)", tails,
+                 tail.totals, args.fits)
     return 0
+
+
+def _print_parts(phase, durations, totals, fits, uncovered=()):
+    print(f"{phase}: median {1e3 * statistics.median(durations):.2f} ms, "
+          f"mean {1e3 * statistics.mean(durations):.2f} ms")
+    covered = 0.0
+    for part, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        if part not in uncovered:
+            covered += seconds
+        print(f"  {part:34s} {seconds * 1e3 / fits:6.3f} ms")
+    print(f"  {'the rest':34s} {1e3 * (statistics.mean(durations) - covered / fits):6.3f} ms")
 
 
 if __name__ == "__main__":

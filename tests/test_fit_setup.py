@@ -39,8 +39,8 @@ def _fit(strategy, monkeypatch, *, shuffle, fail=False, ahead=True):
     events, opened = [], []
     open_infeed = infeeds.open_infeed
 
-    def recording(*args):
-        opened.append(open_infeed(*args))
+    def recording(*args, **kwargs):
+        opened.append(open_infeed(*args, **kwargs))
         events.append("infeed")
         return opened[-1]
 

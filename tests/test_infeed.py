@@ -60,3 +60,33 @@ def test_close_stops_an_endless_producer():
     assert next(infeed) == 1
     infeed.close()
     assert not any(t.name == "keras_ipu-infeed" and t.is_alive() for t in threading.enumerate())
+
+
+def test_first_alone_prepares_one_item_until_it_is_taken_then_runs_ahead():
+    produced = []
+
+    def source():
+        for i in range(6):
+            produced.append(i)
+            yield i
+
+    def settle(count):
+        deadline = time.monotonic() + 5
+        while len(produced) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # long enough for the producer to go on, were it free to
+
+    with Infeed(source(), depth=3, first_alone=True) as infeed:
+        settle(1)
+        assert produced == [0]
+        assert next(infeed) == 0
+        settle(5)  # then up to depth ahead: 3 queued, a fourth waiting to be put
+        assert len(produced) >= 4
+        assert list(infeed) == [1, 2, 3, 4, 5]
+
+
+def test_first_alone_closes_while_its_first_item_waits():
+    with Infeed(iter(range(5)), depth=2, first_alone=True) as infeed:
+        time.sleep(0.05)
+    infeed.close()
+    assert not infeed._thread.is_alive()

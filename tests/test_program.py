@@ -91,3 +91,17 @@ def test_fit_compiles_once_and_calls_the_device_once_per_execution(strategy, mon
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert calls == [4] * 8
     assert len(run.program_for(model, "fit")._executables) == 1
+
+
+def test_one_replicas_state_keeps_arrays_committed_to_its_device_and_commits_the_rest():
+    configured = system.configure((2,), hardware.hardware_for("ipu2"))
+    device = configured.ipus[1].device
+    replicas = Replicas(configured.ipus[1:2])
+    placed = jax.device_put(jnp.ones(3), device)  # committed there: passed through
+    uncommitted = jnp.zeros(2)  # on the default device, not committed
+    elsewhere = jax.device_put(jnp.ones(1), configured.ipus[0].device)
+    state = replicas.replicate({"a": placed, "b": uncommitted, "c": elsewhere, "d": np.ones(4)})
+    assert state["a"] is placed
+    for name in "bcd":
+        assert state[name].committed and state[name].devices() == {device}
+    np.testing.assert_array_equal(state["d"], np.ones(4))

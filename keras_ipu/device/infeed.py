@@ -32,6 +32,10 @@ class Infeed:
             15 µs against 50-70 µs of GIL hand-over per item, measured), this
             is faster; the device still runs ahead, since executions are
             dispatched asynchronously.
+        first_alone: The thread prepares the first item, then waits until
+            the consumer has taken it before preparing more. For an infeed
+            opened ahead of other host work (a run's setup): the thread then
+            holds the GIL for the first item only while that work runs.
 
     An exception raised by `source` or `place` is re-raised to the consumer
     at the item where it happened.
@@ -49,9 +53,13 @@ class Infeed:
         place: Callable[[Any], Any] = lambda item: item,
         depth: int = 2,
         threaded: bool = True,
+        first_alone: bool = False,
     ):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._first_taken = threading.Event()
+        if not first_alone:
+            self._first_taken.set()
         self._inline = None if threaded else map(place, source)
         self._thread = threading.Thread(
             target=self._produce, args=(source, place), name="keras_ipu-infeed", daemon=True
@@ -65,6 +73,9 @@ class Infeed:
                 if self._stop.is_set():
                     return
                 self._put((True, place(item)))
+                while not self._first_taken.wait(timeout=0.1):
+                    if self._stop.is_set():
+                        return
         except BaseException as error:  # handed to the consumer
             self._put((False, error))
             return
@@ -85,6 +96,7 @@ class Infeed:
         if self._inline is not None:
             return next(self._inline)
         ok, item = self._queue.get()
+        self._first_taken.set()
         if not ok:
             raise item
         if item is _DONE:

@@ -255,10 +255,17 @@ class ExecutionProgram:
         """The report of the last execution prepared or run (`None` before any)."""
         return self._current.report if self._current is not None else None
 
-    def prepare(self, state: State, batches: Batch) -> None:
+    def prepare(self, state: State | Callable[[], State], batches: Batch) -> None:
         """Compiles the program for these inputs (cached) and checks its memory.
 
         Its report becomes the program's `report`.
+
+        Args:
+            state: The state (or its shape structs), or a function that gives
+                it: called only when the program compiles for these batches,
+                so that a warm run does not gather the state to find nothing
+                to compile.
+            batches: The execution's batches (or their shape structs).
 
         Raises:
             IPUOutOfMemoryError: When the program does not fit an IPU.
@@ -354,7 +361,7 @@ class ExecutionProgram:
         key = _signature(batches)
         executable = self._executables.get(key)
         if executable is None:
-            executable = self._compile(state, batches)
+            executable = self._compile(state() if callable(state) else state, batches)
             self._executables[key] = executable
         elif executable.successor is not None and executable.successor.ready():
             # The loop compiled in the background: it runs from this execution on.

@@ -28,13 +28,16 @@ from keras_ipu.keras.replication import ReplicaCodec
 from keras_ipu.keras.run import Run
 
 
-def open_infeed(model: Any, run: Run, feed: Any) -> Infeed:
+def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
     """Starts the infeed of one epoch of `feed` for `run`.
 
     Args:
         model: The Keras model (its infeed options give the prefetch depth).
         run: The run whose program takes the batches.
         feed: The run's data feed.
+        ahead: Whether it opens ahead of the run's setup: its thread then
+            prepares the first execution alone until the run takes it, so as
+            not to contend with the setup for the GIL.
 
     Returns:
         An `Infeed` of `(begin, end, placed batches)`; close it (or use it as
@@ -58,7 +61,8 @@ def open_infeed(model: Any, run: Run, feed: Any) -> Infeed:
     # the copy of the next execution overlaps the device's work on this one.
     threaded = feed.prefetch_in_thread or (
         place is not _already_placed and run.program.device.platform != "cpu")
-    return Infeed(feed.executions(), place=place, depth=depth, threaded=threaded)
+    return Infeed(feed.executions(), place=place, depth=depth, threaded=threaded,
+                  first_alone=ahead)
 
 
 def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
@@ -84,7 +88,7 @@ def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
     """
     if not isinstance(feed, data.ArrayFeed) or feed.shuffles:
         return None
-    return open_infeed(model, run, feed)
+    return open_infeed(model, run, feed, ahead=True)
 
 
 def close(infeed: Infeed | None) -> None:

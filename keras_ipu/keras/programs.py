@@ -57,14 +57,15 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     # Which variables are trainable is part of the program: setting a layer's
     # `trainable` after compile() gives another one, as Keras' jit retraces.
     run = cached_run(model, mode, (key, _state_structure(model, parts)), build)
-    keras_state = model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=False)
     spe = feed.plan.steps_per_execution
     host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
     batches = jax.tree_util.tree_map(
         lambda a: np.empty((*host_shape, *np.shape(a)), a.dtype), feed.first_batch()
     )
     batches = run.codec.batch_spec(run.layout.to_program(batches))
-    run.program.prepare(run.codec.spec(keras_state), batches)
+    # The state is gathered only when the program compiles for these batches.
+    run.program.prepare(lambda: run.codec.spec(model._get_jax_state(
+        **dict.fromkeys(parts, True), purge_model_variables=False)), batches)
     return run
 
 
