@@ -80,7 +80,7 @@ def test_a_failing_on_train_begin_closes_the_infeed_and_changes_no_weight(
         strategy, monkeypatch):
     model, events, opened = _fit(strategy, monkeypatch, shuffle=False, fail=True)
     assert events == ["infeed", "train_begin"]
-    assert len(opened) == 1 and not opened[0]._thread.is_alive()
+    assert len(opened) == 1 and opened[0]._stop.is_set() and not opened[0]._thread.is_alive()
     untrained = _model(strategy).get_weights()
     assert_weights_close(untrained, model.get_weights(), atol=0)
     model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)

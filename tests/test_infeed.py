@@ -62,31 +62,38 @@ def test_close_stops_an_endless_producer():
     assert not any(t.name == "keras_ipu-infeed" and t.is_alive() for t in threading.enumerate())
 
 
-def test_first_alone_prepares_one_item_until_it_is_taken_then_runs_ahead():
-    produced = []
+def test_first_inline_prepares_the_first_item_at_once_and_the_rest_on_the_thread():
+    where = []
 
     def source():
-        for i in range(6):
-            produced.append(i)
+        for i in range(4):
+            where.append(threading.current_thread())
             yield i
 
-    def settle(count):
-        deadline = time.monotonic() + 5
-        while len(produced) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)  # long enough for the producer to go on, were it free to
-
-    with Infeed(source(), depth=3, first_alone=True) as infeed:
-        settle(1)
-        assert produced == [0]
-        assert next(infeed) == 0
-        settle(5)  # then up to depth ahead: 3 queued, a fourth waiting to be put
-        assert len(produced) >= 4
-        assert list(infeed) == [1, 2, 3, 4, 5]
+    infeed = Infeed(source(), depth=2, first_inline=True)
+    assert where == [threading.current_thread()]  # prepared here, when it opened
+    assert not infeed._thread.is_alive()
+    assert next(infeed) == 0
+    assert not infeed._thread.is_alive()  # started when the second is asked for
+    assert list(infeed) == [1, 2, 3]
+    assert all(thread is not threading.current_thread() for thread in where[1:])
+    infeed.close()
 
 
-def test_first_alone_closes_while_its_first_item_waits():
-    with Infeed(iter(range(5)), depth=2, first_alone=True) as infeed:
-        time.sleep(0.05)
+def test_first_inline_hands_a_failed_first_item_over_when_it_is_asked_for():
+    def place(item):
+        raise ValueError(f"cannot place {item}")
+
+    infeed = Infeed(iter(range(3)), place, first_inline=True)  # does not raise here
+    with pytest.raises(ValueError, match="cannot place 0"):
+        next(infeed)
     infeed.close()
     assert not infeed._thread.is_alive()
+
+
+def test_first_inline_ends_an_empty_source_and_closes_unread():
+    with Infeed(iter(()), first_inline=True) as empty:
+        assert list(empty) == []
+    unread = Infeed(iter(range(3)), first_inline=True)
+    unread.close()
+    assert not unread._thread.is_alive()

@@ -32,10 +32,12 @@ class Infeed:
             15 µs against 50-70 µs of GIL hand-over per item, measured), this
             is faster; the device still runs ahead, since executions are
             dispatched asynchronously.
-        first_alone: The thread prepares the first item, then waits until
-            the consumer has taken it before preparing more. For an infeed
-            opened ahead of other host work (a run's setup): the thread then
-            holds the GIL for the first item only while that work runs.
+        first_inline: The first item is prepared in the caller's thread when
+            the infeed opens, and the thread starts when the consumer asks
+            for the second. For an infeed opened ahead of other host work (a
+            run's setup): its first item is ready without a thread to start
+            or hand the GIL over to, before that work or the first
+            execution's dispatch.
 
     An exception raised by `source` or `place` is re-raised to the consumer
     at the item where it happened.
@@ -53,19 +55,31 @@ class Infeed:
         place: Callable[[Any], Any] = lambda item: item,
         depth: int = 2,
         threaded: bool = True,
-        first_alone: bool = False,
+        first_inline: bool = False,
     ):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._first_taken = threading.Event()
-        if not first_alone:
-            self._first_taken.set()
         self._inline = None if threaded else map(place, source)
+        self._first: tuple[bool, Any] | None = None
+        self._start_later = False
+        if threaded and first_inline:
+            source = iter(source)
+            self._first = self._prepared(source, place)
         self._thread = threading.Thread(
             target=self._produce, args=(source, place), name="keras_ipu-infeed", daemon=True
         )
-        if threaded:
+        if threaded and not first_inline:
             self._thread.start()
+
+    @staticmethod
+    def _prepared(source: Iterator[Any], place: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """The queue entry of the source's next item, prepared here."""
+        try:
+            return True, place(next(source))
+        except StopIteration:
+            return True, _DONE
+        except Exception as error:  # handed to the consumer at its first item
+            return False, error
 
     def _produce(self, source: Iterable[Any], place: Callable[[Any], Any]) -> None:
         try:
@@ -73,9 +87,6 @@ class Infeed:
                 if self._stop.is_set():
                     return
                 self._put((True, place(item)))
-                while not self._first_taken.wait(timeout=0.1):
-                    if self._stop.is_set():
-                        return
         except BaseException as error:  # handed to the consumer
             self._put((False, error))
             return
@@ -95,8 +106,16 @@ class Infeed:
     def __next__(self) -> Any:
         if self._inline is not None:
             return next(self._inline)
-        ok, item = self._queue.get()
-        self._first_taken.set()
+        if self._first is not None:
+            (ok, item), self._first = self._first, None
+            # The rest starts when asked for: a thread started now would contend
+            # for the GIL with the consumer's use of this item (its dispatch).
+            self._start_later = ok and item is not _DONE
+        else:
+            if self._start_later:
+                self._start_later = False
+                self._thread.start()
+            ok, item = self._queue.get()
         if not ok:
             raise item
         if item is _DONE:

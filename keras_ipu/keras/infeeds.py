@@ -6,11 +6,12 @@ accelerator); arrays a one-replica accelerator program can hold stay there
 for the whole run (`resident.py`); `--use_synthetic_data` moves nothing.
 
 A warm `fit` spends a few milliseconds on the host before its first execution
-(the program's lookup, the callbacks, the metrics' reset, the state), and on an
-accelerator the first execution's copy (8 MiB take about 1.5 ms) then comes on
-top. `open_ahead` opens the first epoch's infeed before that setup, so the copy
-overlaps it, for feeds whose batches cannot depend on it (benchmarks/
-profile_fit_setup.py).
+(the program's lookup, the callbacks, the metrics' reset, the state) while the
+device waits. `open_ahead` places the first epoch's first execution before
+that setup, in the caller's thread (no thread to start, no GIL hand-over on
+the way to the first dispatch), for feeds whose batches cannot depend on it;
+the infeed's thread takes over from the second execution
+(benchmarks/profile_fit_setup.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
         model: The Keras model (its infeed options give the prefetch depth).
         run: The run whose program takes the batches.
         feed: The run's data feed.
-        ahead: Whether it opens ahead of the run's setup: its thread then
-            prepares the first execution alone until the run takes it, so as
-            not to contend with the setup for the GIL.
+        ahead: Whether it opens ahead of the run's setup: the first
+            execution's data is then placed here, now, and the thread starts
+            once the run asks for the second (no thread start or GIL hand-over
+            before the first execution's dispatch).
 
     Returns:
         An `Infeed` of `(begin, end, placed batches)`; close it (or use it as
@@ -62,7 +64,7 @@ def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
     threaded = feed.prefetch_in_thread or (
         place is not _already_placed and run.program.device.platform != "cpu")
     return Infeed(feed.executions(), place=place, depth=depth, threaded=threaded,
-                  first_alone=ahead)
+                  first_inline=ahead)
 
 
 def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
