@@ -93,15 +93,15 @@ def test_fit_compiles_once_and_calls_the_device_once_per_execution(strategy, mon
     assert len(run.program_for(model, "fit")._executables) == 1
 
 
-def test_one_replicas_state_keeps_arrays_committed_to_its_device_and_commits_the_rest():
+def test_one_replicas_state_keeps_arrays_on_its_device_and_moves_the_rest():
     configured = system.configure((2,), hardware.hardware_for("ipu2"))
-    device = configured.ipus[1].device
-    replicas = Replicas(configured.ipus[1:2])
+    device = configured.ipus[0].device
+    replicas = Replicas(configured.ipus[:1])
     placed = jax.device_put(jnp.ones(3), device)  # committed there: passed through
-    uncommitted = jnp.zeros(2)  # on the default device, not committed
-    elsewhere = jax.device_put(jnp.ones(1), configured.ipus[0].device)
+    uncommitted = jnp.zeros(2)  # on the default device, which is the IPU's: passed too
+    elsewhere = jax.device_put(jnp.ones(1), configured.ipus[1].device)
     state = replicas.replicate({"a": placed, "b": uncommitted, "c": elsewhere, "d": np.ones(4)})
-    assert state["a"] is placed
-    for name in "bcd":
+    assert state["a"] is placed and state["b"] is uncommitted
+    for name in "cd":
         assert state[name].committed and state[name].devices() == {device}
     np.testing.assert_array_equal(state["d"], np.ones(4))

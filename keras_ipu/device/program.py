@@ -318,7 +318,9 @@ class ExecutionProgram:
             outfeed = jax.eval_shape(self._jitted, state, self._compiled_batches(batches))[1][0]
         else:
             outfeed = jax.eval_shape(self._jitted, state, batches)[1]
-        return state, jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), outfeed)
+        # As a run's would be, the state that comes back is committed to its devices.
+        return _committed(state), jax.tree_util.tree_map(
+            lambda s: np.zeros(s.shape, s.dtype), outfeed)
 
     def _streamed_slices(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """An own execution, one leading slice per dispatch, each slice's outputs streamed."""
@@ -629,3 +631,10 @@ def _last_outputs_loop(body: Callable, state: State, batches: Batch) -> tuple[St
 
     (state, last), _ = jax.lax.scan(carried, (state, last), batches)
     return state, last
+
+
+def _committed(tree: Any) -> Any:
+    """`tree` with its arrays committed to the devices they are on."""
+    return jax.tree_util.tree_map(
+        lambda a: a if not isinstance(a, jax.Array) or a.committed
+        else jax.device_put(a, a.sharding), tree)
