@@ -94,7 +94,15 @@ def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
 
 
 def close(infeed: Infeed | None) -> None:
-    """Closes an infeed `open_ahead` opened (nothing for `None`)."""
+    """Closes an infeed `open_ahead` opened (nothing for `None`).
+
+    Args:
+        infeed: What `open_ahead` returned; closing it again does nothing more.
+
+    Example:
+
+    >>> close(open_ahead(model, run, feed))   # the run stopped before its first epoch
+    """
     if infeed is not None:
         infeed.close()
 

@@ -319,7 +319,9 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     logs: Any = {}
     model._jax_state_synced = True
     try:
-        with infeed or infeeds.open_infeed(model, run, feed) as infeed:
+        if infeed is None:
+            infeed = infeeds.open_infeed(model, run, feed)
+        with infeed:
             for begin, end, batches in infeed:
                 if hooks is None:
                     on_begin(begin)
