@@ -1,4 +1,5 @@
-"""A warm fit's setup: the first epoch's infeed opens before the callbacks, when that is safe."""
+"""A fit's setup: the first epoch's infeed opens before the callbacks when that is safe, and a
+setup that fails closes what it opened."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_ipu.keras import data, infeeds
+from keras_ipu.keras import data, infeeds, programs
 
 from conftest import assert_weights_close
 
@@ -84,3 +85,33 @@ def test_a_failing_on_train_begin_closes_the_infeed_and_changes_no_weight(
     untrained = _model(strategy).get_weights()
     assert_weights_close(untrained, model.get_weights(), atol=0)
     model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return np.full((4, 5), index, "float32"), np.ones((4, 2), "float32")
+
+
+@pytest.mark.parametrize("call", ["fit", "evaluate", "predict"])
+def test_a_setup_that_fails_closes_the_feed_and_leaves_the_model_usable(
+        strategy, monkeypatch, call):
+    model = _model(strategy)
+    before = model.get_weights()
+    closed = []
+    close = data.AdapterFeed.close
+    monkeypatch.setattr(data.AdapterFeed, "close", lambda feed: (closed.append(feed),
+                                                                   close(feed))[1])
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the program could not be prepared")
+
+    monkeypatch.setattr(programs, "prepare", failing)
+    with pytest.raises(RuntimeError, match="could not be prepared"):
+        getattr(model, call)(_Batches(), verbose=0)
+    assert len(closed) == 1
+    monkeypatch.undo()
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.fit(_Batches(), verbose=0)

@@ -93,20 +93,6 @@ def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
     return open_infeed(model, run, feed, ahead=True)
 
 
-def close(infeed: Infeed | None) -> None:
-    """Closes an infeed `open_ahead` opened (nothing for `None`).
-
-    Args:
-        infeed: What `open_ahead` returned; closing it again does nothing more.
-
-    Example:
-
-    >>> close(open_ahead(model, run, feed))   # the run stopped before its first epoch
-    """
-    if infeed is not None:
-        infeed.close()
-
-
 def _placer(codec, layout):
     """Regroups an execution's batches and copies them to the devices (infeed)."""
 

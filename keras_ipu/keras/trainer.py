@@ -14,6 +14,7 @@ interfaces, with the stages on their IPUs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any
@@ -97,39 +98,38 @@ def fit(
         epochs=max(epochs - (model._initial_epoch or initial_epoch), 1),
         replicas=replicas.local_count,
     )
-    accumulation = _check_accumulation(model, feed.plan, options, placement.plan)
-    val_feed = None
-    if validation_data is not None:
-        val_x, val_y, val_sw = _unpack(validation_data)
-        val_feed = data.make_feed(
-            val_x,
-            val_y,
-            val_sw,
-            batch_size=validation_batch_size or batch_size,
-            steps=replication.instance_steps(validation_steps, replicas, "validation_steps"),
-            steps_per_execution=model.steps_per_execution,
-            replicas=replicas.local_count,
-            role="validation",
-        )
-    replication.check_instance_steps(replicas, "fit", {
-        "fit": feed.plan, "validation": val_feed.plan if val_feed else None})
-    model._symbolic_build(iterator=_BuildPass(feed))
-    feed.reset()  # as Keras' `fit`, after the build
-    _log_plan(model, feed, accumulation)  # its batch size is read inside the first epoch
-    run = programs.prepare(model, "fit", placement, feed, options)
-    val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
-               if val_feed else None)
-    _check_attached("fit")
-
-    # The first execution's data moves while the callbacks and the state are set up.
-    ahead = infeeds.open_ahead(model, run, feed)
-    try:
-        callbacks = _callback_list(model, callbacks, verbose, epochs, feed, add_history=True)
-        model.stop_training = False
-        callbacks.on_train_begin()
-    except BaseException:
-        infeeds.close(ahead)
-        raise
+    with _closed_on_error(feed):
+        accumulation = _check_accumulation(model, feed.plan, options, placement.plan)
+        val_feed = None
+        if validation_data is not None:
+            val_x, val_y, val_sw = _unpack(validation_data)
+            val_feed = data.make_feed(
+                val_x,
+                val_y,
+                val_sw,
+                batch_size=validation_batch_size or batch_size,
+                steps=replication.instance_steps(validation_steps, replicas, "validation_steps"),
+                steps_per_execution=model.steps_per_execution,
+                replicas=replicas.local_count,
+                role="validation",
+            )
+    with _closed_on_error(feed, val_feed):
+        replication.check_instance_steps(replicas, "fit", {
+            "fit": feed.plan, "validation": val_feed.plan if val_feed else None})
+        model._symbolic_build(iterator=_BuildPass(feed))
+        feed.reset()  # as Keras' `fit`, after the build
+        _log_plan(model, feed, accumulation)  # its batch size is read inside the first epoch
+        run = programs.prepare(model, "fit", placement, feed, options)
+        val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
+                   if val_feed else None)
+        _check_attached("fit")
+        # The first execution's data moves while the callbacks and the state are set up.
+        ahead = infeeds.open_ahead(model, run, feed)
+        with _closed_on_error(ahead):
+            callbacks = _callback_list(model, callbacks, verbose, epochs, feed,
+                                       add_history=True)
+            model.stop_training = False
+            callbacks.on_train_begin()
     training_logs: dict = {}
     training_finished = False
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
@@ -151,7 +151,8 @@ def fit(
                 break
         training_finished = True
     finally:
-        infeeds.close(ahead)
+        if ahead is not None:
+            ahead.close()
         model.jax_state_sync()
         feed.close()
         if val_feed is not None:
@@ -162,6 +163,19 @@ def fit(
             callbacks.on_train_end(logs=training_logs)
         _forget_state(model)
     return model.history
+
+
+@contextlib.contextmanager
+def _closed_on_error(*closables):
+    """Closes what it is given (feeds, an infeed; `None`s skipped) if the block raises:
+    a call that fails before it runs must not leave a data pipeline's workers behind."""
+    try:
+        yield
+    except BaseException:
+        for closable in closables:
+            if closable is not None:
+                closable.close()
+        raise
 
 
 class _BuildPass:
@@ -213,12 +227,13 @@ def evaluate(
         replicas=replicas.local_count,
         role="evaluate",
     )
-    replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
-    model._symbolic_build(iterator=_BuildPass(feed))
-    feed.reset()  # as Keras' `evaluate`, after the build
-    run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
-    _check_attached("evaluate")
-    callbacks = _callback_list(model, callbacks, verbose, 1, feed)
+    with _closed_on_error(feed):
+        replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
+        model._symbolic_build(iterator=_BuildPass(feed))
+        feed.reset()  # as Keras' `evaluate`, after the build
+        run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
+        _check_attached("evaluate")
+        callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
     finally:
@@ -258,13 +273,14 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         replicas=replicas.local_count,
         role="predict",
     )
-    replication.check_instance_steps(replicas, "predict", {"predict": feed.plan})
-    _build_for_predict(model, feed.first_batch())
-    run = programs.prepare(model, "predict", placement, feed, options_of(model))
-    _check_attached("predict")
-    callbacks = _callback_list(model, callbacks, verbose, 1, feed)
-    model.stop_predicting = False
-    callbacks.on_predict_begin()
+    with _closed_on_error(feed):
+        replication.check_instance_steps(replicas, "predict", {"predict": feed.plan})
+        _build_for_predict(model, feed.first_batch())
+        run = programs.prepare(model, "predict", placement, feed, options_of(model))
+        _check_attached("predict")
+        callbacks = _callback_list(model, callbacks, verbose, 1, feed)
+        model.stop_predicting = False
+        callbacks.on_predict_begin()
     outputs: list = []  # per execution, in input order; never reduced over replicas
     collect = outputs.append
     if replicas.spans_processes:
