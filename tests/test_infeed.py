@@ -97,3 +97,10 @@ def test_first_inline_ends_an_empty_source_and_closes_unread():
     unread = Infeed(iter(range(3)), first_inline=True)
     unread.close()
     assert not unread._thread.is_alive()
+
+
+def test_close_drops_an_unread_first_item():
+    infeed = Infeed(iter(range(3)), first_inline=True)
+    assert infeed._first is not None
+    infeed.close()  # the run never read it: its device buffers must not be held
+    assert infeed._first is None

@@ -98,3 +98,44 @@ def test_an_unbuilt_or_uncompiled_model_resets_nothing_it_does_not_have(compiled
         model.compile("sgd", "mse", metrics=["mae"])  # the compiled metrics are not built yet
     reset_metrics(model)
     assert all(float(np.sum(v.value)) == 0.0 for v in model.metrics_variables)
+
+
+def _compiled(metrics=("mae",)):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=list(metrics))
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    return model
+
+
+def test_resets_set_on_an_instance_are_called_as_keras_calls_them():
+    model = _compiled()
+    calls = []
+    model.reset_metrics = lambda: calls.append("model")  # as mock.patch.object sets it
+    reset_metrics(model)
+    assert calls == ["model"] and float(model.metrics[0].count.value) > 0
+    del model.reset_metrics
+    tracker = model.metrics[0]
+    tracker.reset_state = lambda: tracker.total.assign(7.0)
+    reset_metrics(model)
+    assert float(tracker.total.value) == 7.0
+
+
+class _Holding(keras.metrics.Metric):
+    """Keras' zeroing reset, over a sub-metric that is also compiled on its own."""
+
+    def __init__(self, inner):
+        super().__init__(name="holding")
+        self.inner = inner
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        pass
+
+    def result(self):
+        return self.inner.result()
+
+
+def test_a_custom_reset_after_a_zeroing_one_of_the_same_variable_wins_as_in_keras():
+    lowest = _Lowest()
+    model = _compiled([_Holding(lowest), lowest])
+    reset_metrics(model)  # Keras' order: the holder's zeros, then the inner metric's reset
+    assert float(lowest.low.value) == np.inf

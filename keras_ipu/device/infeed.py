@@ -37,7 +37,7 @@ class Infeed:
             for the second. For an infeed opened ahead of other host work (a
             run's setup): its first item is ready without a thread to start
             or hand the GIL over to, before that work or the first
-            execution's dispatch.
+            execution's dispatch. Ignored with `threaded=False`.
 
     An exception raised by `source` or `place` is re-raised to the consumer
     at the item where it happened.
@@ -125,6 +125,8 @@ class Infeed:
     def close(self) -> None:
         """Stops the thread and drops what it prepared."""
         self._stop.set()
+        # An unread first item (opened ahead of a run that never ran) holds device buffers.
+        self._first, self._start_later = None, False
         # A source blocked inside its own iteration cannot be interrupted;
         # the daemon thread is then left to finish on its own.
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S

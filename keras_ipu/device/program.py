@@ -302,7 +302,8 @@ class ExecutionProgram:
             batches: The execution's batches (arrays or shape structs).
 
         Returns:
-            `(state, outfeed)`: the state as it was given, and an outfeed of
+            `(state, outfeed)`: the state as it was given (committed to its
+            devices, as a run returns it), and an outfeed of
             the run's structure, shapes and dtypes holding zeros (host arrays).
 
         Raises:

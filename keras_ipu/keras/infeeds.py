@@ -11,7 +11,9 @@ device waits. `open_ahead` places the first epoch's first execution before
 that setup, in the caller's thread (no thread to start, no GIL hand-over on
 the way to the first dispatch), for feeds whose batches cannot depend on it;
 the infeed's thread takes over from the second execution
-(benchmarks/profile_fit_setup.py).
+(benchmarks/profile_fit_setup.py). This is for a threaded infeed (host data
+bound for an accelerator): on CPU devices items are made as they are asked
+for, and resident data is only copied to the device ahead.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
         run: The run whose program takes the batches.
         feed: The run's data feed.
         ahead: Whether it opens ahead of the run's setup: the first
-            execution's data is then placed here, now, and the thread starts
-            once the run asks for the second (no thread start or GIL hand-over
+            execution's data is then placed here, now, when the infeed is
+            threaded (an accelerator's host data; otherwise items are made as
+            they are asked for anyway), and the thread starts once the run
+            asks for the second (no thread start or GIL hand-over
             before the first execution's dispatch).
 
     Returns:

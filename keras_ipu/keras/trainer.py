@@ -123,7 +123,8 @@ def fit(
         val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                    if val_feed else None)
         _check_attached("fit")
-        # The first execution's data moves while the callbacks and the state are set up.
+        # On an accelerator the first execution's data moves while the callbacks and the
+        # state are set up.
         ahead = infeeds.open_ahead(model, run, feed)
         with _closed_on_error(ahead):
             callbacks = _callback_list(model, callbacks, verbose, epochs, feed,
