@@ -139,3 +139,21 @@ def test_a_custom_reset_after_a_zeroing_one_of_the_same_variable_wins_as_in_kera
     model = _compiled([_Holding(lowest), lowest])
     reset_metrics(model)  # Keras' order: the holder's zeros, then the inner metric's reset
     assert float(lowest.low.value) == np.inf
+
+
+def test_a_custom_reset_that_raises_leaves_the_metrics_before_it_reset_as_keras_does():
+    class Failing(_Lowest):
+        fails = False
+
+        def reset_state(self):
+            if self.fails:
+                raise RuntimeError("cannot reset")
+            super().reset_state()
+
+    failing = Failing()
+    model = _compiled([failing])
+    assert float(model.metrics[0].count.value) > 0
+    failing.fails = True
+    with pytest.raises(RuntimeError, match="cannot reset"):
+        reset_metrics(model)
+    assert float(model.metrics[0].count.value) == 0.0  # the loss tracker comes first

@@ -53,13 +53,20 @@ def reset_metrics(model: Any) -> None:
         model.reset_metrics()
         return
     zeroed: list = []
-    for metric in model.metrics:
-        _reset(metric, zeroed)
-    if not zeroed:
+    try:
+        for metric in model.metrics:
+            _reset(metric, zeroed)
+    finally:
+        # A custom reset that raises stops Keras' loop too: the metrics before it are reset.
+        _assign_zeros(zeroed)
+
+
+def _assign_zeros(variables: list) -> None:
+    if not variables:
         return
     specs = tuple((tuple(v.shape), jax.dtypes.canonicalize_dtype(np.dtype(v.dtype)))
-                  for v in zeroed)
-    for variable, value in zip(zeroed, _zeros(specs)):
+                  for v in variables)
+    for variable, value in zip(variables, _zeros(specs)):
         variable.assign(value)
 
 
