@@ -272,3 +272,22 @@ def test_pipelined_replicas_drop_out_as_replicas_of_one_ipu_do(recompute):
         return model.get_weights()
 
     assert_weights_close(fit(pipelined=False), fit(pipelined=True), atol=1e-6)
+
+
+def _fit_report(replicas, steps_per_execution):
+    configure(replicas)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(2)])
+    model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+    x = np.zeros((steps_per_execution * replicas * 32, 1024), "float32")
+    model.fit(x, x[:, :2], batch_size=32, verbose=0)
+    return ipu.utils.execution_report(model, "fit").ipus[0]
+
+
+def test_a_replicas_temporaries_do_not_hold_a_copy_of_its_executions_batches():
+    # XLA:CPU used to copy a replica's whole execution of batches (here 64 x 128 KiB)
+    # before the loop, which the memory check counted against the IPU.
+    one, two = _fit_report(1, 64), _fit_report(2, 64)
+    batches_per_replica = 64 * 32 * 1024 * 4
+    assert two.temporary_bytes < one.temporary_bytes + batches_per_replica // 8

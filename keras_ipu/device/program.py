@@ -224,7 +224,15 @@ class ExecutionProgram:
         return self.ipu.device
 
     def _loop(self, state: State, batches: Batch) -> tuple[State, Outputs]:
+        # A replica's block of its batches keeps a size-1 axis after the steps' (one
+        # micro-batch per step), which XLA:CPU lays out as it likes and then copies whole
+        # for the loop: the loop takes its batches without it, each step gets it back.
+        single = jax.tree_util.tree_map(lambda a: a.ndim > 1 and a.shape[1] == 1, batches)
+        batches = jax.tree_util.tree_map(
+            lambda a, one: a.reshape(a.shape[:1] + a.shape[2:]) if one else a, batches, single)
+
         def body(carry, batch):
+            batch = jax.tree_util.tree_map(lambda a, one: a[None] if one else a, batch, single)
             outputs, carry = self._step_fn(carry, batch)
             return carry, outputs
 
