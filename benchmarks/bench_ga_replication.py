@@ -174,10 +174,11 @@ class ProgramRunner:
         finally:
             _patch_program_call(call)
         self.jax, self.fit_runner, self.batches = jax, fit_runner, placed
-        self.program = run_for(fit_runner.model, "fit").program
+        fit_run = run_for(fit_runner.model, "fit")
+        self.program = fit_run.program
         parts = dict.fromkeys(("trainable_variables", "non_trainable_variables",
                                "optimizer_variables", "metrics_variables"), True)
-        state = run_for(fit_runner.model, "fit").codec.to_device(
+        state = fit_run.codec.to_device(
             fit_runner.model._get_jax_state(**parts, purge_model_variables=False))
         # A copy: a program that donates its state must not consume the model's buffers.
         self.state = jax.tree_util.tree_map(jnp.copy, state)

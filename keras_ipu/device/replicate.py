@@ -235,9 +235,6 @@ def all_reduce_cycles(bytes_per_replica: float, replicas: int, hardware: Any) ->
     return moved / hardware.link_bytes_per_second * hardware.clock_hz
 
 
-__all__: Sequence[str] = ["REPLICA_AXIS", "Replicas", "all_reduce_cycles"]
-
-
 def _on_device(tree: Any, device: jax.Device) -> Any:
     """`jax.device_put(tree, device)`, passing arrays already there through.
 
@@ -256,3 +253,7 @@ def _on_device(tree: Any, device: jax.Device) -> Any:
         for i, leaf in zip(moving, moved):
             leaves[i] = leaf
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+__all__: Sequence[str] = ["REPLICA_AXIS", "Replicas", "all_reduce_cycles"]
+
