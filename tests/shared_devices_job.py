@@ -96,7 +96,7 @@ def pipelined():
 def _report(report) -> dict:
     return {"ipus": [[r.index, r.device] for r in report.ipus], "text": str(report),
             "html": report._repr_html_(), "loop": report.loop,
-            "loop_reason": report.loop_reason}
+            "loop_reason": report.loop_reason, "flops_per_step": report.flops_per_step}
 
 
 def main(weights_path: str, reports_path: str) -> None:

@@ -36,3 +36,17 @@ def test_the_override_leaves_other_lowerings_alone():
     key, x = jax.random.key(1), jnp.ones((4, 64))
     lowering.lower_for("cpu", jax.jit(_dropout).trace(key, x))
     assert "while" in jax.jit(lambda k, v: _dropout(k, v) * 1.0).trace(key, x).lower().as_text()
+
+
+def test_a_traced_jaxpr_runs_with_other_captured_values():
+    # device/switch.py: `jax.extend.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))`
+    # runs a jaxpr traced by `make_jaxpr` with the values it captured replaced
+    # (under a vmap, the batched ones become the custom rule's arguments).
+    import jax.extend.core as jex
+
+    captured = jnp.arange(3.0)
+    traced, shape = jax.make_jaxpr(lambda x: (x * captured, None), return_shape=True)(
+        jnp.ones(3))
+    assert len(traced.consts) == 1 and shape[1] is None
+    run = jex.jaxpr_as_fun(jex.ClosedJaxpr(traced.jaxpr, [jnp.full(3, 2.0)]))
+    np.testing.assert_array_equal(np.asarray(run(jnp.ones(3))[0]), np.full(3, 2.0))

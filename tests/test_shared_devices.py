@@ -8,16 +8,20 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import keras
 import numpy as np
 import pytest
 import shared_devices_job as job
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import hardware, system
+import keras_ipu as ipu
+from keras_ipu.device import cost, hardware, system
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.device.replicate import Replicas
+from keras_ipu.device.switch import one_branch_each
 
-from conftest import fresh_process_env
+from conftest import configure, fresh_process_env
 
 
 def test_more_ipus_than_devices_share_them_in_contiguous_blocks():
@@ -118,6 +122,10 @@ def test_eight_replicas_on_two_devices_train_as_on_eight(two_device_run, strateg
     assert "IPUs 0-3 share cpu:0" in reports["replicated"]["html"]
     assert reports["system"] == (
         "8 IPUs on 2 JAX devices: IPUs 0-3 share cpu:0; IPUs 4-7 share cpu:1")
+    # Batched replicas sum their gradients with a reduction the count sees
+    # (a collective is not counted): 227 parameters, 3% of this tiny step.
+    assert reports["replicated"]["flops_per_step"] == pytest.approx(report.flops_per_step,
+                                                                   rel=0.05)
 
 
 def test_four_stages_times_two_replicas_on_two_devices_equal_the_big_batch(two_device_run):
@@ -126,3 +134,82 @@ def test_four_stages_times_two_replicas_on_two_devices_equal_the_big_batch(two_d
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert reports["pipelined"]["ipus"] == [[i, "cpu:0" if i < 4 else "cpu:1"] for i in range(8)]
     assert "IPUs 0-3 share cpu:0; IPUs 4-7 share cpu:1" in reports["pipelined"]["text"]
+    # Each IPU is counted as on a device of its own (this process has 8).
+    _, on_eight = job.pipelined()
+    assert reports["pipelined"]["flops_per_step"] == pytest.approx(on_eight.flops_per_step,
+                                                                  rel=0.01)
+
+
+def _switching_program(devices):
+    """A 2 × 2 grid whose IPUs along "ipu" run different branches (a cheap and a dear one)."""
+    mesh = IPUMesh(np.array(devices, dtype=object).reshape(2, 2), ("replica", "ipu"))
+
+    def body(w, x):
+        weights, replica = w[0, 0], mesh.axis_index("replica")
+        branches = [lambda v: jnp.tanh(v @ weights) + replica,  # an outer axis's index
+                    lambda v: (v @ weights) @ weights.T @ weights]
+        y = mesh.switch("ipu", mesh.axis_index("ipu"), branches, x[0, 0])
+        return mesh.psum(y, "ipu")[None, None]
+
+    specs = (P("replica", "ipu"), P("replica", "ipu"))
+    return jax.jit(mesh.map(body, specs, P("replica", "ipu")))
+
+
+def test_ipus_sharing_a_device_run_only_their_own_branch():
+    d = jax.devices()
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 2, 32, 32)).astype(np.float32)
+    x = rng.normal(size=(2, 2, 8, 32)).astype(np.float32)
+    separate = _switching_program(d[:4])
+    expected = np.asarray(separate(w, x))
+    own = cost.count_lowered(separate.lower(w, x)).flops  # the dear branch, once
+    for devices, sharing in (([d[0]] * 4, 4), ([d[0], d[0], d[1], d[1]], 2)):
+        shared = _switching_program(devices)
+        np.testing.assert_allclose(np.asarray(shared(w, x)), expected, rtol=1e-6)
+        # A vmapped lax.switch would run both branches for every IPU.
+        flops = cost.count_lowered(shared.lower(w, x)).flops / sharing
+        assert flops == pytest.approx(own, rel=0.01)
+
+
+def test_a_switch_batched_with_one_index_or_none_operands_is_a_switch():
+    def per_ipu(i, x, bias):
+        return one_branch_each(i, [lambda v, b: (jnp.sin(v), None),
+                                   lambda v, b: (v * b, None)], x, bias)
+
+    x, bias = jnp.arange(6.0).reshape(2, 3), jnp.float32(2.0)
+    by_element = jax.vmap(per_ipu, in_axes=(0, 0, None))(jnp.array([1, 0]), x, bias)
+    np.testing.assert_allclose(by_element[0], np.stack([x[0] * 2.0, np.sin(x[1])]), rtol=1e-6)
+    same = jax.vmap(per_ipu, in_axes=(None, 0, None))(1, x, bias)
+    np.testing.assert_allclose(same[0], x * 2.0)
+    assert by_element[1] is None and same[1] is None
+
+
+def _pipelined_fit(num_ipus_configured, x, y):
+    """2 replicas × 2 stages with dropout: weights and the fit's and predict's flops per step."""
+    configure(num_ipus_configured)
+    keras.utils.set_random_seed(3)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dropout(0.3), keras.layers.Dense(3)])
+        model.set_pipeline_stage_assignment([0, 0, 1])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        model.predict(x, batch_size=4, verbose=0)
+    fit, predict = (ipu.utils.execution_report(model, mode) for mode in ("fit", "predict"))
+    return model.get_weights(), fit, predict
+
+
+def test_a_replicated_pipeline_on_one_device_trains_and_counts_as_on_four():
+    x = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    y = x[:, :3] * 2.0
+    separate = _pipelined_fit(4, x, y)
+    # 32 IPUs on 8 devices, 4 per device: the model's logical device (the
+    # first 4 IPUs: both replicas' both stages) lies on cpu:0.
+    shared = _pipelined_fit([4, 28], x, y)
+    assert {r.device for r in shared[1].ipus} == {str(jax.devices()[0])}
+    for a, b in zip(separate[0], shared[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for mode in (1, 2):  # each IPU counted as if it had its device
+        assert shared[mode].flops_per_step == pytest.approx(separate[mode].flops_per_step,
+                                                            rel=0.01)

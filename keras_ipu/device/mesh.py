@@ -24,6 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keras_ipu.device.switch import one_branch_each
+
 
 def local_axis(name: str) -> str:
     """The `vmap` axis name of an axis's IPUs that share one device.
@@ -150,6 +152,33 @@ class IPUMesh:
         if local == 1:
             return jax.lax.axis_index(axis)
         return jax.lax.axis_index(axis) * local + jax.lax.axis_index(local_axis(axis))
+
+    def switch(self, axis: str, index: Any, branches: Sequence[Callable], *operands: Any) -> Any:
+        """Inside `map`: `lax.switch` on an index of this IPU's own along `axis`.
+
+        IPUs that share a device along `axis` each run their own branch
+        only (`switch.one_branch_each`), not every branch, as a switch
+        batched over them would.
+
+        Args:
+            axis: The grid axis the index varies along (e.g. `"ipu"`: each
+                IPU of a pipeline runs its own stage's ops).
+            index: This IPU's branch.
+            branches: Functions of `*operands` with outputs of one structure;
+                they must not use collectives or `axis_index` along `axis`.
+            *operands: The branches' arguments.
+
+        Returns:
+            The output of this IPU's branch.
+
+        Example:
+
+        >>> stage = mesh.axis_index("ipu")
+        >>> out = mesh.switch("ipu", stage, [first_stage, second_stage], x)
+        """
+        if self._local_size(axis) == 1:
+            return jax.lax.switch(index, branches, *operands)
+        return one_branch_each(index, branches, *operands)
 
     def all_gather(self, tree: Any, axis: str) -> Any:
         """Inside `map`: every IPU's value along `axis`, stacked in IPU order.

@@ -599,7 +599,8 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         def tick(c, row):
             kinds, stage_of, micro_of = row
             kind, s, j = kinds[me], stage_of[me], micro_of[me]
-            c, message = jax.lax.switch(jnp.where(kind == FORWARD, 1 + s, 0), branches, c, j)
+            c, message = state.mesh.switch(IPU_AXIS, jnp.where(kind == FORWARD, 1 + s, 0),
+                                           branches, c, j)
             non_trainable, metrics, fwd, outputs = c
             messages = state.mesh.all_gather(message, IPU_AXIS)
             for i in range(p.num_ipus):

@@ -3,10 +3,11 @@
 One execution is one compiled program (`jax.jit` of a `shard_map` over the
 IPUs of a replica, and over the replicas). Per weight update it walks the
 schedule table in blocks of ticks (`ScheduleTable.exchange_blocks`): in a
-block every IPU runs its ops back to back, each op chosen by `lax.switch`
+block every IPU runs its ops back to back, each op chosen by a switch
 (forward or backward of one stage on one micro-batch, or nothing); after the
 block all IPUs exchange the block's messages (activations forward,
-activation gradients backward) in one `all_gather`.
+activation gradients backward) in one `all_gather`. The switch is
+`IPUMesh.switch`: IPUs that share a device run their own ops only.
 
 A forward op keeps what its backward op needs in a stash: the residuals of
 `jax.vjp` of the stage (its activations), without the values the backward op
@@ -465,8 +466,8 @@ class _FitProgram:
         squared = None
         if p.global_clipnorm:  # the norm over every IPU's gradients
             squared = self.state.mesh.psum(squared_norm(acc), IPU_AXIS)
-        trainable, optimizer_vars = jax.lax.switch(
-            me, [optimizer_update(p, self.state, self.stages.grads, d)
+        trainable, optimizer_vars = self.state.mesh.switch(
+            IPU_AXIS, me, [optimizer_update(p, self.state, self.stages.grads, d)
                  for d in range(p.num_ipus)],
             trainable, optimizer_vars, acc, squared, finite)
         # Only the last stage's IPU has the logs; the others hold zeros.
@@ -541,8 +542,8 @@ class _FitProgram:
         me = trace.me
         mine = [(kinds[q, me], stage[q, me], micro_b[q, me]) for q in range(kinds.shape[0])]
         non_trainable, metrics, result, step_logs, messages, (stashed, targets) = \
-            jax.lax.switch(pattern_id[me], branches, non_trainable, metrics, acc, inbox, stash,
-                           jnp.stack([j for _, _, j in mine]))
+            self.state.mesh.switch(IPU_AXIS, pattern_id[me], branches, non_trainable, metrics,
+                                   acc, inbox, stash, jnp.stack([j for _, _, j in mine]))
         acc = result if self.in_place else jax.tree_util.tree_map(
             lambda a, r: self.accumulate(a, r, None, self.micro), acc, result)
         for r in range(self.stash_rows_out):
