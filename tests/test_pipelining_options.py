@@ -59,6 +59,15 @@ def test_setter_stores_and_keeps(strategy):
         ({"pipeline_schedul": Schedule.Grouped}, ValueError, r"Unknown `pipelining_kwargs`"),
         ({"pipeline_schedule": "Grouped"}, ValueError, r"Invalid `pipeline_schedule`"),
         ({"continuous_weight_updates": True}, NotImplementedError, "not implemented"),
+        # Each recomputation mode supports two of the three schedules.
+        ({"pipeline_schedule": Schedule.Sequential,
+          "recomputation_mode": ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate},
+         ValueError, r"RecomputeThenBackpropagate is supported by the PipelineSchedule.Grouped "
+                     r"and PipelineSchedule.Interleaved pipeline schedules, not "
+                     r"PipelineSchedule.Sequential"),
+        ({"pipeline_schedule": Schedule.Interleaved, "recomputation_mode":
+          ipu.pipelining_ops.RecomputationMode.RecomputeAndBackpropagateInterleaved},
+         ValueError, r"not PipelineSchedule.Interleaved"),
         # The Poplar options have no effect, but are checked as the reference checks them.
         ({"forward_propagation_stages_poplar_options": "abc"}, TypeError,
          "forward_propagation_stages_poplar_options must be a list or a tuple of "

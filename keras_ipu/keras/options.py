@@ -374,6 +374,7 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
                 f"Invalid `{key}` in `pipelining_kwargs`: {kwargs[key]!r}; "
                 f"expected {PIPELINING_KWARGS[key]}: {valid}."
             )
+    _check_recomputation_schedule(kwargs)
     if kwargs.get("continuous_weight_updates"):
         raise NotImplementedError(
             "`continuous_weight_updates=True` is not implemented: pipelined models "
@@ -385,6 +386,29 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
     _check_stage_poplar_options(kwargs)
     _check_outfeed_dtype(kwargs.get("accumulate_outfeed_dtype"))
     return kwargs
+
+
+# The schedules each recomputation mode supports (the reference's documentation
+# of `RecomputationMode`); `Auto` picks the schedule's own default.
+_RECOMPUTATION_SCHEDULES = {
+    schedules.RecomputationMode.RecomputeThenBackpropagate:
+        (schedules.PipelineSchedule.Grouped, schedules.PipelineSchedule.Interleaved),
+    schedules.RecomputationMode.RecomputeAndBackpropagateInterleaved:
+        (schedules.PipelineSchedule.Grouped, schedules.PipelineSchedule.Sequential),
+}
+
+
+def _check_recomputation_schedule(kwargs: Mapping[str, Any]) -> None:
+    """Refuses a recomputation mode with a schedule that does not support it."""
+    mode = kwargs.get("recomputation_mode", schedules.RecomputationMode.Auto)
+    schedule = kwargs.get("pipeline_schedule", schedules.PipelineSchedule.Grouped)
+    supported = _RECOMPUTATION_SCHEDULES.get(mode)
+    if supported is not None and schedule not in supported:
+        names = " and ".join(f"PipelineSchedule.{s.name}" for s in supported)
+        raise ValueError(
+            f"`recomputation_mode` RecomputationMode.{mode.name} is supported by the "
+            f"{names} pipeline schedules, not PipelineSchedule.{schedule.name}; use one of "
+            f"those or RecomputationMode.Auto (the schedule's default mode).")
 
 
 def _check_outfeed_dtype(dtype: Any) -> None:
