@@ -5,6 +5,8 @@ Run from the repository root:
 
     python benchmarks/bench_shared_pipeline.py                 # 4, 2 and 1 devices (~1 min)
     python benchmarks/bench_shared_pipeline.py --devices 1 --repeats 7
+    python benchmarks/bench_shared_pipeline.py --platform default   # on a GPU machine: the
+                                                  # 4 IPUs share its one GPU
 
 Model: Input(256) -> Dense(256, relu) x 7 -> Dense(16), MSE, SGD, float32, 4
 pipeline stages of 2 layers (one IPU each), gradient accumulation 8,
@@ -42,11 +44,11 @@ STAGES, LAYERS_PER_STAGE, WIDTH, MICRO, GA, SAMPLES = 4, 2, 256, 16, 8, 1024
 
 
 def _train(devices: int, repeats: int) -> dict:
-    """In this process (JAX set to `devices` CPU devices): both variants' figures."""
+    """In this process (JAX's CPU devices set to `devices`): both variants' figures."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
-    jax.numpy.ones(1).block_until_ready()  # JAX starts with `devices` devices
+    jax.numpy.ones(1).block_until_ready()  # JAX starts with its devices
     sys.path.insert(0, ROOT)
     import keras
     import numpy as np
@@ -102,12 +104,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--devices", default="4,2,1", help="JAX CPU device counts to run")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per process")
+    parser.add_argument("--platform", choices=("cpu", "default"), default="cpu",
+                        help="cpu: JAX's CPU devices; default: JAX's default platform (a GPU "
+                             "machine's GPUs, --devices then counts only CPU devices)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_train(args.child, args.repeats)))
         return
-    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    if args.platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     env.pop("XLA_FLAGS", None)
     print(f"{'devices':>7}  {'variant':>8}  {'warm fit':>9}  {'flops/step':>12}  {'loss':>9}")
     for devices in (int(d) for d in args.devices.split(",")):

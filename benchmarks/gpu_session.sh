@@ -14,13 +14,15 @@
 #     bash benchmarks/gpu_session.sh table         # plain Keras vs keras_ipu, 4 models
 #     bash benchmarks/gpu_session.sh first-fit     # the executable cache, fresh processes
 #     bash benchmarks/gpu_session.sh zoo           # the single-IPU zoo
+#     bash benchmarks/gpu_session.sh shared        # a 4-stage pipeline whose IPUs share the GPU
 set -euo pipefail
 
-part=${1:?"a part: wheels, acceptance, throughput, ga, table, first-fit or zoo"}
+part=${1:?"a part: wheels, acceptance, throughput, ga, table, first-fit, zoo or shared"}
 wheels=.whl
 case "$part" in
-    wheels | acceptance | throughput | ga | table | first-fit | zoo) ;;
-    *) echo "unknown part $part: wheels, acceptance, throughput, ga, table, first-fit or zoo" >&2
+    wheels | acceptance | throughput | ga | table | first-fit | zoo | shared) ;;
+    *) echo "unknown part $part: wheels, acceptance, throughput, ga, table, first-fit, zoo" \
+            "or shared" >&2
        exit 2 ;;
 esac
 
@@ -82,5 +84,11 @@ case "$part" in
     zoo)
         python3 benchmarks/bench_zoo.py --no-pipeline --rounds 3 --first-rounds 2 2>&1 \
             | tee "$out/zoo.log"
+        ;;
+    shared)
+        # The 4 IPUs on the one GPU, then on 4 and 1 of its CPU devices.
+        python3 benchmarks/bench_shared_pipeline.py --platform default --devices 1 2>&1 \
+            | tee "$out/shared_gpu.log"
+        python3 benchmarks/bench_shared_pipeline.py --devices 4,1 2>&1 | tee "$out/shared_cpu.log"
         ;;
 esac
