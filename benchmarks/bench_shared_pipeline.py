@@ -8,9 +8,14 @@ Run from the repository root:
     python benchmarks/bench_shared_pipeline.py --platform default   # on a GPU machine: the
                                                   # 4 IPUs share its one GPU
 
-Model: Input(256) -> Dense(256, relu) x 7 -> Dense(16), MSE, SGD, float32, 4
-pipeline stages of 2 layers (one IPU each), gradient accumulation 8,
-steps_per_execution 8, micro-batch 16, 1,024 samples (8 weight updates) a fit.
+Models (`--model`), MSE, SGD, float32, 4 pipeline stages of 2 layers (one IPU
+each), gradient accumulation 8, steps_per_execution 8, micro-batch 16, 1,024
+samples (8 weight updates) a fit:
+
+    dense     Input(256) -> Dense(256, relu) x 7 -> Dense(16);
+    convnet   Input(32, 32, 3) -> Conv2D(16, 3, same, relu) x 6 -> Flatten ->
+              Dense(16): large activations between stages (256 KiB per
+              micro-batch), so each IPU's inbox and stash are large too.
 
 Each device count runs in a process of its own whose JAX has that many CPU
 devices (as a notebook's JAX is fixed once it has started): 4 devices give
@@ -43,7 +48,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES, LAYERS_PER_STAGE, WIDTH, MICRO, GA, SAMPLES = 4, 2, 256, 16, 8, 1024
 
 
-def _train(devices: int, repeats: int) -> dict:
+def _layers(keras, model: str) -> tuple:
+    """The model's input shape and its 8 layers (2 per stage)."""
+    if model == "dense":
+        hidden = [keras.layers.Dense(WIDTH, activation="relu")
+                  for _ in range(STAGES * LAYERS_PER_STAGE - 1)]
+        return (WIDTH,), [*hidden, keras.layers.Dense(16)]
+    convolutions = [keras.layers.Conv2D(16, 3, padding="same", activation="relu")
+                    for _ in range(STAGES * LAYERS_PER_STAGE - 2)]
+    return (32, 32, 3), [*convolutions, keras.layers.Flatten(), keras.layers.Dense(16)]
+
+
+def _train(devices: int, repeats: int, model_name: str) -> dict:
     """In this process (JAX's CPU devices set to `devices`): both variants' figures."""
     import jax
 
@@ -60,8 +76,9 @@ def _train(devices: int, repeats: int) -> dict:
     config.auto_select_ipus = STAGES
     config.configure_ipu_system()
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(SAMPLES, WIDTH)).astype("float32")
-    y = x[:, :16]
+    shape, _ = _layers(keras, model_name)
+    x = rng.normal(size=(SAMPLES, *shape)).astype("float32")
+    y = x.reshape(SAMPLES, -1)[:, :16]
     own_switch = IPUMesh.switch
 
     def vmapped_switch(self, axis, index, branches, *operands):
@@ -71,9 +88,8 @@ def _train(devices: int, repeats: int) -> dict:
     for name, switch in switches.items():
         keras.utils.set_random_seed(1)
         with ipu.ipu_strategy.IPUStrategy().scope():
-            layers = [keras.layers.Dense(WIDTH, activation="relu")
-                      for _ in range(STAGES * LAYERS_PER_STAGE - 1)]
-            model = keras.Sequential([keras.Input((WIDTH,)), *layers, keras.layers.Dense(16)])
+            shape, layers = _layers(keras, model_name)
+            model = keras.Sequential([keras.Input(shape), *layers])
             model.set_pipeline_stage_assignment(
                 [i // LAYERS_PER_STAGE for i in range(STAGES * LAYERS_PER_STAGE)])
             model.compile(optimizer="sgd", loss="mse", steps_per_execution=GA)
@@ -107,10 +123,11 @@ def main(argv=None) -> None:
     parser.add_argument("--platform", choices=("cpu", "default"), default="cpu",
                         help="cpu: JAX's CPU devices; default: JAX's default platform (a GPU "
                              "machine's GPUs, --devices then counts only CPU devices)")
+    parser.add_argument("--model", choices=("dense", "convnet"), default="dense")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_train(args.child, args.repeats)))
+        print(json.dumps(_train(args.child, args.repeats, args.model)))
         return
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     if args.platform == "cpu":
@@ -120,7 +137,7 @@ def main(argv=None) -> None:
     for devices in (int(d) for d in args.devices.split(",")):
         result = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", str(devices),
-             "--repeats", str(args.repeats)],
+             "--repeats", str(args.repeats), "--model", args.model],
             env=env, capture_output=True, text=True, check=True)
         figures = json.loads(result.stdout.strip().splitlines()[-1])
         for name in ("own", "vmapped"):

@@ -184,6 +184,39 @@ def test_a_switch_batched_with_one_index_or_none_operands_is_a_switch():
     assert by_element[1] is None and same[1] is None
 
 
+def test_a_switch_along_an_outer_shared_axis_is_lax_switch():
+    # The rule batches the innermost vmap ("ipu") only: along "replica" the
+    # switch is JAX's own, so its branches may use "ipu"'s collectives.
+    d = jax.devices()
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 2, 16, 16)).astype(np.float32)
+    x = rng.normal(size=(2, 2, 4, 16)).astype(np.float32)
+
+    def program(devices):
+        mesh = IPUMesh(np.array(devices, dtype=object).reshape(2, 2), ("replica", "ipu"))
+
+        def body(w, x):
+            weights = w[0, 0]
+            branches = [lambda v: mesh.psum(jnp.tanh(v @ weights), "ipu"),
+                        lambda v: v @ weights @ weights]
+            y = mesh.switch("replica", mesh.axis_index("replica"), branches, x[0, 0])
+            return y[None, None]
+
+        return jax.jit(mesh.map(body, (P("replica", "ipu"),) * 2, P("replica", "ipu")))
+
+    np.testing.assert_allclose(np.asarray(program([d[0]] * 4)(w, x)),
+                               np.asarray(program(d[:4])(w, x)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batched_switch_differentiates_forward():
+    def derivative(i, x):
+        return jax.jvp(lambda v: one_branch_each(i, [jnp.sin, jnp.cos], v), (x,), (1.0,))[1]
+
+    x = jnp.array([0.5, 0.7])
+    np.testing.assert_allclose(jax.vmap(derivative)(jnp.array([0, 1]), x),
+                               [np.cos(0.5), -np.sin(0.7)], rtol=1e-6)
+
+
 def _pipelined_fit(num_ipus_configured, x, y, mixed: bool):
     """2 replicas × 2 stages with dropout: weights and the fit's and predict's reports.
 

@@ -158,7 +158,11 @@ class IPUMesh:
 
         IPUs that share a device along `axis` each run their own branch
         only (`switch.one_branch_each`), not every branch, as a switch
-        batched over them would.
+        batched over them would. That holds for the innermost axis whose
+        IPUs share devices (the last such axis of the grid, e.g. `"ipu"`)
+        and an index that varies along it alone; along another axis this
+        is `lax.switch`, the same numbers with every branch run. The switch
+        is not differentiable in reverse mode where IPUs share a device.
 
         Args:
             axis: The grid axis the index varies along (e.g. `"ipu"`: each
@@ -176,9 +180,16 @@ class IPUMesh:
         >>> stage = mesh.axis_index("ipu")
         >>> out = mesh.switch("ipu", stage, [first_stage, second_stage], x)
         """
-        if self._local_size(axis) == 1:
+        if self._local_size(axis) == 1 or axis != self._innermost_shared_axis():
+            # The custom batching applies to the innermost vmap only: along an
+            # outer axis the switch is JAX's own (a select over the branches).
             return jax.lax.switch(index, branches, *operands)
         return one_branch_each(index, branches, *operands)
+
+    def _innermost_shared_axis(self) -> str | None:
+        """The axis whose local IPUs `map` batches innermost (`map` wraps the last first)."""
+        return next((name for name, local in reversed(list(zip(self.axis_names, self.local)))
+                     if local > 1), None)
 
     def all_gather(self, tree: Any, axis: str) -> Any:
         """Inside `map`: every IPU's value along `axis`, stacked in IPU order.

@@ -42,7 +42,12 @@ def one_branch_each(index: Any, branches: Sequence[Callable], *operands: Any) ->
 
     The branches must not use collectives or `axis_index` of the `vmap`
     that batches `index` (they run outside it, one element at a time); the
-    names of outer `vmap`s and of `shard_map` keep their meaning.
+    names of outer `vmap`s and of `shard_map` keep their meaning. Only the
+    innermost `vmap` that batches `index` runs its elements in turn: an
+    outer one that batches it too selects over the branches, as JAX's own
+    rule does. Reverse-mode differentiation through the switch is not
+    supported (`custom_vmap` has no transpose); a program differentiates
+    inside its branches.
 
     Example:
 
@@ -88,6 +93,10 @@ def _switch(closed: list[Callable]) -> Callable:
     def rule(axis_size, in_batched, index, captured, operands):
         index_batched, *flags = in_batched
         args = (captured, operands)
+        if not any(jax.tree_util.tree_leaves(in_batched)):
+            # Nothing batched (forward-mode differentiation asks so): one switch.
+            out = switch(index, *args)
+            return out, jax.tree_util.tree_map(lambda _: False, out)
         if not index_batched:  # every element runs the same branch: JAX's own rule
             axes = jax.tree_util.tree_map(lambda b: 0 if b else None, tuple(flags))
             out = jax.vmap(lambda c, o: switch(index, c, o), in_axes=axes)(*args)
@@ -102,7 +111,9 @@ def _in_turn(switch: Callable, axis_size: int, index, args: tuple, flags: list) 
     """`switch` for each element of the batch in turn (a `lax.map`).
 
     Only the batched arguments are mapped over; the others are closed over,
-    not copied once per element.
+    not copied once per element. (Each element's slice of a batched one is
+    a copy: a pipeline's inbox and stash rows per IPU, small next to the
+    stage ops that a select over every branch would run for every IPU.)
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
     batched = jax.tree_util.tree_leaves(flags)
