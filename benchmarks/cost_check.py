@@ -113,7 +113,8 @@ def dense_stack(keras, width: int, layers: int):
     )
 
 
-def measure(width: int, layers: int, batch: int, steps: int = STEPS) -> dict[str, dict]:
+def measure(width: int, layers: int, batch: int, steps: int = STEPS,
+            stages: int = 1) -> dict[str, dict]:
     """Runs one fit and one predict execution; the report's figures per mode.
 
     Args:
@@ -121,10 +122,14 @@ def measure(width: int, layers: int, batch: int, steps: int = STEPS) -> dict[str
         layers: Dense layers.
         batch: Samples per step.
         steps: `steps_per_execution` (one execution of each mode runs).
+        stages: Pipeline stages (one IPU each, the layers shared out in
+            order, `steps` micro-batches accumulated); 1 for no pipeline.
+            A pipeline's step is a micro-batch of `batch` samples.
 
     Returns:
         `{mode: {"flops": report, "analytic": count, "ratio": report / count,
-        "cycles_per_step": estimated cycles, "platform": JAX platform}}`.
+        "cycles_per_step": estimated cycles, "platform": JAX platform,
+        "loop": the report's loop form}}`.
 
     Example:
 
@@ -137,12 +142,16 @@ def measure(width: int, layers: int, batch: int, steps: int = STEPS) -> dict[str
     import keras_ipu as ipu
 
     config = ipu.config.IPUConfig()
-    config.auto_select_ipus = 1
+    config.auto_select_ipus = stages
     config.configure_ipu_system()
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = dense_stack(keras, width, layers)
+        if stages > 1:
+            model.set_pipeline_stage_assignment([i * stages // layers for i in range(layers)])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse",
                       steps_per_execution=steps)
+        if stages > 1:
+            model.set_pipelining_options(gradient_accumulation_steps_per_replica=steps)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * batch, width)).astype("float32")
     y = rng.normal(size=(steps * batch, width)).astype("float32")
@@ -158,6 +167,7 @@ def measure(width: int, layers: int, batch: int, steps: int = STEPS) -> dict[str
             "ratio": report.flops_per_step / analytic,
             "cycles_per_step": report.estimated_cycles / report.steps_per_execution,
             "platform": jax.devices()[0].platform,
+            "loop": report.loop,
         }
     return results
 

@@ -262,6 +262,20 @@ def test_report_flops_of_dense_stacks_match_the_analytic_count(width, layers, ba
         assert result["ratio"] == pytest.approx(1.0, abs=0.05), (mode, result)
 
 
+@pytest.mark.parametrize("loop", ["schedule", "host"])
+def test_a_pipelines_flops_per_step_are_the_analytic_count_in_both_forms(loop, monkeypatch):
+    # The schedule program and the host-dispatched stage ops count alike: one
+    # micro-batch through every stage op, as one IPU running the whole model.
+    if loop == "host":
+        monkeypatch.setenv("KERAS_IPU_FLAGS", "--execution_loop=host")
+    check = _cost_check()
+    for stages in (2, 4):
+        results = check.measure(64, 4, 32, steps=4, stages=stages)
+        assert results["fit"]["loop"] == loop
+        for mode, result in results.items():
+            assert result["ratio"] == pytest.approx(1.0, abs=0.05), (stages, mode, result)
+
+
 def test_the_report_does_not_use_the_backend_cost_analysis(monkeypatch):
     """As on a GPU: compiled analysis that misses the products, no lowered analysis.
 

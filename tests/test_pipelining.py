@@ -93,6 +93,7 @@ def _fit_against_plain(scope, ipu_optimizer, plain_optimizers):
     """
     configure(2)
     x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(0)  # the same initial weights whatever ran before
     with scope:
         model = _mlp()
     model.set_pipeline_stage_assignment([0, 0, 1, 1])
@@ -123,7 +124,8 @@ def test_weight_decay_exclusions_reach_every_ipu(loss_scaled, strategy):
     model, (plain, decayed) = _fit_against_plain(
         strategy.scope(), excluding_biases(),
         [excluding_biases(), keras.optimizers.AdamW(0.05, weight_decay=0.5)])
-    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    # AdamW's normalised steps carry float32 rounding (up to 2e-6 seen) in 2 epochs.
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
     # Decaying the biases too would end elsewhere: the comparison can fail.
     bias = model.layers[0].bias.numpy()
     assert np.max(np.abs(decayed.layers[0].bias.numpy() - bias)) > 1e-3

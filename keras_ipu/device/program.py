@@ -555,7 +555,6 @@ class ExecutionProgram:
                 cost: accounting.StepCost | Callable[[], accounting.StepCost],
                 loop: loops.LoopChoice, seconds: float, options: str) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
-        cost = cost() if callable(cost) else cost
         # The cost is one batch's: each batch of the execution costs it. The
         # replicas sum their gradients once per step (weight update), after
         # its micro-batches.
@@ -563,11 +562,18 @@ class ExecutionProgram:
         steps = _leading(batches) * micro
         all_reduce = all_reduce_cycles(self.exchange_bytes_per_step, self.replica_count,
                                        self.hardware)
-        step_cycles = cost.cycles(self.hardware) + all_reduce / micro
         pipeline_report = None
         if self._pipeline is not None:
+            # The schedule's stage ops give cycles and flops alike, whether the
+            # schedule program or the host-dispatched ops run them: the
+            # program's own count is not needed.
             per_pass, pipeline_report = self._pipeline(self.hardware)
             step_cycles = (per_pass + all_reduce) / micro
+            flops = pipeline_report.flops_per_micro_batch
+        else:
+            cost = cost() if callable(cost) else cost
+            step_cycles = cost.cycles(self.hardware) + all_reduce / micro
+            flops = cost.flops
         cycles = int(round(step_cycles * steps))
         report = ExecutionReport(
             mode=self.mode,
@@ -587,7 +593,7 @@ class ExecutionProgram:
                 )
                 for ipu, use in zip(self.replicas.ipus, memory)
             ),
-            flops_per_step=cost.flops,
+            flops_per_step=flops,
             compile_seconds=seconds,
             replicas=self.replica_count,
             pipeline=pipeline_report,

@@ -66,6 +66,10 @@ class PipelineReport:
             device model.
         sync_cycles: The synchronisation and exchange between two ticks,
             which each tick pays besides its slowest op.
+        stage_forward_flops: Counted flops of each stage's forward op (one
+            micro-batch).
+        stage_backward_flops: Counted flops of each stage's backward op
+            (zeros for inference).
     """
 
     schedule: str
@@ -81,6 +85,13 @@ class PipelineReport:
     recomputation: bool = False
     ignored_options: tuple[str, ...] = ()
     sync_cycles: float = 0.0
+    stage_forward_flops: tuple[float, ...] = ()
+    stage_backward_flops: tuple[float, ...] = ()
+
+    @property
+    def flops_per_micro_batch(self) -> float:
+        """Every stage's forward and backward op on one micro-batch."""
+        return float(sum(self.stage_forward_flops) + sum(self.stage_backward_flops))
 
     def __str__(self) -> str:
         stages = ", ".join(
@@ -109,7 +120,9 @@ class ExecutionReport:
         clock_hz: The modelled clock frequency.
         steps_per_execution: Steps the execution runs on the device.
         ipus: One `IPUReport` per IPU the execution uses.
-        flops_per_step: Floating point operations of one step (per IPU).
+        flops_per_step: Floating point operations of one step (per IPU);
+            for a pipeline, of one micro-batch through every stage op (the
+            pipeline's `flops_per_micro_batch`), whichever form runs it.
         compile_seconds: Host time spent compiling the program.
         replicas: The replication factor.
         pipeline: The pipeline's report, for pipelined programs.

@@ -263,7 +263,7 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
     bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(batch), jnp.float32)
 
     def costs(hardware):
-        forward, backward = [], []
+        forward, backward, forward_flops, backward_flops = [], [], [], []
         for s in range(pipe.num_stages):
             args = (flats("trainable_variables"), flats("non_trainable_variables"),
                     bundle, x)
@@ -285,9 +285,14 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
                 inputs = 2 if first and _is_float(x) else 1
                 return jax.grad(total, argnums=(0, inputs))(t, b, x)
 
-            forward.append(_cycles(jax.jit(stage).trace(*args), hardware))
-            full = _cycles(jax.jit(backward_op).trace(*args), hardware) if training else 0.0
-            backward.append(full if recompute or not training else max(full - forward[-1], 0.0))
+            ahead = _counted(jax.jit(stage).trace(*args))
+            forward.append(ahead.work_cycles(hardware))
+            forward_flops.append(ahead.flops)
+            full = _counted(jax.jit(backward_op).trace(*args)) if training else None
+            backward.append(_backward_part(full.work_cycles(hardware), forward[-1], recompute)
+                            if full else 0.0)
+            backward_flops.append(_backward_part(full.flops, ahead.flops, recompute)
+                                  if full else 0.0)
         per_pass = (table.total_cycles(forward, backward if training else None)
                     + table.num_ticks * hardware.sync_cycles)
         report = PipelineReport(
@@ -308,6 +313,8 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             ),
             recomputation=recompute,
             sync_cycles=hardware.sync_cycles,
+            stage_forward_flops=tuple(forward_flops),
+            stage_backward_flops=tuple(backward_flops),
             ignored_options=tuple(sorted(
                 key for key in options.pipelining_kwargs
                 if "no effect" in PIPELINING_KWARGS[key])),
@@ -378,9 +385,15 @@ def _is_float(tree) -> bool:
     return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _cycles(traced, hardware) -> float:
-    """A stage op's cycles (16-bit matrix work at the 16-bit rate, op by op)."""
-    return accounting.step_cost(traced.lower()).work_cycles(hardware)
+def _counted(traced) -> accounting.StepCost:
+    """A stage op's counted cost (its cycles: 16-bit matrix work at the 16-bit rate)."""
+    return accounting.step_cost(traced.lower())
+
+
+def _backward_part(full: float, forward: float, recompute: bool) -> float:
+    """A backward op's share of the stage differentiated whole (which includes a forward
+    pass: only a recomputing backward op runs it)."""
+    return full if recompute else max(full - forward, 0.0)
 
 
 __all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]
