@@ -28,8 +28,10 @@ class DispatchedExecutable:
         memory: Per IPU of the execution (in the order of its IPUs), the
             memory its programs need: its state, the largest temporaries of
             its programs plus what it keeps between them, its io.
-        cost: The cost of one step (one micro-batch through every stage), or a
-            function that counts it (when the report is read).
+        cost: The cost of one step, or a function that counts it (when the
+            report is read); `None` for an execution program whose pipeline
+            table gives it (a pipeline's stage ops are counted there, the same
+            for either form of the execution).
         compiler: The XLA options its programs were compiled with, and why,
             in words (`keras_ipu.device.compiler`).
 
@@ -41,7 +43,7 @@ class DispatchedExecutable:
 
     run: Callable[[Any, Any], tuple[Any, Any]]
     memory: tuple[MemoryUse, ...]
-    cost: StepCost | Callable[[], StepCost]
+    cost: StepCost | Callable[[], StepCost] | None = None
     compiler: str = ""
 
 

@@ -425,6 +425,9 @@ class ExecutionProgram:
                                              self._loop_request)
             if choice.form == loops.HOST:
                 executable = self._dispatched.compile(state, self._compiled_batches(batches))()
+                if executable.cost is None and self._pipeline is None:
+                    raise ValueError("A dispatched execution without a pipeline table must "
+                                     "give its cost (DispatchedExecutable.cost).")
                 return self._checked(executable.run, batches, executable.memory, executable.cost,
                                      choice, started, executable.compiler, dispatched=True)
         if choice is None and self._compiles_loop_in_background(batches):
@@ -537,7 +540,7 @@ class ExecutionProgram:
                              options.describe())
 
     def _checked(self, compiled: Any, batches: Batch, memory: Sequence[accounting.MemoryUse],
-                 cost: accounting.StepCost | Callable[[], accounting.StepCost],
+                 cost: accounting.StepCost | Callable[[], accounting.StepCost] | None,
                  loop: loops.LoopChoice, started: float,
                  options: str = "", dispatched: bool = False) -> _Executable:
         """The executable, once each IPU's memory is checked; its report comes when read."""
@@ -552,7 +555,7 @@ class ExecutionProgram:
         return executable
 
     def _report(self, batches: Batch, memory: Sequence[accounting.MemoryUse],
-                cost: accounting.StepCost | Callable[[], accounting.StepCost],
+                cost: accounting.StepCost | Callable[[], accounting.StepCost] | None,
                 loop: loops.LoopChoice, seconds: float, options: str) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
         # The cost is one batch's: each batch of the execution costs it. The

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -284,12 +283,11 @@ class DispatchedFit:
         update_options = compiler.choose_options(compiler.OPTIMIZER, platform)
 
         def started(traced, options=step_options):
-            # Costed over the lowered program, as every execution is (the
-            # compiled one's cost analysis depends on the platform), when the
-            # report is read: counting is not free and a run never reads it.
+            # (Its flops and cycles are the pipeline report's, counted over
+            # each stage op as the schedule program's are: nothing is kept to count.)
             lowered = lowering.lower_for(platform, traced)
             compiled = pool.submit(compiler.compile_lowered, lowered, options)
-            return compiled, traced.out_info, traced.jaxpr, lowered
+            return compiled, traced.out_info, traced.jaxpr
 
         forward = [started(traced) for traced in self._traced_forward(state, batches)]
         backward, stash_bytes = [], []
@@ -335,9 +333,6 @@ class DispatchedFit:
             return DispatchedExecutable(
                 run=_Runner(self, ops, bundle.shape).run,
                 memory=self._memory(each(memory), local, batch, last[1][2]),
-                cost=functools.partial(self._cost,
-                                       [op[3] for op in (*forward, *backward, last)],
-                                       [op[3] for op in optimizer_steps]),
                 compiler=(f"stage ops: {step_options.describe()}; "
                           f"optimizer steps: {update_options.describe()}"),
             )
@@ -367,15 +362,6 @@ class DispatchedFit:
                 code_bytes=sum(u.code_bytes for u in uses),
             ))
         return tuple(memory)
-
-    def _cost(self, stage_ops: list, updates: list) -> accounting.StepCost:
-        """One micro-batch through every stage op, and its share of the optimizer steps.
-
-        `stage_ops` and `updates` are the ops' lowered programs, counted here.
-        """
-        return accounting.StepCost.total(
-            [(accounting.step_cost(op), 1.0) for op in stage_ops]
-            + [(accounting.step_cost(op), 1.0 / self.micro) for op in updates])
 
 
 class _Runner:

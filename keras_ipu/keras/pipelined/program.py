@@ -288,11 +288,14 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
             ahead = _counted(jax.jit(stage).trace(*args))
             forward.append(ahead.work_cycles(hardware))
             forward_flops.append(ahead.flops)
-            full = _counted(jax.jit(backward_op).trace(*args)) if training else None
-            backward.append(_backward_part(full.work_cycles(hardware), forward[-1], recompute)
-                            if full else 0.0)
-            backward_flops.append(_backward_part(full.flops, ahead.flops, recompute)
-                                  if full else 0.0)
+            if training:
+                full = _counted(jax.jit(backward_op).trace(*args))
+                backward.append(_backward_part(full.work_cycles(hardware), forward[-1],
+                                               recompute))
+                backward_flops.append(_backward_part(full.flops, ahead.flops, recompute))
+            else:
+                backward.append(0.0)
+                backward_flops.append(0.0)
         per_pass = (table.total_cycles(forward, backward if training else None)
                     + table.num_ticks * hardware.sync_cycles)
         report = PipelineReport(
