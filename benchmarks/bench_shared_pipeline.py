@@ -48,15 +48,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES, LAYERS_PER_STAGE, WIDTH, MICRO, GA, SAMPLES = 4, 2, 256, 16, 8, 1024
 
 
-def _layers(keras, model: str) -> tuple:
-    """The model's input shape and its 8 layers (2 per stage)."""
+INPUT_SHAPES = {"dense": (WIDTH,), "convnet": (32, 32, 3)}
+
+
+def _layers(keras, model: str) -> list:
+    """The model's 8 layers (2 per stage)."""
     if model == "dense":
         hidden = [keras.layers.Dense(WIDTH, activation="relu")
                   for _ in range(STAGES * LAYERS_PER_STAGE - 1)]
-        return (WIDTH,), [*hidden, keras.layers.Dense(16)]
+        return [*hidden, keras.layers.Dense(16)]
     convolutions = [keras.layers.Conv2D(16, 3, padding="same", activation="relu")
                     for _ in range(STAGES * LAYERS_PER_STAGE - 2)]
-    return (32, 32, 3), [*convolutions, keras.layers.Flatten(), keras.layers.Dense(16)]
+    return [*convolutions, keras.layers.Flatten(), keras.layers.Dense(16)]
 
 
 def _train(devices: int, repeats: int, model_name: str) -> dict:
@@ -76,7 +79,7 @@ def _train(devices: int, repeats: int, model_name: str) -> dict:
     config.auto_select_ipus = STAGES
     config.configure_ipu_system()
     rng = np.random.default_rng(0)
-    shape, _ = _layers(keras, model_name)
+    shape = INPUT_SHAPES[model_name]
     x = rng.normal(size=(SAMPLES, *shape)).astype("float32")
     y = x.reshape(SAMPLES, -1)[:, :16]
     own_switch = IPUMesh.switch
@@ -88,8 +91,7 @@ def _train(devices: int, repeats: int, model_name: str) -> dict:
     for name, switch in switches.items():
         keras.utils.set_random_seed(1)
         with ipu.ipu_strategy.IPUStrategy().scope():
-            shape, layers = _layers(keras, model_name)
-            model = keras.Sequential([keras.Input(shape), *layers])
+            model = keras.Sequential([keras.Input(shape), *_layers(keras, model_name)])
             model.set_pipeline_stage_assignment(
                 [i // LAYERS_PER_STAGE for i in range(STAGES * LAYERS_PER_STAGE)])
             model.compile(optimizer="sgd", loss="mse", steps_per_execution=GA)

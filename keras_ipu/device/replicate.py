@@ -256,4 +256,3 @@ def _on_device(tree: Any, device: jax.Device) -> Any:
 
 
 __all__: Sequence[str] = ["REPLICA_AXIS", "Replicas", "all_reduce_cycles"]
-
