@@ -29,10 +29,11 @@ def use_fresh_process_env(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", fresh_process_env()["PYTHONPATH"])
 
 
-def configure(num_ipus: int = 1, **ipu_model) -> None:
+def configure(num_ipus: int = 1, *, allow_recompute: bool = False, **ipu_model) -> None:
     """Configures `num_ipus` IPUs, with `ipu_model` attributes (e.g. tiles_per_ipu)."""
     config = ipu.config.IPUConfig()
     config.auto_select_ipus = num_ipus
+    config.allow_recompute = allow_recompute
     for name, value in ipu_model.items():
         setattr(config.ipu_model, name, value)
     config.configure_ipu_system()

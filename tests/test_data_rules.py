@@ -106,6 +106,24 @@ def test_bad_steps_per_execution_and_batch_size(strategy):
         model.evaluate(x, y, batch_size=8, steps=0, verbose=0)
 
 
+def test_integer_scalars_count_as_integers(strategy):
+    # IPU TensorFlow code passes `dataset.cardinality()`, a 0-d integer tensor.
+    import jax.numpy as jnp
+
+    plain, model = twin("sequential", strategy, steps_per_execution=np.array(2))
+    x, y = data_for("sequential", samples=32)
+    args = dict(epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=8, **args)
+    actual = model.fit(x, y, batch_size=jnp.array(8), steps_per_epoch=np.int64(4), **args)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+    for bad in (np.array(2.0), np.array([2]), True, "2"):
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=bad)
+        with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive "
+                                             r"integer, got"):
+            _weights_unchanged(model, lambda: model.fit(x, y, batch_size=8, verbose=0))
+
+
 def test_mismatched_sample_counts_raise(strategy):
     _, model = twin("sequential", strategy)
     x, y = data_for("sequential", samples=32)

@@ -178,6 +178,17 @@ def test_unit_forget_bias_forces_zero_biases_but_the_forget_gates():
     np.testing.assert_array_equal(kept.cell.bias, np.ones(16))
 
 
+def test_state_shape_is_the_shape_an_initial_state_takes():
+    x = _images((2, 5, 3))
+    lstm, gru = ipu_layers.PopnnLSTM(4, return_state=True), ipu_layers.PopnnGRU(6)
+    assert lstm.state_shape(2) == ([2, 4], [2, 4])
+    assert gru.state_shape(7) == [7, 6]
+    _, *state = lstm(x)
+    assert tuple(list(s.shape) for s in state) == lstm.state_shape(2)
+    zeros = [np.zeros(shape, "float32") for shape in lstm.state_shape(2)]
+    np.testing.assert_allclose(lstm(x, initial_state=zeros)[0], lstm(x)[0])
+
+
 def _poplar_formula(x):
     return keras.ops.clip(x * 0.2 + 0.5, 0.0, 1.0)
 
@@ -253,7 +264,9 @@ def test_a_model_of_ipu_layers_trains_on_an_ipu_as_in_plain_keras(tmp_path):
 
 
 def _pipelined_with_checkpoint(checkpointed: bool, mode, as_function: bool = False):
-    """A 2-stage pipeline (3 Dense layers in stage 0), optionally checkpointing its middle."""
+    """A 2-stage pipeline (3 Dense layers in stage 0), optionally checkpointing its middle;
+    it recomputes, in `mode`, unless `mode` is `None`."""
+    configure(2, allow_recompute=mode is not None)
     keras.utils.set_random_seed(2)
     with ipu.ipu_strategy.IPUStrategy().scope():
         inputs = keras.Input((6,))

@@ -464,18 +464,15 @@ def test_utilisation_grows_with_micro_batches_and_interleaved_stashes_less(strat
     assert "Pipeline: Interleaved schedule" in str(ipu.utils.execution_report(model))
 
 
-@pytest.mark.parametrize("how", ["config", "recomputation_mode"])
+@pytest.mark.parametrize("how", ["config", "config and recomputation_mode"])
 def test_recomputation_keeps_only_stage_inputs(how, strategy):
-    config = ipu.config.IPUConfig()
-    config.auto_select_ipus = 2
-    config.allow_recompute = how == "config"
-    config.configure_ipu_system()
+    configure(2, allow_recompute=True)
     with strategy.scope():
         model = _mlp()
     model.set_pipeline_stage_assignment([0, 0, 1, 1])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
     kwargs = ({"recomputation_mode": ipu.pipelining_ops.RecomputationMode.Auto}
-              if how == "recomputation_mode" else {})
+              if how.endswith("recomputation_mode") else {})
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=16, **kwargs)
     x, y = data_for("sequential", samples=32)
     model.fit(x, y, batch_size=2, verbose=0)
@@ -484,14 +481,31 @@ def test_recomputation_keeps_only_stage_inputs(how, strategy):
     assert pipeline.stash_bytes == (3 * 2 * 4 * 6, 1 * 2 * 4 * 8)  # inputs only
 
 
+def test_a_recomputation_mode_alone_does_not_recompute(strategy):
+    # As on the IPU, the mode applies only once `allow_recompute` turns recomputation on.
+    configure(2)
+    with strategy.scope():
+        model = _mlp()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=16,
+        recomputation_mode=ipu.pipelining_ops.RecomputationMode.RecomputeThenBackpropagate)
+    x, y = data_for("sequential", samples=32)
+    with pytest.warns(UserWarning, match=r"`recomputation_mode` has no effect while "
+                                         r"recomputation is off.*allow_recompute = True"):
+        model.fit(x, y, batch_size=2, verbose=0)
+    pipeline = ipu.utils.execution_report(model).pipeline
+    assert not pipeline.recomputation
+    assert pipeline.stash_bytes[0] > 3 * 2 * 4 * 6  # activations stashed too
+
+
 @pytest.mark.parametrize("reduction, recompute", [
-    ("sum", None), ("running_mean", None), ("mean", "config"), ("mean", "recomputation_mode"),
+    ("sum", None), ("running_mean", None), ("mean", "config"),
+    ("mean", "config and recomputation_mode"),
 ])
 def test_reductions_and_recomputation_train_like_the_big_batch(reduction, recompute, strategy):
-    config = ipu.config.IPUConfig()
-    config.auto_select_ipus = 2
-    config.allow_recompute = recompute == "config"
-    config.configure_ipu_system()
+    configure(2, allow_recompute=recompute is not None)
     x, y = data_for("sequential", samples=64)
     with strategy.scope():
         model = _mlp()
@@ -503,7 +517,7 @@ def test_reductions_and_recomputation_train_like_the_big_batch(reduction, recomp
                   loss="mse")
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
     kwargs = ({"recomputation_mode": ipu.pipelining_ops.RecomputationMode.Auto}
-              if recompute == "recomputation_mode" else {})
+              if recompute and recompute.endswith("recomputation_mode") else {})
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
                                  gradient_accumulation_reduction_method=reduction, **kwargs)
     plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0)
@@ -697,7 +711,7 @@ def test_recomputation_draws_the_forward_ops_dropout_masks(form, monkeypatch):
     # The backward op recomputes the stage with the seed state its forward op found: later
     # forward ops have moved it. Plain Keras' accumulation draws the same masks.
     monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
-    configure(2)
+    configure(2, allow_recompute=True)
     x, y = data_for("sequential", samples=32)
 
     def build():
@@ -743,7 +757,7 @@ def test_each_ipu_reports_the_state_of_its_own_stages(form, monkeypatch):
 def test_a_recomputing_stage_stashes_its_non_trainable_values_too():
     # Its backward op recomputes with the values its forward op found (BatchNorm's moving
     # statistics here): the report's stash counts them once per micro-batch held.
-    configure(2)
+    configure(2, allow_recompute=True)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
                                   keras.layers.BatchNormalization(), keras.layers.Dense(3)])

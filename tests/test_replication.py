@@ -253,7 +253,7 @@ def test_pipelined_replicas_drop_out_as_replicas_of_one_ipu_do(recompute):
     x, y = data_for("sequential", samples=64)
 
     def fit(pipelined: bool):
-        configure(4 if pipelined else 2)
+        configure(4 if pipelined else 2, allow_recompute=recompute)
         keras.utils.set_random_seed(4)
         with ipu.ipu_strategy.IPUStrategy().scope():
             model = keras.Sequential([

@@ -60,7 +60,7 @@ class PipelineReport:
             count × what the stage keeps per micro-batch (its input with
             recomputation; its input and every activation without).
         recomputation: Whether stages recompute activations in the backward
-            pass (`IPUConfig.allow_recompute` or a `recomputation_mode`).
+            pass (`IPUConfig.allow_recompute`).
         ticks: Time steps of one pass.
         ignored_options: Pipelining options accepted without effect on the
             device model.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -115,9 +116,9 @@ def make_feed(
             little data, or a `steps_per_execution` that does not divide
             the steps.
     """
-    _check_positive("steps_per_execution", steps_per_execution)
+    steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
     if steps is not None and steps != -1:
-        _check_positive("steps", steps)
+        steps = _positive_int("steps", steps)
     steps = _capped_steps(steps)
     if class_weight is not None and sample_weight is not None:
         raise ValueError(
@@ -270,7 +271,7 @@ class ArrayFeed:
         rows = _common_length(self._data)
         if batch_size is None:
             batch_size = -(-rows // steps) if steps and steps > 0 else DEFAULT_BATCH_SIZE
-        _check_positive("batch_size", batch_size)
+        batch_size = _positive_int("batch_size", batch_size)
         if rows % batch_size:
             raise ValueError(
                 f"{ROLES[role].subject} has a partial batch, which could result "
@@ -642,9 +643,19 @@ def _capped_steps(steps: int | None) -> int | None:
     return steps
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+def _positive_int(name: str, value: Any) -> int:
+    """`value` as a Python int, or a `ValueError` naming `name`.
+
+    Integer scalars of any kind count: a 0-d NumPy or JAX integer array as
+    well as an int (IPU TensorFlow code passes a data set's `cardinality()`).
+    """
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        number = 0
+    if number < 1:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return number
 
 
 def _short_list(values: list[int], limit: int = 12) -> str:

@@ -130,7 +130,8 @@ class ExtensionBase:
             **pipelining_kwargs: Options of `pipelining_ops.pipeline`:
                 `pipeline_schedule` (a
                 `keras_ipu.pipelining_ops.PipelineSchedule`),
-                `recomputation_mode` (a `RecomputationMode`),
+                `recomputation_mode` (a `RecomputationMode`; only with
+                `IPUConfig.allow_recompute`),
                 `gradient_accumulation_dtype`, and the offload and Poplar
                 options, which are accepted without effect on the device
                 model. Replaced on every call; not saved.

@@ -389,6 +389,20 @@ class _IPURecurrent:
             sequences_shape = (sequences_shape[1], sequences_shape[0], *sequences_shape[2:])
         super().build(sequences_shape, initial_state_shape)
 
+    def state_shape(self, batch_size: int) -> list[int] | tuple[list[int], ...]:
+        """The shape of the state: `[batch_size, units]`, a pair of them for an LSTM.
+
+        Args:
+            batch_size: The batch size.
+
+        Returns:
+            A GRU's `[batch_size, units]`; an LSTM's `(c, h)` shapes, each that.
+        """
+        sizes = self.cell.state_size
+        if isinstance(sizes, (list, tuple)):
+            return tuple([batch_size, size] for size in sizes)
+        return [batch_size, sizes]
+
     def _check_initial_state(self, initial_state, sequences) -> None:
         """Raises `ValueError` unless `initial_state` holds one `[batch, units]` per state."""
         if initial_state is None:
@@ -630,9 +644,9 @@ GRU = PopnnGRU
 class RecomputationCheckpoint(keras.layers.Layer):
     """Marks values a recomputing pipeline stage keeps instead of recomputing.
 
-    In a pipeline that recomputes (`IPUConfig.allow_recompute` or a
-    `recomputation_mode`) under `RecomputationMode.
-    RecomputeAndBackpropagateInterleaved` (the Sequential schedule's `Auto`),
+    In a pipeline that recomputes (`IPUConfig.allow_recompute`) under
+    `RecomputationMode.RecomputeAndBackpropagateInterleaved` (the Sequential
+    schedule's `Auto`),
     a stage's forward op keeps its input and these values, and its backward
     op recomputes the rest from them: less recomputation for more stashed
     memory (the execution report's `stash_bytes` counts them). Under

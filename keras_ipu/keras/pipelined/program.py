@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -139,6 +140,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
                                      training=mode == "fit")
     reduction = options.replicated_metric_reduction_method
     recompute = _recomputation(options)
+    if mode == "fit":
+        _warn_unused_recomputation_mode(options, recompute)
     keep_checkpoints = recompute and _keeps_checkpoints(options)
     loop = ipu_system.require().option("execution_loop", "auto")
     accumulate_outfeed = bool(options.pipelining_accumulate_outfeed)
@@ -331,10 +334,17 @@ def _recomputation(options: IPUOptions) -> bool:
     """Whether stages recompute their activations in the backward pass (as modelled).
 
     `IPUConfig.allow_recompute` turns recomputation on; `recomputation_mode`
-    chooses how, so giving one turns it on too.
+    chooses how and, as on the IPU, applies only then.
     """
-    return bool(ipu_system.require().option("allow_recompute")) or (
-        "recomputation_mode" in options.pipelining_kwargs)
+    return bool(ipu_system.require().option("allow_recompute"))
+
+
+def _warn_unused_recomputation_mode(options: IPUOptions, recompute: bool) -> None:
+    if not recompute and options.pipelining_kwargs.get("recomputation_mode") is not None:
+        warnings.warn(
+            "`recomputation_mode` has no effect while recomputation is off: turn it on "
+            "with `IPUConfig.allow_recompute = True` (or `ipu.utils.set_recomputation_options`).",
+            stacklevel=2)
 
 
 def _keeps_checkpoints(options: IPUOptions) -> bool:
