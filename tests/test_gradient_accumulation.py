@@ -87,8 +87,14 @@ def test_batch_norm_statistics_update_every_micro_batch(strategy):
 
 
 def test_accumulator_dtype_follows_the_kwargs(strategy):
+    # As in the reference: by default each variable's own type; a dtype for all; or a
+    # function of the variable. One weight update (16 micro-batches), so each weight's
+    # update depends on its own accumulator only.
+    def bias_in_bfloat16(variable):
+        return "bfloat16" if variable.path.endswith("bias") else np.float32
+
     results = {}
-    for dtype in (None, "float32", "bfloat16"):
+    for dtype in (None, "float32", "bfloat16", bias_in_bfloat16):
         keras.utils.set_random_seed(0)
         with strategy.scope():
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, dtype="bfloat16")])
@@ -98,8 +104,26 @@ def test_accumulator_dtype_follows_the_kwargs(strategy):
         x, y = data_for("sequential", samples=64)
         model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
         results[dtype] = [w.astype("float32") for w in model.get_weights()]
-    assert_weights_close(results[None], results["float32"], atol=0)  # float32 by default
-    assert any(not np.array_equal(a, b) for a, b in zip(results[None], results["bfloat16"]))
+    assert_weights_close(results[None], results["bfloat16"], atol=0)  # the variables' type
+    (kernel32, bias32), (kernel16, bias16) = results["float32"], results["bfloat16"]
+    assert not np.array_equal(kernel32, kernel16) and not np.array_equal(bias32, bias16)
+    kernel, bias = results[bias_in_bfloat16]
+    np.testing.assert_array_equal(kernel, kernel32)
+    np.testing.assert_array_equal(bias, bias16)
+
+
+def test_an_accumulator_function_giving_no_float_type_raises_before_training(strategy):
+    with strategy.scope():
+        model = sequential()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_gradient_accumulation_options(4, dtype=lambda variable: "int8")
+    x, y = data_for("sequential", samples=16)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"accumulation dtype the function gives "
+                                         r"'[a-z_0-9/]*/kernel' must be one of \['float32', "
+                                         r"'float16', 'bfloat16'\], got 'int8'"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
 
 
 def test_evaluate_and_predict_ignore_accumulation(strategy):
@@ -183,7 +207,7 @@ def test_setter_semantics(strategy):
     current = options.options_of(model)
     assert current.gradient_accumulation_steps_per_replica == 4
     assert current.gradient_accumulation_reduction_method is GradientAccumulationReductionMethod.SUM
-    assert current.accumulator_dtype == "float32"
+    assert current.accumulator_dtype is None  # each variable's own type
     assert ipu.gradient_accumulation.GradientAccumulationReductionMethod is (
         GradientAccumulationReductionMethod
     )

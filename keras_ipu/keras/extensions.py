@@ -74,8 +74,10 @@ class ExtensionBase:
             use_v2_gradient_accumulation_optimizer: A bool, accepted for
                 compatibility; there is one accumulation implementation.
             **gradient_accumulation_optimizer_kwargs: `dtype`: the
-                accumulator dtype (`"float32"` by default, `"float16"` or
-                `"bfloat16"`). `offload_weight_update_variables`,
+                accumulator dtype: each variable's own by default (`None`),
+                `"float32"`, `"float16"` or `"bfloat16"` for all, or a
+                function of the variable that gives its accumulator's dtype.
+                `offload_weight_update_variables`,
                 `replicated_optimizer_state_sharding` and `name` are accepted
                 and have no effect on the device model. Not saved.
 

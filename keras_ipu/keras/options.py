@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,12 +56,15 @@ class ReplicatedMetricReductionMethod(enum.Enum):
 # Keys `set_gradient_accumulation_options` accepts in its **kwargs, and what
 # they do on the device model.
 GRADIENT_ACCUMULATION_KWARGS = {
-    "dtype": "the accumulator dtype (float32 by default)",
+    "dtype": "the accumulator dtype: each variable's own by default, one dtype for all, or "
+             "a function of the variable",
     "offload_weight_update_variables": "accepted; no effect on the device model",
     "replicated_optimizer_state_sharding": "accepted; no effect on the device model",
     "name": "accepted; no effect on the device model",
 }
 _ACCUMULATOR_DTYPES = ("float32", "float16", "bfloat16")
+# An accumulator dtype option: a name, a function of the variable, or None (the variable's).
+AccumulatorDtype = str | Callable[[Any], Any] | None
 
 _REFUSED_KWARGS = {
     "opt": "Found `opt` key in `gradient_accumulation_optimizer_kwargs`. This is not "
@@ -125,12 +128,13 @@ class IPUOptions:
         return self.gradient_accumulation_steps_per_replica or 1
 
     @property
-    def accumulator_dtype(self) -> str:
-        """The dtype gradients are accumulated in."""
-        return self.gradient_accumulation_optimizer_kwargs.get("dtype", "float32")
+    def accumulator_dtype(self) -> AccumulatorDtype:
+        """The dtype gradients accumulate in: a name, a function of the variable, or `None`
+        (each variable's own; see `accumulator_dtypes`)."""
+        return self.gradient_accumulation_optimizer_kwargs.get("dtype")
 
     @property
-    def pipelined_accumulator_dtype(self) -> str:
+    def pipelined_accumulator_dtype(self) -> AccumulatorDtype:
         """The dtype a pipeline accumulates gradients in (its own option, else the above)."""
         return self.pipelining_kwargs.get("gradient_accumulation_dtype", self.accumulator_dtype)
 
@@ -476,12 +480,39 @@ def _members(enum_class: Any) -> str:
     return "one of " + ", ".join(f"{enum_class.__name__}.{m.name}" for m in enum_class)
 
 
-def _accumulator_dtype(dtype: Any, argument: str) -> str:
-    """A validated accumulator dtype's name (NumPy and JAX types and dtypes, or names)."""
+def accumulator_dtypes(option: AccumulatorDtype, variables: Sequence[Any]) -> tuple[str, ...]:
+    """Per variable, the dtype its gradients accumulate in, as the reference reads the option.
+
+    Args:
+        option: `None` (each variable's own dtype), a dtype name, or a
+            function of a variable that returns its accumulator's dtype.
+        variables: The trainable variables (Keras variables).
+
+    Returns:
+        A dtype name per variable.
+
+    Raises:
+        ValueError: When the function gives a dtype that cannot accumulate,
+            naming the variable.
+
+    Example:
+
+    >>> accumulator_dtypes(None, model.trainable_variables)
+    ('float32', 'float32')
+    """
+    if option is None:
+        return tuple(getattr(v.dtype, "name", v.dtype) for v in variables)
+    if not callable(option) or isinstance(option, type):
+        return (option,) * len(variables)
+    return tuple(_accumulator_dtype(option(v), f"dtype the function gives {v.path!r}")
+                 for v in variables)
+
+
+def _accumulator_dtype(dtype: Any, argument: str) -> AccumulatorDtype:
+    """A validated accumulator dtype's name (NumPy and JAX types and dtypes, or names), or
+    a per-variable function (checked on each variable when a run is prepared)."""
     if callable(dtype) and not isinstance(dtype, type):
-        raise ValueError(f"The gradient accumulation {argument} must be one type for every "
-                         f"variable, one of {list(_ACCUMULATOR_DTYPES)}; a per-variable "
-                         f"function ({dtype!r}) is not supported.")
+        return dtype
     try:
         name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     except TypeError:
@@ -506,7 +537,7 @@ def _accumulation_kwargs(kwargs: Any) -> dict[str, Any]:
         )
     kwargs = dict(kwargs)
     if kwargs.get("dtype", ...) is None:  # the reference's default: the variables' type
-        del kwargs["dtype"]
+        del kwargs["dtype"]  # (what `accumulator_dtypes` makes of no option)
     if "dtype" in kwargs:
         kwargs["dtype"] = _accumulator_dtype(kwargs["dtype"], "`dtype`")
     return kwargs

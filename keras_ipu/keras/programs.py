@@ -20,7 +20,7 @@ from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import feed_options, pipelined, steps
-from keras_ipu.keras.options import IPUOptions
+from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Run, cached_run
 from keras_ipu.keras.steps import STATE_PARTS
@@ -88,14 +88,16 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
     streamed = options.asynchronous_callbacks
     identical = ipu_system.require().option("identical_replicas", False)
+    accumulators = (accumulator_dtypes(options.accumulator_dtype, model.trainable_variables)
+                    if mode == "fit" and not custom else None)
     key = (mode, replicas, hardware, micro, custom, loop,
-           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
+           options.gradient_accumulation_reduction_method, accumulators,
            options.replicated_metric_reduction_method, streamed, buffer_depth, identical)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
         program = ExecutionProgram(
-            _step_function(model, mode, options, replicas, custom),
+            _step_function(model, mode, options, replicas, custom, accumulators),
             mode=mode,
             replicas=replicas,
             hardware=hardware,
@@ -132,15 +134,16 @@ def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas
     return lambda outfeed: layout.last_logs(outfeed, reduction)
 
 
-def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool):
-    step = _one_replicas_step(model, mode, options, replicas, custom)
+def _step_function(model, mode: str, options: IPUOptions, replicas: Replicas, custom: bool,
+                   accumulators: tuple[str, ...] | None):
+    step = _one_replicas_step(model, mode, options, replicas, custom, accumulators)
     if replicas.count > 1 and not ipu_system.require().option("identical_replicas", False):
         return steps.distinct_random_streams(model, step)
     return step
 
 
 def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas,
-                       custom: bool):
+                       custom: bool, accumulators: tuple[str, ...] | None):
     if mode == "evaluate":
         return steps.test_step(model)
     if mode == "predict":
@@ -155,7 +158,7 @@ def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas
         model,
         micro_batches=options.gradient_accumulation_steps,
         reduction=options.gradient_accumulation_reduction_method,
-        accumulator_dtype=options.accumulator_dtype,
+        accumulator_dtypes=accumulators,
         replicas=replicas,
         every_micro_batch_logs=options.asynchronous_callbacks or not own_logs,
     )

@@ -8,7 +8,7 @@ Non-trainable state and metrics update every micro-batch, as in Keras.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,7 +48,7 @@ def train_step(
     *,
     micro_batches: int,
     reduction: Reduction,
-    accumulator_dtype: str,
+    accumulator_dtypes: Sequence[str],
     replicas: Replicas,
     every_micro_batch_logs: bool = True,
 ) -> Step:
@@ -59,7 +59,8 @@ def train_step(
             metrics update and optimizer are used, as Keras' own train step).
         micro_batches: Micro-batches per update (the leading axis of a step's data).
         reduction: How their gradients are combined.
-        accumulator_dtype: The dtype gradients accumulate in.
+        accumulator_dtypes: Per trainable variable, the dtype its gradients
+            accumulate in (`options.accumulator_dtypes`).
         replicas: Gradients are summed over these replicas before the update.
         every_micro_batch_logs: Whether every micro-batch's logs are returned
             (for callbacks that see each batch). Without, only the last
@@ -103,7 +104,7 @@ def train_step(
             return (non_trainable, metrics_vars, acc, n + 1), (
                 logs if every_micro_batch_logs else None)
 
-        zeros = [jnp.zeros(v.shape, accumulator_dtype) for v in trainable]
+        zeros = [jnp.zeros(v.shape, dtype) for v, dtype in zip(trainable, accumulator_dtypes)]
         carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
         if micro_batches == 1:
             # No loop of one: a loop costs compile time, and on XLA:CPU keeps

@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -100,7 +100,7 @@ class DispatchedFit:
         state: The packed state layout (one replica).
         table: The training schedule table of one weight update.
         reduction: How micro-batch gradients combine.
-        accumulator_dtype: The dtype gradients accumulate in.
+        accumulators: Per variable dtype, the dtype its gradients accumulate in.
         recompute: Backward ops recompute their stage's forward pass instead
             of taking its stashed activations.
         checkpoints: Forward ops stash only their stage's recomputation
@@ -108,7 +108,7 @@ class DispatchedFit:
 
     Example:
 
-    >>> fit = DispatchedFit(pipe, state, table, Reduction.MEAN)
+    >>> fit = DispatchedFit(pipe, state, table, Reduction.MEAN, {"float32": "float32"})
     >>> fit.choose(state_spec, batches_spec, "cpu", "auto").form
     'host'
     >>> state, logs = fit.compile(state_spec, batches_spec)().run(state, batches)
@@ -116,14 +116,14 @@ class DispatchedFit:
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState,
                  table: schedules.ScheduleTable, reduction: Reduction,
-                 accumulator_dtype: str = "float32", recompute: bool = False,
+                 accumulators: Mapping[str, str], recompute: bool = False,
                  checkpoints: bool = False):
         if state.replicas != 1:
             raise ValueError("A dispatched pipeline runs one replica; "
                              f"this state has {state.replicas}.")
         self.p, self.state, self.table, self.recompute = pipelined, state, table, recompute
         self.stages = training.Stages(pipelined, state, checkpoints)
-        self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
+        self.accumulate, self.accumulators = ACCUMULATE[reduction], dict(accumulators)
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.devices = [state.mesh.devices[0, i] for i in range(pipelined.num_ipus)]
         # The stages' forward ops traced per micro-batch signature: the loop
@@ -138,10 +138,9 @@ class DispatchedFit:
         return self.stages.for_vjp(s, weights, _local(ntv), metrics, bundle, batch)
 
     def _accumulated(self, s: int, acc, grads, j):
-        n = j.astype(self.accumulator_dtype)
         return self.stages.grads.update(
             self.p.device_mapping[s], acc, dict(zip(self.stages.own[s], grads)),
-            lambda old, grad: self.accumulate(old, grad, n, self.micro))
+            lambda old, grad: self.accumulate(old, grad, j.astype(old.dtype), self.micro))
 
     def _packed_ntv(self, s: int, ntv: dict) -> dict:
         return _slot(self.stages.runner.pack_non_trainable(self.p.device_mapping[s], ntv))
@@ -211,7 +210,7 @@ class DispatchedFit:
             if finite is not None:
                 acc = update.skipped_unless(finite, acc)
             tv, optimizer_vars = apply(_local(tv), _local(optimizer_vars), acc, squared, finite)
-            return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulator_dtype)
+            return _slot(tv), _slot(optimizer_vars), self.stages.grads.zeros(self.accumulators)
 
         op.__name__ = f"optimizer_ipu_{ipu}"
         return op
@@ -236,7 +235,7 @@ class DispatchedFit:
                                        batches)
         size = jax.tree_util.tree_leaves(batch)[0].shape[0]
         bundle = jax.ShapeDtypeStruct(self.p.bundle_shape(size), jnp.float32)
-        acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulator_dtype))
+        acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulators))
         return local, batch, bundle, jax.ShapeDtypeStruct((), jnp.int32), acc
 
     def _traced_forward(self, state, batches) -> list:
@@ -376,7 +375,7 @@ class _Runner:
         self.ticks = [[op for op in tick if op is not None] for tick in fit.table.ticks]
         self.js = [[jax.device_put(np.int32(j), device) for j in range(fit.micro)]
                    for device in self.devices]
-        self._acc_spec = jax.eval_shape(lambda: fit.stages.grads.zeros(fit.accumulator_dtype))
+        self._acc_spec = jax.eval_shape(lambda: fit.stages.grads.zeros(fit.accumulators))
         # Each update gives back zeroed accumulators: the last one's start the
         # next execution (None while an execution runs, or after one failed).
         self._zeroed: list | None = None

@@ -18,7 +18,7 @@ values than the flat vectors (IPUs with unlike variables).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -68,24 +68,25 @@ class GradientLayout:
             return cls(variables, None, (), dict(lengths))
         return cls(variables, tuple(slots), tuple(slot_of), dict(lengths))
 
-    def zeros(self, dtype: str) -> Any:
-        """An empty accumulator."""
+    def zeros(self, accumulators: Mapping[str, str]) -> Any:
+        """An empty accumulator; `accumulators` maps a variable dtype to its accumulator's."""
         if self.slots is None:
-            return {d: jnp.zeros((n,), dtype) for d, n in self.lengths.items()}
-        return tuple(jnp.zeros(shape, dtype) for shape, _ in self.slots)
+            return {d: jnp.zeros((n,), accumulators[d]) for d, n in self.lengths.items()}
+        return tuple(jnp.zeros(shape, accumulators[kind]) for shape, kind in self.slots)
 
-    def pack(self, ipu: int, grads: dict[int, Any], dtype: str) -> Any:
+    def pack(self, ipu: int, grads: dict[int, Any], accumulators: Mapping[str, str]) -> Any:
         """Gradients of some of `ipu`'s variables (by index) as an accumulator."""
         if self.slots is None:
             parts: dict[str, list] = {d: [] for d in self.lengths}
             for index, shape, kind in self.variables[ipu]:
-                grad = grads.get(index)
+                grad, dtype = grads.get(index), accumulators[kind]
                 parts[kind].append(jnp.zeros(int(np.prod(shape)), dtype) if grad is None
                                    else grad.astype(dtype).ravel())
-            return {d: _padded(parts[d], n, dtype) for d, n in self.lengths.items()}
+            return {d: _padded(parts[d], n, accumulators[d]) for d, n in self.lengths.items()}
         by_slot = {self.slot_of[ipu][index]: grad for index, grad in grads.items()}
-        return tuple(by_slot[k].astype(dtype) if k in by_slot else jnp.zeros(shape, dtype)
-                     for k, (shape, _) in enumerate(self.slots))
+        return tuple(by_slot[k].astype(accumulators[kind]) if k in by_slot
+                     else jnp.zeros(shape, accumulators[kind])
+                     for k, (shape, kind) in enumerate(self.slots))
 
     def update(self, ipu: int, acc: Any, grads: dict[int, Any],
                rule: Callable[[Any, Any], Any]) -> Any:

@@ -18,7 +18,12 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.layers import RecomputationCheckpoint
-from keras_ipu.keras.options import PIPELINING_KWARGS, IPUOptions, check_stage_poplar_options
+from keras_ipu.keras.options import (
+    PIPELINING_KWARGS,
+    IPUOptions,
+    accumulator_dtypes,
+    check_stage_poplar_options,
+)
 from keras_ipu.keras.pipelined import codec, dispatched, optimizer_copies, training
 from keras_ipu.keras.pipelined import model as pipelined_model
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
@@ -147,8 +152,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     accumulate_outfeed = bool(options.pipelining_accumulate_outfeed)
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
+    accumulators = _accumulators(model, options) if mode == "fit" else None
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
-           options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
+           options.gradient_accumulation_reduction_method, accumulators,
            reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise,
            ipu_system.require().option("identical_replicas", False))
 
@@ -168,7 +174,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         if mode == "fit":
             # Keeping checkpoints, a stage stashes them as it would its activations.
             training_options = (table, options.gradient_accumulation_reduction_method,
-                                options.pipelined_accumulator_dtype,
+                                dict(accumulators),
                                 recompute and not keep_checkpoints,
                                 keep_checkpoints)
             execution = training.build_fit_program(pipe, state, *training_options)
@@ -345,6 +351,29 @@ def _warn_unused_recomputation_mode(options: IPUOptions, recompute: bool) -> Non
             "`recomputation_mode` has no effect while recomputation is off: turn it on "
             "with `IPUConfig.allow_recompute = True` (or `ipu.utils.set_recomputation_options`).",
             stacklevel=2)
+
+
+def _accumulators(model, options: IPUOptions) -> tuple[tuple[str, str], ...]:
+    """Per variable dtype, the dtype a pipeline accumulates those variables' gradients in.
+
+    An IPU holds its gradients in one vector per variable dtype, so the
+    variables of one dtype accumulate in one type.
+
+    Raises:
+        ValueError: When a per-variable accumulator function gives variables
+            of one dtype different accumulator dtypes.
+    """
+    variables = model.trainable_variables
+    chosen: dict[str, str] = {}
+    for variable, dtype in zip(variables, accumulator_dtypes(options.pipelined_accumulator_dtype,
+                                                             variables)):
+        kind = getattr(variable.dtype, "name", variable.dtype)
+        if chosen.setdefault(kind, dtype) != dtype:
+            raise ValueError(
+                f"A pipelined model accumulates the gradients of all its {kind} variables in "
+                f"one dtype; the accumulator dtype function gives {chosen[kind]} for some and "
+                f"{dtype} for {variable.path!r}.")
+    return tuple(sorted(chosen.items()))
 
 
 def _keeps_checkpoints(options: IPUOptions) -> bool:

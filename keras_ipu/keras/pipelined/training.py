@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -381,13 +382,13 @@ class _FitProgram:
 
     def __init__(self, pipelined: PipelinedModel, state: PipelineState,
                  table: schedules.ScheduleTable, reduction: Reduction,
-                 accumulator_dtype: str, recompute: bool, checkpoints: bool = False):
+                 accumulators: Mapping[str, str], recompute: bool, checkpoints: bool = False):
         self.pipelined, self.state, self.recompute = pipelined, state, recompute
         self.stages = Stages(pipelined, state, checkpoints)
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.plan = BlockPlan.of(table)
         self.gradient_rows = pipelined.num_stages * self.micro  # the inbox's gradient rows
-        self.accumulate, self.accumulator_dtype = ACCUMULATE[reduction], accumulator_dtype
+        self.accumulate, self.accumulators = ACCUMULATE[reduction], dict(accumulators)
         # A running mean rescales what it has summed at each micro-batch, so
         # each backward op updates its own parts of the accumulator (which
         # costs a copy of it per block). The linear reductions add the
@@ -452,7 +453,7 @@ class _FitProgram:
         branches = [self._branch(ops, pattern) for pattern in self.plan.patterns]
         logs = jax.tree_util.tree_map(lambda a: jnp.zeros((self.micro, *a.shape), a.dtype),
                                       trace.logs_shape)
-        c = (non_trainable, metrics, self.stages.grads.zeros(self.accumulator_dtype), inbox,
+        c = (non_trainable, metrics, self.stages.grads.zeros(self.accumulators), inbox,
              logs, stash)
         c, _ = jax.lax.scan(functools.partial(self._block, trace, branches), c,
                             self.plan.scanned())
@@ -478,8 +479,7 @@ class _FitProgram:
 
     def _rule(self, j):
         """The reduction's update of an accumulator part by micro-batch `j`."""
-        n = j.astype(self.accumulator_dtype)
-        return lambda old, grad: self.accumulate(old, grad, n, self.micro)
+        return lambda old, grad: self.accumulate(old, grad, j.astype(old.dtype), self.micro)
 
     def _branch(self, ops: _Ops, pattern):
         """One IPU's ops of a block, back to back, as one branch of the switch.
@@ -517,12 +517,12 @@ class _FitProgram:
                 if self.in_place:
                     acc = grads_layout.update(ipu, acc, by_index, self._rule(j))
                 else:
-                    summed.append(grads_layout.pack(ipu, by_index, self.accumulator_dtype))
+                    summed.append(grads_layout.pack(ipu, by_index, self.accumulators))
             if not self.in_place:
                 # The sum of the block's gradients (or zeros); the accumulator
                 # is updated outside the conditional.
                 acc = (jax.tree_util.tree_map(lambda *g: sum(g[1:], g[0]), *summed)
-                       if summed else grads_layout.zeros(self.accumulator_dtype))
+                       if summed else grads_layout.zeros(self.accumulators))
             # Rows to stash, and where: the spare row for unused ones.
             spare = self.stash_rows_out - len(stashed)
             stashed += [trace.zero_residual() for _ in range(spare)]
@@ -561,7 +561,7 @@ class _FitProgram:
 
 def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
                       table: schedules.ScheduleTable, reduction: Reduction,
-                      accumulator_dtype: str = "float32", recompute: bool = False,
+                      accumulators: Mapping[str, str], recompute: bool = False,
                       checkpoints: bool = False):
     """The training execution: `(packed state, batches) -> (packed state, logs)`.
 
@@ -570,7 +570,8 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         state: The packed state layout (set up by `state.to_device`).
         table: The training schedule table of one weight update.
         reduction: How micro-batch gradients combine.
-        accumulator_dtype: The dtype gradients accumulate in.
+        accumulators: Per variable dtype, the dtype its gradients accumulate
+            in (an IPU accumulates each dtype's variables in one vector).
         recompute: Recompute stage activations in backward ops instead of
             stashing them.
         checkpoints: Stash only each stage's recomputation checkpoints and
@@ -583,7 +584,7 @@ def build_fit_program(pipelined: PipelinedModel, state: PipelineState,
         micro_batches]`.
     """
     return state.mesh.map(
-        _FitProgram(pipelined, state, table, reduction, accumulator_dtype, recompute,
+        _FitProgram(pipelined, state, table, reduction, accumulators, recompute,
                     checkpoints),
         in_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
         out_specs=(P(REPLICA_AXIS, IPU_AXIS), P(None, REPLICA_AXIS)),
