@@ -19,7 +19,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import feed_options, pipelined, steps
+from keras_ipu.keras import batch_norm_groups, feed_options, pipelined, steps
 from keras_ipu.keras.options import IPUOptions
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Run, cached_run
@@ -88,14 +88,17 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
     streamed = options.asynchronous_callbacks
     identical = ipu_system.require().option("identical_replicas", False)
+    norm_group = _norm_group(model, mode, replicas)
     key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
-           options.replicated_metric_reduction_method, streamed, buffer_depth, identical)
+           options.replicated_metric_reduction_method, streamed, buffer_depth, identical,
+           norm_group)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
         program = ExecutionProgram(
-            _step_function(model, mode, options, replicas, custom),
+            batch_norm_groups.grouped(_step_function(model, mode, options, replicas, custom),
+                                      norm_group),
             mode=mode,
             replicas=replicas,
             hardware=hardware,
@@ -111,6 +114,14 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
                    batches_per_step=micro)
 
     return key, build
+
+
+def _norm_group(model, mode: str, replicas: Replicas) -> int:
+    """The replica group of training batch normalisation: 1 (none) but in a replicated `fit`
+    of a model with `BatchNormalization` (its inference uses the moving statistics)."""
+    if mode != "fit" or replicas.count == 1 or not batch_norm_groups.has_batch_norm(model):
+        return 1
+    return batch_norm_groups.group_size()
 
 
 def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):
