@@ -859,6 +859,7 @@ def test_configure_passes_hardware_order_and_options(device):
     config.ipu_model.tiles_per_ipu = 16
     config.device_connection.type = DeviceConnectionType.PRE_COMPILE
     config.device_connection.version = "ipu21"
+    config.norms.experimental.distributed_batch_norm_replica_group_size = 2
     config.configure_ipu_system()
     assert device.hardware == [("ipu21", 16)]
     (call,) = device.configured
@@ -873,6 +874,7 @@ def test_configure_passes_hardware_order_and_options(device):
         "execution_loop": "auto",
         "xla_compiler_options": "tuned",
         "background_loop_compile": "auto",
+        "distributed_batch_norm_replica_group_size": 2,
     }
 
 

@@ -444,3 +444,30 @@ def test_the_metric_resets_keras_ipu_replaces_zero_what_it_says():
     listed = CONTAINED_METRICS[CompileMetrics.reset_state](compiled)
     assert [type(m) for m in listed] == [MetricsList, MetricsList]
     assert {id(v) for m in listed for v in m.variables} == {id(v) for v in compiled.variables}
+
+
+def test_batch_normalization_takes_its_training_statistics_from_moments(monkeypatch):
+    # keras_ipu.keras.batch_norm_groups replaces `BatchNormalization._moments(inputs, mask)`,
+    # from which `call` in training takes the statistics that normalise the batch and move
+    # the moving ones; it reads `_reduction_axes` (the axes they reduce), and finds the
+    # layers with `_flatten_layers(include_self=False, recursive=True)`.
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    assert _params(BatchNormalization._moments) == ["self", "inputs", "mask"]
+    masks = []
+
+    def moments(self, inputs, mask):
+        masks.append(mask)
+        return keras.ops.full((3,), 2.0), keras.ops.full((3,), 4.0)
+
+    monkeypatch.setattr(BatchNormalization, "_moments", moments)
+    layer = BatchNormalization(momentum=0.0, epsilon=0.0, axis=-1)
+    outputs = layer(np.zeros((2, 5, 3), "float32"), training=True)
+    assert masks == [None] and layer._reduction_axes == [0, 1]
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(outputs), np.full((2, 5, 3), -1.0))
+    np.testing.assert_allclose(layer.moving_mean.numpy(), np.full(3, 2.0))
+    np.testing.assert_allclose(layer.moving_variance.numpy(), np.full(3, 4.0))
+    inner = keras.Sequential([keras.Input((3,)), BatchNormalization()])
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+    flattened = outer._flatten_layers(include_self=False, recursive=True)
+    assert any(isinstance(layer, BatchNormalization) for layer in flattened)

@@ -301,16 +301,27 @@ _NORMS = Category(
             "Sub-category containing experimental configuration options for normalizations "
             "that may be changed or removed with short or no notice.",
             (
-                _ignored(
+                Option(
                     "distributed_batch_norm_replica_group_size",
                     int,
                     1,
                     "When executing fused batch-norms for training, how many replicas to "
                     "aggregate the batch statistics across: with four replicas and a value "
-                    "of two, replicas 0 and 1 form one group and replicas 2 and 3 another. "
-                    "Should not be used with model parallelism (pipelining) and is not "
-                    "supported with I/O tiles.",
-                    (at_least(1),),
+                    "of two, replicas 0 and 1 form one group and replicas 2 and 3 another, "
+                    "and the batch norm statistics are synchronously all-reduced across the "
+                    "replicas within a group every time the layer is executed. Should not be "
+                    "used with model parallelism (pipelining) and is not supported with I/O "
+                    "tiles.",
+                    effect="in a replicated fit, every training keras.layers."
+                    "BatchNormalization computes its batch mean and variance over its group "
+                    "of this many consecutive replicas (the statistics of the group's "
+                    "batches together), both to normalise and for the moving statistics, "
+                    "and its gradients reach every replica of the group; 1 changes nothing. "
+                    "The replication factor must be a multiple of it and the model not "
+                    "pipelined, or fit raises before training (models without "
+                    "BatchNormalization are not checked). Layer, group and instance "
+                    "normalisation have no batch statistics and are unaffected.",
+                    checks=(at_least(1),),
                 ),
             ),
         ),

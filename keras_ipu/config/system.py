@@ -280,4 +280,6 @@ def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
         "execution_loop": flags.execution_loop,
         "xla_compiler_options": flags.xla_compiler_options,
         "background_loop_compile": flags.background_loop_compile,
+        "distributed_batch_norm_replica_group_size":
+            config.norms.experimental.distributed_batch_norm_replica_group_size,
     }

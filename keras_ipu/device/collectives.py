@@ -159,6 +159,57 @@ def all_gather(value: jax.Array, group_size: int | None = None) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(_gathered(jnp.asarray(value)), first, size)
 
 
+def group_moments(
+    mean: jax.Array,
+    variance: jax.Array,
+    group_size: int,
+    count: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The mean and variance of a replica group's batches together, from each replica's own.
+
+    The group's mean is the mean of the replicas' means, its variance the
+    mean of their variances plus the variance of their means: the same as
+    the mean of `E[x^2]` minus the mean squared, without the cancellation.
+    With `count`, each replica's moments weigh by its number of values (a
+    masked batch). Both are differentiable: the gradients of a replica's
+    loss reach the values of every replica of its group.
+
+    Args:
+        mean: This replica's mean (any shape, the same on every replica).
+        variance: This replica's (biased) variance, shaped as `mean`.
+        group_size: Replicas per group (consecutive indices).
+        count: The number of values this replica's moments are of,
+            broadcastable to `mean`; `None` when every replica has as many.
+
+    Returns:
+        `(mean, variance)` of the group, the same on each of its replicas; the
+        arguments as they are outside a replicated program or for groups of one.
+
+    Raises:
+        ValueError: When `group_size` does not divide the number of replicas.
+
+    Example:
+
+    >>> mean, variance = group_moments(jnp.mean(x, 0), jnp.var(x, 0), 2)
+    """
+    if replica_count() == 1 or group_size == 1:
+        return mean, variance
+    if count is None:
+        gathered = all_gather(jnp.stack([mean, variance]), group_size)
+        means, variances = gathered[:, 0], gathered[:, 1]
+        group_mean = jnp.mean(means, axis=0)
+        spread = jnp.mean(jnp.square(means - group_mean), axis=0)
+        return group_mean, jnp.mean(variances, axis=0) + spread
+    count = jnp.broadcast_to(jnp.asarray(count, mean.dtype), mean.shape)
+    gathered = all_gather(jnp.stack([mean, variance, count]), group_size)
+    means, variances, counts = gathered[:, 0], gathered[:, 1], gathered[:, 2]
+    # As Keras' masked moments: an empty group's statistics are 0, not NaN.
+    total = jnp.sum(counts, axis=0) + jnp.finfo(mean.dtype).eps
+    group_mean = jnp.sum(counts * means, axis=0) / total
+    spread = jnp.square(means - group_mean)
+    return group_mean, jnp.sum(counts * (variances + spread), axis=0) / total
+
+
 def _gathered(value: jax.Array) -> jax.Array:
     """Every replica's `value`, stacked in replica order."""
     gathered = value[None]

@@ -19,7 +19,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import feed_options, pipelined, steps
+from keras_ipu.keras import batch_norm_groups, feed_options, pipelined, steps
 from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Run, cached_run
@@ -90,14 +90,18 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     identical = ipu_system.require().option("identical_replicas", False)
     accumulators = (accumulator_dtypes(options.accumulator_dtype, model.trainable_variables)
                     if mode == "fit" and not custom else None)
+    norm_group = _norm_group(model, mode, replicas)
     key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, accumulators,
-           options.replicated_metric_reduction_method, streamed, buffer_depth, identical)
+           options.replicated_metric_reduction_method, streamed, buffer_depth, identical,
+           norm_group)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
         program = ExecutionProgram(
-            _step_function(model, mode, options, replicas, custom, accumulators),
+            batch_norm_groups.grouped(
+                _step_function(model, mode, options, replicas, custom, accumulators),
+                norm_group),
             mode=mode,
             replicas=replicas,
             hardware=hardware,
@@ -113,6 +117,14 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
                    batches_per_step=micro)
 
     return key, build
+
+
+def _norm_group(model, mode: str, replicas: Replicas) -> int:
+    """The replica group of training batch normalisation: 1 (none) but in a replicated `fit`
+    of a model with `BatchNormalization` (its inference uses the moving statistics)."""
+    if mode != "fit" or replicas.count == 1 or not batch_norm_groups.has_batch_norm(model):
+        return 1
+    return batch_norm_groups.group_size()
 
 
 def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):

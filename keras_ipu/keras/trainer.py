@@ -32,6 +32,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.errors import IPUNotAttachedError
 from keras_ipu.keras import (
+    batch_norm_groups,
     context,
     data,
     infeeds,
@@ -82,6 +83,7 @@ def fit(
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
     _check_train_step(model, options, replicas, placement.plan)
+    batch_norm_groups.check(model, replicas, placement.plan is not None)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
             x, y, sample_weight, validation_split
