@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
-from keras_ipu.keras import context
 from keras_ipu.keras import stages as pa
 from keras_ipu.keras import stages as ps
 from keras_ipu.keras.stages import (
@@ -21,10 +20,10 @@ from keras_ipu.keras.stages import (
     PipelineStage,
     SequentialLayerPipelineStageAssignment,
     SequentialNestedModelPipelineStageAssignment,
-    graph,
 )
 
-from models import run_plan, run_stage
+from conftest import configure
+from models import data_for, run_plan, run_stage
 
 ps.install()
 
@@ -737,14 +736,105 @@ def test_error_sequential_stage_jump(seq):
 
 def test_stale_assignment_fails_at_run_time(strategy):
     with strategy.scope():
-        model = Tower(name="stale")
-    model.build((None, 32))
-    pa.set_assignment(model, tower_assignment(with_mixin(model)))
-    context.state_of(model).traced_graph = graph.GraphTrace(  # as if rebuilt to another graph
-        repr(model.get_build_config()), graph.traced_graph(Tower(name="other"), keras.Input((8,)))
-    )
-    with pytest.raises(RuntimeError, match="assignments for model stale are no longer valid"):
+        model, inner = nested_model()
+    pa.set_assignment(model, _nested_split(pa.get_assignment(model)))
+    inner.add(keras.layers.Dense(4, name="inner_c"))  # inner: 3 layers, 2 assigned
+    with pytest.raises(RuntimeError, match="assignments for model outer are no longer valid"):
         pa.pipeline_plan(model)
+
+
+def _nested_split(assignments):
+    assignments[0].pipeline_stage = 0
+    children = assignments[1].pipeline_stage_assignments
+    children[0].pipeline_stage, children[1].pipeline_stage = 0, 1
+    assignments[2].pipeline_stage = 1
+    return assignments
+
+
+class Flattening(keras.Model):
+    """Flattens 3-D inputs first: building it with another rank changes its graph."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        x = self.flatten(inputs) if len(inputs.shape) == 3 else inputs
+        return self.out(keras.ops.relu(self.hidden(x)))
+
+
+def test_rebuild_into_another_graph_drops_the_assignment(strategy, caplog):
+    with strategy.scope():
+        model = Flattening(name="flattening")
+    model.build((None, 6))
+    assignments = model.get_pipeline_stage_assignment()
+    for assignment, stage in zip(assignments, [0, 1, 1]):
+        assignment.pipeline_stage = stage
+    model.set_pipeline_stage_assignment(assignments)
+    with caplog.at_level(logging.WARNING, logger="keras_ipu"):
+        model.build((None, 2, 3))  # a Flatten call first: 4 calls, not 3
+        assignments = model.get_pipeline_stage_assignment()
+    assert "Model flattening was built again" in caplog.text
+    assert "(4 layer calls, before 3)" in caplog.text
+    # The new graph's own assignment, as a fresh model built so gets: every call unassigned.
+    assert [(type(a.layer).__name__, a.node_index) for a in assignments] == [
+        ("Flatten", 0), ("Dense", 0), ("Relu", 0), ("Dense", 0)
+    ]
+    assert stages(assignments) == [None] * 4
+    assert pa.pipeline_plan(model) is None
+    assert pa.assignment_to_config(model) == {"pipeline_stage_assignment": []}
+    with pytest.raises(ValueError, match="flatten with node_index 0 has not been assigned"):
+        model.set_pipeline_stage_assignment(assignments)
+
+    for assignment, stage in zip(assignments, [0, 0, 1, 1]):
+        assignment.pipeline_stage = stage
+    model.set_pipeline_stage_assignment(assignments)
+    assert stages(model.get_pipeline_stage_assignment()) == [0, 0, 1, 1]
+    assert names(pa.pipeline_plan(model)) == [
+        ["flatten", model.hidden.name], [assignments[2].layer.name, model.out.name]
+    ]
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    x = x.reshape(32, 2, 3)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert ipu.utils.execution_report(model, "fit").pipeline.num_stages == 2
+    assert not all(np.allclose(b, a) for b, a in zip(before, model.get_weights()))
+
+
+def test_rebuild_into_the_same_graph_keeps_the_assignment(strategy, caplog):
+    with strategy.scope():
+        model = Flattening(name="same")
+    model.build((None, 6))
+    assignments = model.get_pipeline_stage_assignment()
+    for assignment, stage in zip(assignments, [0, 1, 1]):
+        assignment.pipeline_stage = stage
+    model.set_pipeline_stage_assignment(assignments)
+    with caplog.at_level(logging.WARNING, logger="keras_ipu"):
+        model.build((None, 6))  # the same build: the same graph, not traced again
+        assert model.get_pipeline_stage_assignment()[1].layer is assignments[1].layer
+        for shape in [(8, 6), (None, 6)]:  # another batch size, then back
+            previous = model.get_pipeline_stage_assignment()
+            model.build(shape)
+            # Traced anew: the calls are the new graph's (a new `relu` op each trace).
+            kept = model.get_pipeline_stage_assignment()
+            assert stages(kept) == [0, 1, 1]
+            assert kept[1].layer is not previous[1].layer
+            assert kept[2].inbound_layers == [kept[1].layer]
+            model.set_pipeline_stage_assignment(kept)
+            plan = pa.pipeline_plan(model)
+            assert [len(calls) for calls in plan.stages] == [1, 2]
+            assert plan.stages[1][0].operation is kept[1].layer
+    assert "built again" not in caplog.text
+    data = np.random.default_rng(6).normal(size=(8, 6)).astype("float32")
+    np.testing.assert_allclose(run_plan(plan, data), model(data), atol=1e-6)
+    assert [item[2] for item in pa.assignment_to_config(model)["pipeline_stage_assignment"]] \
+        == [0, 1, 1]
 
 
 # --------------------------------------------------------------------------

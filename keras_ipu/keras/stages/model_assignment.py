@@ -24,9 +24,13 @@ when an assignment is set (and again by `pipeline_plan`); the nested
 assignment classes work everywhere (`inbound_layers`, saving); `get` returns
 new objects, so the stored assignment changes only through `set`; scopes are
 read lazily (partial scopes raise at the first get, summary or plan, not at
-construction); Sequential models ignore scopes. Known limit: a Functional
-model built from intermediate tensors (Keras clones those nodes) keeps the
-stages of construction scopes but loses those of call scopes.
+construction); Sequential models ignore scopes; a subclassed model built
+again drops an assignment that was set for a graph of another structure
+(the reference keeps the stale list, which then fails to set or run) and
+carries it over to a graph of the same structure, `keras.ops` calls
+included. Known limit: a Functional model built from intermediate tensors
+(Keras clones those nodes) keeps the stages of construction scopes but
+loses those of call scopes.
 
 Built on `stages.graph` (model kinds, graphs, tracing), `stages.tree` (the
 assignment tree: structure, validation, expansion) and `stages.plan`.
@@ -58,6 +62,7 @@ from keras_ipu.keras.stages.tree import (
     check_all_or_none,
     check_assigned,
     fill_stage,
+    graph_signature,
     structure,
     to_assignments,
 )
@@ -108,6 +113,36 @@ def _apply_pending(model: Any, inputs: Any = None) -> None:
     _restore(model, kind, items)
 
 
+def _follow_graph(model: Any, state: AssignmentState, graph: Any) -> None:
+    # A subclassed model is traced again when it is built again (`graph.traced_graph`).
+    # The stored assignment was made for the graph it holds: on a graph of the same
+    # structure (`tree.graph_signature`: the same layer calls, node indices and data
+    # flow) its stages carry over call by call, onto the new graph's nodes; on a graph
+    # of another structure it no longer applies and is dropped, as the reference says
+    # ("invalidate"), so that `get` gives the new graph's own assignment (PipelineStage
+    # scopes still count, unless reset). Functional and Sequential graphs are not traced.
+    old = state.level
+    if old is None or graph is None or old.graph is graph:
+        return
+    new = structure(model, MODEL, graph, annotate=False)
+    if graph_signature(new) == graph_signature(old):
+        for old_leaf, new_leaf in zip(old.leaves(), new.leaves()):
+            new_leaf.stage = old_leaf.stage
+        state.level = new
+        return
+    state.level, state.valid = None, False
+    logger.warning(
+        "Model %s was built again and its graph of layer calls has another structure (%d "
+        "layer calls, before %d): the pipeline stage assignment set for the previous graph "
+        "no longer applies and was dropped. Get the new graph's assignment with "
+        "`get_pipeline_stage_assignment()`, assign its stages and set it with "
+        "`set_pipeline_stage_assignment()`.",
+        name_of(model),
+        len(new.leaves()),
+        len(old.leaves()),
+    )
+
+
 def get_assignment(model: Any) -> list:
     """The model's pipeline stage assignment (what `get_pipeline_stage_assignment` returns).
 
@@ -119,6 +154,9 @@ def get_assignment(model: Any) -> list:
         `set_pipeline_stage_assignment`, else the stages of `PipelineStage`
         scopes, else one unassigned (`pipeline_stage=None`) entry per layer
         (Sequential) or layer call in post-order (Functional, subclassed).
+        A subclassed model built again keeps the assignment set while its
+        graph has the same structure; when the structure changed, the set
+        assignment is dropped (with a warning) and the new graph's is given.
 
     Raises:
         RuntimeError: For a subclassed model that is not built.
@@ -133,6 +171,8 @@ def get_assignment(model: Any) -> list:
     kind = model_kind(model)
     _apply_pending(model)
     state = _state(model)
+    if state.level is not None and kind == MODEL:
+        _follow_graph(model, state, model_graph(model, kind, action="get"))
     if state.level is not None:
         if kind == SEQUENTIAL and not state.valid:
             logger.info(
@@ -265,8 +305,9 @@ def pipeline_plan(model: Any, inputs: Any = None) -> PipelinePlan | None:
     Raises:
         RuntimeError: When a stage below the highest has no layer call, the
             stored assignment no longer matches the graph (layers added or
-            removed, a subclassed model rebuilt with other shapes), or a
-            pipelined model cannot be built.
+            removed), or a pipelined model cannot be built. (A subclassed
+            model built again into a graph of another structure is not an
+            error: its set assignment is dropped, as `get_assignment` says.)
         ValueError: When PipelineStage scopes assign only some calls or give
             a call an input from a later stage.
 
@@ -298,6 +339,8 @@ def pipeline_plan(model: Any, inputs: Any = None) -> PipelinePlan | None:
         if state.level is None and not error.uses_pipeline_stages:
             return None  # not traceable, and nothing says it is pipelined
         raise
+    if kind == MODEL:
+        _follow_graph(model, state, graph)
     if graph is None:
         if state.level is None:
             return None
@@ -374,6 +417,11 @@ def assignment_to_config(model: Any) -> dict:
     """
     kind = model_kind(model)
     state = _state(model)
+    if state.level is not None and kind == MODEL:
+        try:
+            _follow_graph(model, state, model_graph(model, kind))
+        except ValueError:
+            pass  # not traceable as built now: saved as it was set
     level = state.level
     items: list = list(state.pending or [])
     if level is None and not items and state.use_annotations and kind != SEQUENTIAL:

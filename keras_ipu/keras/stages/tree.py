@@ -186,6 +186,58 @@ def to_assignments(level: AssignmentTree) -> list:
     return result
 
 
+def graph_signature(level: AssignmentTree) -> tuple:
+    """The structure of a tree's graph: what a stored assignment was made for.
+
+    The structure is the post-order list of layer calls that an assignment
+    has one entry for, each with what identifies the call and its data flow:
+    the called layer (the layer itself, which a trace calls again; a
+    `keras.ops` call by its type, as every trace makes a new operation),
+    its `node_index`, where each of its input tensors comes from (a model
+    input by position, or an earlier call by position and output index) and
+    a nested model's own structure; then where the model's outputs come
+    from. Shapes, dtypes and non-tensor arguments are not part of it: a
+    subclassed model built again with another batch size, or with shapes
+    that make `call` run the same layer calls, has the same structure, and
+    its assignment carries over call by call.
+
+    Args:
+        level: An assignment tree (stages are ignored).
+
+    Returns:
+        A tuple of plain values (ints, strings, layer ids): two trees have
+        the same structure when their signatures are equal (compare while
+        both trees are alive, so that layer ids stay unique).
+
+    Example:
+
+    >>> graph_signature(structure(model, MODEL, graph_a, False)) == graph_signature(
+    ...     structure(model, MODEL, graph_b, False))
+    True
+    """
+    graph = level.graph
+    inputs = {id(t): i for i, t in enumerate(graph.inputs)} if graph is not None else {}
+    positions = {id(e.node): i for i, e in enumerate(level.entries) if e.node is not None}
+
+    def source(tensor: Any) -> tuple:
+        if id(tensor) in inputs:
+            return ("input", inputs[id(tensor)])
+        history = tensor._keras_history
+        node = history.operation._inbound_nodes[history.node_index]
+        return (positions.get(id(node), -1), history.tensor_index)
+
+    calls = []
+    for entry in level.entries:
+        op = entry.op
+        key = ("layer", id(op)) if isinstance(op, keras.layers.Layer) else (
+            "op", type(op).__qualname__)
+        tensors = entry.node.arguments.keras_tensors if entry.node is not None else ()
+        child = graph_signature(entry.child) if entry.child is not None else None
+        calls.append((key, entry.node_index, tuple(source(t) for t in tensors), child))
+    outputs = tuple(source(t) for t in graph.outputs) if graph is not None else ()
+    return (len(inputs), tuple(calls), outputs)
+
+
 def check_all_or_none(level: AssignmentTree) -> bool:
     """Whether PipelineStage scopes gave stages; raises when only some have one."""
     leaves = level.leaves()
