@@ -88,16 +88,18 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     buffer_depth = feed_options.buffer_depth(options.outfeed_kwargs)
     streamed = options.asynchronous_callbacks
     identical = ipu_system.require().option("identical_replicas", False)
-    accumulators = (accumulator_dtypes(options.accumulator_dtype, model.trainable_variables)
-                    if mode == "fit" and not custom else None)
     norm_group = _norm_group(model, mode, replicas)
+    # The accumulators' dtypes follow from this option and the trainable
+    # variables (by identity in the run's key): worked out only to build.
     key = (mode, replicas, hardware, micro, custom, loop,
-           options.gradient_accumulation_reduction_method, accumulators,
+           options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            options.replicated_metric_reduction_method, streamed, buffer_depth, identical,
            norm_group)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
+        accumulators = (accumulator_dtypes(options.accumulator_dtype, model.trainable_variables)
+                        if mode == "fit" and not custom else None)
         program = ExecutionProgram(
             batch_norm_groups.grouped(
                 _step_function(model, mode, options, replicas, custom, accumulators),
@@ -122,9 +124,10 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
 def _norm_group(model, mode: str, replicas: Replicas) -> int:
     """The replica group of training batch normalisation: 1 (none) but in a replicated `fit`
     of a model with `BatchNormalization` (its inference uses the moving statistics)."""
-    if mode != "fit" or replicas.count == 1 or not batch_norm_groups.has_batch_norm(model):
+    if mode != "fit" or replicas.count == 1:
         return 1
-    return batch_norm_groups.group_size()
+    group = batch_norm_groups.group_size()
+    return group if group > 1 and batch_norm_groups.has_batch_norm(model) else 1
 
 
 def _finalize(mode: str, layout: Layout, options: IPUOptions, replicas: Replicas):

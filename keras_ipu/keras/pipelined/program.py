@@ -152,9 +152,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     accumulate_outfeed = bool(options.pipelining_accumulate_outfeed)
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
-    accumulators = _accumulators(model, options) if mode == "fit" else None
+    # The accumulators' dtypes follow from this option and the trainable variables.
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
-           options.gradient_accumulation_reduction_method, accumulators,
+           options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
            reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise,
            ipu_system.require().option("identical_replicas", False))
 
@@ -174,7 +174,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         if mode == "fit":
             # Keeping checkpoints, a stage stashes them as it would its activations.
             training_options = (table, options.gradient_accumulation_reduction_method,
-                                dict(accumulators),
+                                dict(_accumulators(model, options)),
                                 recompute and not keep_checkpoints,
                                 keep_checkpoints)
             execution = training.build_fit_program(pipe, state, *training_options)
