@@ -737,7 +737,7 @@ class FakeDevice:
         self.system = None
         self.error = None
 
-    def hardware_for(self, version, tiles_per_ipu=0):
+    def hardware_for(self, version, tiles_per_ipu=0, io_tiles=0):
         self.hardware.append((version, tiles_per_ipu))
         return ("hardware", version, tiles_per_ipu)
 

@@ -44,6 +44,46 @@ def test_hardware_descriptions():
         hardware.hardware_for("ipu9")
 
 
+def test_io_tiles_leave_the_program_the_other_tiles(strategy):
+    mk2 = hardware.hardware_for("ipu2", io_tiles=128)
+    assert (mk2.tiles, mk2.compute_tiles) == (1472, 1344)
+    assert mk2.memory_capacity_bytes == 1344 * 624 * 1024
+    assert mk2.flops_per_cycle() == 1344 * 32
+    with pytest.raises(ValueError, match=r"between 0 and 7 on an IPU of 8 tiles, got 8"):
+        hardware.hardware_for("ipu2", tiles_per_ipu=8, io_tiles=8)
+
+    def fit_report(io_tiles):
+        config = ipu.config.IPUConfig()
+        config.auto_select_ipus = 1
+        config.ipu_model.tiles_per_ipu = 10
+        config.io_tiles.num_io_tiles = io_tiles
+        config.configure_ipu_system()
+        with strategy.scope():
+            model = _wide_model()
+            model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+        x, y = _data()
+        model.fit(x, y, batch_size=16, verbose=0)
+        return ipu.utils.execution_report(model, "fit").ipus[0]
+
+    # The wide model's fit needs about 4.8 MB: it fits 10 tiles (6.2 MiB), and 9, not 6.
+    ten = fit_report(0)
+    assert ten.memory_capacity_bytes == 10 * 624 * 1024
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
+        fit_report(4)
+    assert info.value.capacity_bytes == 6 * 624 * 1024
+    one_for_io = fit_report(1)  # 9 tiles compute: fewer flops and bytes per cycle
+    assert one_for_io.memory_capacity_bytes == 9 * 624 * 1024
+    assert one_for_io.estimated_cycles > ten.estimated_cycles
+    # An impossible count raises when configuring, and the configuration stays as it was.
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.ipu_model.tiles_per_ipu = 4
+    config.io_tiles.num_io_tiles = 4
+    with pytest.raises(ValueError, match=r"io_tiles.num_io_tiles must leave tiles"):
+        config.configure_ipu_system()
+    assert ipu.config.get_ipu_config().io_tiles.num_io_tiles == 1
+
+
 def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strategy):
     configure(1, tiles_per_ipu=2)
     with strategy.scope():

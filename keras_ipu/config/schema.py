@@ -206,7 +206,11 @@ _IO_TILES = Category(
     "io_tiles",
     "Sub-category containing configuration options that affect parallel I/O on a subset of tiles.",
     (
-        _ignored("num_io_tiles", int, 0, "Number of tiles to reserve for I/O.", (at_least(0),)),
+        Option("num_io_tiles", int, 0, "Number of tiles to reserve for I/O.",
+               effect="the tiles are reserved: an IPU's program has the memory and the "
+                      "flops of the other tiles (the memory check and the estimated cycles "
+                      "count those); it must leave at least one tile",
+               checks=(at_least(0),)),
         _ignored(
             "place_ops_on_io_tiles",
             bool,

@@ -110,16 +110,18 @@ def configure_ipu_system(
             "keras_ipu.config.reset_ipu_configuration() first, or pass "
             "reset_configuration=True."
         )
-    # Before the old system is forgotten, so that a cache directory that
-    # cannot be created leaves the configuration as it was. Not through
-    # reset_ipu_configuration, which would take the cache away and put it
-    # back when the flag is unchanged.
+    # Before the old system is forgotten, so that impossible tile counts, or a
+    # cache directory that cannot be created, leave the configuration as it
+    # was. Not through reset_ipu_configuration, which would take the cache
+    # away and put it back when the flag is unchanged.
+    tiles = int(config.ipu_model.tiles_per_ipu or flags.ipu_model_tiles or 0)
+    ipu_hardware = hardware.hardware_for(config.ipu_model.version, tiles,
+                                         config.io_tiles.num_io_tiles)
     cache_directory = executable_cache.use(flags.executable_cache_path)
     _forget_system()
-    tiles = int(config.ipu_model.tiles_per_ipu or flags.ipu_model_tiles or 0)
     system.configure(
         device_sizes,
-        hardware.hardware_for(config.ipu_model.version, tiles),
+        ipu_hardware,
         selection_order=config.selection_order.name,
         options={**_runtime_options(config, flags), "executable_cache_path": cache_directory},
     )

@@ -84,7 +84,8 @@ class StepCost:
         Returns:
             The cycles.
         """
-        memory = self.bytes_accessed / (hardware.memory_bytes_per_cycle_per_tile * hardware.tiles)
+        bandwidth = hardware.memory_bytes_per_cycle_per_tile * hardware.compute_tiles
+        memory = self.bytes_accessed / bandwidth
         return max(self.compute_cycles(hardware), memory)
 
     def cycles(self, hardware: IPUHardware) -> float:

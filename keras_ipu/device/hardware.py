@@ -23,6 +23,9 @@ class IPUHardware:
         link_bytes_per_second: IPU-Link bandwidth between two IPUs.
         sync_cycles: Cycles one bulk-synchronous step costs at least
             (sync, exchange set-up and control code).
+        io_tiles: Tiles reserved for I/O (`IPUConfig.io_tiles.num_io_tiles`):
+            they stream data in and out, and the program's memory and compute
+            are those of the other tiles.
 
     Example:
 
@@ -41,11 +44,17 @@ class IPUHardware:
     memory_bytes_per_cycle_per_tile: float
     link_bytes_per_second: float
     sync_cycles: int = 2000
+    io_tiles: int = 0
+
+    @property
+    def compute_tiles(self) -> int:
+        """The tiles that hold and run the program: all but the I/O tiles."""
+        return self.tiles - self.io_tiles
 
     @property
     def memory_capacity_bytes(self) -> int:
-        """In-processor memory of one IPU: tiles × bytes per tile."""
-        return self.tiles * self.bytes_per_tile
+        """In-processor memory for the program: compute tiles × bytes per tile."""
+        return self.compute_tiles * self.bytes_per_tile
 
     def flops_per_cycle(self, half_precision: bool = False) -> float:
         """Peak flops per cycle of the whole IPU."""
@@ -54,7 +63,7 @@ class IPUHardware:
             if half_precision
             else self.fp32_flops_per_cycle_per_tile
         )
-        return per_tile * self.tiles
+        return per_tile * self.compute_tiles
 
     def seconds(self, cycles: float) -> float:
         """Converts cycles to seconds at this IPU's clock."""
@@ -94,7 +103,7 @@ HARDWARE: dict[str, IPUHardware] = {
 }
 
 
-def hardware_for(version: str, tiles_per_ipu: int = 0) -> IPUHardware:
+def hardware_for(version: str, tiles_per_ipu: int = 0, io_tiles: int = 0) -> IPUHardware:
     """Returns the hardware description of an IPU version.
 
     Args:
@@ -102,12 +111,15 @@ def hardware_for(version: str, tiles_per_ipu: int = 0) -> IPUHardware:
             `IPUConfig.ipu_model.version`) or `"ipu21"` (Bow).
         tiles_per_ipu: Overrides the tile count when positive; `0` keeps
             the version's standard count. Memory capacity scales with it.
+        io_tiles: Tiles reserved for I/O, fewer than the tiles: the
+            program's memory and flops are those of the rest.
 
     Returns:
         An `IPUHardware`.
 
     Raises:
-        ValueError: For an unknown version or a negative tile count.
+        ValueError: For an unknown version, a negative tile count, or I/O
+            tiles that leave no tile for the program.
 
     Example:
 
@@ -127,4 +139,8 @@ def hardware_for(version: str, tiles_per_ipu: int = 0) -> IPUHardware:
     hardware = HARDWARE[version]
     if tiles_per_ipu:
         hardware = dataclasses.replace(hardware, tiles=tiles_per_ipu)
-    return hardware
+    if not isinstance(io_tiles, int) or not 0 <= io_tiles < hardware.tiles:
+        raise ValueError(
+            f"io_tiles.num_io_tiles must leave tiles for the program: between 0 and "
+            f"{hardware.tiles - 1} on an IPU of {hardware.tiles} tiles, got {io_tiles!r}.")
+    return dataclasses.replace(hardware, io_tiles=io_tiles) if io_tiles else hardware

@@ -16,7 +16,8 @@ class IPUReport:
     Args:
         index: The IPU's index in the system.
         memory_bytes: Bytes the program needs on this IPU.
-        memory_capacity_bytes: Bytes the IPU has (tiles × bytes per tile).
+        memory_capacity_bytes: Bytes the IPU has for the program (its compute tiles × bytes
+            per tile).
         estimated_cycles: Estimated cycles of one execution on this IPU.
         state_bytes: Of `memory_bytes`: weights, optimizer and metric state.
         temporary_bytes: Of `memory_bytes`: activations and workspace.
