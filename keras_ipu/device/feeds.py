@@ -5,11 +5,18 @@ Code written against `ipu.scopes`, `ipu.ipu_compiler`, `ipu.loops`,
 with JAX functions for TensorFlow's graph code:
 
 - `ipu_scope(device)` and `ipu_shard(index)` (in `keras_ipu.device.scopes`)
-  say which IPU `compile` compiles for.
+  say which IPU device `compile` compiles for.
 - `compile(computation, inputs)` compiles `computation` with `jax.jit` for
-  that IPU and runs it at once (IPU TensorFlow builds an op that a session
-  runs later); outfeeds enqueued inside come back with it. The program is
-  kept: calling it again with arrays of the same shapes does not retrace.
+  that device and runs it at once (IPU TensorFlow builds an op that a
+  session runs later); outfeeds enqueued inside come back with it. The
+  program is kept: calling it again with arrays of the same shapes does not
+  retrace. It is replicated as on the IPU: a device of N IPUs running a
+  computation of S shards (one unless it enters `ipu_shard`) runs N / S
+  replicas; each loop's infeed is dealt round-robin to the replicas
+  (iteration k of replica r gets element k × R + r), outfeeds gain a replica
+  axis second (`[iterations, R, ...]`, or `[R, ...]` with
+  `IPUOutfeedMode.LAST`; none for one replica), and the result is replica
+  0's (see `keras_ipu.device.compiled_calls`).
 - `repeat(n, body, inputs, infeed_queue)` is an on-device loop (`lax.scan`):
   each iteration takes the next element of the infeed, if any, after the
   loop-carried values; values `enqueue`d on an outfeed in the body are
@@ -24,8 +31,6 @@ takes them when it is built, as constants. The queues themselves are in
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -34,19 +39,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import queues, scopes, system
-
-# Trace-time context, not global state: the outfeed values enqueued by the loops
-# of a `compile` being traced.
-_OUTFED: contextvars.ContextVar = contextvars.ContextVar("outfed", default=None)
+from keras_ipu.device import collectives, compiled_calls, queues, scopes, system
 
 
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
-    """Compiles `computation(*inputs)` for the current IPU and runs it.
+    """Compiles `computation(*inputs)` for the current IPU device and runs it, replicated.
 
     The compiled program is kept: another call of the same `computation`
     with inputs of the same shapes runs it again without tracing, its
     loops taking the infeeds' next elements.
+
+    As on the IPU, the computation runs once per replica: the device's IPUs
+    divided by the shards it uses (one unless it enters `ipu_shard`, or
+    `compile` is called inside one). Every replica gets `inputs`; a loop
+    over an infeed takes iterations × replicas elements, iteration k of
+    replica r element k × replicas + r; outfeeds gain a replica axis second
+    (none with one replica). The result is replica 0's: replicas hold equal
+    values after cross-replica reductions, and the outfeeds show every
+    replica's.
 
     Args:
         computation: A JAX-traceable function of `len(inputs)` arguments.
@@ -54,12 +64,15 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
 
     Returns:
         The outputs as a list: `[]` for `None`, `[value]` for a single
-        value, the values of a tuple or list. Outfeeds enqueued inside get
-        their values.
+        value, the values of a tuple or list (replica 0's). Outfeeds
+        enqueued inside get their values.
 
     Raises:
         RuntimeError: Outside an `ipu_scope`: the computation is compiled for
-            the scope's IPU.
+            the scope's IPU device.
+        ValueError: When an infeed has fewer elements than the loops need
+            (none is taken), or the device's IPUs are not a multiple of the
+            computation's shards.
 
     Example:
 
@@ -72,296 +85,15 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
                            "ipu.scopes.ipu_scope('/device:IPU:N'): the computation is "
                            "compiled for that IPU device.")
     device, shard = scope
-    target = system.require().ipus_of_device(device)[shard].device
-    return call_compiled(computation, target, _as_list(inputs), outputs=_outputs)
-
-
-def call_compiled(fn: Callable, device: Any, args: Any = (), kwargs: Any = None,
-                  outputs: Callable = lambda result: result) -> Any:
-    """Runs `fn(*args, **kwargs)` under `jax.jit` on `device`; outfeeds get what it enqueues.
-
-    Array arguments (NumPy, JAX, or anything with `__jax_array__`) are the
-    program's inputs, copied to `device`; every other argument (a Python
-    number, a queue, a model) is fixed in the program, as TensorFlow's
-    `tf.function` fixes Python values. The program is kept in the configured
-    system: a later call with the same `fn`, the same fixed arguments and
-    arrays of the same shapes runs it again without tracing. The infeeds its
-    loops read are inputs too: each call takes their next elements. The
-    numbers and strings `fn` reads from its closure and globals are part of
-    the program's key, and so are the queues it reads there (by identity: a
-    queue made again gets a new program); a program whose trace captured arrays (`fn` closing
-    over weights, a Keras variable's value) is traced again at each call,
-    so that it sees their values then. Values read from objects' attributes
-    stay those of the trace, as in `tf.function`.
-
-    A function wrapped in `jax.jit` (the port of `@tf.function(jit_compile=True)`)
-    is compiled as the function it wraps: the program is one compiled whole.
-
-    The values a loop inside enqueues leave the program with its outputs and
-    reach their queues once it has run (inside another such call, `fn` is
-    part of the outer program). Operations `fn` returns (outfeed markers)
-    come back as `None`.
-
-    Args:
-        fn: A JAX-traceable function.
-        device: The JAX device to run on.
-        args: Its positional arguments.
-        kwargs: Its keyword arguments, or `None`.
-        outputs: Applied to `fn`'s result inside the program.
-
-    Returns:
-        `fn`'s result, through `outputs`.
-
-    Raises:
-        ValueError: When an infeed has fewer elements than the loops need
-            (none is taken).
-        RuntimeError: When no IPU system is configured.
-
-    Example:
-
-    >>> configure_ipu_system()   # e.g. an IPUConfig with one IPU
-    >>> call_compiled(lambda x: x * 2, jax.devices()[0], (np.ones(3),))
-    Array([2., 2., 2.], dtype=float32)
-    """
-    # `@jax.jit` ports `@tf.function(jit_compile=True)`; the program is compiled whole
-    # anyway, and a loop traced inside the inner jit could not hand its infeed data in
-    # and its outfeed values out of it.
-    while isinstance(fn, jax.stages.Wrapped) and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    if _OUTFED.get() is not None:  # inside another program's trace: part of it
-        return _without_operations(outputs(fn(*args, **(kwargs or {}))))
-    arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
-    programs = system.require().programs
-    # `1`, `1.0` and `True` are equal keys: their types tell them apart.
-    typed = tuple(leaf if leaf is _ARRAY else (type(leaf), leaf) for leaf in fixed)
-    key = (fn, outputs, device, treedef, typed, _host_values(fn))
-    try:
-        program = programs.pop(key, None)
-    except TypeError:  # an unhashable fixed argument: a program for this call only
-        key, program = None, None
-    if program is None:
-        program = _Program(fn, outputs, treedef, fixed)
-    if key is not None:
-        programs[key] = program  # most recently used last
-        while len(programs) > _PROGRAMS_KEPT:
-            programs.pop(next(iter(programs)))
-    result = program.run(device, arrays)
-    if not program.reusable and key is not None:
-        programs.pop(key, None)
-    return result
-
-
-# Programs `call_compiled` keeps per configured system (the least recently used go first).
-_PROGRAMS_KEPT = 64
-
-# Host values a traced function may read and fix in its program: a kept program is run
-# again only while those it reads from its closure and globals are unchanged.
-_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
-# The queues a traced function may read: its program takes from and fills those of its trace.
-_QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
-# Whose functions' globals are their own constants: not walked.
-_LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
-
-
-def _host_values(fn: Callable, depth: int = 4) -> tuple:
-    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
-
-    Values read from objects' attributes are not seen: a kept program keeps
-    those of its trace, as `tf.function` does.
-    """
-    values: list = []
-    seen: set = set()
-
-    def visit(function: Any, depth: int) -> None:
-        if isinstance(function, functools.partial):
-            function = function.func
-        function = getattr(function, "__func__", function)  # a bound method's function
-        code = getattr(function, "__code__", None)
-        library = getattr(function, "__module__", None) or ""
-        if (code is None or depth < 0 or id(function) in seen
-                or library.partition(".")[0] in _LIBRARIES):
-            return
-        seen.add(id(function))
-        cells = []
-        for cell in function.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # a cell not filled yet
-                continue
-        names = _global_names(code)
-        found = function.__globals__
-        for value in cells + [found[name] for name in names if name in found]:
-            if isinstance(value, _HOST_SCALARS):
-                values.append((type(value), value))
-            elif isinstance(value, _QUEUES):
-                # By identity: a queue made again (a notebook cell run again) is another
-                # program's; the kept one would take from, and fill, the old queue.
-                values.append((type(value), value))
-            elif callable(value) and not isinstance(value, type):
-                visit(value, depth - 1)
-
-    visit(fn, depth)
-    return tuple(values)
-
-
-def _global_names(code: Any) -> set:
-    """The global names a code object and the functions defined in it use."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if hasattr(constant, "co_names"):
-            names |= _global_names(constant)
-    return names
-
-
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (np.ndarray, np.generic, jax.Array)) or hasattr(leaf, "__jax_array__")
-
-
-def _split_arguments(arguments: Any) -> tuple[list, tuple, Any]:
-    """The arguments' arrays (the program's inputs) and the fixed values, with their structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(arguments)
-    arrays = [jnp.asarray(leaf) if hasattr(leaf, "__jax_array__") else leaf
-              for leaf in leaves if _is_array(leaf)]
-    fixed = tuple(_ARRAY if _is_array(leaf) else leaf for leaf in leaves)
-    return arrays, fixed, treedef
-
-
-class _ArraySlot:
-    """Marks where an array argument goes among the fixed ones."""
-
-
-_ARRAY = _ArraySlot()
-
-
-class _MissingFeed(Exception):
-    """A loop being traced reads an infeed the program does not take yet."""
-
-    def __init__(self, plan: list):
-        super().__init__("a loop reads an infeed the program does not take yet")
-        self.plan = plan
-
-
-class _FeedInputs:
-    """The infeed data of a program being traced: its inputs, in the order its loops read them."""
-
-    def __init__(self, plan: list, data: list):
-        self.plan, self.data, self.read = plan, data, 0
-
-    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
-        index = self.read
-        if index < len(self.plan) and self.plan[index] == (queue, count):
-            self.read += 1
-            return self.data[index]
-        raise _MissingFeed([*self.plan[:index], (queue, count)])
-
-
-# Trace-time context: the infeed inputs of the `call_compiled` program being traced.
-_FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
-
-
-class _Program:
-    """One compiled function: its jitted program, the infeeds it reads and the outfeeds it fills."""
-
-    def __init__(self, fn: Callable, outputs: Callable, treedef: Any, fixed: tuple):
-        self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
-        self.plan: list = []  # (infeed, elements) its loops read, in order
-        self.outfeeds: list = []  # the queues its outfed values go to, in order
-        self.executables: dict = {}  # per plan and input shapes
-        # Whether another call may run it: not when its trace captured arrays (a closure
-        # over weights or a Keras variable), whose values of that trace it would keep.
-        self.reusable = True
-        # Whether the loops' infeed data are the program's inputs; otherwise (a queue the
-        # function makes itself, a call inside another JAX trace) constants of one trace.
-        self.feeds_as_inputs = True
-        # The plan is static: a program compiled for one plan never gets another's data.
-        self.jitted = jax.jit(self._traced, static_argnums=2)
-
-    def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
-        supplied = iter(arrays)
-        leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
-        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        outfed_token = _OUTFED.set([])
-        feeds_token = _FEEDS.set(_FeedInputs(list(plan), feed_data) if self.feeds_as_inputs
-                                 else None)
-        try:
-            result = self.outputs(self.fn(*args, **kwargs))
-            outfed = _OUTFED.get()
-        finally:
-            _FEEDS.reset(feeds_token)
-            _OUTFED.reset(outfed_token)
-        self.outfeeds = [queue for queue, _ in outfed]
-        return _without_operations(result), [values for _, values in outfed]
-
-    def run(self, device: Any, arrays: list) -> Any:
-        if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)):
-            return self._run_once(arrays)  # inside another JAX trace: part of it
-        arrays = jax.device_put(arrays, device)
-        while True:
-            taken = _take_all(self.plan)
-            try:
-                feed_data = jax.device_put([queues.stacked(t) for t in taken], device)
-                result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
-            except _MissingFeed as missing:
-                _put_back(self.plan, taken)
-                if len(missing.plan) <= len(self.plan):  # an infeed made in each trace
-                    return self._run_once(arrays)
-                self.plan = missing.plan  # trace again, reading that infeed too
-                continue
-            except BaseException:
-                _put_back(self.plan, taken)
-                raise
-            return self._delivered(result, outfed)
-
-    def _run_once(self, arrays: list) -> Any:
-        """Traced for this call only, its loops' infeed data constants of the trace."""
-        self.reusable = self.feeds_as_inputs = False
-        result, outfed = jax.jit(self._traced, static_argnums=2)(arrays, [], ())
-        return self._delivered(result, outfed)
-
-    def _delivered(self, result: Any, outfed: list) -> Any:
-        for queue, values in zip(self.outfeeds, outfed):
-            queue.receive(values)
-        return result
-
-    def _executable(self, arrays: list, feed_data: list) -> Any:
-        plan = tuple(self.plan)
-        leaves, structure = jax.tree_util.tree_flatten((arrays, feed_data))
-        signature = (plan, structure, tuple((a.shape, str(a.dtype)) for a in leaves))
-        executable = self.executables.get(signature)
-        if executable is None:
-            traced = self.jitted.trace(arrays, feed_data, plan)
-            self.reusable = self.reusable and not traced.jaxpr.consts
-            executable = self.executables[signature] = traced.lower().compile()
-        return executable
-
-
-def _take_all(plan: list) -> list:
-    """Each planned read's elements, taken only once every read is known to have them all."""
-    needed: dict = {}
-    for queue, count in plan:
-        already = needed.get(queue, 0)
-        left = len(queue.peek(already + count)) - already
-        if left < count:
-            raise ValueError(f"The infeed ran out: {left} elements left for a loop of "
-                             f"{count} iterations.")
-        needed[queue] = already + count
-    return [queue.take(count) for queue, count in plan]
-
-
-def _put_back(plan: list, taken: list) -> None:
-    for (queue, _), elements in reversed(list(zip(plan, taken))):
-        queue.put_back(elements)
-
-
-def _without_operations(result: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda v: None if isinstance(v, queues.Operation) else v, result)
+    ipus = system.require().ipus_of_device(device)
+    return compiled_calls.call_compiled(computation, ipus, _as_list(inputs), outputs=_outputs,
+                                        shard=shard)
 
 
 def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:
     """Sends a finished loop's stacked values on: the enclosing body, program, or the queue."""
     enclosing = queues.current_enqueues()
-    outfed = _OUTFED.get()
+    outfed = compiled_calls.outfed_values()
     if enclosing is not None:  # a loop nested in a body: a block of that iteration's values
         enclosing.add(queue, values, block=True)
     elif outfed is not None:  # inside `call_compiled`: the values leave with its outputs
@@ -389,6 +121,9 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             `enqueue` markers among them are dropped.
         inputs: The initial carried values (a list), or `None`.
         infeed_queue: Where each iteration's element comes from, or `None`.
+            In a replicated program (`compile` on a device of R replicas)
+            the loop takes n × R elements: iteration k of replica r gets
+            element k × R + r.
         use_while_v1: Accepted for compatibility.
 
     Returns:
@@ -414,12 +149,16 @@ def repeat(n: int, body: Callable, inputs: Any = None,
                          "elements. Read the infeed in the outer loop and pass the values "
                          "in.")
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
-    feeds, taken, data = _FEEDS.get(), None, None
+    feeds, taken, data = compiled_calls.infeed_inputs(), None, None
     if infeed_queue is not None and feeds is not None:  # inside `call_compiled`: its inputs
         data = feeds.take(infeed_queue, n)
     elif infeed_queue is not None:  # eager, or in another trace: the elements as constants
-        taken = infeed_queue.take(n)
-        data = queues.stacked(taken)
+        replicas = collectives.replica_count()  # in a replicated program: dealt to each
+        if replicas > 1 and len(infeed_queue.peek(n * replicas)) < n * replicas:
+            raise ValueError(compiled_calls.ran_out(len(infeed_queue.peek(n * replicas)), n,
+                                                    replicas))
+        taken = infeed_queue.take(n * replicas)
+        data = _own_elements(queues.stacked(taken), replicas)
     layout: list = []  # (outfeed, whether its values are a nested loop's block), per record
 
     def step(carry, element):
@@ -444,6 +183,15 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             values = jax.tree_util.tree_map(lambda a: a.reshape((-1, *a.shape[2:])), values)
         _deliver(queue, values)
     return _unpacked(final)
+
+
+def _own_elements(data: Any, replicas: int) -> Any:
+    """This replica's elements of `[n × R, ...]`: iteration k gets element k × R + r."""
+    if replicas == 1:
+        return data
+    index = collectives.replica_index()
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a).reshape((-1, replicas, *a.shape[1:]))[:, index], data)
 
 
 def _iterations(n: Any) -> int:

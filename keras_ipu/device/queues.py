@@ -174,7 +174,10 @@ class IPUInfeedQueue:
             keyword).
         feed_name: Accepted for compatibility.
         device_ordinal: Accepted for compatibility.
-        replication_factor: Accepted for compatibility.
+        replication_factor: Accepted for compatibility: as in IPU TensorFlow
+            it is set from the program (`compile` deals the elements to
+            the replicas, iteration k of replica r getting element
+            k × replicas + r).
         data_to_prefetch: Accepted for compatibility.
         prefetch_depth: Accepted for compatibility.
 
@@ -350,7 +353,9 @@ class IPUOutfeedQueue:
         outfeed_mode: `IPUOutfeedMode.ALL` (default: every enqueued value,
             stacked) or `LAST`.
         device_ordinal: Accepted for compatibility.
-        replication_factor: Accepted for compatibility.
+        replication_factor: Accepted for compatibility: as in IPU TensorFlow
+            it is set from the program (a replicated one's values have a
+            replica axis second).
         io_batch_size: Accepted for compatibility.
 
     Raises:
@@ -417,7 +422,8 @@ class IPUOutfeedQueue:
         """Takes a finished program's values for this queue (stacked per iteration).
 
         Args:
-            values: The enqueued structure, each array `[iterations, ...]`.
+            values: The enqueued structure, each array `[iterations, ...]`
+                (`[iterations, replicas, ...]` from a replicated program).
 
         Example:
 
@@ -439,7 +445,10 @@ class IPUOutfeedQueue:
 
         Returns:
             With `ALL`, every enqueued value stacked on a leading axis (in
-            order, over loops); with `LAST`, the last one.
+            order, over loops); with `LAST`, the last one. Values of a
+            replicated program (`compile` on a device of several IPUs) have
+            the replicas' values stacked after that: `[iterations, replicas,
+            ...]` with `ALL`, `[replicas, ...]` with `LAST`.
 
         With `--use_synthetic_data` nothing returns to the host: `ALL` gives
         empty arrays of the enqueued structure, `LAST` raises.

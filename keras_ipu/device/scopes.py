@@ -2,7 +2,8 @@
 
 - `ipu_scope(device)` places what runs inside it on the device's first IPU
   (`jax.default_device`); `ipu_shard(index)` on its IPU `index`; `compile`
-  compiles for that IPU (`current_scope`).
+  compiles for that device (`current_scope`), and learns which shards a
+  computation uses (`recording_shards`) to replicate it over the rest.
 - `outside_compilation_scope` places eager work on the host CPU.
 - `ipu_jit_scope`, `partials_type`, `stochastic_rounding` and
   `frontend_attribute` steer the Poplar compiler: their arguments are
@@ -23,6 +24,8 @@ from keras_ipu.device import system
 
 # Trace-time context, not global state: the scope a computation is built in.
 _SCOPE: contextvars.ContextVar = contextvars.ContextVar("ipu_scope", default=None)
+# Trace-time context: the shards `ipu_shard` entered while a computation is traced.
+_SHARDS: contextvars.ContextVar = contextvars.ContextVar("ipu_shards", default=None)
 
 
 def current_scope() -> tuple[str, int] | None:
@@ -38,6 +41,31 @@ def current_scope() -> tuple[str, int] | None:
     ('/device:IPU:0', 0)
     """
     return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def recording_shards() -> Iterator[set[int]]:
+    """Records the shards (`ipu_shard` indices) that the code run inside enters.
+
+    A computation traced inside tells `compile` how many IPUs one copy of
+    it uses, so that the device's other IPUs hold replicas.
+
+    Yields:
+        The set of shard indices, filled as `ipu_shard` is entered.
+
+    Example:
+
+    >>> with recording_shards() as shards, ipu_scope("/device:IPU:0"), ipu_shard(1):
+    ...     pass
+    >>> shards
+    {1}
+    """
+    shards: set[int] = set()
+    token = _SHARDS.set(shards)
+    try:
+        yield shards
+    finally:
+        _SHARDS.reset(token)
 
 
 @contextlib.contextmanager
@@ -84,6 +112,9 @@ def ipu_shard(index: int) -> Iterator[None]:
     ipus = system.require().ipus_of_device(device)
     if not 0 <= index < len(ipus):
         raise ValueError(f"ipu_shard({index}): {device} has IPUs 0-{len(ipus) - 1}.")
+    recorded = _SHARDS.get()
+    if recorded is not None:
+        recorded.add(index)
     token = _SCOPE.set((device, index))
     try:
         with jax.default_device(ipus[index].device):

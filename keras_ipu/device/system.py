@@ -72,8 +72,8 @@ class IPUSystem:
     options: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
     )
-    # The graph-style programs compiled for this system (`feeds.call_compiled`), kept so
-    # that calling one again does not retrace; a new configuration starts afresh.
+    # The graph-style programs compiled for this system (`compiled_calls.call_compiled`),
+    # kept so that calling one again does not retrace; a new configuration starts afresh.
     programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # The host ends of the host embeddings registered with this system, by name
     # (`keras_ipu.ops.host_embedding`), as IPU TensorFlow registers them with its session.

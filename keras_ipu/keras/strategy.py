@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_ipu.device import feeds
+from keras_ipu.device import compiled_calls
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import context, extensions
 
@@ -71,15 +71,22 @@ class IPUStrategy:
             yield self
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Runs `fn(*args, **kwargs)` compiled, on the strategy's first IPU.
+        """Runs `fn(*args, **kwargs)` compiled on the strategy's IPU device, replicated.
 
         As `tf.distribute.Strategy.run` in IPU TensorFlow, where `fn` is
         compiled for the IPU: here it is compiled with `jax.jit` (it must be
         JAX-traceable: `keras.ops`, `jax.numpy`, stateless Keras calls) and
-        runs on the JAX device of the first IPU of `ipu_device`. Array
-        arguments are copied there first. Values that `ipu.loops` inside
+        runs on the JAX devices of the IPUs of `ipu_device`. As on the IPU,
+        the program is replicated over the device's IPUs: one replica per
+        shard count of IPUs (one IPU each unless `fn` enters
+        `ipu.scopes.ipu_shard`). Every replica gets the array arguments; a
+        loop over an infeed takes iterations × replicas elements, iteration k
+        of replica r element k × replicas + r; `replication_index()` and the
+        cross-replica ops see the replicas. Values that `ipu.loops` inside
         enqueue to an `IPUOutfeedQueue` reach it once `fn` has run (its
-        `dequeue` returns them).
+        `dequeue` returns them, with a replica axis second when there are
+        several replicas). `num_replicas_in_sync` stays 1, as in IPU
+        TensorFlow: the replication is inside the program.
 
         Args:
             fn: The function to run.
@@ -87,19 +94,23 @@ class IPUStrategy:
             kwargs: Its keyword arguments.
 
         Returns:
-            `fn`'s result (JAX arrays on that device).
+            `fn`'s result (JAX arrays on the first IPU's device): replica 0's,
+            as replicas hold equal values after cross-replica reductions; the
+            outfeeds show every replica's.
 
         Raises:
             RuntimeError: When no IPU system is configured.
-            ValueError: When the configured system has no `ipu_device`.
+            ValueError: When the configured system has no `ipu_device`, an
+                infeed runs out (nothing is taken), or the device's IPUs are
+                not a multiple of the shards `fn` uses.
 
         Example:
 
         >>> strategy.run(lambda x: x * 2, args=(np.ones(3),))
         Array([2., 2., 2.], dtype=float32)
         """
-        device = ipu_system.require().ipus_of_device(self.ipu_device)[0].device
-        return feeds.call_compiled(fn, device, args, kwargs)
+        ipus = ipu_system.require().ipus_of_device(self.ipu_device)
+        return compiled_calls.call_compiled(fn, ipus, args, kwargs)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.

@@ -1,0 +1,538 @@
+"""Functions compiled and run as IPU programs (`compile`, `strategy.run`): kept, and replicated.
+
+`call_compiled(fn, ipus, args)` compiles `fn` with `jax.jit` for the IPUs of
+a logical device and runs it at once; the program is kept in the configured
+system and runs again without tracing. The infeeds its loops read are its
+inputs, taken on the host at each call; the values its loops enqueue on
+outfeeds leave with its outputs and reach their queues once it has run.
+
+As in IPU TensorFlow, where "replication_factor is now set automatically
+based on the model", the computation is replicated over the device's IPUs:
+a device of N IPUs running a computation of S shards (`ipu_shard(i)` entered
+for i < S, or the scope's shard; one when it enters none) runs R = N / S
+replicas, replica r on IPU r * S (plus the scope's shard). keras_ipu runs a
+sharded computation on one IPU per replica, but its shards still take IPUs:
+2 IPUs and `ipu_shard(0)`, `ipu_shard(1)` are one replica. The shards are
+learnt from an abstract trace of the computation (`jax.eval_shape`), paid
+once per kept program and only on devices of more than one IPU. Then:
+
+- every replica gets the array arguments unchanged;
+- a loop of n iterations over an infeed takes n × R elements: iteration k
+  of replica r gets element k × R + r (the convention of `replicate.py`:
+  batch i of a stream is step i // R of replica i % R);
+- outfeeds gain a replica axis second: `[iterations, R, ...]` with
+  `IPUOutfeedMode.ALL`, `[R, ...]` with `LAST` (none when R is 1);
+- the computation's result is replica 0's (keras_ipu's choice: replicas
+  hold equal values after cross-replica reductions; the outfeeds show every
+  replica's, as the seed's examples do);
+- `replication_ops.replication_index()`, `cross_replica_ops` and the other
+  collectives see the replicas, also where IPUs share a JAX device.
+
+Inside another JAX transformation (a `jax.jit` of the caller's own) the
+computation is part of that program and runs once, unreplicated.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from keras_ipu.device import collectives, queues, scopes, system
+from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
+
+# Trace-time context, not global state: the outfeed values enqueued by the loops
+# of a `call_compiled` program being traced.
+_OUTFED: contextvars.ContextVar = contextvars.ContextVar("outfed", default=None)
+# Trace-time context: the infeed inputs of the `call_compiled` program being traced.
+_FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
+
+
+def outfed_values() -> list | None:
+    """Where the loops of the program being traced put their outfeed values.
+
+    Returns:
+        A list of `(queue, values)` pairs that the program returns with its
+        outputs, or `None` outside a `call_compiled` trace.
+
+    Example:
+
+    >>> outfed = outfed_values()
+    >>> if outfed is not None:
+    ...     outfed.append((queue, stacked_values))
+    """
+    return _OUTFED.get()
+
+
+def infeed_inputs() -> Any:
+    """The infeed data of the program being traced, for its loops to read.
+
+    Returns:
+        An object whose `take(queue, iterations)` gives the loop's elements
+        stacked on a leading axis (this replica's, in a replicated
+        program), or `None` when the loops take their elements themselves
+        (eagerly, or in a program traced for one call).
+
+    Example:
+
+    >>> feeds = infeed_inputs()
+    >>> data = feeds.take(infeed, 10) if feeds is not None else None
+    """
+    return _FEEDS.get()
+
+
+def without_operations(result: Any) -> Any:
+    """`result` with the operations it holds (outfeed markers) as `None`.
+
+    Args:
+        result: A computation's result (a tree).
+
+    Returns:
+        The same tree, each `queues.Operation` replaced by `None`.
+
+    Example:
+
+    >>> without_operations((x, outfeed.enqueue(x)))
+    (x, None)
+    """
+    return jax.tree_util.tree_map(
+        lambda v: None if isinstance(v, queues.Operation) else v, result)
+
+
+def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (),
+                  kwargs: Any = None, outputs: Callable = lambda result: result,
+                  shard: int = 0) -> Any:
+    """Runs `fn(*args, **kwargs)` under `jax.jit` on a logical device's IPUs, replicated.
+
+    Array arguments (NumPy, JAX, or anything with `__jax_array__`) are the
+    program's inputs, copied to every replica's device; every other argument
+    (a Python number, a queue, a model) is fixed in the program, as
+    TensorFlow's `tf.function` fixes Python values. The program is kept in the
+    configured system: a later call with the same `fn`, the same fixed
+    arguments and arrays of the same shapes runs it again without tracing. The
+    infeeds its loops read are inputs too: each call takes their next
+    elements. The numbers and strings `fn` reads from its closure and globals
+    are part of the program's key, and so are the queues it reads there (by
+    identity: a queue made again gets a new program), the device's IPUs and
+    the shard (with `fn` they fix the replication factor, which the program
+    records at its first run: a system configured again keeps programs of its
+    own); a program whose trace captured arrays (`fn` closing over weights,
+    a Keras variable's value) is traced again at each call, so that it sees
+    their values then. Values read from objects' attributes stay those of the
+    trace, as in `tf.function`.
+
+    The computation runs once per replica (see the module docstring): R =
+    `len(ipus)` / the shards it uses, the infeeds dealt round-robin, the
+    outfeeds with a replica axis second, the result replica 0's.
+
+    A function wrapped in `jax.jit` (the port of `@tf.function(jit_compile=True)`)
+    is compiled as the function it wraps: the program is one compiled whole.
+
+    The values a loop inside enqueues leave the program with its outputs and
+    reach their queues once it has run (inside another such call, `fn` is
+    part of the outer program, in each of its replicas). Operations `fn`
+    returns (outfeed markers) come back as `None`.
+
+    Args:
+        fn: A JAX-traceable function.
+        ipus: The IPUs of the logical device it runs on.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments, or `None`.
+        outputs: Applied to `fn`'s result inside the program.
+        shard: The IPU of the device a replica runs on (`ipu_shard` around
+            the call); it counts among the shards the computation uses.
+
+    Returns:
+        `fn`'s result, through `outputs` (replica 0's).
+
+    Raises:
+        ValueError: When an infeed has fewer elements than the loops need
+            (none is taken), or the device's IPUs are not a multiple of the
+            shards the computation uses.
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> configure_ipu_system()   # e.g. an IPUConfig with one IPU
+    >>> call_compiled(lambda x: x * 2, system.require().ipus, (np.ones(3),))
+    Array([2., 2., 2.], dtype=float32)
+    """
+    # `@jax.jit` ports `@tf.function(jit_compile=True)`; the program is compiled whole
+    # anyway, and a loop traced inside the inner jit could not hand its infeed data in
+    # and its outfeed values out of it.
+    while isinstance(fn, jax.stages.Wrapped) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    if _OUTFED.get() is not None:  # inside another program's trace: part of it
+        return without_operations(outputs(fn(*args, **(kwargs or {}))))
+    ipus = tuple(ipus)
+    arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
+    programs = system.require().programs
+    # `1`, `1.0` and `True` are equal keys: their types tell them apart.
+    typed = tuple(leaf if leaf is _ARRAY else (type(leaf), leaf) for leaf in fixed)
+    key = (fn, outputs, ipus, shard, treedef, typed, _host_values(fn))
+    try:
+        program = programs.pop(key, None)
+    except TypeError:  # an unhashable fixed argument: a program for this call only
+        key, program = None, None
+    if program is None:
+        program = _Program(fn, outputs, treedef, fixed, ipus, shard)
+    if key is not None:
+        programs[key] = program  # most recently used last
+        while len(programs) > _PROGRAMS_KEPT:
+            programs.pop(next(iter(programs)))
+    result = program.run(arrays)
+    if not program.reusable and key is not None:
+        programs.pop(key, None)
+    return result
+
+
+# Programs `call_compiled` keeps per configured system (the least recently used go first).
+_PROGRAMS_KEPT = 64
+
+# Host values a traced function may read and fix in its program: a kept program is run
+# again only while those it reads from its closure and globals are unchanged.
+_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# The queues a traced function may read: its program takes from and fills those of its trace.
+_QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
+# Whose functions' globals are their own constants: not walked.
+_LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
+
+
+def _host_values(fn: Callable, depth: int = 4) -> tuple:
+    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
+
+    Values read from objects' attributes are not seen: a kept program keeps
+    those of its trace, as `tf.function` does.
+    """
+    values: list = []
+    seen: set = set()
+
+    def visit(function: Any, depth: int) -> None:
+        if isinstance(function, functools.partial):
+            function = function.func
+        function = getattr(function, "__func__", function)  # a bound method's function
+        code = getattr(function, "__code__", None)
+        library = getattr(function, "__module__", None) or ""
+        if (code is None or depth < 0 or id(function) in seen
+                or library.partition(".")[0] in _LIBRARIES):
+            return
+        seen.add(id(function))
+        cells = []
+        for cell in function.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                continue
+        names = _global_names(code)
+        found = function.__globals__
+        for value in cells + [found[name] for name in names if name in found]:
+            if isinstance(value, _HOST_SCALARS):
+                values.append((type(value), value))
+            elif isinstance(value, _QUEUES):
+                # By identity: a queue made again (a notebook cell run again) is another
+                # program's; the kept one would take from, and fill, the old queue.
+                values.append((type(value), value))
+            elif callable(value) and not isinstance(value, type):
+                visit(value, depth - 1)
+
+    visit(fn, depth)
+    return tuple(values)
+
+
+def _global_names(code: Any) -> set:
+    """The global names a code object and the functions defined in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _global_names(constant)
+    return names
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic, jax.Array)) or hasattr(leaf, "__jax_array__")
+
+
+def _split_arguments(arguments: Any) -> tuple[list, tuple, Any]:
+    """The arguments' arrays (the program's inputs) and the fixed values, with their structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(arguments)
+    arrays = [jnp.asarray(leaf) if hasattr(leaf, "__jax_array__") else leaf
+              for leaf in leaves if _is_array(leaf)]
+    fixed = tuple(_ARRAY if _is_array(leaf) else leaf for leaf in leaves)
+    return arrays, fixed, treedef
+
+
+class _ArraySlot:
+    """Marks where an array argument goes among the fixed ones."""
+
+
+_ARRAY = _ArraySlot()
+
+
+class _MissingFeed(Exception):
+    """A loop being traced reads an infeed the program does not take yet."""
+
+    def __init__(self, plan: list):
+        super().__init__("a loop reads an infeed the program does not take yet")
+        self.plan = plan
+
+
+class _FeedInputs:
+    """The infeed data of a program being traced: its inputs, in the order its loops read them."""
+
+    def __init__(self, plan: list, data: list):
+        self.plan, self.data, self.read = plan, data, 0
+
+    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        index = self.read
+        if index < len(self.plan) and self.plan[index] == (queue, count):
+            self.read += 1
+            return self.data[index]
+        raise _MissingFeed([*self.plan[:index], (queue, count)])
+
+
+class _EmptyFeed(Exception):
+    """A loop being traced abstractly reads an infeed with no element left to shape its data."""
+
+
+class _FeedProbe:
+    """Infeed data for an abstract trace: zeros shaped as the queues' next elements.
+
+    Records the reads (the program's plan); nothing is taken from the queues.
+    """
+
+    def __init__(self):
+        self.plan: list = []
+
+    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        self.plan.append((queue, count))
+        ahead = queue.peek(1)
+        if not ahead:
+            raise _EmptyFeed()
+
+        def zeros(leaf: Any) -> jax.Array:
+            dtype = jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)
+            return jnp.zeros((count, *np.shape(leaf)), dtype)
+
+        return jax.tree_util.tree_map(zeros, ahead[0])
+
+
+class _Program:
+    """One compiled function: its jitted program, its replicas, the infeeds and outfeeds it uses."""
+
+    def __init__(self, fn: Callable, outputs: Callable, treedef: Any, fixed: tuple,
+                 ipus: tuple, shard: int):
+        self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
+        self.ipus, self.shard = ipus, shard
+        self.plan: list = []  # (infeed, iterations) its loops read, in order
+        self.outfeeds: list = []  # the queues its outfed values go to, in order
+        self.executables: dict = {}  # per plan and input shapes
+        # Whether another call may run it: not when its trace captured arrays (a closure
+        # over weights or a Keras variable), whose values of that trace it would keep.
+        self.reusable = True
+        # Whether the loops' infeed data are the program's inputs; otherwise (a queue the
+        # function makes itself, a call inside another JAX trace) constants of one trace.
+        self.feeds_as_inputs = True
+        # The replicas it runs on: at once for a one-IPU device, else from its first run's
+        # abstract trace (the shards the computation uses).
+        self.replicas: Replicas | None = None
+        self.jitted: Any = None
+        if len(ipus) == 1:
+            self._settle(Replicas((ipus[shard],)))
+
+    def _settle(self, replicas: Replicas) -> None:
+        """Fixes the replicas and the jitted program.
+
+        The plan is static: a program compiled for one plan never gets another's data.
+        """
+        self.replicas = replicas
+        self.jitted = jax.jit(self._function(replicas), static_argnums=2)
+
+    def _function(self, replicas: Replicas) -> Callable:
+        if replicas.count == 1:
+            return self._traced
+        return functools.partial(self._replicated, replicas)
+
+    def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
+        return self._trace(arrays, _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs
+                           else None)
+
+    def _trace(self, arrays: list, feeds: Any) -> tuple[Any, list]:
+        supplied = iter(arrays)
+        leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
+        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        outfed_token = _OUTFED.set([])
+        feeds_token = _FEEDS.set(feeds)
+        try:
+            result = self.outputs(self.fn(*args, **kwargs))
+            outfed = _OUTFED.get()
+        finally:
+            _FEEDS.reset(feeds_token)
+            _OUTFED.reset(outfed_token)
+        self.outfeeds = [queue for queue, _ in outfed]
+        return without_operations(result), [values for _, values in outfed]
+
+    def _replicated(self, replicas: Replicas, arrays: list, feed_data: list,
+                    plan: tuple) -> tuple[Any, list]:
+        """`_traced` on every replica: the arrays for all, the infeed data `[n, R, ...]` dealt.
+
+        Returns the results with a replica axis first, the outfed values with
+        one second (`[n, R, ...]`).
+        """
+        def per_replica(arrays: list, feed_data: list) -> tuple[Any, list]:
+            own = jax.tree_util.tree_map(lambda a: a[:, 0], feed_data)
+            result, outfed = self._traced(arrays, own, plan)
+            return (jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], result),
+                    jax.tree_util.tree_map(lambda a: a[:, None], outfed))
+
+        mapped = replicas.grid.map(per_replica, in_specs=(P(), P(None, REPLICA_AXIS)),
+                                   out_specs=(P(REPLICA_AXIS), P(None, REPLICA_AXIS)))
+        return mapped(arrays, feed_data)
+
+    def run(self, arrays: list) -> Any:
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)):
+            # Inside another JAX trace: part of it, once.
+            return self._run_once(arrays, Replicas((self.ipus[self.shard],)))
+        replicas = self.replicas or self._probe(arrays)
+        arrays = _placed(arrays, replicas, P())
+        while True:
+            taken = _take_all(self.plan, replicas.count)
+            try:
+                feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
+                                    replicas, P(None, REPLICA_AXIS))
+                result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
+            except _MissingFeed as missing:
+                _put_back(self.plan, taken)
+                if len(missing.plan) <= len(self.plan):  # an infeed made in each trace
+                    return self._run_once(arrays, replicas)
+                self.plan = missing.plan  # trace again, reading that infeed too
+                continue
+            except BaseException:
+                _put_back(self.plan, taken)
+                raise
+            return self._delivered(replicas, result, outfed)
+
+    def _probe(self, arrays: list) -> Replicas:
+        """The replicas, from an abstract trace that records the shards and the infeed reads.
+
+        When a loop reads an empty infeed the trace stops there: the replicas
+        then count the shards seen so far and are not kept (the run fails
+        taking that infeed's elements, and the next call traces again).
+        """
+        probe = _FeedProbe()
+        complete = True
+
+        def traced(arrays: list) -> tuple[Any, list]:
+            # As the first of as many replicas as IPUs, so that collectives and their
+            # groups trace (a group valid for the real replicas divides them all).
+            return collectives.as_first_of(len(self.ipus), lambda a: self._trace(a, probe),
+                                           arrays)
+
+        with scopes.recording_shards() as shards:
+            try:
+                jax.eval_shape(traced, arrays)
+            except _EmptyFeed:
+                complete = False
+        self.plan = self.plan or probe.plan
+        replicas = self._replicas(max(shards | {self.shard}) + 1)
+        if complete:
+            self._settle(replicas)
+        return replicas
+
+    def _replicas(self, shards: int) -> Replicas:
+        """One replica per `shards` IPUs of the device, each on its first IPU (plus the shard)."""
+        count = len(self.ipus)
+        if count % shards:
+            multiples = ", ".join(str(shards * k) for k in range(1, 4))
+            divisors = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
+            raise ValueError(
+                f"The computation uses {shards} IPU shards (ipu_shard(0) to "
+                f"ipu_shard({shards - 1})) but its device has {count} IPUs, not a multiple "
+                f"of {shards}: the device's IPUs hold whole replicas of the computation. "
+                f"Configure a device of {multiples}, ... IPUs, or use {divisors} shards.")
+        return Replicas(tuple(self.ipus[r * shards + self.shard]
+                              for r in range(count // shards)))
+
+    def _run_once(self, arrays: list, replicas: Replicas) -> Any:
+        """Traced for this call only, its loops' infeed data constants of the trace."""
+        self.reusable = self.feeds_as_inputs = False
+        function = jax.jit(self._function(replicas), static_argnums=2)
+        result, outfed = function(arrays, [], ())
+        return self._delivered(replicas, result, outfed)
+
+    def _delivered(self, replicas: Replicas, result: Any, outfed: list) -> Any:
+        for queue, values in zip(self.outfeeds, outfed):
+            queue.receive(values)
+        return replicas.unreplicate(result)  # replica 0's, on its device
+
+    def _executable(self, arrays: list, feed_data: list) -> Any:
+        plan = tuple(self.plan)
+        leaves, structure = jax.tree_util.tree_flatten((arrays, feed_data))
+        signature = (plan, structure, tuple((a.shape, str(a.dtype)) for a in leaves))
+        executable = self.executables.get(signature)
+        if executable is None:
+            traced = self.jitted.trace(arrays, feed_data, plan)
+            self.reusable = self.reusable and not traced.jaxpr.consts
+            executable = self.executables[signature] = traced.lower().compile()
+        return executable
+
+
+def _placed(tree: Any, replicas: Replicas, spec: P) -> Any:
+    """`tree` on the replicas' devices: on the one device, or split over the grid by `spec`."""
+    if replicas.count == 1:
+        return jax.device_put(tree, replicas.devices[0])
+    return jax.device_put(tree, replicas.grid.sharding(spec))
+
+
+def _dealt(data: Any, replicas: int) -> Any:
+    """A read's stacked elements `[n × R, ...]` as `[n, R, ...]`: element k × R + r to `[k, r]`."""
+    if replicas == 1:
+        return data
+    return jax.tree_util.tree_map(
+        lambda a: a.reshape((a.shape[0] // replicas, replicas, *a.shape[1:])), data)
+
+
+def _take_all(plan: list, replicas: int = 1) -> list:
+    """Each planned read's elements (R per iteration), taken once every read has them all."""
+    needed: dict = {}
+    for queue, count in plan:
+        elements = count * replicas
+        already = needed.get(queue, 0)
+        left = len(queue.peek(already + elements)) - already
+        if left < elements:
+            raise ValueError(ran_out(left, count, replicas))
+        needed[queue] = already + elements
+    return [queue.take(count * replicas) for queue, count in plan]
+
+
+def ran_out(left: int, iterations: int, replicas: int = 1) -> str:
+    """The message of an infeed with too few elements for a loop.
+
+    Args:
+        left: The elements the infeed has left.
+        iterations: The loop's iterations.
+        replicas: The replicas running the loop, each taking its own elements.
+
+    Returns:
+        The message, with the counts.
+
+    Example:
+
+    >>> ran_out(6, 4, 2)
+    'The infeed ran out: 6 elements left for a loop of 4 iterations on 2 replicas ...'
+    """
+    if replicas == 1:
+        return f"The infeed ran out: {left} elements left for a loop of {iterations} iterations."
+    return (f"The infeed ran out: {left} elements left for a loop of {iterations} iterations "
+            f"on {replicas} replicas, which takes {iterations * replicas} (iteration k of "
+            f"replica r takes element k * {replicas} + r).")
+
+
+def _put_back(plan: list, taken: list) -> None:
+    for (queue, _), elements in reversed(list(zip(plan, taken))):
+        queue.put_back(elements)

@@ -1,0 +1,250 @@
+"""`ipu_compiler.compile` and `strategy.run` replicated over their device's IPUs, as on the IPU.
+
+The seed (18.4, 18.5): "replication_factor is now set automatically based on
+the model"; with a replication factor of 2 an `ALL` outfeed of a 20-iteration
+loop is `[20, 2, 4, 4]` and a `LAST` one `[2, 4, 4]`; with 1 no replica axis
+is added. Iteration k of replica r reads element k × R + r of an infeed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import keras_ipu as ipu
+from keras_ipu.device import system
+from keras_ipu.ops import all_to_all_op, cross_replica_ops, reduce_scatter_op, replication_ops
+
+from conftest import configure
+
+Mode = ipu.ipu_outfeed_queue.IPUOutfeedMode
+
+
+def _compiled(computation, inputs=None, device="/device:IPU:0"):
+    with ipu.scopes.ipu_scope(device):
+        return ipu.ipu_compiler.compile(computation, inputs)
+
+
+def test_the_seeds_outfeed_example_on_two_ipus_has_a_replica_axis():
+    configure(2)
+    everything = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(outfeed_mode=Mode.LAST)
+
+    def body(value):
+        # Each replica's own values: replica r adds 1 + r per iteration.
+        output = value + 1 + replication_ops.replication_index().astype(value.dtype)
+        return output, everything.enqueue(output), last.enqueue(output)
+
+    def my_net(value):
+        return ipu.loops.repeat(20, body, (value))
+
+    [result] = _compiled(my_net, inputs=[np.ones((4, 4), np.float32)])
+    outfed, last_one = everything.dequeue(), last.dequeue()
+    assert outfed.shape == (20, 2, 4, 4) and last_one.shape == (2, 4, 4)
+    k = np.arange(1, 21)
+    np.testing.assert_array_equal(outfed[:, 0], np.broadcast_to((1 + k)[:, None, None],
+                                                                (20, 4, 4)))
+    np.testing.assert_array_equal(outfed[:, 1], np.broadcast_to((1 + 2 * k)[:, None, None],
+                                                                (20, 4, 4)))
+    np.testing.assert_array_equal(last_one[:, 0, 0], [21, 41])
+    # The result is replica 0's, on the device's first IPU.
+    np.testing.assert_array_equal(result, np.full((4, 4), 21))
+    assert result.devices() == {system.require().ipus[0].device}
+
+
+def test_each_replica_reads_its_own_infeed_elements_and_the_replicas_sum():
+    configure(2)
+    rng = np.random.default_rng(0)
+    elements = rng.random((12, 3)).astype(np.float32)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(list(elements))
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(total, x):
+        summed = cross_replica_ops.cross_replica_sum(x)
+        index = replication_ops.replication_index()
+        return total + x, outfeed.enqueue({"x": x, "sum": summed, "replica": index})
+
+    [total] = _compiled(lambda: ipu.loops.repeat(4, body, [jnp.zeros(3)], infeed))
+    outfed = outfeed.dequeue()
+    # 8 elements for 4 iterations × 2 replicas: iteration k of replica r gets k * 2 + r.
+    np.testing.assert_array_equal(outfed["x"], elements[:8].reshape(4, 2, 3))
+    np.testing.assert_allclose(outfed["sum"], np.repeat(
+        elements[:8].reshape(4, 2, 3).sum(axis=1, keepdims=True), 2, axis=1), rtol=1e-6)
+    np.testing.assert_array_equal(outfed["replica"], [[0, 1]] * 4)
+    np.testing.assert_allclose(total, elements[0:8:2].sum(axis=0), rtol=1e-6)  # replica 0's
+    # Too few for the next call (4 left, 2 × 4 needed): it takes nothing, with the counts.
+    with pytest.raises(ValueError, match="4 elements left for a loop of 4 iterations on 2 "
+                                         "replicas, which takes 8"):
+        _compiled(lambda: ipu.loops.repeat(4, body, [jnp.zeros(3)], infeed))
+    assert len(infeed.peek(10)) == 4
+    _compiled(lambda: ipu.loops.repeat(2, body, [jnp.zeros(3)], infeed))
+    np.testing.assert_array_equal(outfeed.dequeue()["x"], elements[8:].reshape(2, 2, 3))
+
+
+def test_a_computation_on_two_shards_of_two_ipus_is_not_replicated():
+    configure(2)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(x):
+        with ipu.scopes.ipu_shard(0):
+            y = x + 1
+        with ipu.scopes.ipu_shard(1):
+            z = y * 2
+        return z, outfeed.enqueue((z, replication_ops.replication_index()))
+
+    [result] = _compiled(lambda x: ipu.loops.repeat(3, body, [x]), [np.zeros(2, np.float32)])
+    values, replicas = outfeed.dequeue()
+    assert values.shape == (3, 2) and replicas.tolist() == [0, 0, 0]  # R = 1: no replica axis
+    np.testing.assert_array_equal(result, [14, 14])
+    # 3 IPUs do not hold whole replicas of 2 shards: refused before anything runs.
+    configure(3)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.zeros(2, np.float32)] * 6)
+    with pytest.raises(ValueError, match="uses 2 IPU shards .* has 3 IPUs, not a multiple of 2"):
+        _compiled(lambda: ipu.loops.repeat(3, lambda x, e: body(x + e), [jnp.zeros(2)], infeed))
+    assert len(infeed.peek(10)) == 6 and outfeed.dequeue() == []
+
+
+def _collectives_run():
+    """Index, sum, gather, all-to-all and reduce-scatter of 4 replicas, outfed per iteration."""
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        [np.arange(4, dtype=np.float32) + 10 * i for i in range(8)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(total, x):
+        values = {
+            "replica": replication_ops.replication_index(),
+            "sum": cross_replica_ops.cross_replica_sum(x),
+            "pair_sum": cross_replica_ops.cross_replica_sum(x, 2),
+            "gathered": all_to_all_op.all_gather(x, 4),
+            "exchanged": all_to_all_op.all_to_all(x, 0, 0, 4),
+            "scattered": reduce_scatter_op.reduce_scatter(x, 4),
+        }
+        return total + x, outfeed.enqueue(values)
+
+    [total] = _compiled(lambda: ipu.loops.repeat(2, body, [jnp.zeros(4)], infeed))
+    return np.asarray(total), {k: np.asarray(v) for k, v in outfeed.dequeue().items()}
+
+
+@pytest.mark.parametrize("devices", [2, 1])
+def test_four_ipus_sharing_devices_replicate_as_on_four_devices(monkeypatch, devices):
+    configure(4)
+    assert system.require().shared_devices == {}
+    total, separate = _collectives_run()
+    elements = np.arange(4, dtype=np.float32) + 10 * np.arange(8)[:, None]
+    per_replica = elements.reshape(2, 4, 4)  # [iteration, replica, ...]
+    assert separate["replica"].tolist() == [[0, 1, 2, 3]] * 2
+    np.testing.assert_allclose(separate["sum"][:, 0], per_replica.sum(axis=1))
+    np.testing.assert_allclose(separate["pair_sum"][:, 2], per_replica[:, 2:].sum(axis=1))
+    np.testing.assert_array_equal(separate["gathered"][:, 3], per_replica)
+    np.testing.assert_allclose(separate["scattered"][:, 1], per_replica.sum(axis=1)[:, 1:2])
+    np.testing.assert_allclose(total, elements[0] + elements[4])
+
+    monkeypatch.setattr(system, "jax_devices_for",
+                        lambda num_ipus, device_sizes=(): jax.devices()[:devices])
+    configure(4)
+    assert len({i.device for i in system.require().ipus}) == devices
+    shared_total, shared = _collectives_run()
+    np.testing.assert_array_equal(shared_total, total)
+    for name, values in separate.items():
+        np.testing.assert_array_equal(shared[name], values, err_msg=name)
+
+
+def test_strategy_run_replicates_over_the_strategys_device():
+    configure(2)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    assert strategy.num_replicas_in_sync == 1  # as in IPU TensorFlow: inside the program
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(6)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(total, x):
+        total = total + cross_replica_ops.cross_replica_sum(x)
+        return total, outfeed.enqueue((x, replication_ops.replication_index()))
+
+    with strategy.scope():
+        total = strategy.run(lambda start: ipu.loops.repeat(3, body, [start], infeed),
+                             args=(np.float32(100),))
+    assert float(total) == 100 + sum(range(6))
+    elements, replicas = outfeed.dequeue()
+    assert elements.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert replicas.tolist() == [[0, 1]] * 3
+    assert float(strategy.reduce("SUM", total)) == float(total)  # unchanged: one replica
+
+
+def _sgd_loop(infeed, steps, learning_rate=0.1):
+    """A repeat training `w` with SGD on each replica's batch, gradients averaged over them."""
+    losses = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(w, x, y):
+        def loss(w):
+            return jnp.mean(jnp.square(x @ w - y))
+
+        value, gradient = jax.value_and_grad(loss)(w)
+        replicas = cross_replica_ops.cross_replica_sum(jnp.float32(1))
+        gradient = cross_replica_ops.cross_replica_sum(gradient) / replicas
+        return w - learning_rate * gradient, losses.enqueue(value)
+
+    [w] = _compiled(lambda w: ipu.loops.repeat(steps, body, [w], infeed),
+                    [np.zeros(3, np.float32)])
+    return np.asarray(w), losses.dequeue()
+
+
+def test_a_replicated_training_loop_equals_one_replica_on_the_replicas_batch():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 2, 3)).astype(np.float32)  # 8 batches of 2
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32)).astype(np.float32)
+    configure(2)
+    w, losses = _sgd_loop(ipu.ipu_infeed_queue.IPUInfeedQueue(list(zip(x, y))), 4)
+    configure(1)  # one replica, each step on the two replicas' batches together
+    big = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        list(zip(x.reshape(4, 4, 3), y.reshape(4, 4))))
+    expected, big_losses = _sgd_loop(big, 4)
+    assert losses.shape == (4, 2) and big_losses.shape == (4,)
+    np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses.mean(axis=1), big_losses, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(w, 0)
+
+
+def test_a_replicated_program_is_kept_with_its_replicas_and_new_for_another_system():
+    traces = []
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(20)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(total, x):
+        traces.append(None)
+        return total + x, outfeed.enqueue(x)
+
+    def my_net(start):
+        return ipu.loops.repeat(2, body, [start], infeed)
+
+    configure(2)
+    for start in (0, 1):
+        _compiled(my_net, [np.float32(start)])
+    assert len(traces) == 2  # the abstract trace of the shards, then the program's: once
+    assert outfeed.dequeue().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    configure(4)  # a new system: a new program, with 4 replicas
+    _compiled(my_net, [np.float32(0)])
+    assert outfeed.dequeue().tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    configure(1)
+    _compiled(my_net, [np.float32(0)])
+    assert outfeed.dequeue().tolist() == [16, 17]
+    assert len(traces) == 5  # one IPU: no abstract trace
+
+
+def test_synthetic_data_and_infeeds_made_inside_are_replicated_too(monkeypatch):
+    configure(2)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def made_inside():  # an infeed made at each trace: its elements are the trace's constants
+        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(6)])
+        return ipu.loops.repeat(3, lambda t, x: (t + x, outfeed.enqueue(x)), [0.0], infeed)
+
+    [total] = _compiled(made_inside)
+    assert float(total) == 0 + 2 + 4 and outfeed.dequeue().tolist() == [[0, 1], [2, 3], [4, 5]]
+    monkeypatch.setenv("KERAS_IPU_FLAGS", "--use_synthetic_data")
+    configure(2)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(2, 7, np.float32)] * 4)
+    _compiled(lambda: ipu.loops.repeat(2, lambda t, x: (t + x, outfeed.enqueue(x)),
+                                       [jnp.zeros(2)], infeed))
+    assert outfeed.dequeue().shape == (0, 2, 2)  # nothing returns, the structure does
