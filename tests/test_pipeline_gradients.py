@@ -32,12 +32,31 @@ def test_pack_update_and_unpack_agree_in_both_layouts():
             grads = {i: jnp.asarray(rng.standard_normal(s), "float32")
                      for i, s, _ in ipu_variables}
             first = dict(list(grads.items())[:1])
-            packed = layout.pack(ipu, first, "float32")  # the others are zeros
+            packed = layout.pack(ipu, first, {"float32": "float32"})  # the others are zeros
             acc = layout.update(ipu, packed, grads, lambda old, g: old + 2 * g)
             for (index, shape, _), got in zip(ipu_variables, layout.unpack(ipu, acc)):
                 expected = 2 * grads[index] + (grads[index] if index in first else 0)
                 assert got.shape == shape
                 np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_each_variable_dtype_accumulates_in_its_own_type_in_both_layouts():
+    like = [[(0, (4, 3), "float32"), (1, (3,), "float16")],
+            [(2, (4, 3), "float32"), (3, (3,), "float16")]]
+    unlike = [[(0, (40, 30), "float32"), (1, (3,), "float16")],
+              [(2, (30, 40), "float32"), (3, (3,), "float16")]]
+    accumulators = {"float32": "bfloat16", "float16": "float32"}
+    for variables, lengths, slots in ((like, {"float32": 12, "float16": 3}, True),
+                                      (unlike, {"float32": 1200, "float16": 3}, False)):
+        layout = GradientLayout.of(variables, lengths)
+        assert (layout.slots is not None) == slots
+        grads = {v[0]: jnp.ones(v[1], v[2]) for v in variables[0]}
+        for acc in (layout.zeros(accumulators), layout.pack(0, grads, accumulators)):
+            if slots:
+                got = [(str(a.dtype), kind) for a, (_, kind) in zip(acc, layout.slots)]
+            else:
+                got = [(str(a.dtype), kind) for kind, a in acc.items()]
+            assert got and all(dtype == accumulators[kind] for dtype, kind in got)
 
 
 def test_a_flat_update_touches_only_the_given_variables_one_run_at_a_time():
