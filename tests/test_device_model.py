@@ -71,7 +71,7 @@ def test_io_tiles_leave_the_program_the_other_tiles(strategy):
     with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
         fit_report(4)
     assert info.value.capacity_bytes == 6 * 624 * 1024
-    one_for_io = fit_report(1)  # 9 tiles compute: fewer flops and bytes per cycle
+    one_for_io = fit_report(np.int64(1))  # 9 tiles compute: fewer flops and bytes per cycle
     assert one_for_io.memory_capacity_bytes == 9 * 624 * 1024
     assert one_for_io.estimated_cycles > ten.estimated_cycles
     # An impossible count raises when configuring, and the configuration stays as it was.

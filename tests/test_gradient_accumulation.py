@@ -116,13 +116,15 @@ def test_an_accumulator_function_giving_no_float_type_raises_before_training(str
     with strategy.scope():
         model = sequential()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
-    model.set_gradient_accumulation_options(4, dtype=lambda variable: "int8")
     x, y = data_for("sequential", samples=16)
     before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match=r"accumulation dtype the function gives "
-                                         r"'[a-z_0-9/]*/kernel' must be one of \['float32', "
-                                         r"'float16', 'bfloat16'\], got 'int8'"):
-        model.fit(x, y, batch_size=4, verbose=0)
+    for wrong, shown in (("int8", "'int8'"), (lambda: "float32", "<function")):
+        model.set_gradient_accumulation_options(4, dtype=lambda variable, wrong=wrong: wrong)
+        with pytest.raises(ValueError, match=r"accumulation dtype the function gives "
+                                             r"'[a-z_0-9/]*/kernel' must be one of "
+                                             r"\['float32', 'float16', 'bfloat16'\], got "
+                                             + shown):
+            model.fit(x, y, batch_size=4, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
 
 

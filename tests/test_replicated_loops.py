@@ -232,6 +232,23 @@ def test_a_replicated_program_is_kept_with_its_replicas_and_new_for_another_syst
     assert len(traces) == 5  # one IPU: no abstract trace
 
 
+def test_a_program_not_kept_learns_its_replicas_once():
+    # Closing over an array, it is traced again at each call (to see the array's value
+    # then); the shards it uses are found once, by the first call's abstract trace.
+    traces = []
+    weights = jnp.ones(3)
+
+    def scaled(x):
+        traces.append(None)
+        return x * weights + replication_ops.replication_index()
+
+    configure(2)
+    for value in (1.0, 2.0, 3.0):
+        result = ipu.ipu_strategy.IPUStrategy().run(scaled, args=(np.full(3, value, "f4"),))
+        np.testing.assert_allclose(result, np.full(3, value))  # replica 0's
+    assert len(traces) == 4  # one abstract trace, then one per call
+
+
 def test_synthetic_data_and_infeeds_made_inside_are_replicated_too(monkeypatch):
     configure(2)
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()

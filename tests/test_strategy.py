@@ -229,3 +229,28 @@ def test_run_compiles_a_function_for_the_ipu_device_and_reduce_sums_or_averages(
         second.reduce("MAX", x)
     with pytest.raises(ValueError, match="IPU:2"):
         ipu.ipu_strategy.IPUStrategy(ipu_device="/device:IPU:2").run(lambda: 1)
+
+
+_UNBUILT_GLOBAL = None  # set by the test below: a notebook's model is a global
+
+
+def test_run_refuses_an_unbuilt_model_and_runs_a_built_one_again(strategy):
+    # Its weights would be made inside the compiled program, whose next call would fail.
+    global _UNBUILT_GLOBAL
+    configure(2)
+    x = np.ones((1, 3), np.float32)
+    with strategy.scope():
+        _UNBUILT_GLOBAL = keras.Sequential([keras.layers.Dense(2)])
+        closed = keras.Sequential([keras.layers.Dense(2)])
+    calls = {"global": lambda a: _UNBUILT_GLOBAL(a), "closure": lambda a: closed(a)}
+    for kind, call in calls.items():
+        with pytest.raises(ValueError, match=r"Sequential '[a-z_0-9]+' is not built, so its "
+                                             r"weights would be created inside the compiled"):
+            strategy.run(call, args=(x,))
+        with pytest.raises(ValueError, match="is not built"):
+            strategy.run(lambda model, a: model(a), args=(
+                _UNBUILT_GLOBAL if kind == "global" else closed, x))
+    for model, call in zip((_UNBUILT_GLOBAL, closed), calls.values()):
+        expected = keras.ops.convert_to_numpy(model(x))  # now built
+        for _ in range(2):
+            np.testing.assert_allclose(strategy.run(call, args=(x,)), expected, rtol=1e-6)

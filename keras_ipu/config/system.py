@@ -116,7 +116,7 @@ def configure_ipu_system(
     # away and put it back when the flag is unchanged.
     tiles = int(config.ipu_model.tiles_per_ipu or flags.ipu_model_tiles or 0)
     ipu_hardware = hardware.hardware_for(config.ipu_model.version, tiles,
-                                         config.io_tiles.num_io_tiles)
+                                         int(config.io_tiles.num_io_tiles))
     cache_directory = executable_cache.use(flags.executable_cache_path)
     _forget_system()
     system.configure(

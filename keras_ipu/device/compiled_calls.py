@@ -181,7 +181,8 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     except TypeError:  # an unhashable fixed argument: a program for this call only
         key, program = None, None
     if program is None:
-        program = _Program(fn, outputs, treedef, fixed, ipus, shard)
+        program = _Program(fn, outputs, treedef, fixed, ipus, shard,
+                           _ShardMemo(system.require().shard_counts, (fn, ipus, shard)))
     if key is not None:
         programs[key] = program  # most recently used last
         while len(programs) > _PROGRAMS_KEPT:
@@ -322,11 +323,32 @@ class _FeedProbe:
         return jax.tree_util.tree_map(zeros, ahead[0])
 
 
+class _ShardMemo:
+    """Where the shards a function's computation uses are remembered (a bounded dict entry)."""
+
+    def __init__(self, counts: dict, key: Any):
+        self.counts, self.key = counts, key
+
+    def get(self) -> int | None:
+        try:
+            return self.counts.get(self.key)
+        except TypeError:  # an unhashable function: found again at each call
+            return None
+
+    def put(self, shards: int) -> None:
+        try:
+            self.counts[self.key] = shards
+        except TypeError:
+            return
+        while len(self.counts) > _PROGRAMS_KEPT:
+            self.counts.pop(next(iter(self.counts)))
+
+
 class _Program:
     """One compiled function: its jitted program, its replicas, the infeeds and outfeeds it uses."""
 
     def __init__(self, fn: Callable, outputs: Callable, treedef: Any, fixed: tuple,
-                 ipus: tuple, shard: int):
+                 ipus: tuple, shard: int, shards: _ShardMemo | None = None):
         self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
         self.ipus, self.shard = ipus, shard
         self.plan: list = []  # (infeed, iterations) its loops read, in order
@@ -342,8 +364,12 @@ class _Program:
         # abstract trace (the shards the computation uses).
         self.replicas: Replicas | None = None
         self.jitted: Any = None
+        self.shards = shards
+        known = shards.get() if shards is not None else None
         if len(ipus) == 1:
             self._settle(Replicas((ipus[shard],)))
+        elif known is not None:
+            self._settle(self._replicas(known))
 
     def _settle(self, replicas: Replicas) -> None:
         """Fixes the replicas and the jitted program.
@@ -439,9 +465,12 @@ class _Program:
             except _EmptyFeed:
                 complete = False
         self.plan = self.plan or probe.plan
-        replicas = self._replicas(max(shards | {self.shard}) + 1)
+        count = max(shards | {self.shard}) + 1
+        replicas = self._replicas(count)
         if complete:
             self._settle(replicas)
+            if self.shards is not None:
+                self.shards.put(count)
         return replicas
 
     def _replicas(self, shards: int) -> Replicas:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 KIB = 1024
 
@@ -139,6 +140,8 @@ def hardware_for(version: str, tiles_per_ipu: int = 0, io_tiles: int = 0) -> IPU
     hardware = HARDWARE[version]
     if tiles_per_ipu:
         hardware = dataclasses.replace(hardware, tiles=tiles_per_ipu)
+    if isinstance(io_tiles, numbers.Integral) and not isinstance(io_tiles, bool):
+        io_tiles = int(io_tiles)  # NumPy integers too, as the configuration takes them
     if not isinstance(io_tiles, int) or not 0 <= io_tiles < hardware.tiles:
         raise ValueError(
             f"io_tiles.num_io_tiles must leave tiles for the program: between 0 and "

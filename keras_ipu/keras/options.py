@@ -504,7 +504,7 @@ def accumulator_dtypes(option: AccumulatorDtype, variables: Sequence[Any]) -> tu
         return tuple(getattr(v.dtype, "name", v.dtype) for v in variables)
     if not callable(option) or isinstance(option, type):
         return (option,) * len(variables)
-    return tuple(_accumulator_dtype(option(v), f"dtype the function gives {v.path!r}")
+    return tuple(_dtype_name(option(v), f"dtype the function gives {v.path!r}")
                  for v in variables)
 
 
@@ -513,6 +513,11 @@ def _accumulator_dtype(dtype: Any, argument: str) -> AccumulatorDtype:
     a per-variable function (checked on each variable when a run is prepared)."""
     if callable(dtype) and not isinstance(dtype, type):
         return dtype
+    return _dtype_name(dtype, argument)
+
+
+def _dtype_name(dtype: Any, argument: str) -> str:
+    """The name of an accumulator dtype, one of `_ACCUMULATOR_DTYPES`."""
     try:
         name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     except TypeError:

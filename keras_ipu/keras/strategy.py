@@ -101,14 +101,17 @@ class IPUStrategy:
         Raises:
             RuntimeError: When no IPU system is configured.
             ValueError: When the configured system has no `ipu_device`, an
-                infeed runs out (nothing is taken), or the device's IPUs are
-                not a multiple of the shards `fn` uses.
+                infeed runs out (nothing is taken), the device's IPUs are
+                not a multiple of the shards `fn` uses, or `fn` is given or
+                closes over a Keras layer or model that is not built (its
+                weights cannot be made inside the compiled program).
 
         Example:
 
         >>> strategy.run(lambda x: x * 2, args=(np.ones(3),))
         Array([2., 2., 2.], dtype=float32)
         """
+        _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
         return compiled_calls.call_compiled(fn, ipus, args, kwargs)
 
@@ -151,3 +154,44 @@ class IPUStrategy:
 
 
 IPUStrategyV1 = IPUStrategy
+
+
+def _check_built(fn: Callable, args: tuple, kwargs: dict | None, depth: int = 2) -> None:
+    """Refuses an unbuilt Keras layer among `fn`'s arguments or what it closes over.
+
+    A layer builds its weights at its first call; inside a compiled program
+    they would hold the trace's placeholders, and the program's next call
+    fails. (IPU TensorFlow creates them at the first trace.)
+    """
+    import keras
+
+    seen: set = set()
+
+    def candidates(function: Any, depth: int) -> Iterator[Any]:
+        function = getattr(function, "__func__", function)
+        if depth < 0 or id(function) in seen:
+            return
+        seen.add(id(function))
+        yield getattr(function, "__self__", None)
+        found = []
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                continue
+        code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+        # Globals too: a notebook's model is one.
+        found += [names[name] for name in (code.co_names if code else ()) if name in names]
+        for value in found:
+            yield value
+            if callable(value) and not isinstance(value, (type, keras.layers.Layer)):
+                yield from candidates(value, depth - 1)
+
+    values = [*args, *(kwargs or {}).values(), *candidates(fn, depth)]
+    for value in values:
+        if isinstance(value, keras.layers.Layer) and not value.built:
+            raise ValueError(
+                f"strategy.run: {type(value).__name__} {value.name!r} is not built, so its "
+                f"weights would be created inside the compiled program. Build it first: "
+                f"call it once on data of the right shape, or call its "
+                f"`build(input_shape)`.")

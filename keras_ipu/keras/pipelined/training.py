@@ -12,7 +12,7 @@ activation gradients backward) in one `all_gather`. The switch is
 A forward op keeps what its backward op needs in a stash: the residuals of
 `jax.vjp` of the stage (its activations), without the values the backward op
 can take again itself (weights, its input, the micro-batch). With
-recomputation (`IPUConfig.allow_recompute` or a `recomputation_mode`) it
+recomputation (`IPUConfig.allow_recompute`; a `recomputation_mode` chooses how) it
 keeps only its input and the non-trainable values it ran with (a dropout's
 seed), and the backward op recomputes the stage forward from them. Stash
 rows are reused as soon as a micro-batch's backward op has run: a stage
