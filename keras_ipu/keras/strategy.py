@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
+
 from keras_ipu.device import compiled_calls
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import context, extensions
@@ -163,8 +165,6 @@ def _check_built(fn: Callable, args: tuple, kwargs: dict | None, depth: int = 2)
     they would hold the trace's placeholders, and the program's next call
     fails. (IPU TensorFlow creates them at the first trace.)
     """
-    import keras
-
     seen: set = set()
 
     def candidates(function: Any, depth: int) -> Iterator[Any]:
