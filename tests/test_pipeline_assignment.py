@@ -765,14 +765,20 @@ class Flattening(keras.Model):
         return self.out(keras.ops.relu(self.hidden(x)))
 
 
-def test_rebuild_into_another_graph_drops_the_assignment(strategy, caplog):
+def _flattening_in_stages(strategy, name: str):
+    """A `Flattening` built for 2-D inputs, its 3 layer calls set in stages 0, 1, 1."""
     with strategy.scope():
-        model = Flattening(name="flattening")
+        model = Flattening(name=name)
     model.build((None, 6))
     assignments = model.get_pipeline_stage_assignment()
     for assignment, stage in zip(assignments, [0, 1, 1]):
         assignment.pipeline_stage = stage
     model.set_pipeline_stage_assignment(assignments)
+    return model, assignments
+
+
+def test_rebuild_into_another_graph_drops_the_assignment(strategy, caplog):
+    model, _ = _flattening_in_stages(strategy, "flattening")
     with caplog.at_level(logging.WARNING, logger="keras_ipu"):
         model.build((None, 2, 3))  # a Flatten call first: 4 calls, not 3
         assignments = model.get_pipeline_stage_assignment()
@@ -809,13 +815,7 @@ def test_rebuild_into_another_graph_drops_the_assignment(strategy, caplog):
 
 
 def test_rebuild_into_the_same_graph_keeps_the_assignment(strategy, caplog):
-    with strategy.scope():
-        model = Flattening(name="same")
-    model.build((None, 6))
-    assignments = model.get_pipeline_stage_assignment()
-    for assignment, stage in zip(assignments, [0, 1, 1]):
-        assignment.pipeline_stage = stage
-    model.set_pipeline_stage_assignment(assignments)
+    model, assignments = _flattening_in_stages(strategy, "same")
     with caplog.at_level(logging.WARNING, logger="keras_ipu"):
         model.build((None, 6))  # the same build: the same graph, not traced again
         assert model.get_pipeline_stage_assignment()[1].layer is assignments[1].layer

@@ -185,15 +185,7 @@ def test_a_pipelines_accumulator_dtype_is_its_own_option(strategy):
     configure(2)
     results = {}
     for dtype in ("float32", "bfloat16"):
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
-                                      keras.layers.Dense(2)])
-        model.set_pipeline_stage_assignment([0, 1])
-        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
-                                     gradient_accumulation_dtype=dtype)
-        model.compile("sgd", "mse", steps_per_execution=4)
-        x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+        model, x = _two_stages_accumulating_in(dtype, strategy)
         model.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0)
         results[dtype] = model.get_weights()
     assert any(not np.array_equal(a, b) for a, b in zip(results["float32"], results["bfloat16"]))
@@ -205,35 +197,40 @@ def test_a_pipeline_takes_an_accumulator_dtype_per_variable_dtype(strategy):
     # An IPU accumulates each variable dtype's gradients in one vector: a function that
     # gives all of one dtype's variables the same type works; one that splits them raises
     # when the run is prepared, before any weight changes.
-    import numpy as np
 
     from conftest import assert_weights_close, configure
 
     configure(2)
-    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
     results = {}
-    for name, dtype in (("bfloat16", "bfloat16"), ("function", lambda v: "bfloat16"),
-                        ("split", lambda v: "float16" if "bias" in v.path else "float32")):
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
-                                      keras.layers.Dense(2)])
-        model.set_pipeline_stage_assignment([0, 1])
-        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
-                                     gradient_accumulation_dtype=dtype)
-        model.compile("sgd", "mse", steps_per_execution=4)
-        if name == "split":
-            before = [w.copy() for w in model.get_weights()]
-            with pytest.raises(ValueError, match=r"accumulates the gradients of all its "
-                                                 r"float32 variables in one dtype; .* gives "
-                                                 r"float32 for some and float16 for "
-                                                 r"'[a-z_0-9/]*/bias'"):
-                model.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0)
-            assert_weights_close(before, model.get_weights(), atol=0)
-            continue
+    for name, dtype in (("bfloat16", "bfloat16"), ("function", lambda v: "bfloat16")):
+        model, x = _two_stages_accumulating_in(dtype, strategy)
         model.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0)
         results[name] = model.get_weights()
     assert_weights_close(results["bfloat16"], results["function"], atol=0)
+    model, x = _two_stages_accumulating_in(
+        lambda v: "float16" if "bias" in v.path else "float32", strategy)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"accumulates the gradients of all its "
+                                         r"float32 variables in one dtype; .* gives "
+                                         r"float32 for some and float16 for "
+                                         r"'[a-z_0-9/]*/bias'"):
+        model.fit(x, x[:, :2], batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+
+
+def _two_stages_accumulating_in(dtype, strategy):
+    """A seeded 2-stage Dense pipeline (GA 4) accumulating in `dtype`, and its data."""
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(2)])
+    model.set_pipeline_stage_assignment([0, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_dtype=dtype)
+    model.compile("sgd", "mse", steps_per_execution=4)
+    return model, np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
 
 
 def test_per_stage_poplar_options_give_one_entry_per_stage(strategy):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -205,18 +205,32 @@ _QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
 _LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
 
 
-def _host_values(fn: Callable, depth: int = 4) -> tuple:
-    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
+def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
+    """What `fn` (and the functions it calls) reads from closures and globals.
 
-    Values read from objects' attributes are not seen: a kept program keeps
-    those of its trace, as `tf.function` does.
+    Bound methods give their object too; functions of the libraries in
+    `_LIBRARIES` are not walked (their globals are their own constants), nor
+    are values read from objects' attributes.
+
+    Args:
+        fn: A function.
+        depth: How many calls deep to follow the functions it reads.
+
+    Returns:
+        An iterator over the values, each function's once.
+
+    Example:
+
+    >>> scale = 2.0
+    >>> list(referenced_values(lambda x: x * scale))
+    [2.0]
     """
-    values: list = []
     seen: set = set()
 
-    def visit(function: Any, depth: int) -> None:
+    def visit(function: Any, depth: int) -> Iterator[Any]:
         if isinstance(function, functools.partial):
             function = function.func
+        owner = getattr(function, "__self__", None)
         function = getattr(function, "__func__", function)  # a bound method's function
         code = getattr(function, "__code__", None)
         library = getattr(function, "__module__", None) or ""
@@ -224,26 +238,33 @@ def _host_values(fn: Callable, depth: int = 4) -> tuple:
                 or library.partition(".")[0] in _LIBRARIES):
             return
         seen.add(id(function))
+        if owner is not None:
+            yield owner
         cells = []
         for cell in function.__closure__ or ():
             try:
                 cells.append(cell.cell_contents)
             except ValueError:  # a cell not filled yet
                 continue
-        names = _global_names(code)
         found = function.__globals__
-        for value in cells + [found[name] for name in names if name in found]:
-            if isinstance(value, _HOST_SCALARS):
-                values.append((type(value), value))
-            elif isinstance(value, _QUEUES):
-                # By identity: a queue made again (a notebook cell run again) is another
-                # program's; the kept one would take from, and fill, the old queue.
-                values.append((type(value), value))
-            elif callable(value) and not isinstance(value, type):
-                visit(value, depth - 1)
+        for value in cells + [found[name] for name in _global_names(code) if name in found]:
+            yield value
+            if callable(value) and not isinstance(value, type):
+                yield from visit(value, depth - 1)
 
-    visit(fn, depth)
-    return tuple(values)
+    return visit(fn, depth)
+
+
+def _host_values(fn: Callable, depth: int = 4) -> tuple:
+    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
+
+    Values read from objects' attributes are not seen: a kept program keeps
+    those of its trace, as `tf.function` does. Queues count by identity: a
+    queue made again (a notebook cell run again) is another program's; the
+    kept one would take from, and fill, the old queue.
+    """
+    return tuple((type(value), value) for value in referenced_values(fn, depth)
+                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)))
 
 
 def _global_names(code: Any) -> set:

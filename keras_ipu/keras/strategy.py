@@ -158,36 +158,15 @@ class IPUStrategy:
 IPUStrategyV1 = IPUStrategy
 
 
-def _check_built(fn: Callable, args: tuple, kwargs: dict | None, depth: int = 2) -> None:
-    """Refuses an unbuilt Keras layer among `fn`'s arguments or what it closes over.
+def _check_built(fn: Callable, args: tuple, kwargs: dict | None) -> None:
+    """Refuses an unbuilt Keras layer among `fn`'s arguments or what it reads (closures,
+    globals: a notebook's model is one).
 
     A layer builds its weights at its first call; inside a compiled program
     they would hold the trace's placeholders, and the program's next call
     fails. (IPU TensorFlow creates them at the first trace.)
     """
-    seen: set = set()
-
-    def candidates(function: Any, depth: int) -> Iterator[Any]:
-        function = getattr(function, "__func__", function)
-        if depth < 0 or id(function) in seen:
-            return
-        seen.add(id(function))
-        yield getattr(function, "__self__", None)
-        found = []
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                found.append(cell.cell_contents)
-            except ValueError:  # a cell not filled yet
-                continue
-        code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
-        # Globals too: a notebook's model is one.
-        found += [names[name] for name in (code.co_names if code else ()) if name in names]
-        for value in found:
-            yield value
-            if callable(value) and not isinstance(value, (type, keras.layers.Layer)):
-                yield from candidates(value, depth - 1)
-
-    values = [*args, *(kwargs or {}).values(), *candidates(fn, depth)]
+    values = [fn, *args, *(kwargs or {}).values(), *compiled_calls.referenced_values(fn)]
     for value in values:
         if isinstance(value, keras.layers.Layer) and not value.built:
             raise ValueError(
