@@ -113,7 +113,9 @@ def test_a_slow_input_pipeline_runs_ahead_of_the_device(strategy):
     ended = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda step, logs: made_at_end.append(len(data.threads)))
     model.fit(data, epochs=1, verbose=0, callbacks=[ended])
-    # The first batch is read once up front (to build the model), the rest on the thread.
-    assert set(data.threads[1:]) == {"keras_ipu-infeed"}
+    # The first batch is read up front (to build the model), then the last (to refuse a
+    # partial batch before training), the rest on the thread.
+    assert data.threads[:2] == ["MainThread"] * 2
+    assert set(data.threads[2:]) == {"keras_ipu-infeed"}
     # After execution k (batches up to 4k + 4), the thread had made more.
     assert any(made > spe * (k + 1) for k, made in enumerate(made_at_end[:-1])), made_at_end

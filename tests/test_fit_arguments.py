@@ -153,6 +153,8 @@ def test_a_shuffled_py_dataset_gives_plain_kerases_order_from_the_first_fit(stra
         data = ShuffledBatches(x, y, seen[name])
         data.shuffle = True
         histories.append(model.fit(data, epochs=2, shuffle=True, verbose=0))
+    # keras_ipu reads the last batch once more after the first (refusing a partial batch).
+    assert seen["ipu"].pop(1) == 7
     assert seen["ipu"] == seen["plain"] and len(seen["ipu"]) == 1 + 2 * 8
     assert_history_close(histories[0].history, histories[1].history)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

@@ -423,6 +423,7 @@ class AdapterFeed:
             )
         self.plan = plan_steps(adapter.num_batches, steps, steps_per_execution, epochs, replicas,
                                role)
+        self._role, self._epochs = role, epochs
         self._iterator: Iterator | None = None
         self._pending: list[Any] = []
         self._seen = 0
@@ -447,7 +448,31 @@ class AdapterFeed:
             self._begin_pass()
             self._first = self._next_batch()
             self._pending.append(self._first)
+            self._check_last_batch()
         return self._first
+
+    def _check_last_batch(self) -> None:
+        """Refuses a `PyDataset` whose last batch is partial before any execution runs.
+
+        A `PyDataset` can be read out of order, so its last batch is looked
+        at once here, when the run may read it (shuffled, or the epochs reach
+        it); a generator's partial batch is only seen when it comes (and
+        refused then, by `_check_shapes`).
+        """
+        dataset, plan = getattr(self._adapter, "py_dataset", None), self.plan
+        reads = plan.steps * plan.replicas * self._epochs
+        if dataset is None or not plan.num_batches or not (
+                getattr(self._adapter, "shuffle", False) or reads >= plan.num_batches):
+            return
+        count = plan.num_batches
+        size, last_size = _batch_size(self._first), _batch_size(dataset[count - 1])
+        if last_size is not None and last_size != size:
+            raise ValueError(
+                f"{ROLES[self._role].subject} has a partial batch: its last batch (index "
+                f"{count - 1}) has {last_size} samples, its first {size}. Executing on IPU "
+                f"requires all batches to have the same fully defined shapes: drop or pad "
+                f"the remainder in the PyDataset's `__getitem__`."
+            )
 
     def executions(self) -> Iterator[Execution]:
         """One epoch's executions; stops early, with a warning, if data runs out."""
@@ -532,7 +557,7 @@ class AdapterFeed:
             self._shapes = shapes
         elif shapes != self._shapes:
             raise ValueError(
-                f"The provided set of data contains a batch with shapes {shapes}, "
+                f"{ROLES[self._role].subject} contains a batch with shapes {shapes}, "
                 f"but the first batch had shapes {self._shapes}. Executing on IPU "
                 f"requires all batches to have the same fully defined shapes (no "
                 f"partial batches): drop or pad the remainder."
@@ -574,6 +599,12 @@ def _has_partial_batch(adapter: Any) -> bool:
         return bool(adapter.has_partial_batch)
     except NotImplementedError:  # unknown until the data is seen
         return False
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading dimension of a batch's first array (`None` for a batch of scalars)."""
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)]
+    return np.shape(leaves[0])[0] if leaves else None
 
 
 def _stack(batches: list[Any]) -> Any:
