@@ -265,3 +265,28 @@ def test_synthetic_data_and_infeeds_made_inside_are_replicated_too(monkeypatch):
     _compiled(lambda: ipu.loops.repeat(2, lambda t, x: (t + x, outfeed.enqueue(x)),
                                        [jnp.zeros(2)], infeed))
     assert outfeed.dequeue().shape == (0, 2, 2)  # nothing returns, the structure does
+
+
+@pytest.mark.parametrize("ipus, shards", [(1, 1), (2, 1), (2, 2)])
+def test_an_infeed_the_function_makes_over_a_generator_loses_no_element(ipus, shards):
+    # The queue is new in every trace; no trace may look at its generator's elements
+    # without the next one getting them (each call took 3 elements too many before).
+    configure(ipus)
+    source = (np.float32(i) for i in range(100))
+
+    def computation():
+        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(source)
+
+        def body(total, x):
+            with ipu.scopes.ipu_shard(shards - 1):
+                return total + x
+
+        return ipu.loops.repeat(3, body, [np.float32(0)], infeed)
+
+    replicas = ipus // shards
+    for call in range(2):
+        [total] = _compiled(computation)
+        # Replica 0 takes element k × R of the call's 3 × R.
+        first = call * 3 * replicas
+        assert float(total) == sum(first + k * replicas for k in range(3)), (call, replicas)
+    assert next(source) == 6 * replicas  # the calls took exactly their elements

@@ -304,6 +304,10 @@ class _MissingFeed(Exception):
         self.plan = plan
 
 
+class _MadeInTrace(Exception):
+    """A loop being traced reads an infeed its function made: the program is of one trace."""
+
+
 class _FeedInputs:
     """The infeed data of a program being traced: its inputs, in the order its loops read them."""
 
@@ -311,6 +315,8 @@ class _FeedInputs:
         self.plan, self.data, self.read = plan, data, 0
 
     def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        if queues.made_in_this_trace(queue):
+            raise _MadeInTrace()
         index = self.read
         if index < len(self.plan) and self.plan[index] == (queue, count):
             self.read += 1
@@ -330,9 +336,13 @@ class _FeedProbe:
 
     def __init__(self):
         self.plan: list = []
+        self.made_infeed = False  # a loop reads an infeed the function makes
 
     def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
-        self.plan.append((queue, count))
+        if queues.made_in_this_trace(queue):  # new in each trace: not part of the plan
+            self.made_infeed = True
+        else:
+            self.plan.append((queue, count))
         ahead = queue.peek(1)
         if not ahead:
             raise _EmptyFeed()
@@ -374,6 +384,7 @@ class _Program:
         self.ipus, self.shard = ipus, shard
         self.plan: list = []  # (infeed, iterations) its loops read, in order
         self.outfeeds: list = []  # the queues its outfed values go to, in order
+        self.unread: list = []  # elements its traces' own infeeds looked at, not took
         self.executables: dict = {}  # per plan and input shapes
         # Whether another call may run it: not when its trace captured arrays (a closure
         # over weights or a Keras variable), whose values of that trace it would keep.
@@ -416,7 +427,8 @@ class _Program:
         outfed_token = _OUTFED.set([])
         feeds_token = _FEEDS.set(feeds)
         try:
-            result = self.outputs(self.fn(*args, **kwargs))
+            with queues.recording_made_infeeds(self.unread):
+                result = self.outputs(self.fn(*args, **kwargs))
             outfed = _OUTFED.get()
         finally:
             _FEEDS.reset(feeds_token)
@@ -447,12 +459,17 @@ class _Program:
             return self._run_once(arrays, Replicas((self.ipus[self.shard],)))
         replicas = self.replicas or self._probe(arrays)
         arrays = _placed(arrays, replicas, P())
+        if not self.feeds_as_inputs:  # its loops read an infeed it makes
+            return self._run_once(arrays, replicas)
         while True:
             taken = _take_all(self.plan, replicas.count)
             try:
                 feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
                 result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
+            except _MadeInTrace:
+                _put_back(self.plan, taken)
+                return self._run_once(arrays, replicas)
             except _MissingFeed as missing:
                 _put_back(self.plan, taken)
                 if len(missing.plan) <= len(self.plan):  # an infeed made in each trace
@@ -469,7 +486,9 @@ class _Program:
 
         When a loop reads an empty infeed the trace stops there: the replicas
         then count the shards seen so far and are not kept (the run fails
-        taking that infeed's elements, and the next call traces again).
+        taking that infeed's elements, and the next call traces again). An
+        infeed the function makes itself is new in each trace, so the program
+        is then traced for each call.
         """
         probe = _FeedProbe()
         complete = True
@@ -485,6 +504,8 @@ class _Program:
                 jax.eval_shape(traced, arrays)
             except _EmptyFeed:
                 complete = False
+        if probe.made_infeed:
+            self.feeds_as_inputs = False
         self.plan = self.plan or probe.plan
         count = max(shards | {self.shard}) + 1
         replicas = self._replicas(count)

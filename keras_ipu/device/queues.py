@@ -94,6 +94,71 @@ class Enqueues:
 
 # Trace-time context, not global state: the enqueues of the loop body being traced.
 _ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
+# Trace-time context: the infeed queues made while a compiled function is traced.
+_MADE_INFEEDS: contextvars.ContextVar = contextvars.ContextVar("made_infeeds", default=None)
+
+
+class _MadeInfeeds:
+    """The infeed queues made in one trace, and what earlier traces' queues looked at."""
+
+    def __init__(self, unread: list):
+        self.made: list = []
+        self.unread = unread  # [source, elements]: looked at, not taken, by a queue gone
+
+
+@contextlib.contextmanager
+def recording_made_infeeds(unread: list) -> Iterator[list]:
+    """Records the infeed queues made inside the block (a function being traced).
+
+    A queue a function makes for itself is new in every trace. What one
+    trace's queue looked at from a one-shot source (an iterator, such as a
+    generator) and did not take is kept in `unread`, and the next queue
+    made over that source starts with it: no element is lost between traces.
+
+    Args:
+        unread: Where the elements looked at and not taken wait, from one
+            block to the next (the compiled program's list).
+
+    Example:
+
+    >>> with recording_made_infeeds(program_unread) as made:
+    ...     fn()
+    >>> infeed in made
+    """
+    record = _MadeInfeeds(unread)
+    token = _MADE_INFEEDS.set(record)
+    try:
+        yield record.made
+    finally:
+        _MADE_INFEEDS.reset(token)
+        for queue in record.made:
+            if queue._ahead and queue._elements is queue._dataset:
+                unread.append([queue._dataset, list(queue._ahead)])
+
+
+def made_in_this_trace(queue: IPUInfeedQueue) -> bool:
+    """Whether `queue` was made inside the innermost `recording_made_infeeds` block.
+
+    Example:
+
+    >>> made_in_this_trace(infeed)
+    False
+    """
+    record = _MADE_INFEEDS.get()
+    return record is not None and any(queue is other for other in record.made)
+
+
+def _register_made(queue: IPUInfeedQueue) -> None:
+    """Adds a queue made in a trace to its record, with its source's unread elements."""
+    record = _MADE_INFEEDS.get()
+    if record is None:
+        return
+    record.made.append(queue)
+    for entry in record.unread:
+        if entry[0] is queue._dataset:
+            record.unread.remove(entry)
+            queue._ahead.extend(entry[1])
+            return
 
 
 @contextlib.contextmanager
@@ -201,6 +266,7 @@ class IPUInfeedQueue:
                             f"{type(dataset).__name__}.") from None
         self._ahead: collections.deque = collections.deque()  # peeked, not yet taken
         self._dequeued = False
+        _register_made(self)
 
     @property
     def dataset(self) -> Any:
