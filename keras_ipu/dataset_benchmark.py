@@ -57,6 +57,7 @@ def dataset_benchmark(dataset: Any, number_of_epochs: int, elements_per_epochs: 
     Example:
 
     >>> dataset_benchmark([np.ones((32, 8))] * 10, 2, 10, print_stats=False)
+    '{"epochs": [{"elements_processed": 10, "total_bytes_processed": 20480, ...}]}'
     """
     for name, value in (("number_of_epochs", number_of_epochs),
                         ("elements_per_epochs", elements_per_epochs)):

@@ -359,8 +359,8 @@ def strip_comments(text: str) -> str:
 
     Example:
 
-    >>> strip_comments('{"url": "http://x", // where\n "n": 1}')
-    '{"url": "http://x", \n "n": 1}'
+    >>> strip_comments('{"url": "http://x", // where\\n "n": 1}')
+    '{"url": "http://x", \\n "n": 1}'
     """
     kept, in_string, index = [], False, 0
     while index < len(text):
