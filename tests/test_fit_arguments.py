@@ -233,3 +233,18 @@ def test_array_likes_keras_slices_take_the_batch_size(strategy):
     np.testing.assert_allclose(
         *_both(plain, on_ipu, lambda model: model.predict(_ArrayLike(x[:40]), batch_size=BATCH,
                                                            verbose=0)), rtol=1e-6, atol=1e-6)
+
+
+def test_an_unknown_keyword_raises_as_in_keras(strategy):
+    plain, on_ipu = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=16)
+    calls = {"fit": lambda m: m.fit(x, y, batch_size=BATCH, verbose=0, bad=1),
+             "evaluate": lambda m: m.evaluate(x, y, batch_size=BATCH, verbose=0, bad=1),
+             "predict": lambda m: m.predict(x, batch_size=BATCH, verbose=0, bad=1)}
+    for name, call in calls.items():
+        errors = []
+        for model in (plain, on_ipu):
+            with pytest.raises((TypeError, ValueError)) as raised:
+                call(model)
+            errors.append((type(raised.value), str(raised.value)))
+        assert errors[1] == errors[0], name

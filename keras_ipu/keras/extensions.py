@@ -614,6 +614,8 @@ def _route_trainer_methods() -> None:
         if name not in _original_trainer_methods:
             original = JAXTrainer.__dict__[name]
             _original_trainer_methods[name] = original
+            # A wrong keyword's TypeError names the method called, as in Keras.
+            on_ipus.__qualname__ = original.__qualname__
             setattr(JAXTrainer, name, _routed(original, on_ipus))
 
 
