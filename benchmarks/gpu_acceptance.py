@@ -13,13 +13,11 @@ process with its own time limit, and each writes its JSON into `--out` as soon a
 whatever finished comes back even if a later step runs out of time. Steps (budgets in seconds):
 
     single       bench_single_ipu.py: keras_ipu against the hand-written limit at S = 1, 10
-                 and 100 (150)
-    ga           bench_ga_replication.py: gradient accumulation 8 against its limit (110)
+                 and 100, five rounds (200)
+    ga           bench_ga_replication.py: gradient accumulation 8 against its limit, five
+                 rounds (150)
     table        bench_accelerator.py on 4 x Dense(4096) and ResNet50: warm throughput and the
                  first fit against plain Keras (240)
-    ga_long      the GA run with fits of 64 executions instead of 16 (120)
-    table_foreground
-                 ResNet50 warm with --background_loop_compile=false (150)
 
 Then the verdicts against the thresholds below are printed and written to
 `DIR/acceptance.json`. The script exits 0 whatever they say; with `--check` it exits 1 when a
@@ -55,22 +53,16 @@ class Step:
 
 
 STEPS = (
-    Step("single", "bench_single_ipu.py", ("--repeats", "3", "--skip", "compile,compute"),
-         ("--quick", "--skip", "compile,compute"), 150, "--output"),
-    Step("ga", "bench_ga_replication.py", ("--repeats", "3", "--timeline"), ("--quick",), 110,
+    # Five rounds where three were: on the H200 of 2026-11-26 the S = 1 rounds spread by more
+    # than the target's margin (BENCHMARKS.md). The two questions that session added (GA with
+    # longer fits, ResNet50's loop compiled in the foreground) are answered and left out.
+    Step("single", "bench_single_ipu.py", ("--repeats", "5", "--skip", "compile,compute"),
+         ("--quick", "--skip", "compile,compute"), 200, "--output"),
+    Step("ga", "bench_ga_replication.py", ("--repeats", "5", "--timeline"), ("--quick",), 150,
          "--output"),
     Step("table", "bench_accelerator.py",
          ("--models", "dense4096,resnet50", "--rounds", "3", "--first-rounds", "2"),
          ("--quick", "--models", "dense64"), 240, "--json"),
-    # What is known less well (BENCHMARKS.md, 2026-11-26): GA with fits 4x as long, so that
-    # a fit's fixed costs weigh less; ResNet50 warm with the loop compiled in the foreground.
-    Step("ga_long", "bench_ga_replication.py",
-         ("--repeats", "3", "--executions", "64", "--timeline"),
-         ("--quick",), 120, "--output"),
-    Step("table_foreground", "bench_accelerator.py",
-         ("--models", "resnet50", "--rounds", "3", "--first-rounds", "0"),
-         ("--quick", "--models", "dense64"), 150, "--json",
-         keras_ipu_flags="--background_loop_compile=false"),
 )
 
 
@@ -102,10 +94,6 @@ FIGURES = (
     Figure("ResNet50 first fit, keras_ipu / plain", "table",
            lambda r: _case(r, "resnet50")["first_ratio"], 1.1, False),
     Figure("ResNet50 warm, keras_ipu / plain", "table",
-           lambda r: _case(r, "resnet50")["warm_ratio"], 1.0, True),
-    Figure("GA 8 / its limit, 64 executions per fit", "ga_long",
-           lambda r: r["ratios"]["ipu_ga8 / limit_ga8"], 0.9, True),
-    Figure("ResNet50 warm, loop compiled in the foreground", "table_foreground",
            lambda r: _case(r, "resnet50")["warm_ratio"], 1.0, True),
 )
 

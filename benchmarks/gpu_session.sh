@@ -5,7 +5,7 @@
 # Here, once (it needs PyPI), from the repository root:
 #     bash benchmarks/gpu_session.sh wheels        # keras, namex, optree wheels into .whl/
 # There, one part per call, carrying .whl (logs and JSON results land in $OUT):
-#     bash benchmarks/gpu_session.sh acceptance    # the open GPU figures, ~9 minutes:
+#     bash benchmarks/gpu_session.sh acceptance    # the open GPU figures, ~8 minutes:
 #                                                  # the one call a 15-minute lease allows
 #                                                  # (after profile_fit_setup.py, 20 s)
 #     bash benchmarks/gpu_session.sh throughput    # single IPU vs limit, GA 8, resident cut

@@ -19,7 +19,7 @@ def _acceptance():
     return module
 
 
-def _results(s1, s10, s100, ga8, dense, first, ga8_long=0.95, foreground=1.8):
+def _results(s1, s10, s100, ga8, dense, first):
     """The benchmarks' JSON, in the shapes they write (keys this script reads)."""
     small = {str(s): {"ratio_ipu_limit": r} for s, r in ((1, s1), (10, s10), (100, s100))}
     return {
@@ -27,13 +27,11 @@ def _results(s1, s10, s100, ga8, dense, first, ga8_long=0.95, foreground=1.8):
         "ga": {"ratios": {"ipu_ga8 / limit_ga8": ga8}},
         "table": {"cases": {"dense4096/single": {"warm_ratio": dense},
                             "resnet50/single": {"warm_ratio": 1.9, "first_ratio": first}}},
-        "ga_long": {"ratios": {"ipu_ga8 / limit_ga8": ga8_long}},
-        "table_foreground": {"cases": {"resnet50/single": {"warm_ratio": foreground}}},
     }
 
 
 def test_each_figure_is_judged_against_its_threshold():
-    rows = _acceptance().verdicts(_results(0.62, 0.79, 0.93, 0.9, 1.06, 1.28, ga8_long=0.85))
+    rows = _acceptance().verdicts(_results(0.62, 0.79, 0.93, 0.9, 1.06, 1.28))
     assert [(r["figure"], r["verdict"]) for r in rows] == [
         ("keras_ipu / limit, S = 1", "PASS"),
         ("keras_ipu / limit, S = 10", "MISS"),
@@ -42,8 +40,6 @@ def test_each_figure_is_judged_against_its_threshold():
         ("4 x Dense(4096) warm, keras_ipu / plain", "PASS"),
         ("ResNet50 first fit, keras_ipu / plain", "MISS"),  # a time: at most 1.1
         ("ResNet50 warm, keras_ipu / plain", "PASS"),
-        ("GA 8 / its limit, 64 executions per fit", "MISS"),
-        ("ResNet50 warm, loop compiled in the foreground", "PASS"),
     ]
 
 
@@ -53,7 +49,7 @@ def test_a_step_that_did_not_finish_is_not_measured(tmp_path):
     for name in ("single", "ga"):  # the table step ran out of time
         (tmp_path / f"{name}.json").write_text(json.dumps(results[name]))
     rows = acceptance.summarize(str(tmp_path))
-    assert [r["verdict"] for r in rows] == ["PASS"] * 4 + ["NOT MEASURED"] * 5
+    assert [r["verdict"] for r in rows] == ["PASS"] * 4 + ["NOT MEASURED"] * 3
     written = json.loads((tmp_path / "acceptance.json").read_text())
     assert written["figures"] == rows
     assert acceptance.main(["--summarize", str(tmp_path), "--check"]) == 1
