@@ -181,3 +181,30 @@ def _dense_model() -> keras.Model:
 def test_a_dense_pipeline_keeps_its_schedule_on_the_device(strategy, monkeypatch):
     report = _train_pipelined(strategy, "auto", monkeypatch, build=_dense_model)[3]
     assert report.loop == "schedule" and "no per-op dispatch" in report.loop_reason
+
+
+def test_an_ordered_debug_callback_in_a_model_runs_in_step_order(strategy):
+    # `jax.debug.print(..., ordered=True)` carries an effect token out of the program,
+    # which the memory check once read as an output (an AssertionError in JAX).
+    seen = {"plain": [], "ipu": []}
+    x = np.repeat(np.arange(8, dtype="float32"), 4)[:, None] * np.ones((1, 3), "float32")
+    y = np.zeros((32, 1), "float32")
+    for name in seen:
+        def tap(inputs, record=seen[name]):
+            jax.debug.callback(lambda v: record.append(int(v[0])), inputs[:, 0], ordered=True)
+            return inputs
+
+        def build():
+            return keras.Sequential([keras.Input((3,)), keras.layers.Lambda(tap),
+                                     keras.layers.Dense(1)])
+
+        if name == "ipu":
+            with strategy.scope():
+                model = build()
+        else:
+            model = build()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        model.predict(x, batch_size=4, verbose=0)
+        jax.effects_barrier()
+    assert seen["ipu"] == seen["plain"] == list(range(8)) * 2

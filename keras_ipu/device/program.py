@@ -515,7 +515,7 @@ class ExecutionProgram:
         count = self.replicas.count
         compiled_steps = _leading(compiled_batches) * self.micro_batches_per_step
         # Per IPU: its replica's share of the state, and one batch in and out.
-        execution_io = accounting.tree_bytes((compiled_batches, compiled.out_info[1]))
+        execution_io = accounting.tree_bytes((compiled_batches, lowered.out_info[1]))
         # IPUs that share a device run batched in its program: each gets its share.
         sharing = self.replicas.ipus_per_device
         memory = accounting.memory_use(
