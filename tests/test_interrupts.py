@@ -133,3 +133,19 @@ def test_an_interrupt_in_an_asynchronous_hook_keeps_the_executions_whose_hooks_a
     assert_weights_close(expected_model.get_weights(), model.get_weights(), atol=1e-6)
     assert int(model.optimizer.iterations.numpy()) == int(
         expected_model.optimizer.iterations.numpy())
+
+
+def test_a_ctrl_c_while_the_epochs_logs_are_fetched_is_not_swallowed():
+    # Keras' log conversion wraps each value's fetch in a bare `except`: a Ctrl-C that
+    # arrived while it waited for the device was dropped, and `fit` trained on. The
+    # value stands for a device array whose host copy is being waited for.
+    from keras_ipu.keras import trainer
+
+    class Waited:
+        def __array__(self, dtype=None, copy=None):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer._python_logs({"loss": Waited()})
+    assert trainer._python_logs({"loss": np.float32(1.5), "val": {"acc": 2}}) == {
+        "loss": 1.5, "acc": 2.0}

@@ -505,10 +505,16 @@ def _epoch_logs(model, run: Run, logs) -> dict:
     # --use_synthetic_data: nothing comes back to the host, the metrics' state neither.
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     if run.replica_count == 1 and not run.accumulated_logs and not synthetic:
-        return dict(pythonify_logs(model._get_metrics_result_or_logs(logs)))
+        return _python_logs(model._get_metrics_result_or_logs(logs))
     # Keras' metric variables hold one replica's state, and a pipeline that
     # accumulates its outfeed reports its passes' means: the last logs are the epoch's.
-    return dict(pythonify_logs(logs))
+    return _python_logs(logs)
+
+
+def _python_logs(logs) -> dict:
+    # Fetched before Keras' conversion, whose bare `except` would swallow a Ctrl-C
+    # that arrives while the fetch waits for the device's last executions.
+    return dict(pythonify_logs(jax.device_get(logs)))
 
 
 def _keep_state(model, state, codec) -> None:
