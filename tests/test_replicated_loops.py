@@ -290,3 +290,23 @@ def test_an_infeed_the_function_makes_over_a_generator_loses_no_element(ipus, sh
         first = call * 3 * replicas
         assert float(total) == sum(first + k * replicas for k in range(3)), (call, replicas)
     assert next(source) == 6 * replicas  # the calls took exactly their elements
+
+
+def test_an_outfeed_keeps_the_values_of_runs_of_another_replication_for_the_next_dequeue():
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def computation():
+        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full(2, i, np.float32)
+                                                      for i in range(20)])
+        return ipu.loops.repeat(3, lambda x: outfeed.enqueue(x), [], infeed)
+
+    configure(1)
+    _compiled(computation)  # not dequeued before the system changes
+    configure(2)
+    _compiled(computation)
+    with pytest.warns(UserWarning, match=r"float32\[2\] per iteration, then float32\[2, 2\]"):
+        first = outfeed.dequeue()
+    np.testing.assert_array_equal(first, np.repeat(np.arange(3.0), 2).reshape(3, 2))
+    second = outfeed.dequeue()  # before, a NumPy error, and both runs' values were gone
+    np.testing.assert_array_equal(second, np.arange(6.0).repeat(2).reshape(3, 2, 2))
+    assert outfeed.dequeue() == []

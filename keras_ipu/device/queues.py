@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import enum
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -517,7 +518,9 @@ class IPUOutfeedQueue:
             ...]` with `ALL`, `[replicas, ...]` with `LAST`.
 
         With `--use_synthetic_data` nothing returns to the host: `ALL` gives
-        empty arrays of the enqueued structure, `LAST` raises.
+        empty arrays of the enqueued structure, `LAST` raises. Runs whose
+        values do not stack with the first's (another replication, another
+        structure) are left for the next `dequeue`, with a warning.
 
         Raises:
             ValueError: With `LAST` when nothing was enqueued (or returned).
@@ -536,7 +539,32 @@ class IPUOutfeedQueue:
             return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
         if not received:
             return []
+        stacking = _runs_that_stack(received)
+        if stacking < len(received):
+            # Nothing is lost: the values of another shape wait for the next dequeue.
+            self._received = received[stacking:]
+            warnings.warn(
+                f"The outfeed holds values of {len(received) - stacking} more run(s) whose "
+                f"shapes differ from those before them ({_shapes(received[0])} per "
+                f"iteration, then {_shapes(received[stacking])}: a program of another "
+                f"replication, or another enqueued structure). This dequeue returns the "
+                f"first {stacking} run(s)' values; the next dequeue() returns the rest.",
+                stacklevel=2)
+            received = received[:stacking]
         return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
+
+
+def _shapes(values: Any) -> Any:
+    """A run's values as their structure, with each array's shape after the iterations."""
+    return jax.tree_util.tree_map(lambda a: f"{np.dtype(a.dtype).name}{list(np.shape(a)[1:])}",
+                                  values)
+
+
+def _runs_that_stack(received: list) -> int:
+    """How many runs' values, from the first, stack on the iteration axis with the first's."""
+    first = _shapes(received[0])
+    return next((k for k, values in enumerate(received) if _shapes(values) != first),
+                len(received))
 
 
 def _outfeed_mode(mode: Any) -> IPUOutfeedMode:
