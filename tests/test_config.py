@@ -567,6 +567,17 @@ def test_from_dict_on_a_config_updates_it_and_takes_the_references_flat_form():
         config.from_dict({"auto_select_ipus.x": 1})  # an option is not a category
 
 
+def test_the_json_round_trip_holds_for_tuples_and_numpy_numbers():
+    import numpy as np
+
+    config = IPUConfig()
+    config.auto_select_ipus = (1, 2)  # the reference's Union[int, List[int], Tuple[int, ...]]
+    config.ipu_model.tiles_per_ipu = np.int64(8)
+    back = IPUConfig.from_json(config.to_json())  # np.int64 failed to_json
+    assert back == config and back.ipu_model == config.ipu_model  # the tuple was unequal
+    assert back.auto_select_ipus == [1, 2] and config.auto_select_ipus == (1, 2)
+
+
 @pytest.mark.parametrize(
     "data, error, match",
     [

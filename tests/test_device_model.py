@@ -232,3 +232,22 @@ def test_a_replicated_pipeline_counts_its_largest_stages_gradient_sum():
     expected = updates * _all_reduce(stage_0, 2)  # stage 0 holds the most
     assert replicated.replicas == 2
     assert replicated.ipus[0].estimated_cycles - one == pytest.approx(expected, abs=2)
+
+
+def test_the_report_stays_the_last_run_programs_after_an_out_of_memory_error(strategy):
+    # A program that did not fit is not the model's last: before, the report said
+    # "no compiled 'fit' program yet" after an out-of-memory error on a smaller system.
+    configure(1)
+    with strategy.scope():
+        model = _wide_model()
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, verbose=0)
+    ran = ipu.utils.execution_report(model, "fit").ipus[0].memory_bytes
+    configure(1, tiles_per_ipu=2)
+    for _ in range(2):  # the stale program is not run on the small system either
+        with pytest.raises(ipu.errors.IPUOutOfMemoryError):
+            model.fit(x, y, batch_size=16, verbose=0)
+        assert ipu.utils.execution_report(model, "fit").ipus[0].memory_bytes == ran
+    with pytest.raises(TypeError, match="takes a Keras model, got NoneType"):
+        ipu.utils.execution_report(None)

@@ -509,8 +509,21 @@ def _category_assignment(config: Config, node: Category, path: str) -> Attribute
     )
 
 
+def _json_types(value: Any) -> Any:
+    """A value as JSON holds it: tuples as lists, NumPy numbers as Python's (so that
+    a config equals its JSON round trip)."""
+    if isinstance(value, (list, tuple)):
+        return [_json_types(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_types(v) for k, v in value.items()}
+    item = getattr(value, "item", None)
+    if isinstance(value, numbers.Number) and type(value) not in (int, float) and callable(item):
+        return item()  # a NumPy number
+    return copy.deepcopy(value)
+
+
 def _plain(value: Any) -> Any:
-    return value.name if isinstance(value, enum.Enum) else copy.deepcopy(value)
+    return value.name if isinstance(value, enum.Enum) else _json_types(value)
 
 
 def _shown(value: Any) -> str:
@@ -706,7 +719,8 @@ class CategoryView(_Scope):
         return (
             type(self._config) is type(other._config)
             and self._path == other._path
-            and dict(self._options_below()) == dict(other._options_below())
+            and _json_types(dict(self._options_below())) == _json_types(
+                dict(other._options_below()))
         )
 
     __hash__ = None
@@ -875,7 +889,8 @@ class Config(_Scope):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):
             return NotImplemented
-        return type(self) is type(other) and self._values == other._values
+        return type(self) is type(other) and _json_types(self._values) == _json_types(
+            other._values)
 
     __hash__ = None
 

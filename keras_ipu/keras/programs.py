@@ -20,6 +20,7 @@ from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import batch_norm_groups, feed_options, pipelined, steps
+from keras_ipu.keras import run as run_module
 from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
 from keras_ipu.keras.replication import Layout, ReplicaCodec
 from keras_ipu.keras.run import Run, cached_run
@@ -56,6 +57,7 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
         key, build = _replicated_program(model, mode, placement.replicas, options, hardware)
     # Which variables are trainable is part of the program: setting a layer's
     # `trainable` after compile() gives another one, as Keras' jit retraces.
+    previous = run_module.entry(model, mode)
     run = cached_run(model, mode, (key, _state_structure(model, parts)), build)
     spe = feed.plan.steps_per_execution
     host_shape = (spe, run.replica_count) if run.replica_count > 1 else (spe,)
@@ -64,8 +66,14 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     )
     batches = run.codec.batch_spec(run.layout.to_program(batches))
     # The state is gathered only when the program compiles for these batches.
-    run.program.prepare(lambda: run.codec.spec(model._get_jax_state(
-        **dict.fromkeys(parts, True), purge_model_variables=False)), batches)
+    try:
+        run.program.prepare(lambda: run.codec.spec(model._get_jax_state(
+            **dict.fromkeys(parts, True), purge_model_variables=False)), batches)
+    except BaseException:
+        # A program that did not compile (out of memory, say) is not the model's last:
+        # its report stays the one of the program that last ran.
+        run_module.restore_entry(model, mode, previous)
+        raise
     return run
 
 

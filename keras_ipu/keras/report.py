@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import keras
+
 from keras_ipu.device.report import ExecutionReport
 from keras_ipu.keras import run
 
@@ -19,6 +21,7 @@ def execution_report(model, mode: str = "fit") -> ExecutionReport:
         `.to_dict()` gives plain data and `str()` a table.
 
     Raises:
+        TypeError: When `model` is not a Keras model.
         ValueError: For an unknown mode, or a mode the model has not
             compiled yet.
 
@@ -27,6 +30,8 @@ def execution_report(model, mode: str = "fit") -> ExecutionReport:
     >>> model.fit(x, y, batch_size=32)
     >>> print(keras_ipu.utils.execution_report(model, mode="fit"))
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"execution_report takes a Keras model, got {type(model).__name__}.")
     if mode not in run.MODES:
         raise ValueError(f"Unknown mode {mode!r}; valid modes are {list(run.MODES)}.")
     program = run.program_for(model, mode)

@@ -104,6 +104,30 @@ def cached_run(model: Any, mode: str, key: Any, build: Callable[[], Run]) -> Run
     return run
 
 
+def entry(model: Any, mode: str) -> tuple | None:
+    """The model's cached `(key, run)` for a mode, or `None`, to restore with `restore_entry`.
+
+    Example:
+
+    >>> previous = entry(model, "fit")
+    """
+    return context.state_of(model).programs.get(mode)
+
+
+def restore_entry(model: Any, mode: str, previous: tuple | None) -> None:
+    """Puts back what `entry` returned: the run a failed compilation replaced.
+
+    Example:
+
+    >>> restore_entry(model, "fit", previous)
+    """
+    programs = context.state_of(model).programs
+    if previous is None:
+        programs.pop(mode, None)
+    else:
+        programs[mode] = previous
+
+
 def run_for(model: Any, mode: str) -> Run | None:
     """The model's last compiled run for a mode, or `None`.
 
