@@ -120,6 +120,12 @@ def test_concurrent_clients_get_their_own_rows(served):
      'Serving signature name: "other" not found'),
     (b'{"inputs": {"a": [[1, 2, 3, 4]]}}', 400, "missing ['b']"),
     (b"[" * 20_000_000, 413, "larger than"),
+    # Before, these two were 500s with a plain-text body (json.loads' ValueError and
+    # RecursionError were not caught).
+    (b'{"inputs": {"a": [[' + b"9" * 5000 + b', 1, 2, 3]], "b": [[1, 2]]}}', 400,
+     "JSON Parse error: Exceeds the limit (4300 digits) for integer string conversion"),
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "JSON Parse error: the JSON is nested too deeply"),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
     model, url, _ = served

@@ -206,10 +206,7 @@ def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.nd
     Raises:
         RequestError: Malformed JSON, missing keys, wrong shapes or dtypes.
     """
-    try:
-        request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"JSON Parse error: {error}") from None
+    request = _json_body(body)
     if not isinstance(request, dict) or ("instances" in request) == ("inputs" in request):
         raise RequestError("Missing 'inputs' or 'instances' keys (exactly one of them).")
     signature = request.get("signature_name", SIGNATURE_NAME)
@@ -233,6 +230,26 @@ def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.nd
     if len(names) > 1 and not isinstance(inputs, dict):
         raise RequestError(f"'inputs' must be an object with the inputs {names}.")
     return _arrays(columns, runtime), False
+
+
+def _json_body(body: bytes) -> Any:
+    """The request's JSON value.
+
+    Raises:
+        RequestError: For whatever `json.loads` refuses: malformed text and
+            bad UTF-8, but also an integer of more digits than Python converts
+            (a `ValueError`) and nesting deeper than the interpreter's stack
+            (a `RecursionError`); both are the client's error, not the server's.
+    """
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise RequestError("JSON Parse error: the JSON is nested too deeply to parse.") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+        # Python's advice for an over-long integer (sys.set_int_max_str_digits) is the
+        # server's business, not the client's.
+        reason = str(error).partition("; use sys.set_int_max_str_digits")[0]
+        raise RequestError(f"JSON Parse error: {reason}") from None
 
 
 def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.ndarray]:
