@@ -323,3 +323,35 @@ def test_json_inputs_cast_by_the_runtimes_same_kind_rule(tmp_path):
                           (b'{"inputs": [[1, 4294967296], [3, 4]]}', "are outside int32's")):
         with pytest.raises(RequestError, match=f"Input 'tokens' is not int32 data: .*{message}"):
             parse_predict(body, runtime)
+
+
+@pytest.fixture(scope="module")
+def pixels(tmp_path_factory):
+    """The runtime of an export with a uint8 input `img` (rows of 2) and a scalar-row `gain`."""
+    from keras_ipu.serving import load
+
+    configure(1)
+    directory = tmp_path_factory.mktemp("pixels") / "e"
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        img, gain = keras.Input((2,), dtype="uint8", name="img"), keras.Input((), name="gain")
+        scaled = keras.layers.Rescaling(1 / 255)(img) * keras.ops.expand_dims(gain, -1)
+        model = keras.Model([img, gain], scaled)
+    model.export_for_ipu_serving(directory, batch_size=2)
+    return load(str(directory))
+
+
+def test_json_integers_are_unsigned_data_when_in_range(pixels):
+    from keras_ipu.serving.server import RequestError, parse_predict
+
+    # Before, every JSON integer was refused for uint8: "int64, which does not cast to uint8".
+    for body in (b'{"instances": [{"img": [0, 255], "gain": 1}, {"img": [3, 4], "gain": 2}]}',
+                 b'{"inputs": {"img": [[0, 255], [3, 4]], "gain": [1, 2]}}'):
+        rows, _ = parse_predict(body, pixels)
+        assert rows["img"].dtype == np.uint8
+        np.testing.assert_array_equal(rows["img"], [[0, 255], [3, 4]])
+        np.testing.assert_allclose(pixels(**rows), [[0, 1], [6 / 255, 8 / 255]], atol=1e-6)
+    for body, message in ((b'{"inputs": {"img": [[0, 256]], "gain": [1]}}', "0 to 256"),
+                          (b'{"inputs": {"img": [[-1, 2]], "gain": [1]}}', "-1 to 2"),
+                          (b'{"inputs": {"img": [[1.0, 2]], "gain": [1]}}', "values are float64")):
+        with pytest.raises(RequestError, match=f"Input 'img' is not uint8 data: .*{message}"):
+            parse_predict(body, pixels)

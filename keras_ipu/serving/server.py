@@ -284,7 +284,8 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
     """A JSON input as an array of `dtype`, cast by the runtime's rule (NumPy's `same_kind`).
 
     A float never becomes an integer (`1.9` is not truncated to `1`), text
-    never a number, and an integer only one its dtype can hold.
+    never a number, and an integer only one its dtype can hold (any integer
+    dtype, unsigned ones included: a JSON integer has no width).
 
     Raises:
         RequestError: When the values are not `dtype` data.
@@ -293,7 +294,7 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
         array = np.asarray(values)
     except (TypeError, ValueError) as error:
         raise RequestError(f"Input {name!r} is not {dtype} data: {error}") from None
-    if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+    if not _casts(array.dtype, dtype):
         kind = {"U": "text", "O": "mixed or null"}.get(array.dtype.kind, str(array.dtype))
         raise RequestError(
             f"Input {name!r} is not {dtype} data: its JSON values are {kind}, which does not "
@@ -305,6 +306,18 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
                 f"Input {name!r} is not {dtype} data: its values {array.min()} to "
                 f"{array.max()} are outside {dtype}'s [{limits.min}, {limits.max}].")
     return array.astype(dtype, copy=False)
+
+
+def _casts(json_dtype: np.dtype, dtype: np.dtype) -> bool:
+    """Whether values NumPy read from JSON as `json_dtype` may become `dtype`.
+
+    NumPy reads JSON integers as int64, which `same_kind` never casts to an
+    unsigned dtype, though `[0, 255]` is uint8 data: between integer dtypes
+    the values' range decides (`_cast` checks it), not the int64 NumPy chose.
+    """
+    if json_dtype.kind in "iu" and dtype.kind in "iu":
+        return True
+    return np.can_cast(json_dtype, dtype, casting="same_kind")
 
 
 def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
