@@ -126,6 +126,13 @@ def test_concurrent_clients_get_their_own_rows(served):
      "JSON Parse error: Exceeds the limit (4300 digits) for integer string conversion"),
     (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
      "JSON Parse error: the JSON is nested too deeply"),
+    # Before, the row format ignored an extra name (200) and misread a misspelt one.
+    (b'{"instances": [{"a": [1, 2, 3, 4], "b": [1, 2], "typo": 5}]}', 400,
+     "Instance 0's inputs do not match the signature inputs (a: float32[8, 4], "
+     "b: float32[8, 2]) -> outputs (output_0: float32[8, 3]): unknown ['typo'], missing []."),
+    (b'{"instances": [{"a": [1, 2, 3, 4], "b": [1, 2]}, {"A": [1, 2, 3, 4], "b": [1, 2]}]}',
+     400, "Instance 1's inputs do not match the signature inputs (a: float32[8, 4], "
+     "b: float32[8, 2]) -> outputs (output_0: float32[8, 3]): unknown ['A'], missing ['a']."),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
     model, url, _ = served
@@ -355,3 +362,19 @@ def test_json_integers_are_unsigned_data_when_in_range(pixels):
                           (b'{"inputs": {"img": [[1.0, 2]], "gain": [1]}}', "values are float64")):
         with pytest.raises(RequestError, match=f"Input 'img' is not uint8 data: .*{message}"):
             parse_predict(body, pixels)
+
+
+def test_a_single_value_is_refused_as_not_a_list_of_rows(pixels):
+    from keras_ipu.serving.server import RequestError, parse_predict
+
+    # Before: "Input 'gain' has rows of shape (), expected ()", which contradicts itself.
+    for body, given, shape in ((b'{"inputs": {"img": [[1, 2]], "gain": 3.0}}', "a single value",
+                                "()"),
+                               (b'{"inputs": {"img": [1, 2], "gain": [3.0]}}',
+                                "an array of shape (2,)", "(2,)")):
+        name = "gain" if shape == "()" else "img"
+        with pytest.raises(RequestError) as refused:
+            parse_predict(body, pixels)
+        assert str(refused.value).startswith(
+            f"Input {name!r} is {given}, not a list of rows: it needs a list of rows of shape "
+            f"{shape}, one row as [row] (inputs (img: uint8[2, 2], gain: float32[2])")
