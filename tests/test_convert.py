@@ -171,6 +171,36 @@ def test_a_solution_file_must_stage_every_layer_and_map_every_stage(solution, me
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("stages", [
+    {"manual_sharding": [["^inner$"], ["^head$"]]},
+    {"pipeline_cfg": {"converter": "auto", "min_ipu_quantity": 2, "max_ipu_quantity": 2}},
+], ids=["manual_sharding", "auto"])
+def test_a_nested_model_runs_in_its_stage(stages, tmp_path):
+    """A nested model is one layer of the chain: all its calls run in its stage.
+
+    (Before, any stage assignment of a model holding a nested model failed with an
+    AttributeError: its assignment has no `.layer`.)
+    """
+    from keras_ipu.keras import convert
+
+    configure(1)
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inner = keras.Sequential([keras.layers.Dense(8, activation="relu", name="in_0"),
+                                  keras.layers.Dense(8, name="in_1")], name="inner")
+        x = keras.Input((4,), name="x")
+        model = keras.Model(x, keras.layers.Dense(2, name="head")(inner(x)))
+        model.save(tmp_path / "nested.keras")
+    data = np.random.default_rng(0).normal(size=(BATCH, 4)).astype("float32")
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, num_ipus=2, **stages)
+    summary = convert.convert(str(tmp_path / "nested.keras"), str(tmp_path / "export"), options)
+    assert summary["stage_of_layer"] == {"inner": 0, "head": 1}
+    runtime = ipu.serving.load(str(tmp_path / "export"))
+    assert runtime.metadata["device_mapping"] == [0, 1]
+    np.testing.assert_allclose(runtime(data), expected, atol=1e-5)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

@@ -235,10 +235,25 @@ def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
 
 
 def _assign(model, stage_of: Mapping[str, int]) -> None:
+    """Sets the model's pipeline stages: each of its layers' (`_chain`'s) calls to its stage.
+
+    A nested model is one layer of the chain: all its calls run in its stage.
+    """
     assignments = model.get_pipeline_stage_assignment()
     for assignment in assignments:
-        assignment.pipeline_stage = stage_of.get(assignment.layer.name, 0)
+        target = assignment.nested_model if assignment.is_nested_model else assignment.layer
+        _set_stage(assignment, stage_of.get(target.name, 0))
     model.set_pipeline_stage_assignment(assignments)
+
+
+def _set_stage(assignment, stage: int) -> None:
+    # A nested model's assignment holds its own list (nested models in it too), as
+    # `set_pipeline_stage_assignment` takes it; it has no stage of its own to set.
+    if assignment.is_nested_model:
+        for inner in assignment.pipeline_stage_assignments:
+            _set_stage(inner, stage)
+    else:
+        assignment.pipeline_stage = stage
 
 
 def _write_solution(directory, stage_of, mapping, summary: dict) -> None:
