@@ -65,6 +65,49 @@ def test_run_prints_or_saves_the_outputs(export_dir, tmp_path):
     assert _cli(*args, "--overwrite").returncode == 0
 
 
+def test_run_saves_bfloat16_outputs_as_exact_float32(tmp_path):
+    """A .npy header cannot name bfloat16: before, the values were saved as raw bytes that
+    loaded back as dtype |V2."""
+    import ml_dtypes
+
+    import keras_ipu as ipu
+
+    from conftest import configure
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((3,), batch_size=1, name="x")
+        model = keras.Model(x, keras.layers.Dense(2, dtype="bfloat16")(x))
+    model.export_for_ipu_serving(tmp_path / "bf")
+    inputs = np.array([[1.0, -2.0, 0.5]], "float32")
+    expected = ipu.serving.load(str(tmp_path / "bf"))(inputs)
+    assert expected.dtype == ml_dtypes.bfloat16
+    result = _cli("run", "--dir", str(tmp_path / "bf"), "--input_exprs",
+                  "x=np.array([[1.0, -2.0, 0.5]])", "--outdir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "(bfloat16 values as float32, exactly: .npy cannot name bfloat16)" in result.stdout
+    saved = np.load(tmp_path / "out" / "output_0.npy", allow_pickle=False)
+    assert saved.dtype == np.float32
+    np.testing.assert_array_equal(saved.astype(ml_dtypes.bfloat16), expected)
+
+
+def test_dtypes_that_npy_cannot_name_are_saved_widened_exactly():
+    import ml_dtypes
+
+    from keras_ipu.serving.commands import npy_array
+
+    for dtype, wide in ((ml_dtypes.float8_e5m2, "float32"), (ml_dtypes.float8_e4m3fn, "float32"),
+                        (ml_dtypes.int4, "int8"), (ml_dtypes.uint4, "uint8")):
+        value = np.array([[0, 1, 3, 7]], dtype)
+        saved, note = npy_array(value)
+        assert saved.dtype == wide and f"{np.dtype(dtype)} values as {wide}" in note
+        np.testing.assert_array_equal(saved.astype(dtype), value)
+    for dtype in ("float32", "float16", "int8", "bool"):  # NumPy's own: saved as they are
+        value = np.ones(2, dtype)
+        saved, note = npy_array(value)
+        assert saved is value and note == ""
+
+
 def test_run_takes_the_saved_model_tools_options(export_dir, tmp_path):
     # The seed's `ipu_saved_model_cli run` line: its required tag set and signature, its
     # IPU options, and inputs separated by ";".

@@ -141,6 +141,43 @@ def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("values, message", [
+    ({"precision_mode": 16}, "`precision_mode` must be FP16 or FP32 (a string), got 16 (int)."),
+    ({"pipeline_cfg": "auto"}, "`pipeline_cfg` must be a JSON object, such as "
+                               "{\"converter\": \"auto\"}, got 'auto' (str)."),
+    ({"batch_size": "4"}, "`batch_size` must be a positive integer, got '4' (str)."),
+    ({"int64_to_int32_conversion": "yes"},
+     "`int64_to_int32_conversion` must be true or false, got 'yes' (str)."),
+    ({"precision_conversion_excluded_nodes": "^head$"},
+     "`precision_conversion_excluded_nodes` must be a list of regular expressions (strings), "
+     "got '^head$' (str)."),
+    ({"manual_sharding": [["^a"], 3]}, "`manual_sharding` must be a list with a regular "
+     "expression (a string), or a list of them, per IPU, got [['^a'], 3] (list)."),
+    ({"pipeline_cfg": {"converter": "auto", "max_ipu_quantity": "4"}},
+     "pipeline_cfg `max_ipu_quantity` must be a positive integer, got '4' (str)."),
+    ({"pipeline_cfg": {"converter": "load", "solution_path": 7}},
+     "pipeline_cfg `solution_path` must be a file path (a string), got 7 (int)."),
+])
+def test_an_option_of_the_wrong_type_is_named_with_its_value(values, message):
+    """Before, a configuration file's `"precision_mode": 16` or `"pipeline_cfg": "auto"` failed
+    with an AttributeError traceback."""
+    from keras_ipu.keras import convert
+
+    with pytest.raises(ValueError) as raised:
+        convert.ConvertOptions.from_mapping(values)
+    assert str(raised.value) == message
+
+
+def test_a_config_file_of_the_wrong_type_is_one_line_and_status_2(saved_mlp, tmp_path):
+    path, _, _ = saved_mlp
+    (tmp_path / "config.json").write_text('{"pipeline_cfg": "auto"}')
+    result = _cli("--model", str(path), "--dir", str(tmp_path / "e"), "--config_file",
+                  str(tmp_path / "config.json"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == ("error: `pipeline_cfg` must be a JSON object, such as "
+                             "{\"converter\": \"auto\"}, got 'auto' (str).\n")
+
+
 @pytest.mark.parametrize("solution, message", [
     ({"device_mapping": [0, 1, 0], "pipeline_mapping": {f"block_{i}": int(i >= 3)
                                                          for i in range(6)}},
@@ -169,6 +206,36 @@ def test_a_solution_file_must_stage_every_layer_and_map_every_stage(solution, me
         convert.convert(str(path), str(tmp_path / "export"), options)
     assert message.format(path=file) in str(raised.value)
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("stages", [
+    {"manual_sharding": [["^inner$"], ["^head$"]]},
+    {"pipeline_cfg": {"converter": "auto", "min_ipu_quantity": 2, "max_ipu_quantity": 2}},
+], ids=["manual_sharding", "auto"])
+def test_a_nested_model_runs_in_its_stage(stages, tmp_path):
+    """A nested model is one layer of the chain: all its calls run in its stage.
+
+    (Before, any stage assignment of a model holding a nested model failed with an
+    AttributeError: its assignment has no `.layer`.)
+    """
+    from keras_ipu.keras import convert
+
+    configure(1)
+    keras.utils.set_random_seed(0)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inner = keras.Sequential([keras.layers.Dense(8, activation="relu", name="in_0"),
+                                  keras.layers.Dense(8, name="in_1")], name="inner")
+        x = keras.Input((4,), name="x")
+        model = keras.Model(x, keras.layers.Dense(2, name="head")(inner(x)))
+        model.save(tmp_path / "nested.keras")
+    data = np.random.default_rng(0).normal(size=(BATCH, 4)).astype("float32")
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, num_ipus=2, **stages)
+    summary = convert.convert(str(tmp_path / "nested.keras"), str(tmp_path / "export"), options)
+    assert summary["stage_of_layer"] == {"inner": 0, "head": 1}
+    runtime = ipu.serving.load(str(tmp_path / "export"))
+    assert runtime.metadata["device_mapping"] == [0, 1]
+    np.testing.assert_allclose(runtime(data), expected, atol=1e-5)
 
 
 def test_comments_are_stripped_outside_strings_only():

@@ -120,6 +120,19 @@ def test_concurrent_clients_get_their_own_rows(served):
      'Serving signature name: "other" not found'),
     (b'{"inputs": {"a": [[1, 2, 3, 4]]}}', 400, "missing ['b']"),
     (b"[" * 20_000_000, 413, "larger than"),
+    # Before, these two were 500s with a plain-text body (json.loads' ValueError and
+    # RecursionError were not caught).
+    (b'{"inputs": {"a": [[' + b"9" * 5000 + b', 1, 2, 3]], "b": [[1, 2]]}}', 400,
+     "JSON Parse error: Exceeds the limit (4300 digits) for integer string conversion"),
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "JSON Parse error: the JSON is nested too deeply"),
+    # Before, the row format ignored an extra name (200) and misread a misspelt one.
+    (b'{"instances": [{"a": [1, 2, 3, 4], "b": [1, 2], "typo": 5}]}', 400,
+     "Instance 0's inputs do not match the signature inputs (a: float32[8, 4], "
+     "b: float32[8, 2]) -> outputs (output_0: float32[8, 3]): unknown ['typo'], missing []."),
+    (b'{"instances": [{"a": [1, 2, 3, 4], "b": [1, 2]}, {"A": [1, 2, 3, 4], "b": [1, 2]}]}',
+     400, "Instance 1's inputs do not match the signature inputs (a: float32[8, 4], "
+     "b: float32[8, 2]) -> outputs (output_0: float32[8, 3]): unknown ['A'], missing ['a']."),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
     model, url, _ = served
@@ -317,3 +330,51 @@ def test_json_inputs_cast_by_the_runtimes_same_kind_rule(tmp_path):
                           (b'{"inputs": [[1, 4294967296], [3, 4]]}', "are outside int32's")):
         with pytest.raises(RequestError, match=f"Input 'tokens' is not int32 data: .*{message}"):
             parse_predict(body, runtime)
+
+
+@pytest.fixture(scope="module")
+def pixels(tmp_path_factory):
+    """The runtime of an export with a uint8 input `img` (rows of 2) and a scalar-row `gain`."""
+    from keras_ipu.serving import load
+
+    configure(1)
+    directory = tmp_path_factory.mktemp("pixels") / "e"
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        img, gain = keras.Input((2,), dtype="uint8", name="img"), keras.Input((), name="gain")
+        scaled = keras.layers.Rescaling(1 / 255)(img) * keras.ops.expand_dims(gain, -1)
+        model = keras.Model([img, gain], scaled)
+    model.export_for_ipu_serving(directory, batch_size=2)
+    return load(str(directory))
+
+
+def test_json_integers_are_unsigned_data_when_in_range(pixels):
+    from keras_ipu.serving.server import RequestError, parse_predict
+
+    # Before, every JSON integer was refused for uint8: "int64, which does not cast to uint8".
+    for body in (b'{"instances": [{"img": [0, 255], "gain": 1}, {"img": [3, 4], "gain": 2}]}',
+                 b'{"inputs": {"img": [[0, 255], [3, 4]], "gain": [1, 2]}}'):
+        rows, _ = parse_predict(body, pixels)
+        assert rows["img"].dtype == np.uint8
+        np.testing.assert_array_equal(rows["img"], [[0, 255], [3, 4]])
+        np.testing.assert_allclose(pixels(**rows), [[0, 1], [6 / 255, 8 / 255]], atol=1e-6)
+    for body, message in ((b'{"inputs": {"img": [[0, 256]], "gain": [1]}}', "0 to 256"),
+                          (b'{"inputs": {"img": [[-1, 2]], "gain": [1]}}', "-1 to 2"),
+                          (b'{"inputs": {"img": [[1.0, 2]], "gain": [1]}}', "values are float64")):
+        with pytest.raises(RequestError, match=f"Input 'img' is not uint8 data: .*{message}"):
+            parse_predict(body, pixels)
+
+
+def test_a_single_value_is_refused_as_not_a_list_of_rows(pixels):
+    from keras_ipu.serving.server import RequestError, parse_predict
+
+    # Before: "Input 'gain' has rows of shape (), expected ()", which contradicts itself.
+    for body, given, shape in ((b'{"inputs": {"img": [[1, 2]], "gain": 3.0}}', "a single value",
+                                "()"),
+                               (b'{"inputs": {"img": [1, 2], "gain": [3.0]}}',
+                                "an array of shape (2,)", "(2,)")):
+        name = "gain" if shape == "()" else "img"
+        with pytest.raises(RequestError) as refused:
+            parse_predict(body, pixels)
+        assert str(refused.value).startswith(
+            f"Input {name!r} is {given}, not a list of rows: it needs a list of rows of shape "
+            f"{shape}, one row as [row] (inputs (img: uint8[2, 2], gain: float32[2])")

@@ -70,15 +70,73 @@ class ConvertOptions:
         return options
 
     def check(self) -> None:
-        if self.precision_mode.upper() not in ("FP16", "FP32"):
-            raise ValueError(f"--precision_mode must be FP16 or FP32, got {self.precision_mode!r}.")
-        for name in ("batch_size", "num_ipus"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be a positive integer.")
-        if not isinstance(self.batch_per_step, int) or self.batch_per_step < 0:
-            raise ValueError("--batch_per_step must be an integer >= 0.")
+        """Raises `ValueError` naming an option whose value is not valid, and what would be.
+
+        A configuration file's values are any JSON (`"precision_mode": 16`),
+        so each option's type is checked here, before a method of the wrong
+        type fails deep in the conversion.
+        """
+        _check_values(vars(self), _OPTION_VALUES, "`{}`")
         if self.manual_sharding is not None and self.pipeline_cfg is not None:
             raise ValueError("Give --manual_sharding or --pipeline_cfg, not both.")
+        if self.pipeline_cfg is not None:
+            _check_values(self.pipeline_cfg, _PIPELINE_VALUES, "pipeline_cfg `{}`")
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_count(value: Any) -> bool:
+    return _is_index(value) and value > 0
+
+
+def _is_regexes(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(r, str) for r in value)
+
+
+def _is_regexes_per_unit(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(p, str) or _is_regexes(p) for p in value)
+
+
+# Each option's test, and what is valid, for the error (`manual_sharding` and
+# `pipeline_cfg` are None when not given).
+_REGEXES_PER = "a list with a regular expression (a string), or a list of them, per {}"
+_OPTION_VALUES = {
+    "batch_size": (_is_count, "a positive integer"),
+    "batch_per_step": (_is_index, "an integer >= 0"),
+    "num_ipus": (_is_count, "a positive integer"),
+    "precision_mode": (lambda v: isinstance(v, str) and v.upper() in ("FP16", "FP32"),
+                       "FP16 or FP32 (a string)"),
+    "precision_conversion_excluded_nodes": (_is_regexes, "a list of regular expressions "
+                                                         "(strings)"),
+    "int64_to_int32_conversion": (lambda v: isinstance(v, bool), "true or false"),
+    "manual_sharding": (lambda v: v is None or _is_regexes_per_unit(v), _REGEXES_PER.format("IPU")),
+    "pipeline_cfg": (lambda v: v is None or isinstance(v, Mapping),
+                     'a JSON object, such as {"converter": "auto"}'),
+}
+# The values of `pipeline_cfg`'s keys, where given (the converters check the rest).
+_PIPELINE_VALUES = {
+    "converter": (lambda v: v in ("auto", "manual", "load"), "auto, manual or load"),
+    "manual_pipeline_config": (_is_regexes_per_unit, _REGEXES_PER.format("stage")),
+    "device_info": (lambda v: isinstance(v, list) and all(_is_index(i) for i in v),
+                    "a list of IPU indices (integers >= 0), one per stage"),
+    "priority": (lambda v: v in ("cycle", "memory"), "cycle or memory"),
+    "min_ipu_quantity": (_is_count, "a positive integer"),
+    "max_ipu_quantity": (_is_count, "a positive integer"),
+    "solution_path": (lambda v: isinstance(v, str), "a file path (a string)"),
+    "solution_dir": (lambda v: isinstance(v, str), "a folder path (a string)"),
+}
+
+
+def _check_values(values: Mapping[str, Any], valid: Mapping[str, tuple], label: str) -> None:
+    """Raises `ValueError` for the first of `values` that its test in `valid` refuses."""
+    for name, (test, expected) in valid.items():
+        if name in values and not test(values[name]):
+            value = values[name]
+            raise ValueError(f"{label.format(name)} must be {expected}, got {value!r} "
+                             f"({type(value).__name__}).")
 
 
 def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
@@ -97,6 +155,7 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
 
     import keras_ipu as ipu
 
+    options.check()  # options made directly, not by `from_mapping`, are checked too
     _configure(options.num_ipus)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.models.load_model(model_path, compile=False)
@@ -235,10 +294,25 @@ def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
 
 
 def _assign(model, stage_of: Mapping[str, int]) -> None:
+    """Sets the model's pipeline stages: each of its layers' (`_chain`'s) calls to its stage.
+
+    A nested model is one layer of the chain: all its calls run in its stage.
+    """
     assignments = model.get_pipeline_stage_assignment()
     for assignment in assignments:
-        assignment.pipeline_stage = stage_of.get(assignment.layer.name, 0)
+        target = assignment.nested_model if assignment.is_nested_model else assignment.layer
+        _set_stage(assignment, stage_of.get(target.name, 0))
     model.set_pipeline_stage_assignment(assignments)
+
+
+def _set_stage(assignment, stage: int) -> None:
+    # A nested model's assignment holds its own list (nested models in it too), as
+    # `set_pipeline_stage_assignment` takes it; it has no stage of its own to set.
+    if assignment.is_nested_model:
+        for inner in assignment.pipeline_stage_assignments:
+            _set_stage(inner, stage)
+    else:
+        assignment.pipeline_stage = stage
 
 
 def _write_solution(directory, stage_of, mapping, summary: dict) -> None:
@@ -313,10 +387,6 @@ def _check_solution(path, stage_of: Mapping[str, int], mapping: Sequence[int],
                          f"entries for {stages} pipeline stages: it needs one IPU per stage.")
 
 
-def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _half_precision(model, excluded: Sequence[str]):
     """The model with its layers in float16, but those whose names match `excluded`."""
     import keras
@@ -347,9 +417,13 @@ def read_config_file(path: str) -> dict:
     except OSError as error:
         raise ValueError(f"Cannot read --config_file {path!r}: {error.strerror}.") from None
     try:
-        return json.loads(strip_comments(text))
+        values = json.loads(strip_comments(text))
     except json.JSONDecodeError as error:
         raise ValueError(f"--config_file {path!r} is not JSON: {error}.") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config_file {path!r} must hold a JSON object of options by name, "
+                         f"not a {type(values).__name__}.")
+    return values
 
 
 def strip_comments(text: str) -> str:

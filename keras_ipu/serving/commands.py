@@ -4,7 +4,8 @@ Modelled on the SavedModel command line tool: `show --dir DIR` prints the
 signatures, batch size, iterations, IPUs, stage mapping and platforms;
 `run --dir DIR --inputs name=file.npy[,...] | --input_exprs 'name=np.ones((1, 4))'`
 runs one batch and prints the outputs, or saves them as `.npy` files with
-`--outdir`; `serve --dir DIR` serves it with TensorFlow Serving's REST API
+`--outdir` (bfloat16, float8 and int4 widened exactly: `.npy` cannot name
+them); `serve --dir DIR` serves it with TensorFlow Serving's REST API
 (`keras_ipu.serving.server`). Bad input exits with status 2 and a one-line
 error.
 """
@@ -220,11 +221,45 @@ def _run(args: argparse.Namespace) -> None:
         path = os.path.join(args.outdir, f"{name}.npy")
         if os.path.exists(path) and not args.overwrite:
             raise CommandError(f"{path} exists; pass --overwrite to replace it")
+        value, note = npy_array(np.asarray(value))
         try:
             np.save(path, value)
         except OSError as error:
             raise CommandError(f"--outdir: cannot write {path!r} ({error})") from None
-        print(f"{name}: saved to {path}")
+        print(f"{name}: saved to {path}{note}")
+
+
+def npy_array(value: np.ndarray) -> tuple[np.ndarray, str]:
+    """`(the array to save as .npy, a note on what was changed)`.
+
+    A `.npy` header names NumPy's own dtypes only: ml_dtypes' bfloat16,
+    float8 and int4 types are written as raw bytes (`|V2`) that load back as
+    no numbers at all. Their values are saved widened instead, exactly:
+    floats as float32, integers as int8 or uint8.
+
+    Example:
+
+    >>> npy_array(np.array([1.5], ml_dtypes.bfloat16))[0]
+    array([1.5], dtype=float32)
+    """
+    if _npy_names(value.dtype):
+        return value, ""
+    import ml_dtypes  # JAX's own dependency: no new one
+
+    try:
+        wide = np.dtype("int8" if ml_dtypes.iinfo(value.dtype).min < 0 else "uint8")
+    except ValueError:  # not an integer type: bfloat16 and the float8 types
+        wide = np.dtype("float32")
+    return value.astype(wide), (f" ({value.dtype} values as {wide}, exactly: .npy cannot name "
+                                f"{value.dtype})")
+
+
+def _npy_names(dtype: np.dtype) -> bool:
+    """Whether a `.npy` file's header gives `dtype` back."""
+    try:
+        return np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype)) == dtype
+    except (TypeError, ValueError):  # float8_e5m2's '<f1' is no dtype NumPy reads back
+        return False
 
 
 def _file_inputs(spec: str) -> dict:

@@ -206,50 +206,84 @@ def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.nd
     Raises:
         RequestError: Malformed JSON, missing keys, wrong shapes or dtypes.
     """
-    try:
-        request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"JSON Parse error: {error}") from None
+    request = _json_body(body)
     if not isinstance(request, dict) or ("instances" in request) == ("inputs" in request):
         raise RequestError("Missing 'inputs' or 'instances' keys (exactly one of them).")
     signature = request.get("signature_name", SIGNATURE_NAME)
     if signature not in ("", SIGNATURE_NAME):
         raise RequestError(f'Serving signature name: "{signature}" not found in signature def '
                            f"(an export has one: {SIGNATURE_NAME!r}).")
-    names = runtime.input_names
     if "instances" in request:
-        instances = request["instances"]
-        if not isinstance(instances, list) or not instances:
-            raise RequestError("'instances' must be a non-empty list.")
-        if len(names) == 1 and not all(isinstance(i, dict) for i in instances):
-            columns = {names[0]: instances}
-        else:
-            if not all(isinstance(i, dict) for i in instances):
-                raise RequestError(f"Each instance must be an object with the inputs {names}.")
-            columns = {n: [i.get(n) for i in instances] for n in names}
-        return _arrays(columns, runtime), True
+        return _arrays(_instance_columns(request["instances"], runtime), runtime), True
+    names = runtime.input_names
     inputs = request["inputs"]
     columns = inputs if isinstance(inputs, dict) else {names[0]: inputs}
     if len(names) > 1 and not isinstance(inputs, dict):
         raise RequestError(f"'inputs' must be an object with the inputs {names}.")
+    _check_names(columns, runtime, "Inputs")
     return _arrays(columns, runtime), False
 
 
-def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.ndarray]:
+def _json_body(body: bytes) -> Any:
+    """The request's JSON value.
+
+    Raises:
+        RequestError: For whatever `json.loads` refuses: malformed text and
+            bad UTF-8, but also an integer of more digits than Python converts
+            (a `ValueError`) and nesting deeper than the interpreter's stack
+            (a `RecursionError`); both are the client's error, not the server's.
+    """
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise RequestError("JSON Parse error: the JSON is nested too deeply to parse.") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+        # Python's advice for an over-long integer (sys.set_int_max_str_digits) is the
+        # server's business, not the client's.
+        reason = str(error).partition("; use sys.set_int_max_str_digits")[0]
+        raise RequestError(f"JSON Parse error: {reason}") from None
+
+
+def _instance_columns(instances: Any, runtime: ServingRuntime) -> dict[str, list]:
+    """The row format's `instances` as columns by input name.
+
+    Instances are objects by input name, or, for an export of one input,
+    that input's rows themselves.
+
+    Raises:
+        RequestError: An empty or malformed list, or an instance whose names
+            are not the signature's (each is checked, as the columnar format's
+            object is: an extra name is refused, not ignored).
+    """
+    names = runtime.input_names
+    if not isinstance(instances, list) or not instances:
+        raise RequestError("'instances' must be a non-empty list.")
+    objects = [isinstance(i, dict) for i in instances]
+    if len(names) == 1 and not all(objects):
+        return {names[0]: instances}
+    if not all(objects):
+        raise RequestError(f"Each instance must be an object with the inputs {names}.")
+    for index, instance in enumerate(instances):
+        _check_names(instance, runtime, f"Instance {index}'s inputs")
+    return {n: [i[n] for i in instances] for n in names}
+
+
+def _check_names(columns: dict[str, Any], runtime: ServingRuntime, subject: str) -> None:
+    """Raises a `RequestError` naming the unknown and missing (or null) inputs of `columns`."""
     unknown = sorted(set(columns) - set(runtime.input_names))
     missing = [n for n in runtime.input_names if n not in columns or columns[n] is None]
     if unknown or missing:
-        raise RequestError(f"Inputs do not match the signature {runtime.signature()}: "
+        raise RequestError(f"{subject} do not match the signature {runtime.signature()}: "
                            f"unknown {unknown}, missing {missing}.")
+
+
+def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.ndarray]:
+    """The inputs as arrays of the signature's dtypes, checked: `columns` has its names."""
     arrays, count = {}, None
     for entry in runtime.inputs:
         name = entry["name"]
         array = _cast(name, columns[name], np.dtype(entry["dtype"]))
-        row_shape = tuple(entry["shape"][1:])
-        if array.ndim != len(row_shape) + 1 or array.shape[1:] != row_shape:
-            raise RequestError(
-                f"Input {name!r} has rows of shape {array.shape[1:]}, expected {row_shape} "
-                f"({runtime.signature()}).")
+        _check_rows(name, array, tuple(entry["shape"][1:]), runtime)
         if count is not None and len(array) != count:
             raise RequestError("Inputs have different numbers of rows.")
         count = len(array)
@@ -263,11 +297,25 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
     return arrays
 
 
+def _check_rows(name: str, array: np.ndarray, row_shape: tuple, runtime: ServingRuntime) -> None:
+    """Raises a `RequestError` unless `array` is a list of rows of `row_shape`."""
+    if array.ndim == len(row_shape):  # e.g. `{"inputs": 3.0}` for rows of shape (): no list
+        given = "a single value" if array.ndim == 0 else f"an array of shape {array.shape}"
+        raise RequestError(
+            f"Input {name!r} is {given}, not a list of rows: it needs a list of rows of shape "
+            f"{row_shape}, one row as [row] ({runtime.signature()}).")
+    if array.ndim != len(row_shape) + 1 or array.shape[1:] != row_shape:
+        raise RequestError(
+            f"Input {name!r} has rows of shape {array.shape[1:]}, expected {row_shape} "
+            f"({runtime.signature()}).")
+
+
 def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
     """A JSON input as an array of `dtype`, cast by the runtime's rule (NumPy's `same_kind`).
 
     A float never becomes an integer (`1.9` is not truncated to `1`), text
-    never a number, and an integer only one its dtype can hold.
+    never a number, and an integer only one its dtype can hold (any integer
+    dtype, unsigned ones included: a JSON integer has no width).
 
     Raises:
         RequestError: When the values are not `dtype` data.
@@ -276,7 +324,7 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
         array = np.asarray(values)
     except (TypeError, ValueError) as error:
         raise RequestError(f"Input {name!r} is not {dtype} data: {error}") from None
-    if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+    if not _casts(array.dtype, dtype):
         kind = {"U": "text", "O": "mixed or null"}.get(array.dtype.kind, str(array.dtype))
         raise RequestError(
             f"Input {name!r} is not {dtype} data: its JSON values are {kind}, which does not "
@@ -288,6 +336,18 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
                 f"Input {name!r} is not {dtype} data: its values {array.min()} to "
                 f"{array.max()} are outside {dtype}'s [{limits.min}, {limits.max}].")
     return array.astype(dtype, copy=False)
+
+
+def _casts(json_dtype: np.dtype, dtype: np.dtype) -> bool:
+    """Whether values NumPy read from JSON as `json_dtype` may become `dtype`.
+
+    NumPy reads JSON integers as int64, which `same_kind` never casts to an
+    unsigned dtype, though `[0, 255]` is uint8 data: between integer dtypes
+    the values' range decides (`_cast` checks it), not the int64 NumPy chose.
+    """
+    if json_dtype.kind in "iu" and dtype.kind in "iu":
+        return True
+    return np.can_cast(json_dtype, dtype, casting="same_kind")
 
 
 def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
