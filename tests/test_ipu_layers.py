@@ -189,6 +189,23 @@ def test_state_shape_is_the_shape_an_initial_state_takes():
     np.testing.assert_allclose(lstm(x, initial_state=zeros)[0], lstm(x)[0])
 
 
+@pytest.mark.parametrize("layer_class", [ipu_layers.PopnnLSTM, ipu_layers.PopnnGRU])
+def test_a_float16_layer_builds_with_the_default_orthogonal_weights(layer_class):
+    # Keras' Orthogonal has no float16 QR on CPUs (plain Keras' LSTM fails the same
+    # way); Popnn runs these layers in float16, as the seed's dtype argument says.
+    layer = layer_class(4, dtype="float16", seed=3)
+    outputs = layer(np.ones((2, 5, 3), "float16"))
+    assert outputs.dtype == "float16" and layer.cell.recurrent_kernel.dtype == "float16"
+    recurrent = np.asarray(layer.cell.recurrent_kernel, "float32")  # [units, gates × units]
+    np.testing.assert_allclose(recurrent @ recurrent.T, np.eye(4), atol=2e-3)  # orthonormal rows
+    float32 = layer_class(4, seed=3)
+    float32(np.ones((2, 5, 3), "float32"))
+    np.testing.assert_allclose(recurrent, float32.cell.recurrent_kernel, atol=1e-3)
+    with pytest.raises(ValueError, match="partials_dtype must be one of 'float16', 'float32', "
+                                         "got 'int32'"):
+        layer_class(4, partials_dtype="int32")
+
+
 def _poplar_formula(x):
     return keras.ops.clip(x * 0.2 + 0.5, 0.0, 1.0)
 

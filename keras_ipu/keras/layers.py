@@ -45,6 +45,7 @@ model = keras.Sequential([
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -387,7 +388,8 @@ class _IPURecurrent:
                              f"number of features, got {shape}.")
         if self.time_major:
             sequences_shape = (sequences_shape[1], sequences_shape[0], *sequences_shape[2:])
-        super().build(sequences_shape, initial_state_shape)
+        with _orthogonal_drawn_in_float32(self.cell):
+            super().build(sequences_shape, initial_state_shape)
 
     def state_shape(self, batch_size: int) -> list[int] | tuple[list[int], ...]:
         """The shape of the state: `[batch_size, units]`, a pair of them for an LSTM.
@@ -443,7 +445,7 @@ class _IPURecurrent:
         masks (Keras' own `seed`), each only that, as the IPU layers document.
         """
         self.time_major = arguments.pop("time_major")
-        self.partials_dtype = arguments.pop("partials_dtype")
+        self.partials_dtype = float_dtype_choice("partials_dtype", arguments.pop("partials_dtype"))
         self.implementation = arguments.pop("implementation")
         self.dropout_seed = _plain_seed(arguments.pop("dropout_seed"))
         self.initializer_seed = _plain_seed(arguments.pop("seed"))
@@ -506,6 +508,59 @@ def ipu_activation(activation: Any) -> Any:
             activation is keras.activations.hard_sigmoid):
         return poplar_hard_sigmoid
     return activation
+
+
+POPLAR_FLOAT_DTYPES = ("float16", "float32")
+
+
+def float_dtype_choice(argument: str, value: Any) -> str:
+    """A Popnn dtype argument's name: `"float16"` or `"float32"`, however it is given.
+
+    Args:
+        argument: The argument's name, for the error.
+        value: A dtype: a name, a NumPy or JAX type.
+
+    Returns:
+        The dtype's name.
+
+    Raises:
+        ValueError: For any other dtype, naming the valid ones.
+
+    Example:
+
+    >>> float_dtype_choice("partials_dtype", np.float16)
+    'float16'
+    """
+    try:
+        name = keras.backend.standardize_dtype(value)
+    except (TypeError, ValueError):
+        name = None
+    if name not in POPLAR_FLOAT_DTYPES:
+        raise ValueError(f"{argument} must be one of {', '.join(map(repr, POPLAR_FLOAT_DTYPES))}"
+                         f", got {value!r}.")
+    return name
+
+
+@contextlib.contextmanager
+def _orthogonal_drawn_in_float32(cell: Any) -> Any:
+    """Draws a 16-bit cell's orthogonal weights in float32, then casts them.
+
+    Keras' `Orthogonal` needs a QR decomposition, which JAX has in no 16-bit
+    type on CPUs: the seed's default `recurrent_initializer` failed to build
+    a layer of `dtype="float16"`, which Popnn runs.
+    """
+    initializer = getattr(cell, "recurrent_initializer", None)
+    dtype = keras.backend.standardize_dtype(cell.dtype_policy.variable_dtype)
+    if not isinstance(initializer, keras.initializers.Orthogonal) or dtype not in (
+            "float16", "bfloat16"):
+        yield
+        return
+    cell.recurrent_initializer = lambda shape, dtype=None: ops.cast(
+        initializer(shape, dtype="float32"), dtype)
+    try:
+        yield
+    finally:
+        cell.recurrent_initializer = initializer
 
 
 def seeded_initializer(initializer: Any, seed: Any) -> Any:

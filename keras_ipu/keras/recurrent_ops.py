@@ -48,7 +48,7 @@ from keras import ops
 
 from keras_ipu.keras.layers import PopnnGRU as _KerasGRU
 from keras_ipu.keras.layers import PopnnLSTM as _KerasLSTM
-from keras_ipu.keras.layers import poplar_hard_sigmoid
+from keras_ipu.keras.layers import float_dtype_choice, poplar_hard_sigmoid
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu.rnn_ops")
 
@@ -59,7 +59,6 @@ LSTMStateTuple.__doc__ = """An LSTM's state, `(c, h)`, as TensorFlow's `LSTMStat
 _ACTIVATIONS = {"tanh": "tanh", "relu": "relu", "softmax": "softmax", "sigmoid": "sigmoid",
                 "hard_sigmoid": poplar_hard_sigmoid}
 _RECURRENT_ACTIVATIONS = ("tanh", "softmax", "sigmoid", "hard_sigmoid")
-_DTYPES = ("float16", "float32")
 
 
 def _choice(argument: str, value: Any, valid: tuple) -> str:
@@ -68,13 +67,6 @@ def _choice(argument: str, value: Any, valid: tuple) -> str:
                          f"{value!r}.")
     return value
 
-
-def _dtype_choice(argument: str, value: Any) -> str:
-    try:
-        name = keras.backend.standardize_dtype(value)  # "float16", np.float16, jnp.float16...
-    except (TypeError, ValueError):
-        name = None
-    return _choice(argument, name if name in _DTYPES else value, _DTYPES)
 
 
 class _PackedWeights:
@@ -110,8 +102,8 @@ class _PopnnRecurrent(keras.layers.Layer):
         # Everything is checked before Layer.__init__ names the layer.
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"num_units must be a positive int, got {num_units!r}.")
-        dtype = _dtype_choice("dtype", dtype)
-        partials_dtype = _dtype_choice("partials_dtype", partials_dtype)
+        dtype = float_dtype_choice("dtype", dtype)
+        partials_dtype = float_dtype_choice("partials_dtype", partials_dtype)
         activation = _choice("activation", activation, tuple(_ACTIVATIONS))
         recurrent_activation = _choice("recurrent_activation", recurrent_activation,
                                        _RECURRENT_ACTIVATIONS)
