@@ -948,6 +948,53 @@ def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
 
 
+def _open_axis_model(kind: str):
+    """A model whose tensor crossing stages 0 | 1 has an axis the graph leaves `None`."""
+    keras.utils.set_random_seed(3)
+    if kind == "dense":  # (batch, None, 8) crosses
+        return keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    return keras.Sequential([keras.Input((None,), dtype="int32"),  # (batch, None, 6) crosses
+                             keras.layers.Embedding(20, 6), keras.layers.LSTM(8),
+                             keras.layers.Dense(3)])
+
+
+def _open_axis_data(kind: str, length: int, rng):
+    if kind == "dense":
+        x = rng.normal(size=(32, length, 4)).astype(np.float32)
+    else:
+        x = rng.integers(1, 20, size=(32, length)).astype(np.int32)
+    return x, rng.normal(size=(32, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+@pytest.mark.parametrize("kind", ["dense", "lstm"])
+def test_an_axis_the_graph_leaves_open_crosses_stages_at_the_datas_length(kind, form, strategy,
+                                                                           monkeypatch):
+    # The bundle between stages takes the axis' length from the data each program is built
+    # for, as plain Keras trains on fixed-length data (before, a TypeError on `None * int`).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    rng = np.random.default_rng(0)
+    plain = _open_axis_model(kind)
+    with strategy.scope():
+        model = _open_axis_model(kind)
+    model.set_pipeline_stage_assignment([0, 1, 1])
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
+    for length in (7, 5):  # another length: another program, another bundle
+        x, y = _open_axis_data(kind, length, rng)
+        np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
+                                   plain.predict(x, batch_size=2, verbose=0), atol=1e-6)
+        expected = plain.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
+        losses = model.fit(x, y, batch_size=2, shuffle=False, verbose=0).history["loss"]
+        np.testing.assert_allclose(losses, expected, rtol=1e-5)
+        assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+        assert model.evaluate(x, y, batch_size=2, verbose=0) == pytest.approx(
+            plain.evaluate(x, y, batch_size=2, verbose=0), rel=1e-5)
+    stash = ipu.utils.execution_report(model, "fit").pipeline.stash_bytes
+    assert all(b > 0 for b in stash)
+
+
 def test_global_clipnorm_with_the_optimizers_own_accumulation_is_refused(strategy):
     # The pipeline clips each call's gradients over every IPU; Keras clips their average.
     configure(2)
