@@ -343,6 +343,61 @@ def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
     reused.fit(x, y, batch_size=4, verbose=0)  # one IPU holds the shared layer
 
 
+class _TiedOutput(keras.layers.Layer):
+    """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def _tied_embedding_model(staged: bool):
+    stage = _stage_scope(staged)
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((5,), dtype="int32")
+    embedding = keras.layers.Embedding(12, 6, name="emb")
+    with stage(0):
+        h = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+    with stage(1):
+        out = _TiedOutput(embedding, name="tied")(keras.layers.Dense(6, activation="tanh")(h))
+    return keras.Model(inputs, out)
+
+
+def test_a_variable_stages_on_two_ipus_share_is_named_with_its_layers(strategy):
+    # The last stage's layer reads the first stage's Embedding matrix: each IPU would update
+    # its own copy (before, an error that named nothing: "Every trainable variable must
+    # belong to a layer of a pipeline stage"). On one IPU it trains as plain Keras.
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 12, (32, 5)).astype(np.int32)
+    y = rng.normal(size=(32, 12)).astype(np.float32)
+    plain = _tied_embedding_model(staged=False)
+    with strategy.scope():
+        model = _tied_embedding_model(staged=True)
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
+    # Both stages on IPU 0, a pipeline takes one IPU: the 2 IPUs run 2 replicas, which sum
+    # their gradients (plain Keras: both replicas' batches at twice the rate).
+    plain.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    before = model.get_weights()
+    message = (r"Variable emb/embeddings \(`embeddings` of layer `emb`\) is used by pipeline "
+               r"stages on IPUs 0 and 1: layer `emb` in stage 0 \(IPU 0\), layer `tied` in "
+               r"stage 1 \(IPU 1\)\. .* set `device_mapping` so that stages 0 and 1 share an "
+               r"IPU \(the mapping is \[0, 1\]\)")
+    for run in (lambda: model.fit(x, y, batch_size=2, verbose=0),
+                lambda: model.predict(x, batch_size=2, verbose=0)):
+        with pytest.raises(ValueError, match=message):
+            run()
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.set_pipelining_options(device_mapping=[0, 0],
+                                 gradient_accumulation_reduction_method="mean")
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 def test_stage_weights_live_on_their_ipus(strategy):
     configure(2)
     with strategy.scope():

@@ -28,7 +28,13 @@ from keras_ipu.device import schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages, steps
-from keras_ipu.keras.pipelined import boundary, instances, optimizer_copies, samples
+from keras_ipu.keras.pipelined import (
+    boundary,
+    instances,
+    optimizer_copies,
+    placement,
+    samples,
+)
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS, replica_seed_mask, xor_seed_words
 
@@ -108,7 +114,8 @@ class PipelinedModel:
         device_mapping: Per stage, the IPU (within a replica) it runs on.
 
     Raises:
-        ValueError: When a layer is used by stages on different IPUs.
+        ValueError: When a layer, or a trainable variable, is used by stages
+            on different IPUs (`placement.layers_per_ipu`).
     """
 
     def __init__(self, model, plan, device_mapping: Sequence[int]):
@@ -166,20 +173,7 @@ class PipelinedModel:
 
     def _place_variables(self) -> None:
         model = self.model
-        layers_of: list[list] = [[] for _ in range(self.num_ipus)]
-        owner: dict[int, int] = {}
-        for s in range(self.num_stages):
-            ipu = self.device_mapping[s]
-            for layer in self.plan.stage_layers(s):
-                if id(layer) in owner and owner[id(layer)] != ipu:
-                    raise ValueError(
-                        f"Layer {layer.name} is used by pipeline stages on IPUs "
-                        f"{owner[id(layer)]} and {ipu}: stages that share a layer must be "
-                        f"mapped to the same IPU (set `device_mapping` accordingly)."
-                    )
-                if id(layer) not in owner:
-                    owner[id(layer)] = ipu
-                    layers_of[ipu].append(layer)
+        layers_of = placement.layers_per_ipu(self.plan, self.device_mapping)
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         nt_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
