@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import keras
 import numpy as np
@@ -720,6 +721,38 @@ def test_a_second_fit_reuses_the_compiled_pipeline(strategy):
     model.set_pipeline_stage_assignment([0, 1, 1, 1])  # a new plan: a new program
     model.fit(x, y, batch_size=MICRO, verbose=0)
     assert run.program_for(model, "fit") is not program
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_the_report_describes_the_batch_size_that_last_ran(form, monkeypatch):
+    # Each batch size is its own executable of the one pipelined program, with its own report
+    # (before, every report was the first batch size's but for the memory column).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+
+    def fitted(*batch_sizes):
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = _mlp()
+        model.set_pipeline_stage_assignment([0, 0, 1, 1])
+        _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped, spe=4)
+        for batch_size in batch_sizes:
+            model.fit(x, y, batch_size=batch_size, verbose=0)
+        return model
+
+    def report(model):  # all of it but the compile time
+        return dataclasses.replace(ipu.utils.execution_report(model, "fit"), compile_seconds=0)
+
+    from keras_ipu.keras import run
+
+    model = fitted(8)
+    program = run.program_for(model, "fit")
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert run.program_for(model, "fit") is program  # not built again
+    assert report(model) == report(fitted(2))
+    model.fit(x, y, batch_size=8, verbose=0)  # its executable again, not compiled again
+    assert len(program._executables) == 2
+    assert report(model) == report(fitted(8))
 
 
 class _LossRecorder(keras.callbacks.Callback):
