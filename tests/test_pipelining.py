@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import keras
 import numpy as np
@@ -343,6 +344,61 @@ def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
     reused.fit(x, y, batch_size=4, verbose=0)  # one IPU holds the shared layer
 
 
+class _TiedOutput(keras.layers.Layer):
+    """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def _tied_embedding_model(staged: bool):
+    stage = _stage_scope(staged)
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((5,), dtype="int32")
+    embedding = keras.layers.Embedding(12, 6, name="emb")
+    with stage(0):
+        h = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+    with stage(1):
+        out = _TiedOutput(embedding, name="tied")(keras.layers.Dense(6, activation="tanh")(h))
+    return keras.Model(inputs, out)
+
+
+def test_a_variable_stages_on_two_ipus_share_is_named_with_its_layers(strategy):
+    # The last stage's layer reads the first stage's Embedding matrix: each IPU would update
+    # its own copy (before, an error that named nothing: "Every trainable variable must
+    # belong to a layer of a pipeline stage"). On one IPU it trains as plain Keras.
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 12, (32, 5)).astype(np.int32)
+    y = rng.normal(size=(32, 12)).astype(np.float32)
+    plain = _tied_embedding_model(staged=False)
+    with strategy.scope():
+        model = _tied_embedding_model(staged=True)
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
+    # Both stages on IPU 0, a pipeline takes one IPU: the 2 IPUs run 2 replicas, which sum
+    # their gradients (plain Keras: both replicas' batches at twice the rate).
+    plain.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    before = model.get_weights()
+    message = (r"Variable emb/embeddings \(`embeddings` of layer `emb`\) is used by pipeline "
+               r"stages on IPUs 0 and 1: layer `emb` in stage 0 \(IPU 0\), layer `tied` in "
+               r"stage 1 \(IPU 1\)\. .* set `device_mapping` so that stages 0 and 1 share an "
+               r"IPU \(the mapping is \[0, 1\]\)")
+    for run in (lambda: model.fit(x, y, batch_size=2, verbose=0),
+                lambda: model.predict(x, batch_size=2, verbose=0)):
+        with pytest.raises(ValueError, match=message):
+            run()
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.set_pipelining_options(device_mapping=[0, 0],
+                                 gradient_accumulation_reduction_method="mean")
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 def test_stage_weights_live_on_their_ipus(strategy):
     configure(2)
     with strategy.scope():
@@ -667,6 +723,38 @@ def test_a_second_fit_reuses_the_compiled_pipeline(strategy):
     assert run.program_for(model, "fit") is not program
 
 
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_the_report_describes_the_batch_size_that_last_ran(form, monkeypatch):
+    # Each batch size is its own executable of the one pipelined program, with its own report
+    # (before, every report was the first batch size's but for the memory column).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    x, y = data_for("sequential", samples=64)
+
+    def fitted(*batch_sizes):
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = _mlp()
+        model.set_pipeline_stage_assignment([0, 0, 1, 1])
+        _fit_pipelined(model, ipu.pipelining_ops.PipelineSchedule.Grouped, spe=4)
+        for batch_size in batch_sizes:
+            model.fit(x, y, batch_size=batch_size, verbose=0)
+        return model
+
+    def report(model):  # all of it but the compile time
+        return dataclasses.replace(ipu.utils.execution_report(model, "fit"), compile_seconds=0)
+
+    from keras_ipu.keras import run
+
+    model = fitted(8)
+    program = run.program_for(model, "fit")
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert run.program_for(model, "fit") is program  # not built again
+    assert report(model) == report(fitted(2))
+    model.fit(x, y, batch_size=8, verbose=0)  # its executable again, not compiled again
+    assert len(program._executables) == 2
+    assert report(model) == report(fitted(8))
+
+
 class _LossRecorder(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
@@ -946,6 +1034,53 @@ def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
     plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+def _open_axis_model(kind: str):
+    """A model whose tensor crossing stages 0 | 1 has an axis the graph leaves `None`."""
+    keras.utils.set_random_seed(3)
+    if kind == "dense":  # (batch, None, 8) crosses
+        return keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    return keras.Sequential([keras.Input((None,), dtype="int32"),  # (batch, None, 6) crosses
+                             keras.layers.Embedding(20, 6), keras.layers.LSTM(8),
+                             keras.layers.Dense(3)])
+
+
+def _open_axis_data(kind: str, length: int, rng):
+    if kind == "dense":
+        x = rng.normal(size=(32, length, 4)).astype(np.float32)
+    else:
+        x = rng.integers(1, 20, size=(32, length)).astype(np.int32)
+    return x, rng.normal(size=(32, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+@pytest.mark.parametrize("kind", ["dense", "lstm"])
+def test_an_axis_the_graph_leaves_open_crosses_stages_at_the_datas_length(kind, form, strategy,
+                                                                           monkeypatch):
+    # The bundle between stages takes the axis' length from the data each program is built
+    # for, as plain Keras trains on fixed-length data (before, a TypeError on `None * int`).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+    rng = np.random.default_rng(0)
+    plain = _open_axis_model(kind)
+    with strategy.scope():
+        model = _open_axis_model(kind)
+    model.set_pipeline_stage_assignment([0, 1, 1])
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
+    for length in (7, 5):  # another length: another program, another bundle
+        x, y = _open_axis_data(kind, length, rng)
+        np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
+                                   plain.predict(x, batch_size=2, verbose=0), atol=1e-6)
+        expected = plain.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
+        losses = model.fit(x, y, batch_size=2, shuffle=False, verbose=0).history["loss"]
+        np.testing.assert_allclose(losses, expected, rtol=1e-5)
+        assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+        assert model.evaluate(x, y, batch_size=2, verbose=0) == pytest.approx(
+            plain.evaluate(x, y, batch_size=2, verbose=0), rel=1e-5)
+    stash = ipu.utils.execution_report(model, "fit").pipeline.stash_bytes
+    assert all(b > 0 for b in stash)
 
 
 def test_global_clipnorm_with_the_optimizers_own_accumulation_is_refused(strategy):

@@ -115,8 +115,10 @@ class ExecutionProgram:
             to compile instead of the step loop (pipelined programs bring
             their own); `step_fn` is then unused.
         pipeline: For pipelined programs, a function
-            `hardware -> (cycles per program step, PipelineReport)`; the
-            estimate then follows the schedule instead of the program's count.
+            `(hardware, batches) -> (cycles per program step, PipelineReport)`
+            of an execution's batches (or their shape structs); the estimate
+            then follows the schedule instead of the program's count, and
+            each executable's report describes the program for its batches.
         replica_count: The replication factor to report, when the program's
             IPUs are not one replica each (pipelines).
         max_in_flight: Executions dispatched but not finished, at most.
@@ -165,7 +167,7 @@ class ExecutionProgram:
         micro_batches_per_step: int = 1,
         finalize: Callable[[Outputs], Any] | None = None,
         execution: Callable[[State, Batch], tuple[State, Outputs]] | None = None,
-        pipeline: Callable[[IPUHardware], tuple[float, Any]] | None = None,
+        pipeline: Callable[[IPUHardware, Batch], tuple[float, Any]] | None = None,
         replica_count: int | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         loop: str = loops.AUTO,
@@ -570,7 +572,7 @@ class ExecutionProgram:
             # The schedule's stage ops give cycles and flops alike, whether the
             # schedule program or the host-dispatched ops run them: the
             # program's own count is not needed.
-            per_pass, pipeline_report = self._pipeline(self.hardware)
+            per_pass, pipeline_report = self._pipeline(self.hardware, batches)
             step_cycles = (per_pass + all_reduce) / micro
             flops = pipeline_report.flops_per_micro_batch
         else:

@@ -3,16 +3,23 @@
 A stage sends the next a bundle `[batch + 1, width]` (`PipelinedModel.bundle_shape`):
 row `i < batch` holds sample `i`'s tensors flattened, each followed by the
 Keras mask it carries; these functions write and read one tensor's part.
+How many values a tensor takes is its `Sample`: the per-sample shapes of its
+values and mask, from the graph, or for an axis the graph leaves `None`
+(a sequence's length) from the inputs the program is built for
+(`pipelined.samples`).
 
 Example:
 
 ```python
-parts = send(value, batch, tensor, stage)             # the sender's rows
-value, offset = receive(bundle[:-1], offset, tensor)  # the receiver's tensor
+sample = samples[key]                                          # a tensor's `Sample`
+parts = send(value, batch, tensor, stage, sample)             # the sender's rows
+value, offset = receive(bundle[:-1], offset, tensor, sample)  # the receiver's tensor
 ```
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,39 +27,80 @@ import numpy as np
 from keras.src.backend.common import masking
 
 
-def width(tensor) -> int:
-    """Values per sample a graph tensor takes in the bundle (its mask's included).
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sample's part of a tensor: the shapes of its values and of its Keras mask.
+
+    Args:
+        shape: The tensor's shape without the batch axis.
+        mask: The mask's shape without the batch axis (`None`: no mask).
 
     Example:
 
-    >>> width(keras.layers.Masking()(keras.Input((6, 4))))   # 24 values, 6 of mask
+    >>> Sample((6, 4), (6,)).width   # 24 values, 6 of mask
     30
     """
-    return _values_per_sample(tensor) + _values_per_sample(symbolic_mask(tensor))
+
+    shape: tuple[int, ...]
+    mask: tuple[int, ...] | None = None
+
+    @property
+    def values(self) -> int:
+        """Values per sample of the tensor (its mask's not included)."""
+        return int(np.prod(self.shape))
+
+    @property
+    def width(self) -> int:
+        """Values per sample the tensor takes in the bundle, its mask's included."""
+        return self.values + (0 if self.mask is None else int(np.prod(self.mask)))
 
 
-def receive(rows, offset: int, tensor) -> tuple:
-    """The tensor at `offset` of a bundle's sample rows, its mask set on it; the next offset.
+def sample_of(tensor) -> Sample | None:
+    """A graph tensor's `Sample` from its symbolic shape; `None` where an axis is unknown.
 
     Example:
 
-    >>> value, offset = receive(bundle[:-1], 0, tensor)
+    >>> sample_of(keras.layers.Masking()(keras.Input((6, 4))))
+    Sample(shape=(6, 4), mask=(6,))
+    >>> sample_of(keras.Input((None, 4))) is None
+    True
     """
-    size = _values_per_sample(tensor)
-    value = from_bundle(rows[:, offset:offset + size].reshape((-1, *tensor.shape[1:])),
-                        tensor.dtype)
-    offset += size
     mask = symbolic_mask(tensor)
-    if mask is not None:  # the mask Keras layers find on the tensor, as sent
-        size = _values_per_sample(mask)
-        sent = rows[:, offset:offset + size].reshape((-1, *mask.shape[1:]))
+    shape, mask_shape = _known(tensor.shape[1:]), None if mask is None else _known(mask.shape[1:])
+    if shape is None or (mask is not None and mask_shape is None):
+        return None
+    return Sample(shape, mask_shape)
+
+
+def _known(shape) -> tuple[int, ...] | None:
+    return None if any(d is None for d in shape) else tuple(int(d) for d in shape)
+
+
+def receive(rows, offset: int, tensor, sample: Sample) -> tuple:
+    """The tensor at `offset` of a bundle's sample rows, its mask set on it; the next offset.
+
+    Args:
+        rows: The bundle's sample rows, `[batch, width]`.
+        offset: Where the tensor's values start in a row.
+        tensor: The graph's tensor (its dtype, whether it carries a mask).
+        sample: The tensor's `Sample` for this program's inputs.
+
+    Returns:
+        `(value, offset after the tensor and its mask)`.
+
+    Example:
+
+    >>> value, offset = receive(bundle[:-1], 0, tensor, samples[key])
+    """
+    value = from_bundle(rows[:, offset:offset + sample.values].reshape((-1, *sample.shape)),
+                        tensor.dtype)
+    offset += sample.values
+    if symbolic_mask(tensor) is not None:  # the mask Keras layers find on the tensor, as sent
+        size = int(np.prod(sample.mask))
+        sent = rows[:, offset:offset + size].reshape((-1, *sample.mask))
         masking.set_keras_mask(value, jax.lax.stop_gradient(sent) > 0.5)
         offset += size
     return value, offset
-
-
-def _values_per_sample(tensor) -> int:
-    return 0 if tensor is None else int(np.prod(tensor.shape[1:]))
 
 
 def symbolic_mask(tensor):
@@ -66,18 +114,30 @@ def symbolic_mask(tensor):
     return masking.get_keras_mask(tensor)
 
 
-def send(value, batch: int, tensor, stage: int) -> list:
+def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
     """A tensor's bundle rows, then its mask's where the graph's tensor has one.
 
     Keras layers find a mask on the tensor itself (a `Dense` passes it on, a
     `MultiHeadAttention` reads it, the loss masks with it): it crosses with it.
+
+    Args:
+        value: The tensor's value, the batch first.
+        batch: The micro-batch's samples.
+        tensor: The graph's tensor.
+        stage: The sending stage (for errors).
+        sample: The tensor's `Sample` for this program's inputs.
+
+    Returns:
+        The `[batch, values]` float32 parts: the tensor's, then its mask's.
+
+    Raises:
+        ValueError: As `to_bundle`.
     """
     parts = [to_bundle(value, batch, tensor, stage)]
-    mask = symbolic_mask(tensor)
-    if mask is not None:
+    if symbolic_mask(tensor) is not None:
         sent = masking.get_keras_mask(value)
         if sent is None:  # nothing masked
-            sent = jnp.ones((batch, *mask.shape[1:]), jnp.float32)
+            sent = jnp.ones((batch, *sample.mask), jnp.float32)
         parts.append(jnp.reshape(sent, (batch, -1)).astype(jnp.float32))
     return parts
 

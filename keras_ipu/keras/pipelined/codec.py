@@ -117,6 +117,16 @@ class PipelineLayout:
         grouped = a.reshape(a.shape[0] // self.micro_batches, self.micro_batches, *a.shape[1:])
         return np.swapaxes(grouped, 1, 2)
 
+    def micro_batch(self, batches):
+        """Shape structs of one micro-batch `(x, y, sample_weight)` of the program's batches.
+
+        Example:
+
+        >>> x, y, sample_weight = layout.micro_batch(layout.to_program(host_batches))
+        """
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype),
+                                      batches)
+
     def finalize(self, mode: str, reduce, accumulate_outfeed: bool = False):
         """The in-program outfeed transform for a mode (`reduce`: replica reduction).
 

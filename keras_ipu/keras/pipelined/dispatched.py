@@ -233,8 +233,7 @@ class DispatchedFit:
                  for part in TRAINING_STATE_PARTS}
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype),
                                        batches)
-        size = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        bundle = jax.ShapeDtypeStruct(self.p.bundle_shape(size), jnp.float32)
+        bundle = jax.ShapeDtypeStruct(self.p.bundle_shape(batch[0]), jnp.float32)
         acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulators))
         return local, batch, bundle, jax.ShapeDtypeStruct((), jnp.int32), acc
 

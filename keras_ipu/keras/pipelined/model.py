@@ -14,7 +14,7 @@ gives it, then all IPUs exchange the tick's activations. Training is in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,13 @@ from keras_ipu.device import schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras import stages, steps
-from keras_ipu.keras.pipelined import boundary, instances, optimizer_copies
+from keras_ipu.keras.pipelined import (
+    boundary,
+    instances,
+    optimizer_copies,
+    placement,
+    samples,
+)
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
 from keras_ipu.keras.steps import STATE_PARTS, replica_seed_mask, xor_seed_words
 
@@ -108,7 +114,8 @@ class PipelinedModel:
         device_mapping: Per stage, the IPU (within a replica) it runs on.
 
     Raises:
-        ValueError: When a layer is used by stages on different IPUs.
+        ValueError: When a layer, or a trainable variable, is used by stages
+            on different IPUs (`placement.layers_per_ipu`).
     """
 
     def __init__(self, model, plan, device_mapping: Sequence[int]):
@@ -119,41 +126,54 @@ class PipelinedModel:
         self.bundle_in = [plan.live_after[s - 1] if s else () for s in range(self.num_stages)]
         self.bundle_out = [plan.live_after[s] if s < self.num_stages - 1 else ()
                            for s in range(self.num_stages)]
-        self.boundary_width = max(
-            [self.width(keys) for keys in plan.live_after[:-1]] + [1]
-        )
+        # Known once from the graph, else per input shape (an axis it leaves `None`).
+        self._graph_samples = samples.from_graph(plan)
+        self._traced_samples: dict[tuple, dict] = {}
         self._place_variables()
 
-    def bundle_shape(self, batch: int) -> tuple[int, int]:
-        """The shape of what a stage sends the next: `[batch + 1, boundary_width]`.
+    def samples(self, x) -> Mapping[Any, boundary.Sample]:
+        """Per tensor key, its per-sample shapes (`boundary.Sample`) for inputs like `x`.
 
-        Row `i < batch` is sample `i`'s tensors, flattened and padded; the
-        last row carries (in its first value) the additional losses
-        (regularizers, `add_loss`) of the stages so far to the last stage's
-        loss. A row, not a column: the samples stay one contiguous block.
+        Args:
+            x: One micro-batch of the model inputs (arrays, tracers or shape
+                structs), the batch first.
+
+        Returns:
+            The graph's shapes; where it leaves an axis `None`, the shapes
+            the layers give `x` (worked out once per input shape).
         """
-        return batch + 1, self.boundary_width
+        if self._graph_samples is not None:
+            return self._graph_samples
+        signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
+        if signature not in self._traced_samples:
+            variables = self.model.trainable_variables + self.model.non_trainable_variables
+            self._traced_samples[signature] = samples.samples_for(self.plan, variables, x)
+        return self._traced_samples[signature]
 
-    def width(self, keys) -> int:
-        """Values per sample of a bundle of tensors (and of the Keras masks they carry)."""
-        return sum(boundary.width(self.plan.tensors[k]) for k in keys)
+    def bundle_shape(self, x) -> tuple[int, int]:
+        """The shape of what a stage sends the next: `[batch + 1, width]`.
+
+        Row `i < batch` is sample `i`'s tensors, flattened and padded to the
+        widest boundary's; the last row carries (in its first value) the
+        additional losses (regularizers, `add_loss`) of the stages so far to
+        the last stage's loss. A row, not a column: the samples stay one
+        contiguous block.
+
+        Args:
+            x: One micro-batch of the model inputs (arrays, tracers or shape
+                structs), the batch first.
+
+        Returns:
+            `(batch + 1, width)`.
+        """
+        found = self.samples(x)
+        width = max([sum(found[k].width for k in keys) for keys in self.plan.live_after[:-1]]
+                    + [1])
+        return tree.flatten(x)[0].shape[0] + 1, width
 
     def _place_variables(self) -> None:
         model = self.model
-        layers_of: list[list] = [[] for _ in range(self.num_ipus)]
-        owner: dict[int, int] = {}
-        for s in range(self.num_stages):
-            ipu = self.device_mapping[s]
-            for layer in self.plan.stage_layers(s):
-                if id(layer) in owner and owner[id(layer)] != ipu:
-                    raise ValueError(
-                        f"Layer {layer.name} is used by pipeline stages on IPUs "
-                        f"{owner[id(layer)]} and {ipu}: stages that share a layer must be "
-                        f"mapped to the same IPU (set `device_mapping` accordingly)."
-                    )
-                if id(layer) not in owner:
-                    owner[id(layer)] = ipu
-                    layers_of[ipu].append(layer)
+        layers_of = placement.layers_per_ipu(self.plan, self.device_mapping)
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         nt_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
@@ -442,9 +462,11 @@ class StageRunner:
         mask = replica_seed_mask(self.state.mesh.axis_index(REPLICA_AXIS)) if seeds else None
         ntv = xor_seed_words(dict(ntv), seeds, mask)
         env = dict(zip(plan.input_keys, tree.flatten(x)))
+        found = p.samples(x)
         offset = 0
         for key in p.bundle_in[s]:
-            env[key], offset = boundary.receive(bundle[:-1], offset, plan.tensors[key])
+            env[key], offset = boundary.receive(bundle[:-1], offset, plan.tensors[key],
+                                                found[key])
         losses = [regularizer(tv[i]) for i, regularizer in self.regularized[s]]
         for call in plan.stages[s]:
             layer = call.operation
@@ -464,12 +486,12 @@ class StageRunner:
             outputs = tree.pack_sequence_as(plan.outputs_struct,
                                             [env[k] for k in plan.output_keys])
             return None, ntv, outputs, extra_loss
-        batch = bundle.shape[0] - 1
+        batch, width = bundle.shape[0] - 1, bundle.shape[1]  # the bundle_shape of x
         flat = [part for k in p.bundle_out[s]
-                for part in boundary.send(env[k], batch, plan.tensors[k], s)]
+                for part in boundary.send(env[k], batch, plan.tensors[k], s, found[k])]
         out = jnp.concatenate(flat, axis=1)
-        out = jnp.pad(out, ((0, 0), (0, p.boundary_width - out.shape[1])))
-        carried = jnp.zeros((1, p.boundary_width), jnp.float32).at[0, 0].set(extra_loss)
+        out = jnp.pad(out, ((0, 0), (0, width - out.shape[1])))
+        carried = jnp.zeros((1, width), jnp.float32).at[0, 0].set(extra_loss)
         return jnp.concatenate([out, carried], axis=0), ntv, None, extra_loss
 
     def _call_layer(self, layer, tv, ntv, args, kwargs):
@@ -568,8 +590,8 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         trainable = local["trainable_variables"]
         non_trainable = local["non_trainable_variables"]
         metrics = local.get("metrics_variables", {})
-        mb = jax.tree_util.tree_leaves(data[0])[0].shape[1]
-        fwd = jnp.zeros((stages, micro, *p.bundle_shape(mb)), jnp.float32)
+        bundle_shape = p.bundle_shape(micro_batch_at(data, 0)[0])
+        fwd = jnp.zeros((stages, micro, *bundle_shape), jnp.float32)
         out_shape = jax.eval_shape(
             lambda: last(trainable, non_trainable, metrics, fwd[0, 0], micro_batch_at(data, 0)))[0]
         outputs = jax.tree_util.tree_map(
@@ -584,7 +606,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
                                                           fwd[s, j], batch)
                     outputs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), outputs,
                                                       result)
-                    message = jnp.zeros(p.bundle_shape(mb), jnp.float32)
+                    message = jnp.zeros(bundle_shape, jnp.float32)
                 else:
                     message, non_trainable, _, _ = runner.run(s, trainable, non_trainable,
                                                            fwd[s, j], batch[0], False)
@@ -592,7 +614,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
             return op
 
         def idle(c, j):
-            return c, jnp.zeros(p.bundle_shape(mb), jnp.float32)
+            return c, jnp.zeros(bundle_shape, jnp.float32)
 
         branches = [idle] + [forward(s) for s in range(stages)]
 

@@ -184,7 +184,9 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             execution = pipelined_model.build_inference_program(pipe, state, table, mode)
         everywhere = mesh.sharding(P()) if state.spans_processes else None
         layout = codec.PipelineLayout(replicas.count, micro, everywhere)
-        cost = _pipeline_cost(pipe, state, table, feed.first_batch(), mode, options)
+        # Worked out per executable, for its batches' shapes (another batch size: another
+        # executable of this program, and another report).
+        cost = _pipeline_cost(pipe, state, table, layout, mode, options)
         finalize = layout.finalize(mode, REPLICA_REDUCTIONS[reduction], accumulate_outfeed)
         if stepwise and mode != "predict":
             finalize = layout.with_steps(finalize)
@@ -255,8 +257,9 @@ def _largest_gradients(pipe) -> int:
                default=0)
 
 
-def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptions):
-    """`hardware -> (cycles per pass, PipelineReport)` from the counted cost of each stage."""
+def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
+    """`(hardware, batches) -> (cycles per pass, PipelineReport)` from the counted cost of
+    each stage on a micro-batch of the execution's batches (`layout.micro_batch`)."""
     runner = pipelined_model.StageRunner(pipe, state)
     training = mode == "fit"
     recompute = _recomputation(options)
@@ -266,12 +269,10 @@ def _pipeline_cost(pipe, state, table, first_batch, mode: str, options: IPUOptio
         return {dtype: jax.ShapeDtypeStruct((length,), dtype)
                 for dtype, length in state.lengths[part].items()}
 
-    x = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
-                               first_batch[0])
-    batch = jax.tree_util.tree_leaves(x)[0].shape[0]
-    bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(batch), jnp.float32)
-
-    def costs(hardware):
+    def costs(hardware, batches):
+        x = layout.micro_batch(batches)[0]
+        batch = jax.tree_util.tree_leaves(x)[0].shape[0]
+        bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(x), jnp.float32)
         forward, backward, forward_flops, backward_flops = [], [], [], []
         for s in range(pipe.num_stages):
             args = (flats("trainable_variables"), flats("non_trainable_variables"),
@@ -401,20 +402,22 @@ def _stashed_bytes(pipe, stage: int, x, recompute: bool, keep_checkpoints: bool 
     policy).
     """
     # What a stage receives travels as float32 (the bundle between stages).
-    kept = _tensor_bytes(pipe, pipe.bundle_in[stage], itemsize=4) if stage else _input_bytes(x)
+    kept = (_tensor_bytes(pipe, x, pipe.bundle_in[stage], itemsize=4) if stage
+            else _input_bytes(x))
     calls = pipe.plan.stages[stage]
     if recompute:
         checkpointed = [call for call in calls
                         if keep_checkpoints and isinstance(call.operation, RecomputationCheckpoint)]
-        return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in checkpointed)
-    return kept + sum(_tensor_bytes(pipe, call.output_keys) for call in calls)
+        return kept + sum(_tensor_bytes(pipe, x, call.output_keys) for call in checkpointed)
+    return kept + sum(_tensor_bytes(pipe, x, call.output_keys) for call in calls)
 
 
-def _tensor_bytes(pipe, keys, itemsize: int | None = None) -> int:
-    """Bytes per sample of the plan's tensors named by `keys` (in their dtype, or `itemsize`)."""
-    tensors = [pipe.plan.tensors[key] for key in keys]
-    return sum(int(np.prod(t.shape[1:])) * (itemsize or jnp.dtype(t.dtype).itemsize)
-               for t in tensors)
+def _tensor_bytes(pipe, x, keys, itemsize: int | None = None) -> int:
+    """Bytes per sample of the plan's tensors named by `keys` (in their dtype, or `itemsize`),
+    shaped as for the inputs `x` (an axis the graph leaves `None` has `x`'s length)."""
+    found = pipe.samples(x)
+    return sum(found[key].values * (itemsize or jnp.dtype(pipe.plan.tensors[key].dtype).itemsize)
+               for key in keys)
 
 
 def _input_bytes(x) -> int:

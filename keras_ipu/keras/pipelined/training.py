@@ -416,8 +416,7 @@ class _FitProgram:
     def _trace(self, local, batches) -> _ShapeTrace:
         """Shapes and stash layouts, from tracing each stage once (nothing runs)."""
         first = micro_batch_at(batches, 0)
-        mb = jax.tree_util.tree_leaves(first[0])[0].shape[1]
-        bundle = jnp.zeros(self.pipelined.bundle_shape(mb), jnp.float32)
+        bundle = jnp.zeros(self.pipelined.bundle_shape(micro_batch_at(first, 0)[0]), jnp.float32)
         ops = _Ops(self, None, first, self._weights(local["trainable_variables"]))
         args = (local["non_trainable_variables"], local["metrics_variables"], bundle, 0)
         # Recomputing, a forward op stashes the stage's non-trainable values, else the

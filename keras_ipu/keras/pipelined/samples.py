@@ -1,0 +1,102 @@
+"""The per-sample shapes of a pipelined model's tensors, for the inputs a program is built for.
+
+What a stage sends the next is laid out by its tensors' shapes
+(`boundary.Sample`). The graph gives them, but not an axis it leaves `None`
+(`Input((None, 4))`: a sequence of any length): an IPU program has static
+shapes, so such an axis takes its length from the data each program is
+built for, as Keras' own jit traces a step per input shape.
+
+Example:
+
+```python
+samples = samples_for(plan, variables, x)   # x: one micro-batch of the model inputs
+samples[key].width                          # values per sample in the bundle
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import keras
+from keras.src import tree
+from keras.src.backend.common import masking
+
+from keras_ipu.keras import stages
+from keras_ipu.keras.pipelined.boundary import Sample, sample_of, symbolic_mask
+
+
+def from_graph(plan) -> dict[Any, Sample] | None:
+    """Every tensor's `Sample` from the graph's shapes; `None` if an axis is unknown.
+
+    Example:
+
+    >>> from_graph(plan)[plan.output_keys[0]].shape
+    (3,)
+    """
+    found = {key: sample_of(tensor) for key, tensor in plan.tensors.items()}
+    return None if any(sample is None for sample in found.values()) else found
+
+
+def samples_for(plan, variables: Sequence[Any], x) -> dict[Any, Sample]:
+    """Every tensor's `Sample` for a micro-batch of inputs like `x`.
+
+    The graph's layer calls are traced on `x`'s shapes (nothing runs; the
+    variables keep their values), in inference mode: shapes do not depend on
+    it.
+
+    Args:
+        plan: The model's `PipelinePlan`.
+        variables: The variables the model's layers read (its trainable and
+            non-trainable variables).
+        x: One micro-batch of the model inputs (arrays, tracers or shape
+            structs, the batch first), structured as `plan.inputs_struct`.
+
+    Returns:
+        Per tensor key of the plan, its `Sample`.
+
+    Raises:
+        Whatever a layer raises for inputs of these shapes.
+
+    Example:
+
+    >>> samples_for(plan, model.variables, np.zeros((4, 7, 3)))[key].shape
+    (7, 8)
+    """
+    specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
+    inputs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in tree.flatten(x)]
+    traced = jax.eval_shape(lambda values, flat: _every_tensor(plan, variables, values, flat),
+                            specs, inputs)
+    return {key: _sample(plan.tensors[key], value, mask)
+            for key, (value, mask) in traced.items()}
+
+
+def _every_tensor(plan, variables, values, flat_inputs) -> Mapping[Any, tuple]:
+    """Each tensor's value and the mask it carries, running every stage's calls in turn."""
+    env = dict(zip(plan.input_keys, flat_inputs))
+    # Within a scope: a layer's state updates and losses stay out of its variables.
+    with keras.StatelessScope(state_mapping=list(zip(variables, values)), collect_losses=True):
+        for calls in plan.stages:
+            for call in calls:
+                args, kwargs = stages.call_arguments(call, env, training=False)
+                outputs = call.operation(*args, **kwargs)
+                env.update(zip(call.output_keys, tree.flatten(outputs)))
+    return {key: (value, masking.get_keras_mask(value)) for key, value in env.items()}
+
+
+def _sample(tensor, value, mask) -> Sample:
+    """A tensor's `Sample` from its traced value and mask.
+
+    Where the graph's tensor carries a mask the value does not (nothing
+    masked), the mask covers the value's leading axes, as the graph's does.
+    """
+    graph_mask = symbolic_mask(tensor)
+    if graph_mask is None:
+        return Sample(tuple(value.shape[1:]))
+    shape = mask.shape if mask is not None else value.shape[:len(graph_mask.shape)]
+    return Sample(tuple(value.shape[1:]), tuple(shape[1:]))
+
+
+__all__ = ["from_graph", "samples_for"]
