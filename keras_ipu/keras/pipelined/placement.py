@@ -76,11 +76,15 @@ def _shared_variable_message(variable, used: list, device_mapping: Sequence[int]
 
 
 def _owner_name(variable, layers) -> str:
-    """The name of the layer (among `layers` and the layers they hold) that created `variable`."""
+    """The name of the layer (among `layers` and the layers they hold) that created `variable`:
+    the innermost one holding it (a layer lists the weights of the layers it holds too)."""
+    owner = None
     for layer in layers:
-        for sublayer in layer._flatten_layers(include_self=True):
-            if any(v is variable for v in sublayer._trainable_variables):
-                return sublayer.name
+        for sublayer in layer._flatten_layers(include_self=True):  # outer layers first
+            if any(v is variable for v in sublayer.trainable_weights):
+                owner = sublayer
+        if owner is not None:
+            return owner.name
     return variable.path.rpartition("/")[0]
 
 
