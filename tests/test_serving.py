@@ -147,8 +147,12 @@ def test_the_references_errors(strategy, tmp_path):
         no_batch = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     with pytest.raises(RuntimeError, match="Cannot get model's input signature"):
         unbuilt.export_for_ipu_serving(tmp_path / "a")
-    with pytest.raises(ValueError, match="specify `batch_size` parameter"):
+    with pytest.raises(ValueError, match=r"specify `batch_size` parameter.*\(None, 4\)\)$"):
         no_batch.export_for_ipu_serving(tmp_path / "b")
+    with strategy.scope():
+        sequences = keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match=r"axes \[1\] beyond the batch are unknown"):
+        sequences.export_for_ipu_serving(tmp_path / "b", batch_size=2)  # no batch size fixes
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="is not empty"):

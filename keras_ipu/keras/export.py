@@ -42,6 +42,15 @@ _BATCH_ERROR = (
 )
 
 
+def _open_axes_hint(shape: tuple) -> str:
+    """What fixes an input's unknown axes beyond the batch: the batch size does not."""
+    axes = [axis for axis, d in enumerate(shape) if d is None and axis > 0]
+    if not axes:
+        return ""
+    return (f"; axes {axes} beyond the batch are unknown: an exported program has fixed "
+            f"shapes, so give the input layer those sizes, e.g. keras.Input(shape=(...))")
+
+
 def export_model(model: Any, export_dir: str, batch_size: int | None = None,
                  output_names: str | Sequence[str] | None = None,
                  preprocessing_step: Callable[..., Any] | None = None,
@@ -209,7 +218,8 @@ def _input_signature(model: Any, batch_size: int | None):
         if batch_size is not None:
             shape = (batch_size, *shape[1:])
         if any(d is None for d in shape):
-            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape})")
+            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {shape}"
+                             f"{_open_axes_hint(shape)})")
         specs.append(jax.ShapeDtypeStruct(shape, np.dtype(str(tensor.dtype))))
     return structure, specs, names
 
@@ -273,7 +283,8 @@ def _step_inputs(signature: Any, batch: int) -> tuple[list, list[str]]:
         if dims and dims[0] is None:
             dims = (batch, *dims[1:])
         if any(d is None for d in dims):
-            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {dims})")
+            raise ValueError(f"{_BATCH_ERROR} (input {name!r} has shape {dims}"
+                             f"{_open_axes_hint(dims)})")
         specs.append(jax.ShapeDtypeStruct(dims, np.dtype(getattr(dtype, "as_numpy_dtype",
                                                                  dtype))))
     return specs, names
