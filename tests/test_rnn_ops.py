@@ -122,6 +122,11 @@ def test_augru_scales_the_update_gate_by_the_attention(reset_after, time_major):
     gru.set_weights(layer.get_weights())
     np.testing.assert_allclose(layer(x, lengths, np.zeros((T, B)))[1], gru(x, lengths)[1],
                                atol=1e-6)
+    # Scores laid out as the seed's [batch, time] for time-major inputs are named, not
+    # refused by an unrelated concatenation error.
+    with pytest.raises(ValueError, match=r"attention_score must be \[time, batch\], the "
+                                         rf"inputs' leading axes \({T}, {B}\)"):
+        layer(x, lengths, scores)
 
 
 def test_input_and_recurrent_weights_are_one_packed_draw():

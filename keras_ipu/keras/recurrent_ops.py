@@ -367,10 +367,24 @@ class PopnnAUGRU(_GRUBase):
 
     def call(self, inputs, seq_len, attention_score, initial_state=None, training=True,
              time_major=True):
+        _check_attention_layout(inputs, attention_score, time_major)
         # The score goes in beside each step's features, laid out as they are.
         scores = attention_score if time_major else ops.swapaxes(attention_score, 0, 1)
         scores = ops.expand_dims(scores, -1)
         return self._run(inputs, seq_len, initial_state, training, time_major, extra=scores)
+
+
+def _check_attention_layout(inputs, attention_score, time_major: bool) -> None:
+    """Raises `ValueError` unless the scores are `[time, batch]` (`[batch, time]` when
+    `time_major=False`), the inputs' leading axes."""
+    expected = tuple(inputs.shape[:2])
+    given = tuple(attention_score.shape)
+    if len(given) != 2 or any(a is not None and b is not None and a != b
+                              for a, b in zip(given, expected)):
+        layout = "[time, batch]" if time_major else "[batch, time]"
+        raise ValueError(
+            f"attention_score must be {layout}, the inputs' leading axes {expected} "
+            f"(time_major={time_major}), got shape {given}.")
 
 
 class _TimeMajorRNN(keras.layers.RNN):
