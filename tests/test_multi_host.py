@@ -285,8 +285,12 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
         # BackupAndRestore: written and removed once, by instance 0.
         assert "backup 1 ['latest.weights.h5', 'training_metadata.json']" in out
         assert "backup 3 None" in out
+    # Instance 0 alone saving (Horovod's idiom) neither hangs nor breaks the fit's collectives.
+    assert "first only ['first_only.weights.h5', 'saved_by_first.weights.h5']" in lines_of(
+        done.stdout, 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "model.keras"]
+        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "first_only.weights.h5", "model.keras",
+        "saved_by_first.weights.h5"]
 
 
 def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(tmp_path):

@@ -24,6 +24,12 @@ from typing import Any
 # Set while `on_first_instance` runs a save: a save inside it (BackupAndRestore's
 # `save_weights`) runs in instance 0 alone, so it must not wait for the others.
 _WRITING = threading.local()
+# Per file path, the saves of a multi-host job this process made or waited for: the
+# n-th save of a path in another instance waits for instance 0's n-th write of it.
+_SAVES: dict[str, int] = {}
+# How long another instance waits for instance 0 to write (the launcher stops the
+# job sooner when instance 0 dies).
+_WAIT_FOR_WRITER_MS = 24 * 3600 * 1000
 
 # The extensions Keras recognises, longest first.
 _EXTENSIONS = (".weights.h5", ".keras", ".h5", ".hdf5")
@@ -95,16 +101,20 @@ def _new_file(folder: str, prefix: str, suffix: str) -> str:
 
 
 def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
-    """Runs `save` in instance 0 of a multi-host job only; every instance returns after it.
+    """Runs `save` in instance 0 of a multi-host job only; the others wait for it to finish.
 
     The instances hold the same weights, so one writer suffices, and on a
-    shared file system several would overwrite each other. The others wait
-    until the file is written (a collective that also tells them whether it
-    was), so that they can load it as soon as `save` returns.
+    shared file system several would overwrite each other. An instance that
+    calls it too waits until the file is written (and learns whether it was)
+    through the job's coordination service, so that it can load the file as
+    soon as `save` returns. Instance 0 waits for no one: a save made in
+    instance 0 alone (Horovod's `if hvd.rank() == 0: model.save(...)`, a
+    `ModelCheckpoint` given to instance 0 only) writes and goes on.
 
     Args:
         save: Writes the file.
-        filepath: The file, for the error message.
+        filepath: The file: the others wait for instance 0's save of the same
+            path, counted (the n-th save of a path waits for the n-th write).
 
     Returns:
         What `save` returned in instance 0; `None` in the others.
@@ -122,23 +132,25 @@ def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
     if (not jax.distributed.is_initialized() or jax.process_count() == 1
             or getattr(_WRITING, "active", False)):
         return save()
-    import numpy as np
-    from jax.experimental import multihost_utils
+    from jax._src import distributed  # the coordination service's key-value store
 
-    result, error = None, None
-    if jax.process_index() == 0:
-        _WRITING.active = True
-        try:
-            result = save()
-        except Exception as caught:  # told to the others before it is raised
-            error = caught
-        finally:
-            _WRITING.active = False
-    failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
-    if error is not None:
-        raise error
-    if int(failed):
-        raise RuntimeError(f"Instance 0 failed to save {filepath!r}; see its error.")
+    client = distributed.global_state.client
+    path = str(filepath)  # as every instance names it
+    _SAVES[path] = count = _SAVES.get(path, 0) + 1
+    key = f"keras_ipu/saved/{path}/{count}"
+    if jax.process_index() != 0:
+        if client.blocking_key_value_get(key, _WAIT_FOR_WRITER_MS) != "written":
+            raise RuntimeError(f"Instance 0 failed to save {filepath!r}; see its error.")
+        return None
+    _WRITING.active = True
+    try:
+        result = save()
+    except BaseException:
+        client.key_value_set(key, "failed")  # told to the others before it is raised
+        raise
+    finally:
+        _WRITING.active = False
+    client.key_value_set(key, "written")
     return result
 
 

@@ -62,3 +62,11 @@ with strategy.scope():
         model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[
             keras.callbacks.BackupAndRestore(backup, delete_checkpoint=epochs == 3)])
         say("backup", epochs, sorted(os.listdir(backup)) if os.path.exists(backup) else None)
+# Horovod's idiom: instance 0 alone saves, and gives a ModelCheckpoint to its own fit only.
+only_first = ([keras.callbacks.ModelCheckpoint(os.path.join(out, "first_only.weights.h5"),
+                                               save_weights_only=True)] if index == 0 else [])
+with strategy.scope():
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=only_first)
+    if index == 0:
+        model.save_weights(os.path.join(out, "saved_by_first.weights.h5"))
+say("first only", sorted(n for n in os.listdir(out) if "first" in n))
