@@ -193,6 +193,7 @@ def test_helpers_across_two_instances():
         assert "bcast 5.0 6.0" in out
         assert "ipus [0, 1, 2, 3]" in out  # the job's IPUs, numbered one by one
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
+        assert "wide 2199023255553 int64 float64 [1099511627776, 1099511627777] True" in out
 
 
 @pytest.mark.parametrize("how", ["dies", "raise"])

@@ -288,7 +288,7 @@ def allgather(value: Any) -> Any:
         longest = int(np.max(lengths))
         padded = np.zeros((longest, *leaf.shape[1:]), leaf.dtype)
         padded[: leaf.shape[0]] = leaf
-        stacked = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
+        stacked = _exchanged(lambda a: multihost_utils.process_allgather(a, tiled=False), padded)
         return np.concatenate([stacked[i, :n] for i, n in enumerate(lengths)])
 
     return jax.tree_util.tree_map(gather, value)
@@ -322,7 +322,7 @@ def broadcast(value: Any, root_rank: int = 0) -> Any:
         from jax.experimental import multihost_utils
 
         return jax.tree_util.tree_map(
-            np.asarray, multihost_utils.broadcast_one_to_all(value))
+            lambda a: _exchanged(multihost_utils.broadcast_one_to_all, a), value)
     return jax.tree_util.tree_map(lambda a: a[root_rank], _gather_stacked(value))
 
 
@@ -341,4 +341,20 @@ def _gather_stacked(value: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return jax.tree_util.tree_map(
-        np.asarray, multihost_utils.process_allgather(value, tiled=False))
+        lambda a: _exchanged(lambda w: multihost_utils.process_allgather(w, tiled=False), a),
+        value)
+
+
+def _exchanged(exchange, value: Any) -> np.ndarray:
+    """`exchange(value)` for a host value of any width, as NumPy.
+
+    JAX without 64-bit types would cut 64-bit values to 32 bits on the way,
+    so those travel as their 32-bit words (a trailing axis) and come back
+    whole, in their own dtype.
+    """
+    array = np.asarray(value)
+    if array.dtype.itemsize <= 4:
+        return np.asarray(exchange(array))
+    words = np.array(array, order="C")[..., None].view(np.uint32)  # keeps a 0-d shape
+    back = np.array(exchange(words), dtype=np.uint32, order="C")
+    return back.view(array.dtype)[..., 0]

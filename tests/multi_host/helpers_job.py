@@ -26,3 +26,9 @@ hvd.init()
 say("hvd", hvd.allreduce(tensor=np.float32(i + 1)), hvd.allreduce(np.float32(i + 1), op=hvd.Sum),
     hvd.allgather(tensor=np.full((i + 1,), i), name="g").tolist(),
     hvd.broadcast(np.float32(i + 5), 1, name="b"), hvd.rank(), hvd.size())
+# 64-bit values keep their width across instances (JAX without x64 would cut them).
+wide = dist.allreduce(np.int64(2**40 + i), op="sum")
+say("wide", int(wide), wide.dtype, dist.broadcast(np.float64(0.1)).dtype,
+    dist.allgather(np.array([2**40 + i], np.int64)).tolist(),
+    abs(float(dist.allreduce(np.float64(1 + 1e-12 * (i + 1)), op="sum")) - 2.000000000003)
+    < 1e-15)
