@@ -213,6 +213,31 @@ def keep_last_replica_metrics(model: Any, replica_count: int) -> None:
         variable.assign(np.asarray(value))
 
 
+def keep_first_replica_state(model: Any, replica_count: int) -> None:
+    """Across instances: the model's non-trainable variables become global replica 0's.
+
+    Each instance's Keras state holds its own first replica's; trainable
+    weights are equal on every replica, but statistics such as
+    BatchNormalization's moving mean are each replica's own. Instance 0
+    runs global replica 0 and sends its values to the others, so every
+    instance holds what one process would. Every instance must call it
+    (after an epoch of `fit`).
+
+    Example:
+
+    >>> keep_first_replica_state(model, 4)   # 2 instances × 2 replicas
+    """
+    if replica_count == 1 or jax.process_count() == 1 or not model.non_trainable_variables:
+        return
+    from jax.experimental import multihost_utils
+
+    model.jax_state_sync()
+    variables = model.non_trainable_variables
+    first = multihost_utils.broadcast_one_to_all([np.asarray(v.value) for v in variables])
+    for variable, value in zip(variables, first):
+        variable.assign(np.asarray(value))
+
+
 class ReplicaCodec:
     """Moves state and batches between Keras and a (replicated) program.
 
@@ -242,10 +267,11 @@ class ReplicaCodec:
     def to_keras(self, state: Any) -> dict:
         """Replica 0's weights; the last replica's metrics (what `NONE` reports).
 
-        In a multi-host job, of this instance's replicas: the weights are the
-        same on all, the logs are reduced over all replicas in the program, and
-        `keep_last_replica_metrics` then gives every instance the last global
-        replica's metrics.
+        In a multi-host job, of this instance's replicas: the trainable
+        weights are the same on all, the logs are reduced over all replicas in
+        the program, and `keep_first_replica_state` and
+        `keep_last_replica_metrics` then give every instance global replica 0's
+        other variables and the last global replica's metrics.
         """
         first, last = self.replicas.local_replicas[0], self.replicas.local_replicas[-1]
         return {

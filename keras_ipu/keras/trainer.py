@@ -390,6 +390,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     finally:
         if hooks is not None:
             hooks.close()
+    if mode == "fit":
+        replication.keep_first_replica_state(model, run.replica_count)
     if mode != "predict":
         replication.keep_last_replica_metrics(model, run.replica_count)
     return logs

@@ -31,6 +31,8 @@ def build(kind: str) -> keras.Model:
                                  keras.layers.Dense(3)])
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    # Moving statistics are each replica's own: every instance must hold replica 0's.
+    hidden = keras.layers.BatchNormalization()(hidden)
     return keras.Model(inputs, keras.layers.Dense(3)(hidden))
 
 
