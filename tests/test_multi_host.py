@@ -125,7 +125,9 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
     for args, message in ((["--num-instances", "2"], "give the script to run"),
                           (["--num-instances", "2", "-m"], "give the script to run"),
                           (["--num-instances", "2", "--ipus-per-replica", "0", "x.py"],
-                           "--ipus-per-replica must be at least 1, got 0")):
+                           "--ipus-per-replica must be at least 1, got 0"),
+                          (["--num-instances", "2", "--coordinator", "nonsense", "x.py"],
+                           "--coordinator must be HOST:PORT")):
         failed = launch(*args)
         assert failed.returncode == 2 and message in failed.stderr, failed.stderr
         assert "Traceback" not in failed.stderr

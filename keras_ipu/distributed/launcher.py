@@ -173,10 +173,19 @@ def main(argv: Sequence[str]) -> int:
               f"--num-instances ({args.num_instances}): each instance runs the same number "
               f"of replicas", file=sys.stderr)
         return 2
+    if args.coordinator is not None and not _is_host_and_port(args.coordinator):
+        print(f"error: --coordinator must be HOST:PORT (a port from 1 to 65535), got "
+              f"{args.coordinator!r}", file=sys.stderr)
+        return 2
     command = instance_command(command)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     return Job(command, args.num_instances, coordinator, args.num_replicas,
                args.ipus_per_replica).run()
+
+
+def _is_host_and_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 class Job:
