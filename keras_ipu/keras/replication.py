@@ -200,17 +200,8 @@ def keep_last_replica_metrics(model: Any, replica_count: int) -> None:
 
     >>> keep_last_replica_metrics(model, 4)   # 2 instances × 2 replicas
     """
-    if replica_count == 1 or jax.process_count() == 1 or not model.metrics_variables:
-        return
-    from jax.experimental import multihost_utils
-
-    model.jax_state_sync()
-    variables = model.metrics_variables
-    last = multihost_utils.broadcast_one_to_all(
-        [np.asarray(v.value) for v in variables],
-        is_source=jax.process_index() == jax.process_count() - 1)
-    for variable, value in zip(variables, last):
-        variable.assign(np.asarray(value))
+    if replica_count > 1:
+        _take_from_instance(model, model.metrics_variables, jax.process_count() - 1)
 
 
 def keep_first_replica_state(model: Any, replica_count: int) -> None:
@@ -227,14 +218,20 @@ def keep_first_replica_state(model: Any, replica_count: int) -> None:
 
     >>> keep_first_replica_state(model, 4)   # 2 instances × 2 replicas
     """
-    if replica_count == 1 or jax.process_count() == 1 or not model.non_trainable_variables:
+    if replica_count > 1:
+        _take_from_instance(model, model.non_trainable_variables, 0)
+
+
+def _take_from_instance(model: Any, variables: list, source: int) -> None:
+    """Every instance's `variables` take instance `source`'s values (all must call it)."""
+    if jax.process_count() == 1 or not variables:
         return
     from jax.experimental import multihost_utils
 
     model.jax_state_sync()
-    variables = model.non_trainable_variables
-    first = multihost_utils.broadcast_one_to_all([np.asarray(v.value) for v in variables])
-    for variable, value in zip(variables, first):
+    values = multihost_utils.broadcast_one_to_all(
+        [np.asarray(v.value) for v in variables], is_source=jax.process_index() == source)
+    for variable, value in zip(variables, values):
         variable.assign(np.asarray(value))
 
 
