@@ -84,7 +84,7 @@ def test_scopes_place_the_computation_and_while_loops_stop():
 def test_misuse_says_what_to_do():
     with pytest.raises(RuntimeError, match="inside ipu.scopes.ipu_scope"):
         ipu.ipu_compiler.compile(lambda: 1)
-    with pytest.raises(RuntimeError, match="inside the body of ipu.loops.repeat"):
+    with pytest.raises(RuntimeError, match=r"inside a compiled computation \(ipu_compiler"):
         ipu.ipu_outfeed_queue.IPUOutfeedQueue().enqueue(1.0)
     with pytest.raises(ValueError, match="returned 2 values for 1 loop-carried"):
         ipu.loops.repeat(2, lambda x: (x, x), [0.0])
@@ -414,3 +414,42 @@ def test_a_function_wrapped_in_jax_jit_runs_as_the_port_of_a_jit_compiled_tf_fun
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [doubled] = ipu.ipu_compiler.compile(jax.jit(lambda v: v * 2), [np.ones(2)])
     assert doubled.tolist() == [2, 2]
+
+
+def test_an_enqueue_outside_any_loop_outfeeds_one_element_per_run():
+    # IPU TF2's one-step pattern: the computation returns its enqueue op.
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def step(x):
+        y = x * 2
+        looped = ipu.loops.repeat(2, lambda v: (v + 1, outfeed.enqueue(v)), [y])
+        return y, looped, outfeed.enqueue(y)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        y, looped = ipu.ipu_compiler.compile(step, [np.ones(3, np.float32)])
+    np.testing.assert_array_equal(looped, np.full(3, 4))
+    # In the order of the program: the loop's two iterations, then the step's value.
+    np.testing.assert_array_equal(outfeed.dequeue()[:, 0], [2, 3, 2])
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    for run in range(2):
+        strategy.run(lambda x: outfeed.enqueue({"x": x}), args=(np.full(2, run, np.float32),))
+    np.testing.assert_array_equal(outfeed.dequeue()["x"], [[0, 0], [1, 1]])
+    with pytest.raises(RuntimeError, match="in the body of ipu.loops.while_loop"):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(lambda: ipu.loops.while_loop(
+                lambda i: i < 2, lambda i: (i + 1, outfeed.enqueue(i)), [0]))
+
+
+def test_the_outfeed_values_go_to_the_queues_of_the_trace_of_the_program_run():
+    # One function compiled for two shapes that enqueue on different queues.
+    small, big = ipu.ipu_outfeed_queue.IPUOutfeedQueue(), ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def net(x):
+        queue = small if x.shape[0] < 4 else big  # decided at trace time
+        return ipu.loops.repeat(2, lambda v: (v + 1, queue.enqueue(v.sum())), [x])
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        for size in (2, 8, 2):
+            ipu.ipu_compiler.compile(net, [np.ones(size, np.float32)])
+    np.testing.assert_array_equal(small.dequeue(), [2, 4, 2, 4])
+    np.testing.assert_array_equal(big.dequeue(), [8, 16])

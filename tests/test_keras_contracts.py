@@ -476,3 +476,28 @@ def test_batch_normalization_takes_its_training_statistics_from_moments(monkeypa
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
     flattened = outer._flatten_layers(include_self=False, recursive=True)
     assert any(isinstance(layer, BatchNormalization) for layer in flattened)
+
+
+def test_a_stateless_scope_passes_every_assignment_through_add_update():
+    # keras_ipu.keras.assignments records the variables a compiled computation assigns by
+    # overriding StatelessScope.add_update, and nests in an enclosing scope it finds with
+    # get_stateless_scope; functional_ops reads state_mapping.
+    from keras.src.backend.common import stateless_scope
+
+    seen = []
+
+    class Recording(stateless_scope.StatelessScope):
+        def add_update(self, update):
+            seen.append(update[0])
+            super().add_update(update)
+
+    variable = keras.Variable(np.zeros(2, np.float32))
+    generator = keras.random.SeedGenerator(1)
+    assert stateless_scope.get_stateless_scope() is None
+    with Recording(initialize_variables=False) as scope:
+        assert stateless_scope.get_stateless_scope() is scope
+        variable.assign_add(np.ones(2, np.float32))
+        keras.random.uniform((2,), seed=generator)
+    assert seen == [variable, generator.state] and id(variable) in scope.state_mapping
+    np.testing.assert_array_equal(scope.get_current_value(variable), [1, 1])
+    np.testing.assert_array_equal(variable.numpy(), [0, 0])

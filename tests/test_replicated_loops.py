@@ -310,3 +310,20 @@ def test_an_outfeed_keeps_the_values_of_runs_of_another_replication_for_the_next
     second = outfeed.dequeue()  # before, a NumPy error, and both runs' values were gone
     np.testing.assert_array_equal(second, np.arange(6.0).repeat(2).reshape(3, 2, 2))
     assert outfeed.dequeue() == []
+
+
+def test_an_enqueue_outside_loops_outfeeds_each_replicas_element_per_run():
+    configure(2)
+    everything = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(outfeed_mode=Mode.LAST)
+
+    def step(x):
+        mine = x + replication_ops.replication_index().astype(x.dtype)
+        return everything.enqueue(mine), last.enqueue(mine)
+
+    for run in range(3):
+        _compiled(step, [np.full(2, 10.0 * run, np.float32)])
+    outfed = everything.dequeue()
+    assert outfed.shape == (3, 2, 2)  # [runs, replicas, ...]
+    np.testing.assert_array_equal(outfed[:, :, 0], [[0, 1], [10, 11], [20, 21]])
+    np.testing.assert_array_equal(last.dequeue()[:, 0], [20, 21])

@@ -254,3 +254,40 @@ def test_run_refuses_an_unbuilt_model_and_runs_a_built_one_again(strategy):
         expected = keras.ops.convert_to_numpy(model(x))  # now built
         for _ in range(2):
             np.testing.assert_allclose(strategy.run(call, args=(x,)), expected, rtol=1e-6)
+
+
+def _bn_dropout_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
+                             keras.layers.Dropout(0.5, seed=seed)])
+
+
+def test_run_and_compile_apply_the_keras_variable_updates_of_a_training_call(strategy):
+    # BatchNormalization's moving statistics and Dropout's seed generator, assigned inside
+    # the compiled program, take their new values after it (before: the trace's
+    # placeholders stayed in the variables and the model failed at its next use).
+    configure(1)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    with strategy.scope():
+        model = _bn_dropout_model(3)
+    eager = _bn_dropout_model(3)  # the same weights and seed, run by Keras itself
+    runs = [lambda: strategy.run(lambda a: model(a, training=True), args=(x,)),
+            lambda: _compiled_on_ipu0(lambda a: model(a, training=True), x)]
+    for run in runs * 2:  # the kept program too
+        expected = keras.ops.convert_to_numpy(eager(x, training=True))
+        np.testing.assert_allclose(run(), expected, rtol=1e-6, atol=1e-6)
+        assert_weights_close(eager.get_weights(), model.get_weights())
+    np.testing.assert_allclose(model(x), eager(x), rtol=1e-6)  # usable after, eagerly
+    # rand_ops.dropout with a seed generator, as its docstring advises in a compiled step.
+    generator = keras.random.SeedGenerator(1)
+    masks = [np.asarray(_compiled_on_ipu0(
+        lambda a: ipu.rand_ops.dropout(a, rate=0.5, seed=generator), np.ones((2, 8))))
+        for _ in range(2)]
+    assert not np.array_equal(*masks)
+    assert int(keras.ops.convert_to_numpy(generator.state)[1]) == 2
+
+
+def _compiled_on_ipu0(fn, x):
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [result] = ipu.ipu_compiler.compile(fn, [x])
+    return result

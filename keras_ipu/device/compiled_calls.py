@@ -4,7 +4,8 @@
 a logical device and runs it at once; the program is kept in the configured
 system and runs again without tracing. The infeeds its loops read are its
 inputs, taken on the host at each call; the values its loops enqueue on
-outfeeds leave with its outputs and reach their queues once it has run.
+outfeeds (and those it enqueues outside any loop, one element per run) leave
+with its outputs and reach their queues once it has run.
 
 As in IPU TensorFlow, where "replication_factor is now set automatically
 based on the model", the computation is replicated over the device's IPUs:
@@ -47,27 +48,9 @@ from jax.sharding import PartitionSpec as P
 from keras_ipu.device import collectives, queues, scopes, system
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 
-# Trace-time context, not global state: the outfeed values enqueued by the loops
-# of a `call_compiled` program being traced.
-_OUTFED: contextvars.ContextVar = contextvars.ContextVar("outfed", default=None)
-# Trace-time context: the infeed inputs of the `call_compiled` program being traced.
+# Trace-time context, not global state: the infeed inputs of the `call_compiled` program
+# being traced.
 _FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
-
-
-def outfed_values() -> list | None:
-    """Where the loops of the program being traced put their outfeed values.
-
-    Returns:
-        A list of `(queue, values)` pairs that the program returns with its
-        outputs, or `None` outside a `call_compiled` trace.
-
-    Example:
-
-    >>> outfed = outfed_values()
-    >>> if outfed is not None:
-    ...     outfed.append((queue, stacked_values))
-    """
-    return _OUTFED.get()
 
 
 def infeed_inputs() -> Any:
@@ -163,12 +146,8 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     >>> call_compiled(lambda x: x * 2, system.require().ipus, (np.ones(3),))
     Array([2., 2., 2.], dtype=float32)
     """
-    # `@jax.jit` ports `@tf.function(jit_compile=True)`; the program is compiled whole
-    # anyway, and a loop traced inside the inner jit could not hand its infeed data in
-    # and its outfeed values out of it.
-    while isinstance(fn, jax.stages.Wrapped) and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    if _OUTFED.get() is not None:  # inside another program's trace: part of it
+    fn = unwrapped(fn)
+    if queues.program_outfeeds() is not None:  # inside another program's trace: part of it
         return without_operations(outputs(fn(*args, **(kwargs or {}))))
     ipus = tuple(ipus)
     arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
@@ -230,6 +209,8 @@ def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
     def visit(function: Any, depth: int) -> Iterator[Any]:
         if isinstance(function, functools.partial):
             function = function.func
+        if not hasattr(function, "__code__") and hasattr(function, "__wrapped__"):
+            function = function.__wrapped__  # a callable wrapper's function
         owner = getattr(function, "__self__", None)
         function = getattr(function, "__func__", function)  # a bound method's function
         code = getattr(function, "__code__", None)
@@ -278,6 +259,29 @@ def _global_names(code: Any) -> set:
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (np.ndarray, np.generic, jax.Array)) or hasattr(leaf, "__jax_array__")
+
+
+def unwrapped(fn: Callable) -> Callable:
+    """`fn` without the `jax.jit` around it: the function a compiled call traces.
+
+    `@jax.jit` ports `@tf.function(jit_compile=True)`; the program is compiled
+    whole anyway, and a loop traced inside the inner jit could not hand its
+    infeed data in and its outfeed values out of it.
+
+    Args:
+        fn: A function, maybe wrapped in `jax.jit` (once or more).
+
+    Returns:
+        The innermost function.
+
+    Example:
+
+    >>> unwrapped(jax.jit(f)) is f
+    True
+    """
+    while isinstance(fn, jax.stages.Wrapped) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
 
 
 def _split_arguments(arguments: Any) -> tuple[list, tuple, Any]:
@@ -424,16 +428,14 @@ class _Program:
         supplied = iter(arrays)
         leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        outfed_token = _OUTFED.set([])
         feeds_token = _FEEDS.set(feeds)
         try:
-            with queues.recording_made_infeeds(self.unread):
+            with (queues.recording_made_infeeds(self.unread),
+                  queues.collect_program_outfeeds() as outfed):
                 result = self.outputs(self.fn(*args, **kwargs))
-            outfed = _OUTFED.get()
         finally:
             _FEEDS.reset(feeds_token)
-            _OUTFED.reset(outfed_token)
-        self.outfeeds = [queue for queue, _ in outfed]
+        self.outfeeds = [queue for queue, _ in outfed]  # this trace's
         return without_operations(result), [values for _, values in outfed]
 
     def _replicated(self, replicas: Replicas, arrays: list, feed_data: list,
@@ -466,7 +468,8 @@ class _Program:
             try:
                 feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
-                result, outfed = self._executable(arrays, feed_data)(arrays, feed_data)
+                executable, outfeeds = self._executable(arrays, feed_data)
+                result, outfed = executable(arrays, feed_data)
             except _MadeInTrace:
                 _put_back(self.plan, taken)
                 return self._run_once(arrays, replicas)
@@ -479,7 +482,7 @@ class _Program:
             except BaseException:
                 _put_back(self.plan, taken)
                 raise
-            return self._delivered(replicas, result, outfed)
+            return self._delivered(replicas, result, outfed, outfeeds)
 
     def _probe(self, arrays: list) -> Replicas:
         """The replicas, from an abstract trace that records the shards and the infeed reads.
@@ -534,14 +537,20 @@ class _Program:
         self.reusable = self.feeds_as_inputs = False
         function = jax.jit(self._function(replicas), static_argnums=2)
         result, outfed = function(arrays, [], ())
-        return self._delivered(replicas, result, outfed)
+        return self._delivered(replicas, result, outfed, self.outfeeds)
 
-    def _delivered(self, replicas: Replicas, result: Any, outfed: list) -> Any:
-        for queue, values in zip(self.outfeeds, outfed):
+    @staticmethod
+    def _delivered(replicas: Replicas, result: Any, outfed: list, outfeeds: list) -> Any:
+        for queue, values in zip(outfeeds, outfed, strict=True):
             queue.receive(values)
         return replicas.unreplicate(result)  # replica 0's, on its device
 
-    def _executable(self, arrays: list, feed_data: list) -> Any:
+    def _executable(self, arrays: list, feed_data: list) -> tuple[Any, list]:
+        """The compiled program for these inputs, and the queues its outfed values go to.
+
+        The queues are its trace's: a function traced for other shapes may
+        enqueue elsewhere.
+        """
         plan = tuple(self.plan)
         leaves, structure = jax.tree_util.tree_flatten((arrays, feed_data))
         signature = (plan, structure, tuple((a.shape, str(a.dtype)) for a in leaves))
@@ -549,7 +558,8 @@ class _Program:
         if executable is None:
             traced = self.jitted.trace(arrays, feed_data, plan)
             self.reusable = self.reusable and not traced.jaxpr.consts
-            executable = self.executables[signature] = traced.lower().compile()
+            executable = self.executables[signature] = (traced.lower().compile(),
+                                                        list(self.outfeeds))
         return executable
 
 

@@ -86,14 +86,14 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
                            "compiled for that IPU device.")
     device, shard = scope
     ipus = system.require().ipus_of_device(device)
-    return compiled_calls.call_compiled(computation, ipus, _as_list(inputs), outputs=_outputs,
+    return compiled_calls.call_compiled(computation, ipus, _as_list(inputs), outputs=output_list,
                                         shard=shard)
 
 
 def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:
     """Sends a finished loop's stacked values on: the enclosing body, program, or the queue."""
     enclosing = queues.current_enqueues()
-    outfed = compiled_calls.outfed_values()
+    outfed = queues.program_outfeeds()
     if enclosing is not None:  # a loop nested in a body: a block of that iteration's values
         enclosing.add(queue, values, block=True)
     elif outfed is not None:  # inside `call_compiled`: the values leave with its outputs
@@ -268,8 +268,21 @@ def _as_list(inputs: Any) -> list:
     return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
 
 
-def _outputs(values: Any) -> list:
-    """A computation's or a body's values as a list, operations dropped."""
+def output_list(values: Any) -> list:
+    """A computation's or a body's values as a list, operations dropped.
+
+    Args:
+        values: What the computation returned: `None`, one value, or a
+            tuple or list of values (outfeed markers among them).
+
+    Returns:
+        The values as a list, without the operations.
+
+    Example:
+
+    >>> output_list((x, outfeed.enqueue(x)))
+    [x]
+    """
     if values is None:
         return []
     values = values if isinstance(values, (tuple, list)) else (values,)
@@ -278,7 +291,7 @@ def _outputs(values: Any) -> list:
 
 def _carried(new: Any, count: int) -> tuple:
     """A body's result as the tuple of carried values."""
-    values = tuple(_outputs(new))
+    values = tuple(output_list(new))
     if len(values) != count:
         raise ValueError(f"The loop body returned {len(values)} values for {count} "
                          f"loop-carried inputs.")

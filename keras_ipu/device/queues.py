@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from keras_ipu.device import system
@@ -95,6 +96,9 @@ class Enqueues:
 
 # Trace-time context, not global state: the enqueues of the loop body being traced.
 _ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
+# Trace-time context: the outfeed values of the compiled program being traced (`compile`,
+# `strategy.run`), `(queue, values stacked per element)` in the order they were enqueued.
+_PROGRAM_OUTFED: contextvars.ContextVar = contextvars.ContextVar("program_outfed", default=None)
 # Trace-time context: the infeed queues made while a compiled function is traced.
 _MADE_INFEEDS: contextvars.ContextVar = contextvars.ContextVar("made_infeeds", default=None)
 
@@ -194,6 +198,43 @@ def current_enqueues() -> Enqueues | None:
     True
     """
     return _ENQUEUES.get()
+
+
+@contextlib.contextmanager
+def collect_program_outfeeds() -> Iterator[list]:
+    """Collects the outfeed values of a compiled program being traced, in order.
+
+    A loop's stacked values and an `enqueue` made outside any loop (one
+    element per run, as IPU TensorFlow's enqueue op returned by the
+    computation) both land here; they leave the program with its outputs.
+
+    Example:
+
+    >>> with collect_program_outfeeds() as outfed:
+    ...     result = fn(x)
+    >>> [queue for queue, _ in outfed]
+    """
+    outfed: list = []
+    token = _PROGRAM_OUTFED.set(outfed)
+    try:
+        yield outfed
+    finally:
+        _PROGRAM_OUTFED.reset(token)
+
+
+def program_outfeeds() -> list | None:
+    """The outfeed values of the compiled program being traced.
+
+    Returns:
+        A list of `(queue, values)` pairs (each array stacked on a leading
+        axis), or `None` outside a compiled program's trace.
+
+    Example:
+
+    >>> program_outfeeds() is None   # outside `compile` and `strategy.run`
+    True
+    """
+    return _PROGRAM_OUTFED.get()
 
 
 def synthetic_data() -> bool:
@@ -458,20 +499,25 @@ class IPUOutfeedQueue:
         return None
 
     def enqueue(self, tensors: Any) -> _Enqueued:
-        """Enqueues values inside a loop's body; returns a marker the loop drops.
+        """Enqueues values: one element per iteration of a loop, or per run of a program.
+
+        Inside the body of `ipu.loops.repeat` each iteration enqueues one
+        element; directly in a compiled computation (`ipu_compiler.compile`,
+        `strategy.run`), outside any loop, each run enqueues one, as the op
+        IPU TensorFlow's computation returns does.
 
         Args:
             tensors: An array, or a tuple, list or dict of arrays.
 
         Returns:
-            An `Operation` the loop drops from the body's outputs.
+            An `Operation` the loop or the computation drops from its outputs.
 
         Raises:
-            RuntimeError: Outside the body of `ipu.loops.repeat` (a
-                `while_loop`'s body included: its iteration count is known
+            RuntimeError: Outside a compiled computation and a loop's body, and
+                in the body of a `while_loop` (its iteration count is known
                 only on the device).
             ValueError: When the queue was already enqueued in this
-                iteration.
+                iteration of a loop.
 
         Example:
 
@@ -479,10 +525,15 @@ class IPUOutfeedQueue:
         ...     return x + 1, outfeed.enqueue({"x": x})
         """
         enqueued = current_enqueues()
-        if enqueued is None:
-            raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside the body of "
-                               "ipu.loops.repeat.")
-        enqueued.add(self, tensors, block=False)
+        program = program_outfeeds()
+        if enqueued is not None:
+            enqueued.add(self, tensors, block=False)
+        elif program is not None:
+            program.append((self, jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], tensors)))
+        else:
+            raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside a compiled "
+                               "computation (ipu_compiler.compile, strategy.run) or the body "
+                               "of ipu.loops.repeat.")
         return _Enqueued()
 
     def receive(self, values: Any) -> None:

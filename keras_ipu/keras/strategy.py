@@ -10,7 +10,7 @@ import keras
 
 from keras_ipu.device import compiled_calls
 from keras_ipu.device import system as ipu_system
-from keras_ipu.keras import context, extensions
+from keras_ipu.keras import assignments, context, extensions
 
 
 class IPUStrategy:
@@ -87,8 +87,12 @@ class IPUStrategy:
         cross-replica ops see the replicas. Values that `ipu.loops` inside
         enqueue to an `IPUOutfeedQueue` reach it once `fn` has run (its
         `dequeue` returns them, with a replica axis second when there are
-        several replicas). `num_replicas_in_sync` stays 1, as in IPU
-        TensorFlow: the replication is inside the program.
+        several replicas); so do values `fn` enqueues outside any loop, one
+        element per run. Keras variables `fn` assigns (BatchNormalization's
+        moving statistics in training mode, a seed generator's state) take
+        their new values once it has run, replica 0's.
+        `num_replicas_in_sync` stays 1, as in IPU TensorFlow: the
+        replication is inside the program.
 
         Args:
             fn: The function to run.
@@ -115,7 +119,8 @@ class IPUStrategy:
         """
         _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
-        return compiled_calls.call_compiled(fn, ipus, args, kwargs)
+        return assignments.call_assigning(
+            lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs), fn)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.

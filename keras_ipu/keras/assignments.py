@@ -1,0 +1,115 @@
+"""Keras variable assignments inside a compiled computation, applied once it has run.
+
+`strategy.run(fn)` and `ipu_compiler.compile(fn)` trace `fn` with `jax.jit`.
+A Keras layer called there may assign its variables: BatchNormalization's
+moving statistics in training mode, a seed generator's state for Dropout or
+`rand_ops.dropout`. Assigned during a trace, a variable would keep the
+trace's placeholder and the model would fail at its next use. As in IPU
+TensorFlow, where such updates are ops of the program, `fn` is traced in a
+Keras stateless scope: the new values leave the program with its outputs,
+and the variables take them once it has run (replica 0's, as the result).
+
+The assigned variables travel in the output's tree structure, so the values
+of a program compiled for other input shapes reach the variables its own
+trace assigned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import keras
+from keras.src.backend.common import stateless_scope
+
+from keras_ipu.device import compiled_calls
+
+
+class _Held:
+    """A variable in a tree's static data: equal only to itself (a Keras variable's `==`
+    is elementwise)."""
+
+    def __init__(self, variable: keras.Variable):
+        self.variable = variable
+
+
+@jax.tree_util.register_pytree_node_class
+class _Assigned:
+    """A computation's result with the new values of the variables it assigned."""
+
+    def __init__(self, result: Any, values: list, held: tuple):
+        self.result, self.values, self.held = result, values, held
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        return (self.result, self.values), self.held
+
+    @classmethod
+    def tree_unflatten(cls, held: tuple, children: tuple) -> _Assigned:
+        return cls(*children, held)
+
+
+class _Recording(stateless_scope.StatelessScope):
+    """A stateless scope that also keeps the variables assigned in it, in order."""
+
+    def __init__(self):
+        super().__init__(initialize_variables=False)
+        self.assigned: dict[int, keras.Variable] = {}
+
+    def add_update(self, update: tuple) -> None:
+        variable, _ = update
+        self.assigned.setdefault(id(variable), variable)
+        super().add_update(update)
+
+
+class _KeepingAssignments:
+    """`fn` traced in a `_Recording` scope: its result carries the assigned values.
+
+    Equal to another for the same `fn` (and outputs), so that a kept program
+    is found again.
+    """
+
+    def __init__(self, fn: Callable, outputs: Callable):
+        self.__wrapped__ = compiled_calls.unwrapped(fn)
+        self.outputs = outputs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Assigned:
+        if stateless_scope.get_stateless_scope() is not None:
+            # Part of an enclosing stateless trace (a computation inside another): its
+            # scope takes the assignments.
+            return _Assigned(self.outputs(self.__wrapped__(*args, **kwargs)), [], ())
+        with _Recording() as scope:
+            result = self.outputs(self.__wrapped__(*args, **kwargs))
+        held = tuple(_Held(variable) for variable in scope.assigned.values())
+        return _Assigned(result, [scope.get_current_value(h.variable) for h in held], held)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _KeepingAssignments) and other.__wrapped__ == self.__wrapped__
+                and other.outputs == self.outputs)
+
+    def __hash__(self) -> int:
+        return hash((self.__wrapped__, self.outputs))
+
+
+def call_assigning(run: Callable[[Callable], Any], fn: Callable,
+                   outputs: Callable = lambda result: result) -> Any:
+    """Runs `fn` through `run`, then assigns the Keras variables `fn` assigned.
+
+    Args:
+        run: Runs a function as a compiled computation and returns its
+            result (`lambda f: call_compiled(f, ipus, args)`).
+        fn: The user's computation.
+        outputs: Applied to `fn`'s result inside the computation.
+
+    Returns:
+        `outputs(fn(...))`, as `run` gives it.
+
+    Example:
+
+    >>> call_assigning(lambda f: call_compiled(f, ipus, (x,)),
+    ...                lambda a: model(a, training=True))
+    """
+    assigned = run(_KeepingAssignments(fn, outputs))
+    for held, value in zip(assigned.held, assigned.values, strict=True):
+        held.variable.assign(value)
+    return assigned.result
