@@ -312,3 +312,39 @@ def test_half_precision_is_read_from_the_programs_matrix_work():
     assert precision.temporary_scale(jaxprs[jnp.float32], "cpu") == 1.0
     assert 0.4 < precision.temporary_scale(jaxprs[jnp.bfloat16], "cpu") < 0.8
     assert precision.temporary_scale(jaxprs[jnp.bfloat16], "gpu") == 1.0
+
+
+def test_xla_cpus_float32_copies_of_16_bit_weights_are_not_an_ipus_temporaries():
+    # XLA:CPU converts a float16 model's weights to float32 up front: 3 x Dense(256) at
+    # batch 16 has 819,200 temporary bytes there, the copies and two float32 activations.
+    import jax
+    import jax.numpy as jnp
+
+    def forward(weights, x):
+        for w in weights:
+            x = jax.nn.relu(x @ w)
+        return x
+
+    weights = [jnp.ones((256, 256), jnp.float16)] * 3
+    jaxpr = jax.make_jaxpr(forward)(weights, jnp.ones((16, 256), jnp.float16))
+    measured = jax.jit(forward).lower(weights, jnp.ones((16, 256), jnp.float16)).compile()
+    modelled = precision.peak_live_bytes(jaxpr, precision._upcast_itemsize,
+                                         matrix_input_copies=True)
+    assert modelled == measured.memory_analysis().temp_size_in_bytes == 819_200
+    # An IPU holds two float16 activations (the scale brings XLA's figure there).
+    assert precision.temporary_scale(jaxpr, "cpu") * 819_200 == 2 * 16 * 256 * 2
+
+
+@with_policies(["float16"])
+def test_a_float16_model_whose_weights_fit_is_not_refused_as_out_of_memory(policy):
+    # 2,099,200 bytes of float16 weights on an IPU of 4 tiles (2,555,904 bytes): before,
+    # the float32 copies XLA:CPU makes counted, and predict was refused needing 4,360,192.
+    configure(1, tiles_per_ipu=4)
+    keras.mixed_precision.set_global_policy(policy)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.predict(np.ones((16, 1024), "float32"), batch_size=16, verbose=0)
+    report = ipu.utils.execution_report(model, "predict").ipus[0]
+    assert report.state_bytes == 2 * 1024 * 1025
+    assert report.temporary_bytes < 4 * 16 * 1024 * 2  # a few float16 activations
