@@ -291,3 +291,27 @@ def test_a_replicas_temporaries_do_not_hold_a_copy_of_its_executions_batches():
     one, two = _fit_report(1, 64), _fit_report(2, 64)
     batches_per_replica = 64 * 32 * 1024 * 4
     assert two.temporary_bytes < one.temporary_bytes + batches_per_replica // 8
+
+
+def test_list_reduction_gives_batch_hooks_arrays_with_or_without_asynchronous_callbacks(
+        strategy):
+    # A hook doing logs["loss"].mean() works in both modes (before: a list when asynchronous).
+    configure(2)
+    seen = {}
+    for asynchronous in (False, True):
+        with strategy.scope():
+            model = _zero_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mae", steps_per_execution=2)
+        model.set_replication_options("LIST")
+        model.set_asynchronous_callbacks(asynchronous)
+        losses = seen[asynchronous] = []
+        x, y = np.zeros((8, 1), "float32"), np.arange(1, 9, dtype="float32")[:, None]
+        model.fit(x, y, batch_size=1, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs, losses=losses:
+                                           losses.append(logs["loss"]))])
+        assert all(isinstance(loss, np.ndarray) and loss.shape == (2,) for loss in losses)
+    for sync, asynchronous in zip(seen[False], seen[True]):
+        if len(seen[False]) == len(seen[True]):  # async reports every step
+            np.testing.assert_allclose(asynchronous, sync)
+    # Every replica's running mean: replica r gets samples 2k + r.
+    np.testing.assert_allclose(seen[True][-1], [np.mean([1, 3, 5, 7]), np.mean([2, 4, 6, 8])])

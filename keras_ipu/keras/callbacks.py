@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -88,11 +89,16 @@ class TensorBoard(Callback):
 
     def _writer(self, run: str) -> Any:
         if run not in self._writers:
-            self._writers[run] = _writer_class()(os.path.join(self.log_dir, run))
+            # A name of its own: event files are named by the second they are made in, and a
+            # second fit's writer would overwrite the first's (as TensorFlow's, pid and id).
+            self._writers[run] = _writer_class()(
+                os.path.join(self.log_dir, run),
+                filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:12]}")
         return self._writers[run]
 
     def on_train_begin(self, logs=None):
-        self._batches_before = self._written_step = 0
+        # A callback used for another fit counts its batches from 0 again, as Keras' does.
+        self._batches_before = self._written_step = self._epoch_batches = 0
         if self.write_graph:
             lines: list[str] = []
             self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))

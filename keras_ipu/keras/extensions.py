@@ -191,8 +191,9 @@ class ExtensionBase:
 
         With `True`, `fit`, `evaluate` and `predict` stream each step's logs
         (or predictions) out of the on-device loop as it runs, and the batch
-        callbacks and the progress bar get every step, in step order, on the
-        calling thread, while the device goes on. With replication each step
+        callbacks and the progress bar get every step, in step order, on a
+        host thread of their own (`keras_ipu-callbacks`), while the device
+        goes on. With replication each step
         is reported once per replica (logs reduced as
         `set_replication_options` says; with `"NONE"` each replica's own).
         A pipelined model streams its micro-batches once per weight update

@@ -113,13 +113,16 @@ class StepDelivery:
 
 
 class _ListOfReplicas:
-    """`LIST` reduction of one log entry: per batch, the list of the replicas' values."""
+    """`LIST` reduction of one log entry: per batch, an array of the replicas' values.
+
+    An array, as the logs of a run without asynchronous callbacks give it.
+    """
 
     def __init__(self, values: np.ndarray):
-        self._values = values.tolist()  # [R][batches]
+        self._values = values  # [R, batches, ...]
 
     def __iter__(self):
-        return (list(batch) for batch in zip(*self._values))
+        return iter(np.moveaxis(self._values, 1, 0))  # per batch: [R, ...]
 
 
 def _python(leaf: Any) -> Any:
