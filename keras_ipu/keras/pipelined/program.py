@@ -265,9 +265,12 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
     recompute = _recomputation(options)
     keep_checkpoints = recompute and _keeps_checkpoints(options)
 
-    def flats(part):
-        return {dtype: jax.ShapeDtypeStruct((length,), dtype)
-                for dtype, length in state.lengths[part].items()}
+    def flats(part, ipu):
+        # The IPU's own variables, unpadded: the flats every IPU's are padded to (the
+        # largest IPU's length) are storage, and their padding no IPU computes with.
+        sizes = state.layouts[part][ipu].sizes
+        return {dtype: jax.ShapeDtypeStruct((sizes.get(dtype, 0),), dtype)
+                for dtype in state.lengths[part]}
 
     def costs(hardware, batches):
         x = layout.micro_batch(batches)[0]
@@ -275,7 +278,8 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
         bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(x), jnp.float32)
         forward, backward, forward_flops, backward_flops = [], [], [], []
         for s in range(pipe.num_stages):
-            args = (flats("trainable_variables"), flats("non_trainable_variables"),
+            ipu = pipe.device_mapping[s]
+            args = (flats("trainable_variables", ipu), flats("non_trainable_variables", ipu),
                     bundle, x)
 
             def stage(t, n, b, x, s=s):
@@ -284,25 +288,16 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
                 # losses is bookkeeping, not the stage's work.
                 return out[0][:-1] if out[0] is not None else out[2]
 
-            def backward_op(t, n, b, x, stage=stage, first=s == 0):
-                # The stage differentiated with respect to its weights and its
-                # inputs (for the first stage, the model inputs: every stage is
-                # costed alike); this includes a forward pass, which only a
-                # recomputing backward op runs.
-                def total(t, b, x):
-                    return sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(stage(t, n, b, x)))
-
-                inputs = 2 if first and _is_float(x) else 1
-                return jax.grad(total, argnums=(0, inputs))(t, b, x)
-
             ahead = _counted(jax.jit(stage).trace(*args))
             forward.append(ahead.work_cycles(hardware))
             forward_flops.append(ahead.flops)
             if training:
-                full = _counted(jax.jit(backward_op).trace(*args))
-                backward.append(_backward_part(full.work_cycles(hardware), forward[-1],
-                                               recompute))
-                backward_flops.append(_backward_part(full.flops, ahead.flops, recompute))
+                behind = _counted(_backward_trace(stage, args, first=s == 0))
+                # A recomputing backward op runs the stage's forward pass again first.
+                again = ahead if recompute else None
+                backward.append(behind.work_cycles(hardware)
+                                + (again.work_cycles(hardware) if again else 0.0))
+                backward_flops.append(behind.flops + (again.flops if again else 0.0))
             else:
                 backward.append(0.0)
                 backward_flops.append(0.0)
@@ -426,19 +421,29 @@ def _input_bytes(x) -> int:
                for leaf in jax.tree_util.tree_leaves(x))
 
 
-def _is_float(tree) -> bool:
-    return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree_util.tree_leaves(tree))
+def _backward_trace(stage, args: tuple, first: bool):
+    """The trace of a stage's backward op alone: the pullback of its forward pass.
+
+    The gradients are those the training step takes: with respect to the
+    stage's weights and, but for the first stage, the tensors it receives
+    (the first stage's inputs are the model's data). The forward pass's
+    residuals are the pullback's inputs, so none of the forward work is
+    counted twice, nor subtracted where JAX leaves it out.
+    """
+
+    def abstract_pullback(t, n, b, x):
+        if first:
+            return jax.vjp(lambda t: stage(t, n, b, x), t)[1]
+        return jax.vjp(lambda t, b: stage(t, n, b, x), t, b)[1]
+
+    pulled = jax.eval_shape(abstract_pullback, *args)
+    cotangent = jax.eval_shape(stage, *args)
+    return jax.jit(lambda pull, cotangent: pull(cotangent)).trace(pulled, cotangent)
 
 
 def _counted(traced) -> accounting.StepCost:
     """A stage op's counted cost (its cycles: 16-bit matrix work at the 16-bit rate)."""
     return accounting.step_cost(traced.lower())
-
-
-def _backward_part(full: float, forward: float, recompute: bool) -> float:
-    """A backward op's share of the stage differentiated whole (which includes a forward
-    pass: only a recomputing backward op runs it)."""
-    return full if recompute else max(full - forward, 0.0)
 
 
 __all__ = ["accumulation_steps", "device_mapping", "plan_of", "program_for", "schedule_of"]
