@@ -291,3 +291,30 @@ def _compiled_on_ipu0(fn, x):
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [result] = ipu.ipu_compiler.compile(fn, [x])
     return result
+
+
+def test_the_loops_of_a_computation_carry_the_keras_variables_it_assigns(strategy):
+    # A training loop over an infeed calling a Keras model (BatchNormalization, Dropout):
+    # each iteration starts from the last one's moving statistics and seed (before: the
+    # loop body's tracers leaked, 'Computation compiled for 7 inputs but called with 1').
+    configure(1)
+    batches = [np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
+               for i in range(4)]
+    with strategy.scope():
+        model = _bn_dropout_model(5)
+    eager = _bn_dropout_model(5)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(batches)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    strategy.run(lambda: ipu.loops.repeat(
+        4, lambda x: outfeed.enqueue(model(x, training=True)), [], infeed))
+    expected = [keras.ops.convert_to_numpy(eager(x, training=True)) for x in batches]
+    np.testing.assert_allclose(outfeed.dequeue(), expected, rtol=1e-5, atol=1e-6)
+    assert_weights_close(eager.get_weights(), model.get_weights())
+    # A while loop too; its condition reads a carried value.
+    count = strategy.run(lambda x: ipu.loops.while_loop(
+        lambda i: i < 3, lambda i: (model(x, training=True), i + 1)[1], [0]),
+        args=(batches[0],))
+    for _ in range(3):
+        eager(batches[0], training=True)
+    assert int(count) == 3
+    assert_weights_close(eager.get_weights(), model.get_weights())

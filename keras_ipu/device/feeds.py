@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import collectives, compiled_calls, queues, scopes, system
+from keras_ipu.device import collectives, compiled_calls, loop_state, queues, scopes, system
 
 
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
@@ -161,19 +161,26 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         data = _own_elements(queues.stacked(taken), replicas)
     layout: list = []  # (outfeed, whether its values are a nested loop's block), per record
 
-    def step(carry, element):
-        with queues.collect_enqueues() as enqueued:
-            if element is None:
-                new = body(*carry)
-            elif isinstance(element, dict):
-                new = body(*carry, **element)
-            else:
-                new = body(*carry, *(element if isinstance(element, tuple) else (element,)))
-        layout[:] = [(queue, block) for queue, _, block in enqueued.records]
-        return _carried(new, len(carry)), [values for _, values, _ in enqueued.records]
+    def scan(keys: tuple, initial: list) -> tuple[Any, list]:
+        def step(carry, element):
+            carry, extra = carry
+            loop_state.enter_body(keys, extra)
+            with queues.collect_enqueues() as enqueued:
+                if element is None:
+                    new = body(*carry)
+                elif isinstance(element, dict):
+                    new = body(*carry, **element)
+                else:
+                    new = body(*carry, *(element if isinstance(element, tuple) else (element,)))
+            layout[:] = [(queue, block) for queue, _, block in enqueued.records]
+            return ((_carried(new, len(carry)), loop_state.leave_body(keys)),
+                    [values for _, values, _ in enqueued.records])
+
+        (final, extra), outfed = jax.lax.scan(step, (carried, initial), data, length=n)
+        return (final, outfed), extra
 
     try:
-        final, outfed = jax.lax.scan(step, carried, data, length=n)
+        final, outfed = loop_state.run_loop(scan)
     except BaseException:
         if taken is not None:  # the loop did not run: its elements stay in the queue
             infeed_queue.put_back(taken)
@@ -238,18 +245,23 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     limit = np.iinfo(np.int32).max if maximum_iterations is None else maximum_iterations
 
-    def keep_going(state):
-        count, carry = state
-        return (count < limit) & condition(*carry)
+    def loop(keys: tuple, initial: list) -> tuple[Any, list]:
+        def keep_going(values):
+            count, carry, extra = values
+            loop_state.enter_body(keys, extra)  # the condition may read them too
+            return (count < limit) & condition(*carry)
 
-    def step(state):
-        count, carry = state
-        with queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE):
-            new = body(*carry)
-        return count + 1, _carried(new, len(carry))
+        def step(values):
+            count, carry, extra = values
+            loop_state.enter_body(keys, extra)
+            with queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE):
+                new = body(*carry)
+            return count + 1, _carried(new, len(carry)), loop_state.leave_body(keys)
 
-    _, final = jax.lax.while_loop(keep_going, step, (0, carried))
-    return _unpacked(final)
+        _, final, extra = jax.lax.while_loop(keep_going, step, (0, carried, initial))
+        return final, extra
+
+    return _unpacked(loop_state.run_loop(loop))
 
 
 _WHILE_LOOP_ENQUEUE = (

@@ -11,19 +11,20 @@ and the variables take them once it has run (replica 0's, as the result).
 
 The assigned variables travel in the output's tree structure, so the values
 of a program compiled for other input shapes reach the variables its own
-trace assigned.
+trace assigned. The computation's loops (`ipu.loops.repeat`, `while_loop`)
+carry the assigned variables through their iterations (`loop_state`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import keras
 from keras.src.backend.common import stateless_scope
 
-from keras_ipu.device import compiled_calls
+from keras_ipu.device import compiled_calls, loop_state
 
 
 class _Held:
@@ -50,16 +51,40 @@ class _Assigned:
 
 
 class _Recording(stateless_scope.StatelessScope):
-    """A stateless scope that also keeps the variables assigned in it, in order."""
+    """A stateless scope that also keeps the variables assigned in it, in order.
+
+    It is the state the computation's loops carry (`loop_state.LoopState`):
+    its entries are the assigned variables, by `id`.
+    """
 
     def __init__(self):
         super().__init__(initialize_variables=False)
         self.assigned: dict[int, keras.Variable] = {}
+        self.known: dict[int, keras.Variable] = {}  # kept when a trace is abandoned
 
     def add_update(self, update: tuple) -> None:
         variable, _ = update
         self.assigned.setdefault(id(variable), variable)
+        self.known.setdefault(id(variable), variable)
         super().add_update(update)
+
+    def keys(self) -> tuple[int, ...]:
+        return tuple(self.assigned)
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return dict(self.assigned), dict(self.state_mapping)
+
+    def restore(self, snapshot: tuple[dict, dict]) -> None:
+        self.assigned, self.state_mapping = dict(snapshot[0]), dict(snapshot[1])
+
+    def read(self, keys: Sequence[int]) -> list[Any]:
+        return [self.state_mapping[key] if key in self.state_mapping
+                else self.known[key].value for key in keys]
+
+    def write(self, keys: Sequence[int], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.assigned.setdefault(key, self.known[key])
+            self.state_mapping[key] = value
 
 
 class _KeepingAssignments:
@@ -78,7 +103,7 @@ class _KeepingAssignments:
             # Part of an enclosing stateless trace (a computation inside another): its
             # scope takes the assignments.
             return _Assigned(self.outputs(self.__wrapped__(*args, **kwargs)), [], ())
-        with _Recording() as scope:
+        with _Recording() as scope, loop_state.carrying(scope):
             result = self.outputs(self.__wrapped__(*args, **kwargs))
         held = tuple(_Held(variable) for variable in scope.assigned.values())
         return _Assigned(result, [scope.get_current_value(h.variable) for h in held], held)
