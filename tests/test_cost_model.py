@@ -348,3 +348,37 @@ def test_a_pipeline_stages_backward_flops_are_its_own_gradients():
     assert second == pytest.approx(2 * product, rel=0.1)  # weights and inputs
     small = _pipeline_backward_flops([16, 16, 100, 1], [0, 1, 1], batch)[0]
     assert _pipeline_backward_flops([16, 16, 5000, 1], [0, 1, 1], batch)[0] == small
+
+
+class _GroupMean(keras.layers.Layer):
+    """Adds the mean over a group of replicas (all of them with `group_size=None`)."""
+
+    def __init__(self, group_size=None, **kwargs):
+        super().__init__(**kwargs)
+        self.group_size = group_size
+
+    def call(self, x):
+        from keras_ipu.ops import cross_replica_ops
+
+        mean = keras.ops.mean(x, 0, keepdims=True)
+        return x + 0.1 * cross_replica_ops.cross_replica_sum(mean, self.group_size)
+
+
+@pytest.mark.parametrize("mode", ["fit", "predict"])
+def test_a_replicated_pipeline_with_a_grouped_collective_reports_one_replicas_work(mode):
+    # Its stages are costed alone, where a group of 2 replicas cannot form: before, the
+    # report raised 'A replica group of 2 must divide the 1 replicas' after fit ran.
+    configure(4)  # 2 stages x 2 replicas
+    flops = {}
+    for group_size in (None, 2):
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64),
+                                      _GroupMean(group_size), keras.layers.Dense(2)])
+            model.set_pipeline_stage_assignment([0, 0, 1])
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+            model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+        x = np.ones((32, 6), np.float32)
+        model.fit(x, x[:, :2], batch_size=4, verbose=0) if mode == "fit" else model.predict(
+            x, batch_size=4, verbose=0)
+        flops[group_size] = ipu.utils.execution_report(model, mode).flops_per_step
+    assert flops[2] == pytest.approx(flops[None], rel=0.05)

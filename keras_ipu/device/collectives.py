@@ -19,6 +19,18 @@ from keras_ipu.device.mesh import local_axis
 from keras_ipu.device.replicate import REPLICA_AXIS
 
 
+class ReplicaGroupError(ValueError):
+    """A replica group size that does not divide the replicas where it is traced.
+
+    Example:
+
+    >>> try:
+    ...     cross_replica_sum(x, 2)   # traced outside a replicated program
+    ... except ReplicaGroupError:
+    ...     ...
+    """
+
+
 def _bound(name: str) -> bool:
     try:
         jax.lax.axis_index(name)
@@ -124,7 +136,8 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
         The group's size (an integer) and this replica's place (traced).
 
     Raises:
-        ValueError: When `group_size` does not divide the number of replicas.
+        ReplicaGroupError: When `group_size` does not divide the number of
+            replicas (a `ValueError`).
 
     Example:
 
@@ -133,7 +146,7 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
     count = replica_count()
     size = count if group_size is None else group_size
     if size < 1 or count % size:
-        raise ValueError(f"A replica group of {size} must divide the {count} replicas.")
+        raise ReplicaGroupError(f"A replica group of {size} must divide the {count} replicas.")
     return size, replica_index() % size
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -10,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import accounting, checkpoints, processes, schedules
+from keras_ipu.device import accounting, checkpoints, collectives, processes, schedules
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
-from keras_ipu.device.replicate import Replicas
+from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 from keras_ipu.device.report import PipelineReport
 from keras_ipu.keras import context, run, stages
 from keras_ipu.keras.layers import RecomputationCheckpoint
@@ -288,11 +289,10 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
                 # losses is bookkeeping, not the stage's work.
                 return out[0][:-1] if out[0] is not None else out[2]
 
-            ahead = _counted(jax.jit(stage).trace(*args))
+            ahead, behind = _stage_costs(stage, args, s == 0, training, layout.replicas)
             forward.append(ahead.work_cycles(hardware))
             forward_flops.append(ahead.flops)
             if training:
-                behind = _counted(_backward_trace(stage, args, first=s == 0))
                 # A recomputing backward op runs the stage's forward pass again first.
                 again = ahead if recompute else None
                 backward.append(behind.work_cycles(hardware)
@@ -419,6 +419,35 @@ def _input_bytes(x) -> int:
     """Bytes per sample of the model inputs (what the first stage stashes)."""
     return sum(int(np.prod(leaf.shape[1:])) * jnp.dtype(leaf.dtype).itemsize
                for leaf in jax.tree_util.tree_leaves(x))
+
+
+def _stage_costs(stage, args: tuple, first: bool, training: bool, replicas: int):
+    """A stage op's forward cost and its backward op's (`None` for inference), one replica's.
+
+    A stage is traced alone, outside the pipeline's replicated program. One
+    whose layers use a grouped collective (a group of the replicas, which a
+    lone replica cannot form) is traced over all the replicas instead, a
+    `vmap` axis over every argument, and its counts are divided by them.
+    """
+    def costs(stage, args):
+        ahead = _counted(jax.jit(stage).trace(*args))
+        return ahead, (_counted(_backward_trace(stage, args, first)) if training else None)
+
+    try:
+        return costs(stage, args)
+    except collectives.ReplicaGroupError:
+        if replicas == 1:
+            raise
+    every = jax.vmap(stage, axis_name=REPLICA_AXIS, axis_size=replicas)
+    ahead, behind = costs(every, jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype), args))
+    return (_per_replica(ahead, replicas),
+            None if behind is None else _per_replica(behind, replicas))
+
+
+def _per_replica(cost: accounting.StepCost, replicas: int) -> accounting.StepCost:
+    return dataclasses.replace(cost, **{field.name: getattr(cost, field.name) / replicas
+                                        for field in dataclasses.fields(cost)})
 
 
 def _backward_trace(stage, args: tuple, first: bool):
