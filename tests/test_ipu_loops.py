@@ -88,9 +88,9 @@ def test_misuse_says_what_to_do():
         ipu.ipu_outfeed_queue.IPUOutfeedQueue().enqueue(1.0)
     with pytest.raises(ValueError, match="returned 2 values for 1 loop-carried"):
         ipu.loops.repeat(2, lambda x: (x, x), [0.0])
-    with pytest.raises(ValueError, match="Use ipu.loops.repeat"):
-        ipu.loops.while_loop(lambda x: x < 1, lambda x: x, [0],
-                             infeed_queue=ipu.ipu_infeed_queue.IPUInfeedQueue([1]))
+    with pytest.raises(ValueError, match="The infeed ran out: 0 elements left"):
+        ipu.loops.while_loop(lambda x: x < 1, lambda x, e: x, [0],
+                             infeed_queue=ipu.ipu_infeed_queue.IPUInfeedQueue([]))
     with pytest.raises(TypeError, match="iterable of elements"):
         ipu.ipu_infeed_queue.IPUInfeedQueue(3)
     # Eagerly, outside `compile`, a loop runs at once and its outfeed is filled.
@@ -453,3 +453,30 @@ def test_the_outfeed_values_go_to_the_queues_of_the_trace_of_the_program_run():
             ipu.ipu_compiler.compile(net, [np.ones(size, np.float32)])
     np.testing.assert_array_equal(small.dequeue(), [2, 4, 2, 4])
     np.testing.assert_array_equal(big.dequeue(), [8, 16])
+
+
+def test_a_while_loop_takes_an_infeed_element_per_iteration_it_runs():
+    # The seed's infeed_queue: "the IPUInfeedQueue from which data is consumed". The
+    # iteration count is known on the device only: each iteration takes its element.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        [{"x": np.float32(i)} for i in range(10)])
+
+    def my_net():  # sum the elements while the total stays below 5
+        return ipu.loops.while_loop(lambda i, total: total < 5,
+                                    lambda i, total, x: (i + 1, total + x),
+                                    [0, np.float32(0)], infeed_queue=infeed,
+                                    maximum_iterations=10)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        count, total = ipu.ipu_compiler.compile(my_net)
+        assert (int(count), float(total)) == (4, 6.0)  # 0 + 1 + 2 + 3
+        # The kept program again: the next elements, 4 and 5.
+        count, total = ipu.ipu_compiler.compile(my_net)
+        assert (int(count), float(total)) == (2, 9.0)
+    assert [float(e["x"]) for e in infeed.peek(10)] == [6, 7, 8, 9]
+    # Eagerly too, and running out while the condition holds fails the run.
+    assert int(ipu.loops.while_loop(lambda i: i < 3, lambda i, x: i + 1, [0],
+                                    infeed_queue=infeed)) == 3
+    with pytest.raises(Exception, match="ran out at iteration 1 of a while_loop"):
+        jax.block_until_ready(ipu.loops.while_loop(
+            lambda i: i < 5, lambda i, x: i + 1, [0], infeed_queue=infeed))

@@ -327,3 +327,12 @@ def test_an_enqueue_outside_loops_outfeeds_each_replicas_element_per_run():
     assert outfed.shape == (3, 2, 2)  # [runs, replicas, ...]
     np.testing.assert_array_equal(outfed[:, :, 0], [[0, 1], [10, 11], [20, 21]])
     np.testing.assert_array_equal(last.dequeue()[:, 0], [20, 21])
+
+
+def test_a_while_loop_over_an_infeed_on_replicas_is_refused_before_it_runs():
+    configure(2)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(4)])
+    with pytest.raises(ValueError, match="while_loop over an infeed runs on one replica"):
+        _compiled(lambda: ipu.loops.while_loop(lambda i: i < 2, lambda i, x: i + 1, [0],
+                                               infeed_queue=infeed))
+    assert len(infeed.peek(10)) == 4

@@ -21,7 +21,9 @@ with JAX functions for TensorFlow's graph code:
   each iteration takes the next element of the infeed, if any, after the
   loop-carried values; values `enqueue`d on an outfeed in the body are
   stacked per iteration and handed to the queue when the loop has run.
-- `while_loop(condition, body, inputs)` is `lax.while_loop`.
+- `while_loop(condition, body, inputs, infeed_queue)` is `lax.while_loop`;
+  each iteration takes its infeed element from the host as it runs (its
+  count is known only on the device).
 
 Inside `compile` (and `strategy.run`) the infeeds' elements are the
 program's inputs, taken on the host each time it runs; a loop run eagerly
@@ -38,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from keras_ipu.device import collectives, compiled_calls, loop_state, queues, scopes, system
 
@@ -166,12 +169,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             carry, extra = carry
             loop_state.enter_body(keys, extra)
             with queues.collect_enqueues() as enqueued:
-                if element is None:
-                    new = body(*carry)
-                elif isinstance(element, dict):
-                    new = body(*carry, **element)
-                else:
-                    new = body(*carry, *(element if isinstance(element, tuple) else (element,)))
+                new = _called(body, carry, element)
             layout[:] = [(queue, block) for queue, _, block in enqueued.records]
             return ((_carried(new, len(carry)), loop_state.leave_body(keys)),
                     [values for _, values, _ in enqueued.records])
@@ -190,6 +188,45 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             values = jax.tree_util.tree_map(lambda a: a.reshape((-1, *a.shape[2:])), values)
         _deliver(queue, values)
     return _unpacked(final)
+
+
+def _called(body: Callable, carry: tuple, element: Any) -> Any:
+    """`body` on the carried values, then the infeed element: a dict by keyword."""
+    if element is None:
+        return body(*carry)
+    if isinstance(element, dict):
+        return body(*carry, **element)
+    return body(*carry, *(element if isinstance(element, tuple) else (element,)))
+
+
+def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]:
+    """A while loop's element for an iteration, taken from the infeed on the host as it runs.
+
+    The loop's iteration count is known only on the device, so its elements
+    are not staged as a `repeat`'s are: each iteration takes the next one, as
+    an IPU's infeed stream does, and a loop that stops early leaves the rest.
+    """
+    if collectives.replica_count() > 1:
+        raise ValueError(
+            "ipu.loops.while_loop over an infeed runs on one replica here: its replicas "
+            "would stop after different iterations, and the infeed deals its elements to "
+            "the replicas in turn. Use ipu.loops.repeat(n, body, inputs, infeed_queue) on "
+            "a replicated device.")
+    ahead = infeed_queue.peek(1)
+    if not ahead:
+        raise ValueError(compiled_calls.ran_out(0, 1))
+    specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                   queues.stacked(ahead))
+
+    def take(count: np.ndarray) -> Any:
+        left = infeed_queue.peek(1)
+        if not left:
+            raise ValueError(f"The infeed ran out at iteration {int(count)} of a while_loop "
+                             f"whose condition still held.")
+        return jax.tree_util.tree_map(lambda a: np.asarray(a[0]),
+                                      queues.stacked(infeed_queue.take(1)))
+
+    return lambda count: io_callback(take, specs, count)
 
 
 def _own_elements(data: Any, replicas: int) -> Any:
@@ -220,8 +257,11 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
         condition: `condition(*carried)` returning a boolean scalar.
         body: `body(*carried)` returning the new carried values.
         inputs: The initial carried values (a list), or `None`.
-        infeed_queue: Not supported: a while loop's iteration count is known
-            only on the device; use `repeat`.
+        infeed_queue: Where each iteration's element comes from (after the
+            carried values, a dict element by keyword), or `None`. The
+            iteration count is known only on the device, so each iteration
+            takes its element from the host as it runs (a loop that stops
+            early leaves the rest in the queue); on one replica only.
         maximum_iterations: Stop after this many iterations, or `None`.
         use_while_v1: Accepted for compatibility.
 
@@ -229,7 +269,9 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
-        ValueError: With an `infeed_queue`.
+        ValueError: With an `infeed_queue` that is empty or on a replicated
+            device; an `infeed_queue` that runs out while the condition holds
+            fails the run (`JaxRuntimeError` naming the iteration).
         RuntimeError: When the body enqueues on an outfeed, for the same
             reason: enqueue in the body of `repeat`.
 
@@ -238,10 +280,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
     >>> while_loop(lambda x: x < 10, lambda x: x + 3, [np.int32(0)])
     Array(12, dtype=int32)
     """
-    if infeed_queue is not None:
-        raise ValueError("while_loop takes no infeed_queue here: its iteration count is known "
-                         "only on the device. Use ipu.loops.repeat(n, body, inputs, "
-                         "infeed_queue).")
+    element = None if infeed_queue is None else _streamed(infeed_queue)
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     limit = np.iinfo(np.int32).max if maximum_iterations is None else maximum_iterations
 
@@ -255,7 +294,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
             count, carry, extra = values
             loop_state.enter_body(keys, extra)
             with queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE):
-                new = body(*carry)
+                new = _called(body, carry, None if element is None else element(count))
             return count + 1, _carried(new, len(carry)), loop_state.leave_body(keys)
 
         _, final, extra = jax.lax.while_loop(keep_going, step, (0, carried, initial))
