@@ -501,3 +501,22 @@ def test_a_stateless_scope_passes_every_assignment_through_add_update():
     assert seen == [variable, generator.state] and id(variable) in scope.state_mapping
     np.testing.assert_array_equal(scope.get_current_value(variable), [1, 1])
     np.testing.assert_array_equal(variable.numpy(), [0, 0])
+
+
+def test_variables_made_in_a_stateless_scope_wait_for_initialize_all_variables():
+    # keras_ipu.keras.assignments: a computation may make variables (optimizer slots)
+    # in its scope, made with initialize_variables=False; they are initialized after it
+    # runs, and a scope collecting losses gives them to `layer.losses` inside.
+    from keras.src.backend.common import stateless_scope, variables
+
+    layer = keras.layers.Dense(1, activity_regularizer=keras.regularizers.L2(1.0))
+    layer.build((None, 2))
+    with stateless_scope.StatelessScope(collect_losses=True,
+                                        initialize_variables=False) as scope:
+        made = keras.Variable(initializer="ones", shape=(2,))
+        layer(np.ones((1, 2), np.float32))
+        assert len(layer.losses) == 1 and len(scope.losses) == 1
+    variables.initialize_all_variables()
+    np.testing.assert_array_equal(made.numpy(), [1, 1])
+    with keras.StatelessScope():  # nothing left waiting
+        pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -318,3 +319,63 @@ def test_the_loops_of_a_computation_carry_the_keras_variables_it_assigns(strateg
         eager(batches[0], training=True)
     assert int(count) == 3
     assert_weights_close(eager.get_weights(), model.get_weights())
+
+
+def test_a_custom_training_step_in_run_trains_as_eagerly_and_leaves_keras_usable(strategy):
+    # jax.value_and_grad + optimizer.apply: the optimizer makes its slots inside the
+    # program, initialized after it (before: a later fit raised 'already initialized').
+    configure(1)
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+            2, activity_regularizer=keras.regularizers.L2(0.1))])
+        return model, keras.optimizers.Adam(0.1)
+
+    def step_for(model, optimizer):
+        def step(a, b):
+            variables = model.trainable_variables
+
+            def loss(weights):
+                out, _ = model.stateless_call(weights, [], a)
+                return keras.ops.mean((out - b) ** 2)
+
+            value, grads = jax.value_and_grad(loss)([v.value for v in variables])
+            optimizer.apply(grads, variables)
+            model(a)  # the activity regularizer's loss, read inside (collected)
+            return value, keras.ops.sum(model.losses)
+        return step
+
+    eager, eager_optimizer = make()
+    expected = [step_for(eager, eager_optimizer)(x, y) for _ in range(3)]
+    with strategy.scope():
+        model, optimizer = make()
+    step = step_for(model, optimizer)
+    for want in expected:
+        got = strategy.run(step, args=(x, y))
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert_weights_close(eager.get_weights(), model.get_weights(), atol=1e-5)
+    assert int(optimizer.iterations.numpy()) == 3
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(x, y, verbose=0)  # a stateless scope closes: nothing left to initialize
+
+
+_ASSIGNED = None  # the variable the function below assigns, rebound by the test
+
+
+def test_a_kept_program_assigns_the_variable_its_function_names_now(strategy):
+    configure(1)
+    first, second = (keras.Variable(np.zeros(3, np.float32)) for _ in range(2))
+    global _ASSIGNED
+
+    def step(a):
+        _ASSIGNED.assign(a * 2)
+        return a
+
+    for target, value in ((first, 1.0), (second, 5.0)):
+        _ASSIGNED = target
+        strategy.run(step, args=(np.full(3, value, np.float32),))
+    np.testing.assert_array_equal(first.numpy(), [2, 2, 2])
+    np.testing.assert_array_equal(second.numpy(), [10, 10, 10])

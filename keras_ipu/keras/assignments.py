@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 import keras
-from keras.src.backend.common import stateless_scope
+from keras.src.backend.common import stateless_scope, variables
 
 from keras_ipu.device import compiled_calls, loop_state
 
@@ -58,7 +58,10 @@ class _Recording(stateless_scope.StatelessScope):
     """
 
     def __init__(self):
-        super().__init__(initialize_variables=False)
+        # Losses are collected, so that `model.losses` read inside the computation has
+        # the activity regularizers of its calls, as eagerly; variables made inside are
+        # initialized once the program has run (`call_assigning`), not inside its trace.
+        super().__init__(collect_losses=True, initialize_variables=False)
         self.assigned: dict[int, keras.Variable] = {}
         self.known: dict[int, keras.Variable] = {}  # kept when a trace is abandoned
 
@@ -69,39 +72,53 @@ class _Recording(stateless_scope.StatelessScope):
         super().add_update(update)
 
     def keys(self) -> tuple[int, ...]:
+        """The assigned variables, by `id`, in the order of their first assignment."""
         return tuple(self.assigned)
 
-    def snapshot(self) -> tuple[dict, dict]:
-        return dict(self.assigned), dict(self.state_mapping)
+    def snapshot(self) -> tuple[dict, dict, list]:
+        """What an abandoned loop trace must not change: the assignments and the losses."""
+        return dict(self.assigned), dict(self.state_mapping), list(self.losses)
 
-    def restore(self, snapshot: tuple[dict, dict]) -> None:
+    def restore(self, snapshot: tuple[dict, dict, list]) -> None:
+        """Puts back a `snapshot`."""
         self.assigned, self.state_mapping = dict(snapshot[0]), dict(snapshot[1])
+        self.losses[:] = snapshot[2]
 
     def read(self, keys: Sequence[int]) -> list[Any]:
+        """The variables' values in the scope (a variable not assigned yet: its own)."""
         return [self.state_mapping[key] if key in self.state_mapping
                 else self.known[key].value for key in keys]
 
     def write(self, keys: Sequence[int], values: Sequence[Any]) -> None:
+        """Assigns the variables in the scope."""
         for key, value in zip(keys, values, strict=True):
             self.assigned.setdefault(key, self.known[key])
             self.state_mapping[key] = value
 
 
+# What holds Keras state a computation may assign: a kept program is the same only for the
+# same ones (a function assigning to a global variable rebound since is another program).
+_STATEFUL = (keras.Variable, keras.layers.Layer, keras.random.SeedGenerator,
+             keras.optimizers.Optimizer)
+
+
 class _KeepingAssignments:
     """`fn` traced in a `_Recording` scope: its result carries the assigned values.
 
-    Equal to another for the same `fn` (and outputs), so that a kept program
-    is found again.
+    Equal to another for the same `fn`, outputs and the Keras objects `fn`
+    reads from its closure and globals (by identity), so that a kept program
+    is found again, and only for the variables it assigns.
     """
 
     def __init__(self, fn: Callable, outputs: Callable):
         self.__wrapped__ = compiled_calls.unwrapped(fn)
         self.outputs = outputs
+        self.stateful = tuple(value for value in compiled_calls.referenced_values(fn)
+                              if isinstance(value, _STATEFUL))
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Assigned:
-        if stateless_scope.get_stateless_scope() is not None:
-            # Part of an enclosing stateless trace (a computation inside another): its
-            # scope takes the assignments.
+        if isinstance(stateless_scope.get_stateless_scope(), _Recording):
+            # Part of an enclosing computation's trace: its scope takes the assignments.
             return _Assigned(self.outputs(self.__wrapped__(*args, **kwargs)), [], ())
         with _Recording() as scope, loop_state.carrying(scope):
             result = self.outputs(self.__wrapped__(*args, **kwargs))
@@ -110,10 +127,12 @@ class _KeepingAssignments:
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, _KeepingAssignments) and other.__wrapped__ == self.__wrapped__
-                and other.outputs == self.outputs)
+                and other.outputs == self.outputs
+                and len(other.stateful) == len(self.stateful)
+                and all(a is b for a, b in zip(other.stateful, self.stateful)))
 
     def __hash__(self) -> int:
-        return hash((self.__wrapped__, self.outputs))
+        return hash((self.__wrapped__, self.outputs, tuple(map(id, self.stateful))))
 
 
 def call_assigning(run: Callable[[Callable], Any], fn: Callable,
@@ -135,6 +154,11 @@ def call_assigning(run: Callable[[Callable], Any], fn: Callable,
     ...                lambda a: model(a, training=True))
     """
     assigned = run(_KeepingAssignments(fn, outputs))
+    if stateless_scope.get_stateless_scope() is None:
+        # Variables made inside (an optimizer's slots, in a training step) wait for their
+        # values; initialized now, eagerly, they take the program's below. Left waiting,
+        # the next stateless scope to close (any fit) would initialize them again.
+        variables.initialize_all_variables()
     for held, value in zip(assigned.held, assigned.values, strict=True):
         held.variable.assign(value)
     return assigned.result
