@@ -88,7 +88,7 @@ def test_misuse_says_what_to_do():
         ipu.ipu_outfeed_queue.IPUOutfeedQueue().enqueue(1.0)
     with pytest.raises(ValueError, match="returned 2 values for 1 loop-carried"):
         ipu.loops.repeat(2, lambda x: (x, x), [0.0])
-    with pytest.raises(ValueError, match="The infeed ran out: 0 elements left"):
+    with pytest.raises(ValueError, match="The infeed of an ipu.loops.while_loop is empty"):
         ipu.loops.while_loop(lambda x: x < 1, lambda x, e: x, [0],
                              infeed_queue=ipu.ipu_infeed_queue.IPUInfeedQueue([]))
     with pytest.raises(TypeError, match="iterable of elements"):
@@ -480,3 +480,35 @@ def test_a_while_loop_takes_an_infeed_element_per_iteration_it_runs():
     with pytest.raises(Exception, match="ran out at iteration 1 of a while_loop"):
         jax.block_until_ready(ipu.loops.while_loop(
             lambda i: i < 5, lambda i, x: i + 1, [0], infeed_queue=infeed))
+
+
+def test_a_while_loops_infeed_takes_python_numbers_and_refuses_mixed_reads_clearly():
+    ints = ipu.ipu_infeed_queue.IPUInfeedQueue([1, 2, 3, 4])  # int64 on the host
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        count, total = ipu.ipu_compiler.compile(lambda: ipu.loops.while_loop(
+            lambda i, t: i < 2, lambda i, t, x: (i + 1, t + x), [0, 0], infeed_queue=ints))
+    assert (int(count), int(total)) == (2, 3)
+    # Staged (repeat) and streamed (while_loop) reads of one queue would be out of order.
+    shared = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(6)])
+
+    def both():
+        ipu.loops.while_loop(lambda i: i < 2, lambda i, x: i + 1, [0], infeed_queue=shared)
+        return ipu.loops.repeat(2, lambda t, x: t + x, [np.float32(0)], shared)
+
+    with pytest.raises(ValueError, match="read by an ipu.loops.while_loop and by an ipu.loops"):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(both)
+    assert len(shared.peek(10)) == 6
+    # An element of other shapes than the loop was compiled for stays in the queue.
+    shapes = ipu.ipu_infeed_queue.IPUInfeedQueue([np.ones(2, np.float32),
+                                                  np.ones(3, np.float32)])
+
+    def one(x):
+        return ipu.loops.while_loop(lambda i: i < 1, lambda i, e: i + 1, [0],
+                                    infeed_queue=shapes)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(one, [np.float32(0)])
+        with pytest.raises(Exception, match=r"shape=\(3,\).*it is left in the queue"):
+            jax.block_until_ready(ipu.ipu_compiler.compile(one, [np.float32(0)]))
+    assert [e.shape for e in shapes.peek(5)] == [(3,)]

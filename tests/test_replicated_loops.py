@@ -336,3 +336,16 @@ def test_a_while_loop_over_an_infeed_on_replicas_is_refused_before_it_runs():
         _compiled(lambda: ipu.loops.while_loop(lambda i: i < 2, lambda i, x: i + 1, [0],
                                                infeed_queue=infeed))
     assert len(infeed.peek(10)) == 4
+
+
+def test_a_while_loop_over_an_infeed_runs_in_a_sharded_computation_of_one_replica():
+    configure(2)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(4)])
+
+    def sharded():
+        with ipu.scopes.ipu_shard(1):  # 2 IPUs, 2 shards: one replica
+            return ipu.loops.while_loop(lambda i: i < 2, lambda i, x: i + 1, [0],
+                                        infeed_queue=infeed)
+
+    assert [int(v) for v in _compiled(sharded)] == [2]
+    assert len(infeed.peek(10)) == 2

@@ -312,13 +312,47 @@ class _MadeInTrace(Exception):
     """A loop being traced reads an infeed its function made: the program is of one trace."""
 
 
-class _FeedInputs:
+_STAGED_AND_STREAMED = (
+    "An infeed is read by an ipu.loops.while_loop and by an ipu.loops.repeat of one "
+    "program: the repeat's elements are taken before the program runs and the while_loop's "
+    "as it runs, so they would be read out of program order. Read it in loops of one kind, "
+    "or give each loop an infeed of its own.")
+
+
+class _FeedReads:
+    """The infeed reads of a program being traced: staged (`take`) or streamed (`stream`)."""
+
+    # Whether the trace is abstract (the replicas not known yet: the probe).
+    abstract = False
+
+    def __init__(self, plan: list):
+        self.plan = plan
+        self.streamed: list = []  # the queues while loops read as they run
+
+    def stream(self, queue: queues.IPUInfeedQueue) -> None:
+        """Records a while loop reading `queue` element by element as the program runs.
+
+        Raises:
+            ValueError: When a loop of the program stages elements of `queue`.
+        """
+        if any(queue is planned for planned, _ in self.plan):
+            raise ValueError(_STAGED_AND_STREAMED)
+        self.streamed.append(queue)
+
+    def _check_staged(self, queue: queues.IPUInfeedQueue) -> None:
+        if any(queue is streamed for streamed in self.streamed):
+            raise ValueError(_STAGED_AND_STREAMED)
+
+
+class _FeedInputs(_FeedReads):
     """The infeed data of a program being traced: its inputs, in the order its loops read them."""
 
     def __init__(self, plan: list, data: list):
-        self.plan, self.data, self.read = plan, data, 0
+        super().__init__(plan)
+        self.data, self.read = data, 0
 
     def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        self._check_staged(queue)
         if queues.made_in_this_trace(queue):
             raise _MadeInTrace()
         index = self.read
@@ -332,17 +366,20 @@ class _EmptyFeed(Exception):
     """A loop being traced abstractly reads an infeed with no element left to shape its data."""
 
 
-class _FeedProbe:
+class _FeedProbe(_FeedReads):
     """Infeed data for an abstract trace: zeros shaped as the queues' next elements.
 
     Records the reads (the program's plan); nothing is taken from the queues.
     """
 
+    abstract = True
+
     def __init__(self):
-        self.plan: list = []
+        super().__init__([])
         self.made_infeed = False  # a loop reads an infeed the function makes
 
     def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
+        self._check_staged(queue)
         if queues.made_in_this_trace(queue):  # new in each trace: not part of the plan
             self.made_infeed = True
         else:

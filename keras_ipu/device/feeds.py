@@ -8,7 +8,9 @@ with JAX functions for TensorFlow's graph code:
   say which IPU device `compile` compiles for.
 - `compile(computation, inputs)` compiles `computation` with `jax.jit` for
   that device and runs it at once (IPU TensorFlow builds an op that a
-  session runs later); outfeeds enqueued inside come back with it. The
+  session runs later; `ipu.ipu_compiler.compile` also applies the Keras
+  variable assignments made inside, `keras_ipu.keras.assignments`);
+  outfeeds enqueued inside come back with it. The
   program is kept: calling it again with arrays of the same shapes does not
   retrace. It is replicated as on the IPU: a device of N IPUs running a
   computation of S shards (one unless it enters `ipu_shard`) runs N / S
@@ -206,27 +208,45 @@ def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]
     are not staged as a `repeat`'s are: each iteration takes the next one, as
     an IPU's infeed stream does, and a loop that stops early leaves the rest.
     """
-    if collectives.replica_count() > 1:
+    reads = compiled_calls.infeed_inputs()
+    abstract = reads is not None and reads.abstract  # the probe acts as every IPU's replica
+    if collectives.replica_count() > 1 and not abstract:
         raise ValueError(
             "ipu.loops.while_loop over an infeed runs on one replica here: its replicas "
             "would stop after different iterations, and the infeed deals its elements to "
             "the replicas in turn. Use ipu.loops.repeat(n, body, inputs, infeed_queue) on "
             "a replicated device.")
+    if reads is not None:
+        reads.stream(infeed_queue)
     ahead = infeed_queue.peek(1)
     if not ahead:
-        raise ValueError(compiled_calls.ran_out(0, 1))
-    specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                                   queues.stacked(ahead))
+        raise ValueError("The infeed of an ipu.loops.while_loop is empty: the loop needs its "
+                         "next element to know the shapes of the elements it reads.")
+    specs = _element_specs(ahead[0])
 
     def take(count: np.ndarray) -> Any:
         left = infeed_queue.peek(1)
         if not left:
             raise ValueError(f"The infeed ran out at iteration {int(count)} of a while_loop "
-                             f"whose condition still held.")
-        return jax.tree_util.tree_map(lambda a: np.asarray(a[0]),
-                                      queues.stacked(infeed_queue.take(1)))
+                             f"whose condition still held (the elements of the iterations "
+                             f"before it were read).")
+        if _element_specs(left[0]) != specs:  # checked before it is taken: it stays
+            raise ValueError(f"The infeed's element for iteration {int(count)} of a "
+                             f"while_loop is {_element_specs(left[0])}, not {specs} as the "
+                             f"loop was compiled for; it is left in the queue.")
+        element = queues.stacked(infeed_queue.take(1))
+        return jax.tree_util.tree_map(lambda a, spec: np.asarray(a[0], spec.dtype),
+                                      element, specs)
 
     return lambda count: io_callback(take, specs, count)
+
+
+def _element_specs(element: Any) -> Any:
+    """An infeed element's shapes and dtypes, as the device holds them (no 64-bit types
+    unless JAX enables them)."""
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(
+            np.shape(leaf), jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)), element)
 
 
 def _own_elements(data: Any, replicas: int) -> Any:

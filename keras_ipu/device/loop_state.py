@@ -54,6 +54,9 @@ def carrying(state: LoopState) -> Iterator[LoopState]:
     Args:
         state: The state (a Keras stateless scope's record, say).
 
+    Yields:
+        `state`.
+
     Example:
 
     >>> with carrying(recording_scope):
@@ -134,9 +137,8 @@ def leave_body(keys: tuple) -> list[Any]:
     Returns:
         Their values at the end of the iteration.
 
-    Raises:
-        _NewEntries: When the body assigned entries the loop does not
-            carry (`run_loop` traces it again, carrying them).
+    When the body assigned entries the loop does not carry, it stops the
+    trace; `run_loop` then traces the loop again, carrying them.
 
     Example:
 

@@ -206,7 +206,11 @@ def collect_program_outfeeds() -> Iterator[list]:
 
     A loop's stacked values and an `enqueue` made outside any loop (one
     element per run, as IPU TensorFlow's enqueue op returned by the
-    computation) both land here; they leave the program with its outputs.
+    computation; each such `enqueue` adds one) both land here; they leave the
+    program with its outputs.
+
+    Yields:
+        The list of `(queue, values)` pairs, filled as the block traces.
 
     Example:
 
