@@ -412,3 +412,59 @@ def test_the_seeds_outlined_function_example_runs_with_layer_norm():
         @ w2)))
     assert result.shape == (10, 8, 8)
     np.testing.assert_allclose(result[3], plain, rtol=1e-4, atol=1e-5)
+
+
+def _masked_lstm_output(middle):
+    """An LSTM's output after `middle` on Embedding(mask_zero=True) sequences (None: none)."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    if middle is not None:
+        hidden = middle(hidden)
+    model = keras.Model(inputs, keras.layers.LSTM(3)(hidden))
+    tokens = np.array([[1, 2, 0, 0, 0], [3, 4, 5, 6, 0]])
+    return model.predict(tokens, verbose=0)
+
+
+@pytest.mark.parametrize("middle, plain", [
+    (lambda: ipu.keras.layers.RecomputationCheckpoint(), lambda: None),
+    (lambda: ipu.keras.layers.GroupNormalization(groups=2, strided_channel_grouping=False),
+     lambda: keras.layers.GroupNormalization(groups=2)),
+    (lambda: ipu.keras.layers.InstanceNormalization(), lambda: keras.layers.GroupNormalization(
+        groups=-1)),
+], ids=["checkpoint", "group", "instance"])
+def test_layers_that_keep_the_samples_apart_pass_the_mask_on(middle, plain):
+    # Before, the LSTM after them ran unmasked (the checkpoint's numbers were the model's
+    # without any mask at all).
+    np.testing.assert_allclose(_masked_lstm_output(middle()), _masked_lstm_output(plain()),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 3, 5, -4])
+def test_a_channels_axis_that_is_not_a_non_batch_axis_is_refused(axis):
+    # Before, it wrapped silently (InstanceNormalization(channels_axis=3) normalised the batch).
+    for layer in (ipu.keras.layers.GroupNormalization(groups=2, channels_axis=axis),
+                  ipu.keras.layers.InstanceNormalization(channels_axis=axis)):
+        with pytest.raises(ValueError, match=rf"channels_axis {axis} is not an axis .* valid "
+                                             r"are \[1, 2, -2, -1\]"):
+            layer(np.ones((2, 3, 8), np.float32))
+
+
+@pytest.mark.parametrize("layer_class", [ipu.keras.layers.PopnnGRU, ipu.keras.layers.PopnnLSTM])
+def test_recurrent_layers_take_the_seeds_positional_order(layer_class):
+    # The seed's call(inputs, training=None, initial_state=None): before, a ported
+    # gru(x, None, h0) used h0 as the mask.
+    layer = layer_class(4, seed=3)
+    x = np.random.default_rng(0).normal(size=(2, 4, 3)).astype(np.float32)
+    states = [np.full((2, 4), 0.5, np.float32)] * (2 if layer_class is ipu.keras.layers.PopnnLSTM
+                                                    else 1)
+    state = states if len(states) > 1 else states[0]
+    np.testing.assert_allclose(layer(x, None, state), layer(x, initial_state=state), rtol=1e-6)
+    assert not np.allclose(layer(x, None, state), layer(x))
+    with pytest.raises(TypeError, match="given positionally and by name"):
+        layer(x, None, state, initial_state=state)
+    with pytest.raises(TypeError, match=r"\(inputs, training, initial_state\)"):
+        layer(x, None, state, None)
+    # Bidirectional would reverse time-major outputs along their batch: refused.
+    with pytest.raises(ValueError, match="go_backwards=True with time_major=True"):
+        keras.layers.Bidirectional(layer_class(4, time_major=True, return_sequences=True))

@@ -119,12 +119,20 @@ class GroupNormalization(keras.layers.Layer):
         self.beta_initializer = keras.initializers.get(beta_initializer or "zeros")
         self.gamma_initializer = keras.initializers.get(gamma_initializer or "ones")
         self.strided_channel_grouping = strided_channel_grouping
+        self.supports_masking = True  # as keras.layers.GroupNormalization: per sample
 
     def _groups_for(self, channels: int) -> int:
         return self.groups
 
     def build(self, input_shape):
-        axis = self.channels_axis % len(input_shape)
+        rank = len(input_shape)
+        if not (isinstance(self.channels_axis, int) and 1 <= abs(self.channels_axis) < rank
+                and self.channels_axis != -rank):
+            valid = [*range(1, rank), *range(-(rank - 1), 0)]
+            raise ValueError(f"{type(self).__name__}: channels_axis {self.channels_axis!r} is "
+                             f"not an axis of the rank-{rank} input {tuple(input_shape)} "
+                             f"other than the batch: valid are {valid}.")
+        axis = self.channels_axis % rank
         channels = input_shape[axis]
         if channels is None:
             raise ValueError(f"{type(self).__name__} needs a static size for its channels' "

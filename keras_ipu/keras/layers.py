@@ -194,6 +194,19 @@ class _IPURecurrent:
     With `time_major=True` sequences come and go as `[time, batch, ...]`.
     """
 
+    def __call__(self, inputs, *args, **kwargs):
+        # The IPU layers' `call(inputs, training=None, initial_state=None)`: ported
+        # calls pass those positionally, where Keras' order is (initial_state, mask, ...).
+        if len(args) > 2:
+            raise TypeError(f"{self.name}: called with {1 + len(args)} positional arguments; "
+                            f"the IPU layer takes (inputs, training, initial_state), and "
+                            f"the mask by name.")
+        named = dict(zip(("training", "initial_state"), args))
+        clash = sorted(named.keys() & kwargs.keys())
+        if clash:
+            raise TypeError(f"{self.name}: {clash[0]!r} given positionally and by name.")
+        return super().__call__(inputs, **named, **kwargs)
+
     def call(self, sequences, initial_state=None, mask=None, training=False):
         self._check_initial_state(initial_state, sequences)
         if not self.time_major:
@@ -274,6 +287,13 @@ class _IPURecurrent:
         masks (Keras' own `seed`), each only that, as the IPU layers document.
         """
         self.time_major = arguments.pop("time_major")
+        if self.time_major and arguments.get("go_backwards"):
+            # keras.layers.Bidirectional makes its backward layer so, and reverses that
+            # layer's sequences along axis 1: the batch of time-major sequences.
+            raise ValueError(f"{type(self).__name__}: go_backwards=True with time_major=True "
+                             f"is not supported (as IPU TensorFlow's layer refuses "
+                             f"go_backwards): keras.layers.Bidirectional would reverse the "
+                             f"batch of the time-major outputs. Use time_major=False.")
         self.partials_dtype = float_dtype_choice("partials_dtype", arguments.pop("partials_dtype"))
         self.implementation = arguments.pop("implementation")
         self.dropout_seed = _plain_seed(arguments.pop("dropout_seed"))
@@ -545,6 +565,10 @@ class RecomputationCheckpoint(keras.layers.Layer):
 
     >>> outputs = RecomputationCheckpoint()(hidden)
     """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # the values pass through, and so does their mask
 
     def call(self, inputs, **kwargs):
         return checkpoints.checkpoint(inputs)
