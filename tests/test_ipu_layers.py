@@ -468,3 +468,10 @@ def test_recurrent_layers_take_the_seeds_positional_order(layer_class):
     # Bidirectional would reverse time-major outputs along their batch: refused.
     with pytest.raises(ValueError, match="go_backwards=True with time_major=True"):
         keras.layers.Bidirectional(layer_class(4, time_major=True, return_sequences=True))
+
+
+@pytest.mark.parametrize("groups", [2.0, 0, True])
+def test_a_group_count_that_is_not_a_positive_integer_is_refused_at_once(groups):
+    with pytest.raises(ValueError, match=f"groups must be a positive integer, got {groups!r}"):
+        ipu.keras.layers.GroupNormalization(groups=groups)
+    assert ipu.keras.layers.GroupNormalization(groups=np.int64(2)).groups == 2

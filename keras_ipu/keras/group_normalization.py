@@ -16,6 +16,7 @@ outputs = layer(images)   # [batch, height, width, channels], channels a multipl
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import keras
@@ -113,7 +114,11 @@ class GroupNormalization(keras.layers.Layer):
                  epsilon=0.001, beta_initializer=None, gamma_initializer=None,
                  strided_channel_grouping=True, trainable=True, name=None, **kwargs):
         super().__init__(dtype=dtype, trainable=trainable, name=name, **kwargs)
-        self.groups = groups
+        if groups is not None and (isinstance(groups, bool)
+                                   or not isinstance(groups, numbers.Integral) or groups < 1):
+            raise ValueError(f"{type(self).__name__}: groups must be a positive integer, got "
+                             f"{groups!r}.")
+        self.groups = None if groups is None else int(groups)
         self.channels_axis = channels_axis
         self.center, self.scale, self.epsilon = center, scale, epsilon
         self.beta_initializer = keras.initializers.get(beta_initializer or "zeros")

@@ -122,13 +122,14 @@ class Dropout(keras.layers.Dropout):
     the rest by `1 / (1 - rate)`; does nothing in inference.
 
     Args:
-        rate: Fraction of the input units to drop, in [0, 1).
+        rate: Fraction of the input units to drop, in [0, 1] (1 drops all, as
+            in Keras).
         noise_shape: The shape of the dropout mask (Keras' `noise_shape`).
         seed: An integer or a pair of 32-bit integers seeding the mask.
         **kwargs: Keras layer arguments (`name`, `dtype`, ...).
 
     Raises:
-        ValueError: For a `rate` outside [0, 1) or a malformed `seed`.
+        ValueError: For a `rate` outside [0, 1] or a malformed `seed`.
 
     Example:
 
