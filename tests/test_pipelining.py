@@ -338,7 +338,7 @@ def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
         reused = keras.Model(inputs, out)
     reused.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     reused.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
-    with pytest.raises(ValueError, match=r"used by pipeline stages on IPUs 0 and 1"):
+    with pytest.raises(ValueError, match=r"used by pipeline stages 0 and 1, on IPUs 0 and 1"):
         reused.fit(x, y, batch_size=4, verbose=0)
     reused.set_pipelining_options(device_mapping=[0, 0])
     reused.fit(x, y, batch_size=4, verbose=0)  # one IPU holds the shared layer

@@ -33,18 +33,19 @@ def layers_per_ipu(plan, device_mapping: Sequence[int]) -> list[list]:
             naming the layer or variable, its stages and their IPUs.
     """
     layers_of: list[list] = [[] for _ in range(max(device_mapping) + 1)]
-    owner: dict[int, int] = {}
+    owner: dict[int, tuple[int, int]] = {}  # layer -> (its first stage, that stage's IPU)
     for s, ipu in enumerate(device_mapping):
         for layer in plan.stage_layers(s):
-            if id(layer) in owner and owner[id(layer)] != ipu:
-                raise ValueError(
-                    f"Layer {layer.name} is used by pipeline stages on IPUs "
-                    f"{owner[id(layer)]} and {ipu}: stages that share a layer must be "
-                    f"mapped to the same IPU (set `device_mapping` accordingly)."
-                )
             if id(layer) not in owner:
-                owner[id(layer)] = ipu
+                owner[id(layer)] = (s, ipu)
                 layers_of[ipu].append(layer)
+            first, first_ipu = owner[id(layer)]
+            if first_ipu != ipu:
+                raise ValueError(
+                    f"Layer {layer.name} is used by pipeline stages {first} and {s}, on IPUs "
+                    f"{first_ipu} and {ipu}: stages that share a layer must be mapped to the "
+                    f"same IPU (set `device_mapping` accordingly)."
+                )
     _check_variables_on_one_ipu(plan, device_mapping)
     return layers_of
 
