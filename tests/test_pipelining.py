@@ -959,7 +959,8 @@ class _OwnSteps(keras.Model):
 @pytest.mark.parametrize("cls, mode, name", [
     (_TwiceCall, "fit", "call"), (_TwiceCall, "evaluate", "call"),
     (_TwiceCall, "predict", "call"), (_OwnSteps, "evaluate", "test_step"),
-    (_OwnSteps, "predict", "predict_step")])
+    (_OwnSteps, "predict", "predict_step"), (_OwnSteps, "validate", "test_step"),
+    (_OwnSteps, "split", "test_step")])
 def test_overrides_a_pipeline_would_ignore_are_refused(cls, mode, name, strategy):
     # As the reference: the stages are the graph's calls and the step the schedule's.
     configure(2)
@@ -976,7 +977,11 @@ def test_overrides_a_pipeline_would_ignore_are_refused(cls, mode, name, strategy
     before = model.get_weights()
     run = {"fit": lambda: model.fit(x, y, batch_size=1, verbose=0),
            "evaluate": lambda: model.evaluate(x, y, batch_size=1, verbose=0),
-           "predict": lambda: model.predict(x, batch_size=1, verbose=0)}[mode]
+           "predict": lambda: model.predict(x, batch_size=1, verbose=0),
+           # fit's validation runs test_step too (before, the override was dropped silently)
+           "validate": lambda: model.fit(x, y, batch_size=1, verbose=0, validation_data=(x, y)),
+           "split": lambda: model.fit(x, y, batch_size=1, verbose=0, validation_split=0.5),
+           }[mode]
     with pytest.raises(RuntimeError, match=f"`{name}` for the model .* has been overridden"):
         run()
     assert_weights_close(before, model.get_weights(), atol=0)

@@ -83,6 +83,8 @@ def fit(
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
     _check_train_step(model, options, replicas, placement.plan)
+    if validation_data is not None or validation_split:  # its validation runs test_step
+        programs.check_pipelined_overrides(model, "evaluate", placement.plan)
     batch_norm_groups.check(model, replicas, placement.plan is not None)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
