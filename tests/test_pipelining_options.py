@@ -274,3 +274,24 @@ def test_per_stage_poplar_options_give_one_entry_per_stage(strategy):
         forward_propagation_stages_poplar_options=[StageOptions()] * 2,
         backward_propagation_stages_poplar_options=[StageOptions(matmul_options={"a": "1"})] * 2)
     model.fit(x, y, batch_size=2, verbose=0)
+
+
+def test_get_config_says_the_pipelining_kwargs_are_not_kept(strategy, caplog):
+    # The reference's info message: they must be set again on a restored model.
+    import logging
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
+                                  keras.layers.Dense(1)])
+        model.set_pipeline_stage_assignment([0, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    with caplog.at_level(logging.INFO, logger="keras_ipu"):
+        model.get_config()
+    assert "cannot be serialized" not in caplog.text
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=4,
+        pipeline_schedule=ipu.pipelining_ops.PipelineSchedule.Interleaved)
+    with caplog.at_level(logging.INFO, logger="keras_ipu"):
+        model.get_config()
+    assert (f"Calling get_config() on {model.name} - `pipelining_kwargs` cannot be serialized"
+            in caplog.text)

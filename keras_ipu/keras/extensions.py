@@ -376,6 +376,11 @@ class ExtensionBase:
         config = super().get_config()
         if model_config.carries_options(self):
             config = {**config, model_config.CONFIG_KEY: model_config.ipu_config(self)}
+        if options.options_of(self).pipelining_kwargs:
+            trainer.logger.info(  # the reference's message: they are not in the config
+                "Calling get_config() on %s - `pipelining_kwargs` cannot be serialized and "
+                "you will need to call `set_pipelining_options` again if the model is "
+                "restored.", self.name)
         return config
 
     def save_assets(self, dir_path):
