@@ -1112,3 +1112,25 @@ def test_global_clipnorm_with_the_optimizers_own_accumulation_is_refused(strateg
         model.fit(x, np.ones((16, 2), np.float32), batch_size=1, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
     assert model.predict(x, batch_size=1, verbose=0).shape == (16, 2)  # still usable
+
+
+@pytest.mark.parametrize("loop", ["schedule", "host"])
+def test_ipus_the_device_mapping_skips_hold_nothing_in_the_report(loop, strategy, monkeypatch):
+    # device_mapping [0, 3]: IPUs 1 and 2 run no stage (before, the schedule form gave them
+    # the program's temporaries, the host form its padded optimizer step's).
+    if loop == "host":
+        monkeypatch.setenv("KERAS_IPU_FLAGS", "--execution_loop=host")
+    configure(4)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(3)])
+        model.set_pipeline_stage_assignment([0, 1])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 device_mapping=[0, 3])
+    x, y = data_for("sequential", samples=16)
+    model.fit(x, y, batch_size=4, verbose=0)
+    report = ipu.utils.execution_report(model, "fit")
+    assert report.loop == loop and len(report.ipus) == 4
+    assert [ipu_report.memory_bytes == 0 for ipu_report in report.ipus] == [
+        False, True, True, False]

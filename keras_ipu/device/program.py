@@ -146,7 +146,9 @@ class ExecutionProgram:
         state_bytes: Per IPU (in `replicas` order), the state it holds of its
             own, when the IPUs hold different state in one program (a
             pipeline's stages, padded to the largest there); by default each
-            IPU's share of the program's state.
+            IPU's share of the program's state. `None` for an IPU that runs
+            nothing of the program (a pipeline's `device_mapping` skipping
+            it): it holds nothing.
 
     Example:
 
@@ -175,7 +177,7 @@ class ExecutionProgram:
         stream: StepStream | None = None,
         schedule_reason: str = "the pipeline schedule is the loop",
         last_outputs_only: bool = False,
-        state_bytes: Sequence[int] | None = None,
+        state_bytes: Sequence[int | None] | None = None,
     ):
         self._step_fn = step_fn
         self.mode = mode
@@ -530,7 +532,9 @@ class ExecutionProgram:
         memory = precision.held_in_16_bits(memory, traced.traced.jaxpr, self.device.platform)
         per_ipu = (memory,) * count
         if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
-            per_ipu = tuple(dataclasses.replace(memory, state_bytes=b) for b in self._state_bytes)
+            per_ipu = tuple(accounting.MemoryUse(0, 0, 0) if b is None
+                            else dataclasses.replace(memory, state_bytes=b)
+                            for b in self._state_bytes)
         # Counted over the program before XLA lowers it for this platform, its
         # loops with their trip counts: the execution's cost over its steps,
         # each IPU's share where IPUs share a device. Only the report needs

@@ -352,6 +352,9 @@ class DispatchedFit:
             stash[ipu] += counts[s] * ops.stash_bytes[s]
         memory = []
         for d, op_uses in enumerate(by_ipu):
+            if not op_uses:  # an IPU the device mapping skips: it holds and runs nothing
+                memory.append(accounting.MemoryUse(0, 0, 0))
+                continue
             uses = [*op_uses, ops.update[d]]
             memory.append(accounting.MemoryUse(
                 state_bytes=self.state.own_bytes(d),  # not the padding to the largest IPU

@@ -208,8 +208,10 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             dispatched=host_form,
             stream=StepStream(replicas.count) if streamed else None,
             schedule_reason=_schedule_reason(mode, replicas),
-            # Each IPU's own state, not its flats' padding to the largest IPU's.
-            state_bytes=[state.own_bytes(i) for _ in range(replicas.count) for i in range(used)],
+            # Each IPU's own state, not its flats' padding to the largest IPU's; an IPU
+            # the device mapping skips holds nothing.
+            state_bytes=[state.own_bytes(i) if i in mapping else None
+                         for _ in range(replicas.count) for i in range(used)],
         )
         split_steps = None
         if stepwise and not streamed:
