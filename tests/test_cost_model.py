@@ -382,3 +382,36 @@ def test_a_replicated_pipeline_with_a_grouped_collective_reports_one_replicas_wo
             x, batch_size=4, verbose=0)
         flops[group_size] = ipu.utils.execution_report(model, mode).flops_per_step
     assert flops[2] == pytest.approx(flops[None], rel=0.05)
+
+
+@pytest.mark.parametrize("case", [
+    dict(x=(8, 2, 2, 64), k=(3, 3, 64, 64), strides=(1, 1), padding="SAME"),
+    dict(x=(2, 7, 7, 8), k=(3, 3, 8, 8), strides=(2, 2), padding="SAME"),
+    dict(x=(2, 8, 8, 4), k=(3, 3, 4, 6), strides=(1, 1), padding=((1, 1), (1, 1)),
+         lhs_dilation=(2, 2)),
+], ids=["small-same", "strided", "transposed"])
+def test_a_padding_materialized_on_cpus_counts_as_the_convolutions_own(case):
+    # keras_ipu's CPU convolutions pad explicitly behind a barrier where XLA would swap the
+    # operands (device/convolutions.py): the taps on that padding are not work either
+    # (before, a 2x2 SAME convolution counted 9 taps per output, 2.25x the analytic count).
+    from keras_ipu.device import convolutions
+
+    def ours(x, k):
+        return convolutions.conv_general_dilated(
+            x, k, case["strides"], case["padding"], lhs_dilation=case.get("lhs_dilation"),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def xlas(x, k):
+        return lax.conv_general_dilated(
+            x, k, case["strides"], case["padding"], lhs_dilation=case.get("lhs_dilation"),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    specs = (jax.ShapeDtypeStruct(case["x"], jnp.float32),
+             jax.ShapeDtypeStruct(case["k"], jnp.float32))
+    for fn, reference in ((ours, xlas), (jax.grad(lambda x, k: jnp.sum(ours(x, k)), (0, 1)),
+                                         jax.grad(lambda x, k: jnp.sum(xlas(x, k)), (0, 1)))):
+        expected = cost.count_lowered(jax.jit(reference).lower(*specs)).flops
+        assert cost.count_lowered(jax.jit(fn).lower(*specs)).flops == pytest.approx(
+            expected, rel=0.01)
+    if case["x"] == (8, 2, 2, 64):  # this one takes the CPU path with the barrier
+        assert "optimization_barrier" in jax.jit(ours).lower(*specs).as_text()

@@ -60,7 +60,7 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -297,6 +297,8 @@ class _Counter:
         self.partitions = partitions
         self._done: dict[tuple[str, bool], Count] = {}
         self._active: set[tuple[str, bool]] = set()
+        # The values of the blocks being counted that are padded inputs (`_padded_values`).
+        self._padded: dict[str, _Padding] = {}
 
     def function(self, name: str, local: bool) -> Count:
         """A function's cost; `local`: its shapes are one device's (else global)."""
@@ -315,9 +317,14 @@ class _Counter:
     def block(self, ops: Sequence[Op], local: bool, scope: Scope) -> Count:
         """The cost of a block's ops; `scope`: the integer constants of enclosing blocks."""
         scope = (stablehlo.int_constants(ops), *scope)
+        outer = self._padded
+        self._padded = {**outer, **_padded_values(ops, outer)}
         total = _ZERO
-        for op in ops:
-            total = total + self.op(op, local, scope)
+        try:
+            for op in ops:
+                total = total + self.op(op, local, scope)
+        finally:
+            self._padded = outer
         return total
 
     def op(self, op: Op, local: bool, scope: Scope) -> Count:
@@ -385,7 +392,9 @@ class _Counter:
                      or re.search(r"lhs_contracting_dimensions = \[([\d, ]*)\]", op.line))
             dims = [int(d) for d in re.findall(r"\d+", match.group(1))] if match else []
             return dot_flops(lhs.shape, out.shape, dims)
-        return _convolution(op.line, lhs, rhs, out)
+        match = re.search(r"convolution\((%[\w#]+),", op.line)
+        padding = self._padded.get(match.group(1)) if match else None
+        return _convolution(op.line, lhs, rhs, out, padding)
 
     def _with_region(self, op: Op, kind: str, operands: list[TensorType],
                      results: list[TensorType], scope: Scope) -> Count:
@@ -441,8 +450,48 @@ class _Counter:
         return once.scaled(trips)
 
 
-def _convolution(line: str, lhs: TensorType, rhs: TensorType, out: TensorType) -> float:
-    """A convolution's flops from its printed dimension numbers and window."""
+class _Padding(NamedTuple):
+    """A value that is a `stablehlo.pad` of another: the other's shape and the pad's edges."""
+
+    shape: tuple[int, ...]
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    interior: tuple[int, ...]
+
+
+def _padded_values(ops: Sequence[Op], known: Mapping[str, _Padding]) -> dict[str, _Padding]:
+    """The values of a block that pad another (also through an `optimization_barrier`).
+
+    keras_ipu's convolutions on CPUs materialize their padding with a pad
+    behind a barrier (`device.convolutions`); the convolution's taps on it
+    are counted as on the unpadded input.
+    """
+    found: dict[str, _Padding] = {}
+    for op in ops:
+        if op.name == "stablehlo.pad" and op.results:
+            operands, _ = op.signature
+            edges = [tuple(stablehlo.int_list(op.line, key) or ()) for key in
+                     ("low", "high", "interior")]
+            if operands and all(len(e) == len(operands[0].shape) for e in edges):
+                found[op.results] = _Padding(tuple(operands[0].shape), *edges)
+        elif op.name == "stablehlo.optimization_barrier" and op.results:
+            names = re.findall(r"%[\w#]+", op.line.split("optimization_barrier", 1)[1])
+            results = ([op.results] if ":" not in op.results else
+                       [f"{op.results.split(':')[0]}#{i}" for i in range(len(names))])
+            for result, name in zip(results, names):
+                padding = found.get(name) or known.get(name)
+                if padding is not None:
+                    found[result] = padding
+    return found
+
+
+def _convolution(line: str, lhs: TensorType, rhs: TensorType, out: TensorType,
+                 lhs_padding: _Padding | None = None) -> float:
+    """A convolution's flops from its printed dimension numbers and window.
+
+    `lhs_padding`: the input is a pad of another value; its taps on the pad's
+    edges and holes are not work either.
+    """
     labels = re.search(r"dim_numbers = \[([^\]]*)\]x\[([^\]]*)\]->\[([^\]]*)\]", line)
     if not labels or not rhs.shape:
         # The kernel's elements per output feature, for every output element.
@@ -458,13 +507,20 @@ def _convolution(line: str, lhs: TensorType, rhs: TensorType, out: TensorType) -
     pad = re.search(r"pad = \[((?:\s*\[-?\d+,\s*-?\d+\],?)*)\s*\]", line)
     padding = [tuple(map(int, p)) for p in re.findall(r"\[(-?\d+),\s*(-?\d+)\]",
                                                        pad.group(1))] if pad else []
+    lhs_shape, dilation = lhs.shape, stablehlo.int_list(line, "lhs_dilate") or ()
+    plain = (all(d == 1 for d in dilation) and all(p == (0, 0) for p in padding))
+    if lhs_padding is not None and plain:  # the window sees the pad's input, padded
+        lhs_shape = lhs_padding.shape
+        padding = list(zip(spatial(lhs_dims, lhs_padding.low),
+                           spatial(lhs_dims, lhs_padding.high), strict=True))
+        dilation = [i + 1 for i in spatial(lhs_dims, lhs_padding.interior)]
     return convolution_flops(
-        spatial(lhs_dims, lhs.shape), spatial(rhs_dims, rhs.shape), spatial(out_dims, out.shape),
+        spatial(lhs_dims, lhs_shape), spatial(rhs_dims, rhs.shape), spatial(out_dims, out.shape),
         out_batch=out.shape[out_dims.index("b")],
         out_features=out.shape[out_dims.index("f")],
         kernel_input_features=rhs.shape[rhs_dims.index("i")],
         strides=stablehlo.int_list(line, "stride") or (),
         padding=padding,
-        lhs_dilation=stablehlo.int_list(line, "lhs_dilate") or (),
+        lhs_dilation=dilation,
         rhs_dilation=stablehlo.int_list(line, "rhs_dilate") or (),
     )
