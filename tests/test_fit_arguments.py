@@ -248,3 +248,49 @@ def test_an_unknown_keyword_raises_as_in_keras(strategy):
                 call(model)
             errors.append((type(raised.value), str(raised.value)))
         assert errors[1] == errors[0], name
+
+
+class _Rotating(Batches):
+    """Validation batches whose order turns by one in `on_epoch_end`; records the hooks."""
+
+    def __init__(self, x, y):
+        super().__init__(x, y)
+        self.shift, self.hooks = 0, []
+
+    def __getitem__(self, index):
+        return super().__getitem__((index + self.shift) % len(self))
+
+    def on_epoch_begin(self):
+        self.hooks.append("begin")
+
+    def on_epoch_end(self):
+        self.hooks.append("end")
+        self.shift += 1
+
+
+def test_a_validation_py_datasets_epoch_hooks_run_before_each_validation_as_in_keras(strategy):
+    # Keras resets its validation iterator before each validation (on_epoch_end): before,
+    # keras_ipu did not, and with validation_steps the val_loss read other batches.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=64)
+    val_x, val_y = data_for("sequential", samples=8 * BATCH, seed=1)
+    datasets = [_Rotating(val_x, val_y), _Rotating(val_x, val_y)]
+    expected, actual = (model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                                  validation_data=dataset, validation_steps=2)
+                        for model, dataset in zip((plain, on_ipu), datasets))
+    assert_history_close(expected.history, actual.history)
+    # keras_ipu begins a pass once more, before training, to compile the validation program.
+    assert datasets[1].hooks == ["begin", *datasets[0].hooks]
+
+
+@pytest.mark.parametrize("frequency", [0, "2", 1.0])
+def test_a_bad_validation_freq_is_refused_before_any_epoch(frequency, strategy):
+    # Keras raises after the first epoch (0: ZeroDivisionError); nothing trains here.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    before = on_ipu.get_weights()
+    with pytest.raises(ValueError, match=rf"`validation_freq` must be .* got {frequency!r}"):
+        on_ipu.fit(x, y, batch_size=BATCH, verbose=0, validation_data=(x, y),
+                   validation_freq=frequency)
+    assert_weights_close(before, on_ipu.get_weights(), atol=0)
+    assert int(on_ipu.optimizer.iterations) == 0

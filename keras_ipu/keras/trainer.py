@@ -85,6 +85,7 @@ def fit(
     _check_train_step(model, options, replicas, placement.plan)
     if validation_data is not None or validation_split:  # its validation runs test_step
         programs.check_pipelined_overrides(model, "evaluate", placement.plan)
+        _check_validation_freq(validation_freq)
     batch_norm_groups.check(model, replicas, placement.plan is not None)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
@@ -148,7 +149,7 @@ def fit(
             model.jax_state_sync()
             epoch_logs = _epoch_logs(model, run, logs)
             if val_run is not None and model._should_eval(epoch, validation_freq):
-                val_logs = _evaluate_feed(model, val_run, val_feed, callbacks)
+                val_logs = _evaluate_feed(model, val_run, val_feed, callbacks, restart=True)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callbacks.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
@@ -248,10 +249,15 @@ def evaluate(
     return model._flatten_metrics_in_order(logs)
 
 
-def _evaluate_feed(model, run: Run, feed, callbacks) -> dict:
+def _evaluate_feed(model, run: Run, feed, callbacks, restart: bool = False) -> dict:
     # Each evaluation starts at the beginning of its data, as Keras' `evaluate` does
-    # (with `validation_steps`, every epoch's validation reads the same batches).
-    feed.rewind()
+    # (with `validation_steps`, every epoch's validation reads the same batches). A
+    # validation in `fit` (`restart`) resets the data first, as Keras resets its cached
+    # iterator: a `PyDataset`'s `on_epoch_end` runs before each validation too.
+    if restart:
+        feed.reset()
+    else:
+        feed.rewind()
     model.stop_evaluating = False
     callbacks.on_test_begin()
     metric_reset.reset_metrics(model)
@@ -580,6 +586,17 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
             "`set_asynchronous_callbacks(False)`; batch callbacks then run once per "
             "execution.")
     return placement
+
+
+def _check_validation_freq(validation_freq: Any) -> None:
+    """Refuses, before any epoch, a `validation_freq` Keras would refuse after the first one."""
+    valid = ((isinstance(validation_freq, int) and validation_freq >= 1)
+             or isinstance(validation_freq, list))
+    if not valid:
+        raise ValueError(
+            f"`validation_freq` must be a positive integer (validate every that many epochs) "
+            f"or a list of the (1-based) epochs to validate after, as Keras takes it; got "
+            f"{validation_freq!r}.")
 
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
