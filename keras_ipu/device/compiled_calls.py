@@ -425,6 +425,8 @@ class _Program:
         self.ipus, self.shard = ipus, shard
         self.plan: list = []  # (infeed, iterations) its loops read, in order
         self.outfeeds: list = []  # the queues its outfed values go to, in order
+        # Whether its last trace's while loops read infeeds as they run (host callbacks).
+        self.streams = False
         self.unread: list = []  # elements its traces' own infeeds looked at, not took
         self.executables: dict = {}  # per plan and input shapes
         # Whether another call may run it: not when its trace captured arrays (a closure
@@ -458,8 +460,10 @@ class _Program:
         return functools.partial(self._replicated, replicas)
 
     def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
-        return self._trace(arrays, _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs
-                           else None)
+        reads = _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs else None
+        traced = self._trace(arrays, reads)
+        self.streams = bool(reads is not None and reads.streamed)
+        return traced
 
     def _trace(self, arrays: list, feeds: Any) -> tuple[Any, list]:
         supplied = iter(arrays)
@@ -505,8 +509,12 @@ class _Program:
             try:
                 feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
-                executable, outfeeds = self._executable(arrays, feed_data)
+                executable, outfeeds, streams = self._executable(arrays, feed_data)
                 result, outfed = executable(arrays, feed_data)
+                if streams:
+                    # Its while loops take infeed elements on the host as they run: the
+                    # queue, and a loop's failure, are the call's when it returns.
+                    jax.block_until_ready((result, outfed))
             except _MadeInTrace:
                 _put_back(self.plan, taken)
                 return self._run_once(arrays, replicas)
@@ -582,8 +590,9 @@ class _Program:
             queue.receive(values)
         return replicas.unreplicate(result)  # replica 0's, on its device
 
-    def _executable(self, arrays: list, feed_data: list) -> tuple[Any, list]:
-        """The compiled program for these inputs, and the queues its outfed values go to.
+    def _executable(self, arrays: list, feed_data: list) -> tuple[Any, list, bool]:
+        """The compiled program for these inputs, the queues its outfed values go to, and
+        whether its while loops stream infeeds.
 
         The queues are its trace's: a function traced for other shapes may
         enqueue elsewhere.
@@ -596,7 +605,7 @@ class _Program:
             traced = self.jitted.trace(arrays, feed_data, plan)
             self.reusable = self.reusable and not traced.jaxpr.consts
             executable = self.executables[signature] = (traced.lower().compile(),
-                                                        list(self.outfeeds))
+                                                        list(self.outfeeds), self.streams)
         return executable
 
 

@@ -289,9 +289,11 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
-        ValueError: With an `infeed_queue` that is empty or on a replicated
-            device; an `infeed_queue` that runs out while the condition holds
-            fails the run (`JaxRuntimeError` naming the iteration).
+        ValueError: With an `infeed_queue` that is empty when the loop is
+            traced, or on a replicated device; an `infeed_queue` that runs out
+            while the condition holds (a kept program's included) fails the
+            run, `JaxRuntimeError` naming the iteration (inside `compile` and
+            `strategy.run`, raised by the call).
         RuntimeError: When the body enqueues on an outfeed, for the same
             reason: enqueue in the body of `repeat`.
 
