@@ -379,3 +379,23 @@ def test_a_kept_program_assigns_the_variable_its_function_names_now(strategy):
         strategy.run(step, args=(np.full(3, value, np.float32),))
     np.testing.assert_array_equal(first.numpy(), [2, 2, 2])
     np.testing.assert_array_equal(second.numpy(), [10, 10, 10])
+
+
+def test_an_eager_loop_applies_the_keras_variable_updates_of_its_body(strategy):
+    # ipu.loops.repeat called outside compile and strategy.run is traced by lax.scan all the
+    # same: before, BatchNormalization's statistics kept the loop's tracers.
+    configure(1)
+    batches = [np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
+               for i in range(3)]
+    with strategy.scope():
+        model = _bn_dropout_model(7)
+    eager = _bn_dropout_model(7)
+
+    def body(x):
+        model(x, training=True)
+
+    ipu.loops.repeat(3, body, [], ipu.ipu_infeed_queue.IPUInfeedQueue(batches))
+    for x in batches:
+        eager(x, training=True)
+    assert_weights_close(eager.get_weights(), model.get_weights())
+    assert ipu.loops.repeat.__doc__ == ipu.loops.repeat.__wrapped__.__doc__

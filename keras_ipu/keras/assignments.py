@@ -162,3 +162,32 @@ def call_assigning(run: Callable[[Callable], Any], fn: Callable,
     for held, value in zip(assigned.held, assigned.values, strict=True):
         held.variable.assign(value)
     return assigned.result
+
+
+def assigning(run: Callable[[], Any]) -> Any:
+    """Runs `run()` (an eager loop) keeping the Keras variables it assigns, then assigns them.
+
+    A loop run outside any compiled computation (`ipu.loops.repeat` called
+    eagerly) is traced by `lax.scan` all the same: the variables its body
+    assigns are carried through its iterations (`loop_state`) and take their
+    final values once it has run. Inside a stateless scope (a compiled
+    computation's, or the caller's own) that scope takes them instead.
+
+    Args:
+        run: Runs the loop and returns its result.
+
+    Returns:
+        What `run` returns.
+
+    Example:
+
+    >>> assigning(lambda: feeds.repeat(3, body, [], infeed))
+    """
+    if stateless_scope.get_stateless_scope() is not None:
+        return run()
+    with _Recording() as scope, loop_state.carrying(scope):
+        result = run()
+    variables.initialize_all_variables()
+    for variable in scope.assigned.values():
+        variable.assign(scope.get_current_value(variable))
+    return result
