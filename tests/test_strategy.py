@@ -263,6 +263,15 @@ def _bn_dropout_model(seed):
                              keras.layers.Dropout(0.5, seed=seed)])
 
 
+def _bn_dropout_twins(strategy, seed, batch_count):
+    """An IPU model, its plain twin (same weights and seed), and `batch_count` batches."""
+    batches = [np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
+               for i in range(batch_count)]
+    with strategy.scope():
+        model = _bn_dropout_model(seed)
+    return model, _bn_dropout_model(seed), batches
+
+
 def test_run_and_compile_apply_the_keras_variable_updates_of_a_training_call(strategy):
     # BatchNormalization's moving statistics and Dropout's seed generator, assigned inside
     # the compiled program, take their new values after it (before: the trace's
@@ -299,11 +308,7 @@ def test_the_loops_of_a_computation_carry_the_keras_variables_it_assigns(strateg
     # each iteration starts from the last one's moving statistics and seed (before: the
     # loop body's tracers leaked, 'Computation compiled for 7 inputs but called with 1').
     configure(1)
-    batches = [np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
-               for i in range(4)]
-    with strategy.scope():
-        model = _bn_dropout_model(5)
-    eager = _bn_dropout_model(5)
+    model, eager, batches = _bn_dropout_twins(strategy, 5, 4)
     infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(batches)
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
     strategy.run(lambda: ipu.loops.repeat(
@@ -385,11 +390,7 @@ def test_an_eager_loop_applies_the_keras_variable_updates_of_its_body(strategy):
     # ipu.loops.repeat called outside compile and strategy.run is traced by lax.scan all the
     # same: before, BatchNormalization's statistics kept the loop's tracers.
     configure(1)
-    batches = [np.random.default_rng(i).normal(size=(8, 4)).astype(np.float32)
-               for i in range(3)]
-    with strategy.scope():
-        model = _bn_dropout_model(7)
-    eager = _bn_dropout_model(7)
+    model, eager, batches = _bn_dropout_twins(strategy, 7, 3)
 
     def body(x):
         model(x, training=True)

@@ -154,14 +154,19 @@ def call_assigning(run: Callable[[Callable], Any], fn: Callable,
     ...                lambda a: model(a, training=True))
     """
     assigned = run(_KeepingAssignments(fn, outputs))
+    _assign([held.variable for held in assigned.held], assigned.values)
+    return assigned.result
+
+
+def _assign(assigned: Sequence[keras.Variable], values: Sequence[Any]) -> None:
+    """Gives the variables a computation assigned their new values, once it has run."""
     if stateless_scope.get_stateless_scope() is None:
         # Variables made inside (an optimizer's slots, in a training step) wait for their
-        # values; initialized now, eagerly, they take the program's below. Left waiting,
-        # the next stateless scope to close (any fit) would initialize them again.
+        # values; initialized now, eagerly, they take the computation's below. Left
+        # waiting, the next stateless scope to close (any fit) would initialize them again.
         variables.initialize_all_variables()
-    for held, value in zip(assigned.held, assigned.values, strict=True):
-        held.variable.assign(value)
-    return assigned.result
+    for variable, value in zip(assigned, values, strict=True):
+        variable.assign(value)
 
 
 def assigning(run: Callable[[], Any]) -> Any:
@@ -187,7 +192,6 @@ def assigning(run: Callable[[], Any]) -> Any:
         return run()
     with _Recording() as scope, loop_state.carrying(scope):
         result = run()
-    variables.initialize_all_variables()
-    for variable in scope.assigned.values():
-        variable.assign(scope.get_current_value(variable))
+    assigned = list(scope.assigned.values())
+    _assign(assigned, [scope.get_current_value(variable) for variable in assigned])
     return result
