@@ -149,3 +149,42 @@ def test_a_ctrl_c_while_the_epochs_logs_are_fetched_is_not_swallowed():
         trainer._python_logs({"loss": Waited()})
     assert trainer._python_logs({"loss": np.float32(1.5), "val": {"acc": 2}}) == {
         "loss": 1.5, "acc": 2.0}
+
+
+class _LongExecution(keras.layers.Layer):
+    """Keeps the device busy for a while each step (a long execution on a small model)."""
+
+    def call(self, inputs):
+        from keras import ops
+
+        # Started from the inputs: not folded away nor hoisted out of the step loop.
+        start = ops.ones((400, 400)) * ops.mean(inputs)
+        busy = ops.fori_loop(0, 160, lambda _, z: ops.tanh(z @ z), start)
+        return inputs + 0.0 * ops.mean(busy)
+
+
+def test_a_ctrl_c_while_a_batch_hook_waits_for_the_logs_stops_fit():
+    # Keras converts the logs for batch hooks inside a bare `except`: a Ctrl-C that
+    # arrived while that conversion waited for the device was dropped, and `fit` ran on.
+    import os
+    import signal
+    import threading
+
+    configure(1)
+    x, y = data_for("sequential", samples=6 * SPE * BATCH)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), _LongExecution(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
+    ends = []
+
+    def press_ctrl_c_during_the_second_execution(batch, logs):
+        # Early in the execution: the host has dispatched it and waits for its logs.
+        if batch == SPE:
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    hooks = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=press_ctrl_c_during_the_second_execution,
+        on_train_batch_end=lambda batch, logs: ends.append(batch))
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hooks])
+    assert len(ends) < 6  # stopped before its last execution

@@ -379,7 +379,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 if collect is not None:
                     collect(outfeed)
                 if hooks is None:
-                    on_end(end, as_logs(outfeed))
+                    # Fetched here, not in Keras' log conversion: see `_python_logs`.
+                    on_end(end, jax.device_get(as_logs(outfeed)))
                 else:
                     _await_hooks(hooks, ended, outfeed, returned, begin, run.replica_count)
                     # The device's state wins over a hook's sync; kept once its hooks
@@ -522,8 +523,9 @@ def _epoch_logs(model, run: Run, logs) -> dict:
 
 
 def _python_logs(logs) -> dict:
-    # Fetched before Keras' conversion, whose bare `except` would swallow a Ctrl-C
-    # that arrives while the fetch waits for the device's last executions.
+    # Fetched before Keras' conversion (epoch and batch logs alike), whose bare
+    # `except` would swallow a Ctrl-C that arrives while the fetch waits for the
+    # device's last executions: `fit` would train on.
     return dict(pythonify_logs(jax.device_get(logs)))
 
 
