@@ -74,3 +74,33 @@ class IPUNotAttachedError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.program,)
+
+
+class IPUFloatingPointError(FloatingPointError):
+    """An operation raised a floating point exception that the IPU system traps.
+
+    Raised when `floating_point_behaviour.inv`, `div0` or `oflo` is set and an
+    execution raised that exception; the execution's results are not kept, so
+    the model keeps the weights of the last execution that completed.
+
+    Args:
+        program: Name of the program (for example `"fit"`).
+        exception: What happened, and where (the operation and its source line).
+
+    Example:
+
+    >>> str(IPUFloatingPointError("fit", "division by zero")).startswith("Floating point")
+    True
+    """
+
+    def __init__(self, program: str, exception: str):
+        self.program = program
+        self.exception = exception
+        super().__init__(
+            f"Floating point exception in the {program} program: {exception} "
+            f"(the IPU system's `floating_point_behaviour` traps it). The execution's "
+            f"results were dropped: the state is that of the last execution that completed."
+        )
+
+    def __reduce__(self):
+        return type(self), (self.program, self.exception)

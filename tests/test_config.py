@@ -871,6 +871,8 @@ def test_configure_passes_hardware_order_and_options(device):
     config.device_connection.type = DeviceConnectionType.PRE_COMPILE
     config.device_connection.version = "ipu21"
     config.norms.experimental.distributed_batch_norm_replica_group_size = 2
+    config.floating_point_behaviour.oflo = True
+    config.floating_point_behaviour.esr = True  # no effect: not passed
     config.configure_ipu_system()
     assert device.hardware == [("ipu21", 16)]
     (call,) = device.configured
@@ -886,6 +888,7 @@ def test_configure_passes_hardware_order_and_options(device):
         "xla_compiler_options": "tuned",
         "background_loop_compile": "auto",
         "distributed_batch_norm_replica_group_size": 2,
+        "floating_point_exceptions": ("oflo",),
     }
 
 

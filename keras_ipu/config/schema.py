@@ -169,12 +169,22 @@ _EXPERIMENTAL = Category(
 
 _FLOATING_POINT_NO_EFFECT = (
     "no effect on the device model: JAX follows the host device's IEEE 754 arithmetic "
-    "(no floating point exceptions, round to nearest)."
+    "(round to nearest, infinities on overflow)."
+)
+_FLOATING_POINT_TRAP = (
+    "fit, evaluate and predict programs check every operation and stop at the first "
+    "that raises it: IPUFloatingPointError, the execution's results dropped, the model "
+    "keeping the last completed execution's weights (docs/semantics.md)."
+)
+_FLOATING_POINT_ALL = (
+    "sets the three exception traps (inv, div0, oflo); esr and nanoo have no effect."
 )
 
 
 def _floating_point(name: str, doc: str) -> Option:
-    return Option(name, bool, False, doc, effect=_FLOATING_POINT_NO_EFFECT)
+    effect = {"inv": _FLOATING_POINT_TRAP, "div0": _FLOATING_POINT_TRAP,
+              "oflo": _FLOATING_POINT_TRAP, "set_all": _FLOATING_POINT_ALL}
+    return Option(name, bool, False, doc, effect=effect.get(name, _FLOATING_POINT_NO_EFFECT))
 
 
 _FLOATING_POINT_BEHAVIOUR = Category(

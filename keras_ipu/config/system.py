@@ -284,4 +284,11 @@ def _runtime_options(config: IPUConfig, flags: PoplarFlags) -> dict[str, Any]:
         "background_loop_compile": flags.background_loop_compile,
         "distributed_batch_norm_replica_group_size":
             config.norms.experimental.distributed_batch_norm_replica_group_size,
+        "floating_point_exceptions": _trapped_exceptions(config.floating_point_behaviour),
     }
+
+
+def _trapped_exceptions(behaviour: Any) -> tuple[str, ...]:
+    # `set_all` sets every option, as the reference does when configuring.
+    return tuple(name for name in ("inv", "div0", "oflo")
+                 if behaviour.set_all or getattr(behaviour, name))

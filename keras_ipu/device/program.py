@@ -27,6 +27,7 @@ from keras_ipu.device import (
     background,
     compiler,
     convolutions,
+    floating_point,
     loops,
     lowering,
     precision,
@@ -149,6 +150,10 @@ class ExecutionProgram:
             IPU's share of the program's state. `None` for an IPU that runs
             nothing of the program (a pipeline's `device_mapping` skipping
             it): it holds nothing.
+        floating_point_checks: The floating point exceptions each execution
+            traps (`floating_point.checks_for`); the first one raises
+            `IPUFloatingPointError` as the execution returns, and its results
+            are dropped (the state given to it is then not consumed).
 
     Example:
 
@@ -178,8 +183,10 @@ class ExecutionProgram:
         schedule_reason: str = "the pipeline schedule is the loop",
         last_outputs_only: bool = False,
         state_bytes: Sequence[int | None] | None = None,
+        floating_point_checks: frozenset = frozenset(),
     ):
         self._step_fn = step_fn
+        self._checks = floating_point_checks
         self.mode = mode
         self.replicas = replicas
         self.hardware = hardware
@@ -190,7 +197,8 @@ class ExecutionProgram:
         self.replica_count = replica_count or replicas.count
         self._loop_request = loops.check_request(loop)
         self._own_execution = execution is not None
-        self._dispatched = dispatched
+        # The stages' separately dispatched programs carry no checks: the schedule runs.
+        self._dispatched = None if floating_point_checks else dispatched
         self.stream = stream
         self._schedule_reason = schedule_reason
         self.last_outputs_only = last_outputs_only
@@ -202,6 +210,8 @@ class ExecutionProgram:
             state, outfeed = replicated(state, batches)
             return state, finalize(outfeed)
 
+        if floating_point_checks:  # its outfeed becomes `(outfeed, error)`
+            execution = floating_point.checked(execution, floating_point_checks)
         self._jitted = jax.jit(execution, donate_argnums=0 if self.donates_state else ())
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
@@ -213,9 +223,10 @@ class ExecutionProgram:
         """Whether an execution consumes the state it is given.
 
         Not when it streams from inside its loop: the host may read the
-        previous state while it runs.
+        previous state while it runs. Nor when it traps floating point
+        exceptions: the state stays the previous one when an execution fails.
         """
-        return self.stream is None or self._own_execution
+        return (self.stream is None or self._own_execution) and not self._checks
 
     @property
     def ipu(self) -> VirtualIPU:
@@ -326,11 +337,10 @@ class ExecutionProgram:
         >>> state, logs = program.unattached(state, batches)  # logs are zeros
         """
         self._current = self._executable(state, batches)
+        outfeed = jax.eval_shape(self._jitted, state, self._compiled_batches(batches))[1]
+        outfeed = outfeed[0] if self._checks else outfeed  # without its error
         if self.stream is not None and self._own_execution:
-            # Dispatched a slice at a time, its finalize gives (outfeed, streamed).
-            outfeed = jax.eval_shape(self._jitted, state, self._compiled_batches(batches))[1][0]
-        else:
-            outfeed = jax.eval_shape(self._jitted, state, batches)[1]
+            outfeed = outfeed[0]  # dispatched a slice at a time: (outfeed, streamed)
         # As a run's would be, the state that comes back is committed to its devices.
         return _committed(state), jax.tree_util.tree_map(
             lambda s: np.zeros(s.shape, s.dtype), outfeed)
@@ -343,7 +353,7 @@ class ExecutionProgram:
             state, finalized = executable.compiled(state, _step_slice(batches, index))
             if executable.dispatched:
                 finalized = self._finalize(finalized)
-            outfeed, streamed = finalized
+            outfeed, streamed = self._trapped(finalized)
             self._bound_in_flight(outfeed)
             self.stream.send_replicated(streamed)
         return state, outfeed
@@ -351,8 +361,17 @@ class ExecutionProgram:
     def _dispatch(self, executable: _Executable, state: State, batches: Batch):
         """One call of the compiled program, keeping the calls in flight bounded."""
         state, outfeed = executable.compiled(state, batches)
+        outfeed = self._trapped(outfeed)
         self._bound_in_flight(outfeed if jax.tree_util.tree_leaves(outfeed) else state)
         return state, outfeed
+
+    def _trapped(self, outfeed: Outputs) -> Outputs:
+        """The outfeed, once a checked execution is known to have raised no exception."""
+        if not self._checks:
+            return outfeed
+        outfeed, error = outfeed
+        floating_point.raise_first(error, self.mode)
+        return outfeed
 
     def _joined(self, outfeeds: list) -> Any:
         """One execution's outfeed from its steps': predictions in order, else the last logs."""

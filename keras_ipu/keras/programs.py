@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keras_ipu.device import floating_point
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
@@ -97,12 +98,14 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     streamed = options.asynchronous_callbacks
     identical = ipu_system.require().option("identical_replicas", False)
     norm_group = _norm_group(model, mode, replicas)
+    checks = floating_point.checks_for(
+        ipu_system.require().option("floating_point_exceptions", ()))
     # The accumulators' dtypes follow from this option and the trainable
     # variables (by identity in the run's key): worked out only to build.
     key = (mode, replicas, hardware, micro, custom, loop,
            options.gradient_accumulation_reduction_method, options.accumulator_dtype,
            options.replicated_metric_reduction_method, streamed, buffer_depth, identical,
-           norm_group)
+           norm_group, checks)
 
     def build() -> Run:
         layout = Layout(replicas.count, micro)
@@ -122,6 +125,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
             stream=StepStream(replicas.count, buffer_depth) if streamed else None,
             # Fit and evaluate executions hand Keras their last batch's logs.
             last_outputs_only=mode != "predict",
+            floating_point_checks=checks,
         )
         return Run(program, layout, ReplicaCodec(replicas, STATE_PARTS[mode]), replicas.count,
                    batches_per_step=micro)

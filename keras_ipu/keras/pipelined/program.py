@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import accounting, checkpoints, collectives, processes, schedules
+from keras_ipu.device import (
+    accounting,
+    checkpoints,
+    collectives,
+    floating_point,
+    processes,
+    schedules,
+)
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
@@ -154,10 +161,12 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     # The accumulators' dtypes follow from this option and the trainable variables.
+    checks = floating_point.checks_for(
+        ipu_system.require().option("floating_point_exceptions", ()))
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
            reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise,
-           ipu_system.require().option("identical_replicas", False))
+           ipu_system.require().option("identical_replicas", False), checks)
 
     def build():
         used = max(mapping) + 1
@@ -212,6 +221,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             # the device mapping skips holds nothing.
             state_bytes=[state.own_bytes(i) if i in mapping else None
                          for _ in range(replicas.count) for i in range(used)],
+            floating_point_checks=checks,
         )
         split_steps = None
         if stepwise and not streamed:

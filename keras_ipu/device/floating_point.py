@@ -1,0 +1,184 @@
+"""The IPU's floating point exceptions: `floating_point_behaviour.inv`, `div0`, `oflo`.
+
+An IPU with one of these set stops an execution at the first operation that
+raises that exception, and the host gets an error instead of the execution's
+results. Here the program carries a check after each operation (JAX's
+`checkify`) and returns the first failure with its results; the host looks
+at it before the results are kept, so the state stays that of the last
+execution that completed.
+
+- `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
+  NaN carried in from its operands, the data's say);
+- `div0`: a division by zero;
+- `oflo`: an operation of finite operands made an infinity (exp(100.0) in
+  float32, say; a division by zero is `div0`'s).
+
+Example:
+
+```python
+errors = checks_for(("inv", "div0"))  # frozenset() for none
+run = checked(execution, errors)      # (state, batches) -> (state, (outfeed, error))
+state, (outfeed, error) = run(state, batches)
+raise_first(error, "fit")             # IPUFloatingPointError, if an operation raised
+```
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# checkify's rule table and error plumbing: it checks NaNs and divisions but
+# not overflows, whose rule this module adds (contract-tested in
+# tests/test_floating_point.py).
+from jax._src import checkify as checkify_rules
+from jax.experimental import checkify
+
+from keras_ipu.errors import IPUFloatingPointError
+
+
+class _OverflowError(checkify_rules.JaxException):
+    """An operation of finite operands made an infinity."""
+
+    def __init__(self, traceback_info: Any, primitive_name: str):
+        super().__init__(traceback_info)
+        self.prim = primitive_name
+
+    def tree_flatten(self):
+        return ([], (self.traceback_info, self.prim))
+
+    @classmethod
+    def tree_unflatten(cls, metadata, payload):
+        del payload
+        return cls(*metadata)
+
+    def __str__(self) -> str:
+        return f"overflow in primitive: {self.prim}."
+
+    def get_effect_type(self):
+        return checkify_rules.ErrorEffect(_OverflowError, ())
+
+
+_OPTION_ERRORS = {"inv": checkify.nan_checks, "div0": checkify.div_checks,
+                  "oflo": frozenset({_OverflowError})}
+
+# The operations that can overflow finite operands.
+_OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
+                lax.conv_general_dilated_p, lax.exp_p, lax.exp2_p, lax.expm1_p, lax.pow_p,
+                lax.integer_pow_p, lax.cosh_p, lax.sinh_p, lax.reduce_sum_p, lax.reduce_prod_p,
+                lax.cumsum_p, lax.cumprod_p, lax.square_p)
+
+# Frames of the array libraries, left out of where an exception happened.
+_LIBRARY_PATHS = ("/jax/", "/jaxlib/", "/keras/src/backend/", "/keras/src/ops/", "/keras_ipu/")
+
+
+def checks_for(exceptions: Iterable[str]) -> frozenset:
+    """The checks that trap these exceptions (empty: none).
+
+    Args:
+        exceptions: Names among `"inv"`, `"div0"` and `"oflo"` (the system's
+            `floating_point_exceptions` option).
+
+    Returns:
+        The union of their checkify error sets.
+
+    Raises:
+        ValueError: For another name.
+    """
+    errors: frozenset = frozenset()
+    for name in exceptions:
+        if name not in _OPTION_ERRORS:
+            raise ValueError(f"Unknown floating point exception {name!r}: expected some of "
+                             f"{sorted(_OPTION_ERRORS)}.")
+        errors |= _OPTION_ERRORS[name]
+    return errors
+
+
+def checked(execution: Callable, errors: frozenset) -> Callable:
+    """`execution` with the checks: it returns `(state, (outfeed, error))`.
+
+    Args:
+        execution: `(state, batches) -> (state, outfeed)`.
+        errors: From `checks_for`; not empty.
+
+    Returns:
+        The checked execution, to trace and compile in its place.
+    """
+    _add_overflow_rules()
+    run = checkify.checkify(execution, errors=errors)
+
+    def checked_execution(state, batches):
+        error, (state, outfeed) = run(state, batches)
+        return state, (outfeed, error)
+
+    return checked_execution
+
+
+def raise_first(error: checkify.Error, program: str) -> None:
+    """Raises the execution's first floating point exception, if any (waits for it).
+
+    Args:
+        error: The error an execution returned.
+        program: The program's name for the message (`"fit"`, ...).
+
+    Raises:
+        IPUFloatingPointError: When an operation raised a floating point exception.
+    """
+    exception = error.get_exception()
+    if exception is not None:
+        raise IPUFloatingPointError(program, f"{exception}{_where(exception)}")
+
+
+def _where(exception: Any) -> str:
+    """` at file:line (function)`: the innermost frame outside the array libraries."""
+    frames = getattr(getattr(exception, "traceback_info", None), "frames", None) or ()
+    for frame in frames:
+        if not any(path in frame.file_name for path in _LIBRARY_PATHS):
+            return f" at {frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return ""
+
+
+def _add_overflow_rules() -> None:
+    """Adds the overflow check to the rules of the operations that can overflow (once)."""
+    for primitive in _OVERFLOWING:
+        rule = checkify_rules.error_checks.get(primitive, functools.partial(_bound, primitive))
+        if not getattr(rule, "checks_overflow", False):
+            checkify_rules.error_checks[primitive] = _overflow_checked(primitive, rule)
+
+
+def _bound(primitive, error, enabled_errors, *operands, **params):
+    return error, primitive.bind(*operands, **params)
+
+
+def _overflow_checked(primitive, rule: Callable) -> Callable:
+    def checked_rule(error, enabled_errors, *operands, **params):
+        error, out = rule(error, enabled_errors, *operands, **params)
+        if _OverflowError in enabled_errors:
+            made = _made_infinity(primitive, operands, out)
+            error = checkify_rules.assert_func(
+                error, made, _OverflowError(checkify_rules.get_traceback(), primitive.name))
+        return error, out
+
+    checked_rule.checks_overflow = True
+    return checked_rule
+
+
+def _made_infinity(primitive, operands: tuple, out: Any) -> jax.Array:
+    """Whether `out` holds an infinity that finite operands (no zero divisor) made."""
+    results = [leaf for leaf in jax.tree_util.tree_leaves(out) if _is_float(leaf)]
+    if not results:
+        return jnp.bool_(False)
+    infinite = jnp.any(jnp.stack([jnp.isinf(leaf).any() for leaf in results]))
+    finite = [jnp.isfinite(x).all() for x in operands if _is_float(x)]
+    if primitive is lax.div_p:  # x / 0 is div0's
+        finite.append(jnp.all(operands[1] != 0))
+    return infinite & jnp.all(jnp.stack(finite)) if finite else infinite
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
