@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -188,3 +190,66 @@ def test_a_ctrl_c_while_a_batch_hook_waits_for_the_logs_stops_fit():
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hooks])
     assert len(ends) < 6  # stopped before its last execution
+
+
+class _Reshuffling(keras.utils.PyDataset):
+    """Reshuffles its batches at each `on_epoch_end`, counting them."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+        self.order, self.rng, self.epoch_ends = np.arange(len(x) // BATCH), None, 0
+
+    def __len__(self):
+        return len(self.order)
+
+    def __getitem__(self, index):
+        rows = slice(self.order[index] * BATCH, (self.order[index] + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.epoch_ends += 1
+        self.order = np.random.default_rng(self.epoch_ends).permutation(len(self.order))
+
+
+class _StopIn(keras.callbacks.Callback):
+    def __init__(self, epoch, batch, how):
+        super().__init__()
+        self.at, self.how = (epoch, batch), how
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            if self.how == "raise":
+                raise RuntimeError("stopped")
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("how", ["raise", "stop_training"])
+def test_an_epoch_that_did_not_end_does_not_end_the_pydatasets_epoch(how, tmp_path):
+    # Keras' epoch iterator never reaches the adapter's `on_epoch_end` for an epoch left
+    # by an error or `stop_training`: a self-reshuffling PyDataset keeps its order, and a
+    # BackupAndRestore resume reads what plain Keras reads. keras_ipu's input thread
+    # reached the pass's end ahead of the device and ended it.
+    x, y = data_for("sequential", samples=16 * BATCH)
+    results = {}
+    for kind in ("plain", "ipu"):
+        configure(1)
+        data = _Reshuffling(x, y)
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / kind))
+        scope = ipu.ipu_strategy.IPUStrategy().scope() if kind == "ipu" else None
+        with scope or contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+            model.compile(optimizer="adam", loss="mse", steps_per_execution=SPE)
+            try:
+                model.fit(data, epochs=3, verbose=0, callbacks=[backup, _StopIn(1, SPE - 1, how)])
+            except RuntimeError:
+                pass
+            ends = data.epoch_ends
+            model.fit(data, epochs=3, verbose=0, callbacks=[backup])
+        results[kind] = ends, model.get_weights()
+    assert results["ipu"][0] == results["plain"][0]
+    assert_weights_close(results["plain"][1], results["ipu"][1], atol=1e-6)

@@ -389,6 +389,9 @@ class ArrayFeed:
             return slice(start, start + count)
         return self._order[start : start + count]
 
+    def end_pass(self) -> None:
+        """Nothing to end for arrays (no epoch hooks)."""
+
     def close(self) -> None:
         """Nothing to release for arrays."""
 
@@ -486,7 +489,6 @@ class AdapterFeed:
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True
-                self._end_pass()  # as Keras' epoch iterator, when its input runs out
                 warnings.warn(
                     "Your input ran out of data; interrupting the epoch. Make sure "
                     "that your dataset or generator can generate at least "
@@ -504,6 +506,14 @@ class AdapterFeed:
         ):
             self._iterator = None
             self._seen = 0
+
+    def end_pass(self) -> None:
+        """Ends the pass once its executions were all taken (or its data ran out).
+
+        Called by whoever takes the executions, not by `executions` itself: a
+        thread that prepares them ahead reaches the end first. As Keras' epoch
+        iterator, when asked for more: a `PyDataset`'s `on_epoch_end` runs.
+        """
         self._end_pass()
 
     def draw_build_pass(self) -> None:
@@ -564,8 +574,19 @@ class AdapterFeed:
             )
 
     def close(self) -> None:
-        """Ends a pass left under way (releasing the adapter's workers)."""
-        self._end_pass()
+        """Releases the workers of a pass left under way, without the adapter's `on_epoch_end`.
+
+        A pass is left under way by an error, an interrupt, or `stop_training`
+        inside an epoch: Keras' epoch iterator never reaches its `on_epoch_end`
+        then, and a `PyDataset` that reshuffles there must not, for an epoch
+        that did not end (`BackupAndRestore` resumes in Keras' order).
+        """
+        if self._in_pass:
+            self._in_pass = False
+            # Keras' PyDataset adapter runs its workers' enqueuer (tests/test_keras_contracts.py).
+            enqueuer = getattr(self._adapter, "enqueuer", None)
+            if enqueuer is not None:
+                enqueuer.stop()
 
     def _begin_pass(self) -> None:
         if not self._in_pass:

@@ -390,6 +390,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 state = new_state
                 if getattr(model, stop_flag, False):
                     break
+            else:  # every execution taken: the pass ends (not after a stop or an error)
+                feed.end_pass()
     except BaseException:
         if stream is not None:
             # Whatever stopped the run, the device must not wait for a reader.
