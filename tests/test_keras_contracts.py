@@ -520,3 +520,39 @@ def test_variables_made_in_a_stateless_scope_wait_for_initialize_all_variables()
     np.testing.assert_array_equal(made.numpy(), [1, 1])
     with keras.StatelessScope():  # nothing left waiting
         pass
+
+
+def test_model_save_and_save_weights_are_keras_models_own():
+    # keras_ipu.keras.saving routes them for IPU models (an override's super() included).
+    from keras.src.models.model import Model
+
+    from keras_ipu.keras import extensions, saving
+
+    extensions.install()
+    for name in ("save", "save_weights"):
+        owners = [k for k in keras.Sequential.__mro__ if name in k.__dict__]
+        assert owners[0] is Model
+        assert getattr(Model, name).__wrapped__ is saving._KERAS_SAVES[name]
+        assert _params(saving._KERAS_SAVES[name])[:3] == ["self", "filepath", "overwrite"]
+
+
+def test_a_pydataset_adapter_runs_its_workers_with_an_enqueuer():
+    # keras_ipu.keras.data stops it for a pass left under way, without `on_epoch_end`.
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=2)
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return np.zeros((2, 1)), np.zeros((2, 1))
+
+    adapter = PyDatasetAdapter(Batches(), shuffle=False)
+    adapter.on_epoch_begin()
+    next(iter(adapter.get_numpy_iterator()))
+    assert adapter.enqueuer is not None and adapter.enqueuer.is_running()
+    adapter.enqueuer.stop()
+    assert not adapter.enqueuer.is_running()

@@ -273,44 +273,6 @@ class ExtensionBase:
         options.set_options(self, options.feed_queue_options(options.options_of(self), **feeds))
         run.forget_programs(self)
 
-    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """Saves the model as `keras.Model.save` does, with its IPU options.
-
-        The file is written next to the target and moved into place once
-        complete: a save that fails leaves the previous file as it was. In a
-        multi-host job instance 0 writes and the others wait for the file.
-
-        Example:
-
-        >>> model.save("model.keras")
-        """
-        base = super()
-        if zipped is False:  # a folder (Keras refuses `.keras` names): Keras writes it
-            return saving.on_first_instance(
-                lambda: base.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs),
-                filepath)
-        return saving.on_first_instance(lambda: saving.write_whole(
-            filepath, overwrite, lambda path: base.save(
-                path, overwrite=True, zipped=zipped, **kwargs)), filepath)
-
-    def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Saves the weights as `keras.Model.save_weights` does, replacing the file whole.
-
-        Sharded saves (`max_shard_size`) write their files as Keras does. In a
-        multi-host job instance 0 writes and the others wait for the file.
-
-        Example:
-
-        >>> model.save_weights("model.weights.h5")
-        """
-        base = super()
-        if kwargs.get("max_shard_size") is not None:
-            return saving.on_first_instance(
-                lambda: base.save_weights(filepath, overwrite=overwrite, **kwargs), filepath)
-        return saving.on_first_instance(lambda: saving.write_whole(
-            filepath, overwrite, lambda path: base.save_weights(path, overwrite=True, **kwargs)),
-            filepath)
-
     def export_for_ipu_serving(self, export_dir, batch_size=None, output_names=None,
                                preprocessing_step=None, preprocessing_step_signature=None,
                                postprocessing_step=None, postprocessing_step_signature=None,
@@ -384,16 +346,24 @@ class ExtensionBase:
         return config
 
     def save_assets(self, dir_path):
-        """Saves the IPU options into the `.keras` file (Keras saving hook)."""
+        """Saves the IPU options into the `.keras` file (Keras saving hook), then the
+        model class's own assets, if it saves any."""
         with open(os.path.join(dir_path, _ASSET_FILE), "w") as f:
             json.dump(model_config.ipu_config(self), f)
+        own = getattr(super(), "save_assets", None)
+        if own is not None:
+            own(dir_path)
 
     def load_assets(self, dir_path):
-        """Restores the IPU options saved by `save_assets` (Keras loading hook)."""
+        """Restores the IPU options saved by `save_assets` (Keras loading hook), then the
+        model class's own assets, if it loads any."""
         path = os.path.join(dir_path, _ASSET_FILE)
         if os.path.exists(path):
             with open(path) as f:
                 model_config.restore(self, json.load(f))
+        own = getattr(super(), "load_assets", None)
+        if own is not None:
+            own(dir_path)
 
     def fit(self, *args, **kwargs):
         """Trains the model on the IPU system; same arguments as `keras.Model.fit`.
@@ -572,8 +542,9 @@ def install() -> None:
     _route_trainer_methods()
     # PipelineStage scopes record stages on the layers and calls they see.
     stages.install()
-    # Inside a scope, a bad .keras file is named for what is wrong with it.
-    saving.install()
+    # Inside a scope, a bad .keras file is named for what is wrong with it; an IPU
+    # model's files are replaced whole.
+    saving.install(lambda model: isinstance(model, ExtensionBase))
     # Configs (JSON, from_config, .h5) carry the IPU options too.
     model_config.install()
 

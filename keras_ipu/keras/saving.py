@@ -54,7 +54,7 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
 
     Example:
 
-    >>> write_whole("m.keras", True, lambda path: keras.Model.save(model, path))
+    >>> write_whole("m.keras", True, lambda path: keras_save(model, path))
     """
     path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
     suffix = _extension(path) if path is not None else None
@@ -125,7 +125,7 @@ def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
 
     Example:
 
-    >>> on_first_instance(lambda: keras.Model.save(model, "m.keras"), "m.keras")
+    >>> on_first_instance(lambda: keras_save(model, "m.keras"), "m.keras")
     """
     import jax
 
@@ -211,22 +211,70 @@ def check_model_file(filepath: Any) -> None:
         )
 
 
-def install() -> None:
-    """Makes `keras.models.load_model` (and `keras.saving.load_model`) check the file in a scope.
+def install(is_ipu_model: Callable[[Any], bool] = lambda model: False) -> None:
+    """Makes `keras.models.load_model` (and `keras.saving.load_model`) check the file in a
+    scope, and an IPU model's `save` and `save_weights` replace the file whole.
 
-    Idempotent. Outside every strategy scope the wrapped function is Keras' own.
+    Keras' own `Model.save` and `save_weights` are routed, as `fit` is: an
+    override in the model's class runs first, with the path it was given, and
+    its `super().save(...)` writes the file whole (in a multi-host job, in
+    instance 0 alone). Idempotent. Outside every strategy scope the wrapped
+    loader is Keras' own, and other models save as Keras saves them.
+
+    Args:
+        is_ipu_model: Whether a model was made in a strategy scope.
 
     Example:
 
-    >>> install()
+    >>> install(lambda model: isinstance(model, ExtensionBase))
     """
     import keras
+    from keras.src.models.model import Model
 
     for namespace in (keras.models, keras.saving):
         original = namespace.load_model
         if getattr(original, "_keras_ipu_checked", False):
             continue
         namespace.load_model = _checked_loader(original)
+    for name, whole in (("save", _saved_whole), ("save_weights", _weights_saved_whole)):
+        if name not in _KERAS_SAVES:
+            _KERAS_SAVES[name] = Model.__dict__[name]
+            setattr(Model, name, _routed_save(_KERAS_SAVES[name], whole, is_ipu_model))
+
+
+# Keras' own `Model.save` and `save_weights`, before `install` routed them.
+_KERAS_SAVES: dict[str, Callable[..., Any]] = {}
+
+
+def _routed_save(original: Callable[..., Any], whole: Callable[..., Any],
+                 is_ipu_model: Callable[[Any], bool]) -> Callable[..., Any]:
+    import functools
+
+    @functools.wraps(original)
+    def save(self, filepath, *args, **kwargs):
+        if is_ipu_model(self):
+            return whole(original, self, filepath, *args, **kwargs)
+        return original(self, filepath, *args, **kwargs)
+
+    return save
+
+
+def _saved_whole(save, model, filepath, overwrite=True, zipped=None, **kwargs):
+    if zipped is False:  # a folder (Keras refuses `.keras` names): Keras writes it
+        return on_first_instance(
+            lambda: save(model, filepath, overwrite=overwrite, zipped=zipped, **kwargs), filepath)
+    return on_first_instance(lambda: write_whole(
+        filepath, overwrite,
+        lambda path: save(model, path, overwrite=True, zipped=zipped, **kwargs)), filepath)
+
+
+def _weights_saved_whole(save_weights, model, filepath, overwrite=True, **kwargs):
+    if kwargs.get("max_shard_size") is not None:  # sharded: its files as Keras writes them
+        return on_first_instance(
+            lambda: save_weights(model, filepath, overwrite=overwrite, **kwargs), filepath)
+    return on_first_instance(lambda: write_whole(
+        filepath, overwrite,
+        lambda path: save_weights(model, path, overwrite=True, **kwargs)), filepath)
 
 
 def _checked_loader(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,6 +6,7 @@ import os
 import sys
 
 import keras
+import keras.src.saving.saving_lib as saving_lib
 import numpy as np
 from fit_cases import BATCH, build, instance_data
 from job import say, start
@@ -13,17 +14,17 @@ from job import say, start
 out = sys.argv[1]
 strategy, index = start()
 x, y = instance_data(index)
-# Counts the files this instance's Keras writes.
+# Counts the weights files this instance's Keras writes (where `save_weights` writes).
 written = []
-keras_save_weights = keras.Model.save_weights
+keras_writes_weights = saving_lib.save_weights_only
 
 
-def counting_save_weights(self, filepath, *args, **kwargs):
+def counting_writes(model, filepath, *args, **kwargs):
     written.append(os.path.basename(str(filepath)))
-    return keras_save_weights(self, filepath, *args, **kwargs)
+    return keras_writes_weights(model, filepath, *args, **kwargs)
 
 
-keras.Model.save_weights = counting_save_weights
+saving_lib.save_weights_only = counting_writes
 
 
 class Writes(keras.callbacks.Callback):
