@@ -253,3 +253,78 @@ def test_an_epoch_that_did_not_end_does_not_end_the_pydatasets_epoch(how, tmp_pa
         results[kind] = ends, model.get_weights()
     assert results["ipu"][0] == results["plain"][0]
     assert_weights_close(results["plain"][1], results["ipu"][1], atol=1e-6)
+
+
+def _ctrl_c_on_entering(function_name: str):
+    """A profiler that presses Ctrl-C as this thread enters keras_ipu's `function_name`."""
+    import os
+    import signal
+
+    armed = [True]
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if (event == "call" and armed[0] and code.co_name == function_name
+                and "keras_ipu" in code.co_filename):
+            armed[0] = False
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return profile
+
+
+@pytest.mark.parametrize("setup", ["one_ipu", "replicated"])
+@pytest.mark.parametrize("where, call", [
+    ("to_device", "fit"), ("to_keras", "fit"), ("to_device", "evaluate"),
+    ("to_keras", "predict"),
+])
+def test_a_ctrl_c_while_the_state_moves_keeps_the_weights(setup, where, call):
+    # The state moves to the device from purged Keras variables, and back at the
+    # end: a Ctrl-C in either move left every variable None (the model lost).
+    import sys
+
+    x, y = data_for("sequential", samples=4 * _batches_per_execution(setup) * BATCH)
+    expected = _model(setup)
+    expected.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model = _model(setup)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    run = {"fit": lambda: model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                    verbose=0),
+           "evaluate": lambda: model.evaluate(x, y, batch_size=BATCH, verbose=0),
+           "predict": lambda: model.predict(x, batch_size=BATCH, verbose=0)}[call]
+    sys.setprofile(_ctrl_c_on_entering(where))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+    finally:
+        sys.setprofile(None)
+    if call == "fit" and where == "to_keras":  # at the epoch's end: that epoch is kept
+        expected.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(expected.get_weights(), model.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               expected.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-6)
+
+
+def test_a_ctrl_c_while_a_thread_starts_leaves_no_thread(monkeypatch):
+    # The callbacks' and the infeed's threads start in their constructors: a Ctrl-C
+    # there left a running thread that nobody could close.
+    import threading
+    import time
+
+    from keras_ipu.device.infeed import Infeed
+    from keras_ipu.keras import step_callbacks
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            super().start()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading, "Thread", Interrupted)
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        step_callbacks.CallbackThread(delivery=None, on_error=lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        Infeed(iter(range(10**6)), place=lambda item: item, depth=2, threaded=True)
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) - before == set()

@@ -69,7 +69,13 @@ class Infeed:
             target=self._produce, args=(source, place), name="keras_ipu-infeed", daemon=True
         )
         if threaded and not first_inline:
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:
+                # A Ctrl-C while it started: nobody gets this object to close it,
+                # and the thread may be running: it stops at its next item.
+                self._stop.set()
+                raise
 
     @staticmethod
     def _prepared(source: Iterator[Any], place: Callable[[Any], Any]) -> tuple[bool, Any]:

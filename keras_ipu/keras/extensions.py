@@ -29,6 +29,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
+from keras_ipu.device import interrupts
 from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
 from keras_ipu.keras.stages import (
     FunctionalPipelineMixin,
@@ -330,8 +331,10 @@ class ExtensionBase:
         run.forget_programs(self)
 
     def jax_state_sync(self):
-        trainer.sync_pending_state(self)
-        return super().jax_state_sync()
+        # A Ctrl-C waits for the sync's end: cut short, it could leave the variables purged.
+        with interrupts.deferred():
+            trainer.sync_pending_state(self)
+            return super().jax_state_sync()
 
     def get_config(self):
         """Keras' config, with the IPU options where Keras' `from_config` can take them."""

@@ -156,7 +156,13 @@ class CallbackThread:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="keras_ipu-callbacks",
                                         daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            # A Ctrl-C while it started: nobody gets this object to close it, and the
+            # thread may be running: it ends at once.
+            self._jobs.put(None)
+            raise
 
     def submit(self, begin: int, chunks: Iterable[list[Any]]) -> None:
         """Hands over one execution's chunks of steps, numbered from `begin`."""

@@ -157,14 +157,17 @@ def fit(
                 break
         training_finished = True
     finally:
-        if ahead is not None:
-            ahead.close()
-        model.jax_state_sync()
-        feed.close()
-        if val_feed is not None:
-            val_feed.close()
-        if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
+        # A Ctrl-C in the clean-up (a second one, say) waits for its end: cut
+        # short, it would leave the variables purged and the feeds' workers running.
+        with interrupts.deferred():
+            if ahead is not None:
+                ahead.close()
+            model.jax_state_sync()
+            feed.close()
+            if val_feed is not None:
+                val_feed.close()
+            if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
+                model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
             callbacks.on_train_end(logs=training_logs)
         _forget_state(model)
@@ -243,7 +246,8 @@ def evaluate(
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
     finally:
-        feed.close()
+        with interrupts.deferred():  # as fit's clean-up
+            feed.close()
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -300,8 +304,9 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     try:
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
-        model.jax_state_sync()
-        feed.close()
+        with interrupts.deferred():  # as fit's clean-up
+            model.jax_state_sync()
+            feed.close()
     callbacks.on_predict_end()
     _forget_state(model)
     if not outputs:
@@ -353,14 +358,16 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 if hooks is None:
                     on_begin(begin)
                 if model._jax_state_synced:
-                    # First execution, or a callback synced the variables.
-                    state = codec.to_device(model._get_jax_state(
-                        **dict.fromkeys(parts, True), purge_model_variables=True))
-                    model._jax_state_synced = False
-                    # The variables are purged: until the execution's own
-                    # state comes back, this is the model's (a hook reading the
-                    # model while it runs, or a call that fails before it does).
-                    _keep_state(model, state, codec)
+                    # First execution, or a callback synced the variables. A Ctrl-C
+                    # between the purge and the keeping would lose the weights.
+                    with interrupts.deferred():
+                        state = codec.to_device(model._get_jax_state(
+                            **dict.fromkeys(parts, True), purge_model_variables=True))
+                        model._jax_state_synced = False
+                        # The variables are purged: until the execution's own
+                        # state comes back, this is the model's (a hook reading the
+                        # model while it runs, or a call that fails before it does).
+                        _keep_state(model, state, codec)
                 if hooks is not None and run.program.donates_state:
                     # Hooks read the model while the execution consumes its state
                     # (a pipeline's): they read a copy of it.
@@ -540,11 +547,11 @@ def sync_pending_state(model) -> None:
     """Hands the latest device state to Keras' state sync (replica 0's weights,
     the last replica's metrics, so `get_metrics_result` agrees with `NONE`)."""
     model_state = context.state_of(model)
-    pending, model_state.pending_state = model_state.pending_state, None
-    if pending is None:
+    if model_state.pending_state is None:
         return
-    state, codec = pending
+    state, codec = model_state.pending_state
     model._jax_state = codec.to_keras(state)
+    model_state.pending_state = None  # only now: the state is Keras' to sync
 
 
 def _forget_state(model) -> None:
