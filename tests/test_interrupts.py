@@ -177,18 +177,30 @@ def test_a_ctrl_c_while_a_batch_hook_waits_for_the_logs_stops_fit():
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.Sequential([keras.Input((6,)), _LongExecution(), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
-    ends = []
+    ends, running, timers = [], threading.Event(), []
+
+    def press_ctrl_c():
+        if running.is_set():  # never after fit returned: it would hit another test
+            os.kill(os.getpid(), signal.SIGINT)
 
     def press_ctrl_c_during_the_second_execution(batch, logs):
-        # Early in the execution: the host has dispatched it and waits for its logs.
+        # Early in the execution (each takes ~0.5 s on a CPU, more under load): the
+        # host has dispatched it and waits for its logs.
         if batch == SPE:
-            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+            timers.append(threading.Timer(0.1, press_ctrl_c))
+            timers[0].start()
 
     hooks = keras.callbacks.LambdaCallback(
         on_train_batch_begin=press_ctrl_c_during_the_second_execution,
         on_train_batch_end=lambda batch, logs: ends.append(batch))
-    with pytest.raises(KeyboardInterrupt):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hooks])
+    running.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hooks])
+    finally:
+        running.clear()
+        for timer in timers:
+            timer.cancel()
     assert len(ends) < 6  # stopped before its last execution
 
 

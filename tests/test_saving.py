@@ -322,3 +322,14 @@ def test_a_models_own_assets_and_save_override_work_as_in_plain_keras(strategy, 
     assert options.options_of(loaded).gradient_accumulation_steps_per_replica == 2
     assert sorted(os.listdir(tmp_path)) == ["m.keras", "m.keras.vocabulary.txt"]
     assert_weights_close(model.get_weights(), loaded.get_weights(), atol=0)
+
+
+def test_save_and_save_weights_take_keras_positional_arguments(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.save_weights(tmp_path / "m.weights.h5", True, None)  # overwrite, max_shard_size
+    model.save(tmp_path / "m.keras", True, None)  # overwrite, zipped
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    plain.load_weights(tmp_path / "m.weights.h5")
+    assert_weights_close(model.get_weights(), plain.get_weights(), atol=0)
+    assert sorted(os.listdir(tmp_path)) == ["m.keras", "m.weights.h5"]

@@ -181,10 +181,13 @@ _FLOATING_POINT_ALL = (
 )
 
 
+_FLOATING_POINT_EFFECTS = {"inv": _FLOATING_POINT_TRAP, "div0": _FLOATING_POINT_TRAP,
+                           "oflo": _FLOATING_POINT_TRAP, "set_all": _FLOATING_POINT_ALL}
+
+
 def _floating_point(name: str, doc: str) -> Option:
-    effect = {"inv": _FLOATING_POINT_TRAP, "div0": _FLOATING_POINT_TRAP,
-              "oflo": _FLOATING_POINT_TRAP, "set_all": _FLOATING_POINT_ALL}
-    return Option(name, bool, False, doc, effect=effect.get(name, _FLOATING_POINT_NO_EFFECT))
+    effect = _FLOATING_POINT_EFFECTS.get(name, _FLOATING_POINT_NO_EFFECT)
+    return Option(name, bool, False, doc, effect=effect)
 
 
 _FLOATING_POINT_BEHAVIOUR = Category(

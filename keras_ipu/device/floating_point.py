@@ -13,10 +13,15 @@ execution that completed.
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
   float32, say; a division by zero is `div0`'s).
 
+checkify checks NaNs and divisions by zero, not overflows: importing this
+module adds an overflow rule to checkify's (process-wide) rule table, for the
+operations that can overflow. It checks only when a checkified function asks
+for this module's overflow error, so other uses of checkify are unchanged.
+
 Example:
 
 ```python
-errors = checks_for(("inv", "div0"))  # frozenset() for none
+errors = system_checks()              # the configured system's; frozenset() for none
 run = checked(execution, errors)      # (state, batches) -> (state, (outfeed, error))
 state, (outfeed, error) = run(state, batches)
 raise_first(error, "fit")             # IPUFloatingPointError, if an operation raised
@@ -26,6 +31,8 @@ raise_first(error, "fit")             # IPUFloatingPointError, if an operation r
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,6 +46,7 @@ from jax import lax
 from jax._src import checkify as checkify_rules
 from jax.experimental import checkify
 
+from keras_ipu.device import system
 from keras_ipu.errors import IPUFloatingPointError
 
 
@@ -73,8 +81,35 @@ _OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
                 lax.integer_pow_p, lax.cosh_p, lax.sinh_p, lax.reduce_sum_p, lax.reduce_prod_p,
                 lax.cumsum_p, lax.cumprod_p, lax.square_p)
 
-# Frames of the array libraries, left out of where an exception happened.
-_LIBRARY_PATHS = ("/jax/", "/jaxlib/", "/keras/src/backend/", "/keras/src/ops/", "/keras_ipu/")
+
+
+def _library_folders() -> tuple[str, ...]:
+    """The folders of the array libraries' own frames, left out of where an exception
+    happened: JAX's, keras_ipu's, and Keras' backend and ops (a layer's `call` stays)."""
+    folders = [os.path.dirname(jax.__file__), os.path.dirname(os.path.dirname(__file__))]
+    for name in ("jaxlib", "keras"):
+        spec = importlib.util.find_spec(name)  # located, not imported
+        if spec is not None and spec.submodule_search_locations:
+            root = spec.submodule_search_locations[0]
+            folders += ([os.path.join(root, "src", "backend"), os.path.join(root, "src", "ops")]
+                        if name == "keras" else [root])
+    return tuple(os.path.join(folder, "") for folder in folders)
+
+
+_LIBRARY_FOLDERS = _library_folders()
+
+
+def system_checks() -> frozenset:
+    """The checks of the exceptions the configured system traps (empty: none).
+
+    Returns:
+        `checks_for` of the system's `floating_point_exceptions` option.
+
+    Example:
+
+    >>> ExecutionProgram(step, ..., floating_point_checks=system_checks())
+    """
+    return checks_for(system.require().option("floating_point_exceptions", ()))
 
 
 def checks_for(exceptions: Iterable[str]) -> frozenset:
@@ -89,6 +124,11 @@ def checks_for(exceptions: Iterable[str]) -> frozenset:
 
     Raises:
         ValueError: For another name.
+
+    Example:
+
+    >>> checks_for(["div0"]) == checkify.div_checks
+    True
     """
     errors: frozenset = frozenset()
     for name in exceptions:
@@ -108,8 +148,12 @@ def checked(execution: Callable, errors: frozenset) -> Callable:
 
     Returns:
         The checked execution, to trace and compile in its place.
+
+    Example:
+
+    >>> run = checked(lambda state, x: (state, jnp.exp(x)), checks_for(["oflo"]))
+    >>> state, (out, error) = jax.jit(run)(0.0, 100.0)  # error.get(): "overflow in ..."
     """
-    _add_overflow_rules()
     run = checkify.checkify(execution, errors=errors)
 
     def checked_execution(state, batches):
@@ -138,7 +182,7 @@ def _where(exception: Any) -> str:
     """` at file:line (function)`: the innermost frame outside the array libraries."""
     frames = getattr(getattr(exception, "traceback_info", None), "frames", None) or ()
     for frame in frames:
-        if not any(path in frame.file_name for path in _LIBRARY_PATHS):
+        if not frame.file_name.startswith(_LIBRARY_FOLDERS):
             return f" at {frame.file_name}:{frame.line_num} ({frame.function_name})"
     return ""
 
@@ -182,3 +226,7 @@ def _made_infinity(primitive, operands: tuple, out: Any) -> jax.Array:
 
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+# At import, under Python's import lock: once per process.
+_add_overflow_rules()

@@ -72,9 +72,9 @@ class Infeed:
             try:
                 self._thread.start()
             except BaseException:
-                # A Ctrl-C while it started: nobody gets this object to close it,
-                # and the thread may be running: it stops at its next item.
-                self._stop.set()
+                # A Ctrl-C while it started: nobody gets this object to close it, and
+                # the thread may be running (inside its source): it is stopped here.
+                self.close()
                 raise
 
     @staticmethod

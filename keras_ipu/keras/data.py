@@ -11,7 +11,6 @@ leading axis.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import operator
 import warnings
@@ -21,10 +20,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from keras import config as keras_config
-from keras.src import backend
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_ipu.keras import host_data
 from keras_ipu.keras.resident import ResidentPasses
 
 logger = logging.getLogger("keras_ipu")
@@ -125,7 +124,7 @@ def make_feed(
             "`sample_weight` and `class_weight` cannot both be given. "
             f"Received: class_weight={class_weight}."
         )
-    arrays = _as_arrays((x, y, sample_weight))
+    arrays = host_data.as_arrays((x, y, sample_weight))
     if arrays is not None:
         return ArrayFeed(
             arrays,
@@ -267,8 +266,8 @@ class ArrayFeed:
                 _single_target(y), class_weight
             )
         data = tuple(part for part in (x, y, sample_weight) if part is not None)
-        self._data = jax.tree_util.tree_map(_host_array, data)
-        rows = _common_length(self._data)
+        self._data = jax.tree_util.tree_map(host_data.host_array, data)
+        rows = host_data.common_length(self._data)
         if batch_size is None:
             batch_size = -(-rows // steps) if steps and steps > 0 else DEFAULT_BATCH_SIZE
         batch_size = _positive_int("batch_size", batch_size)
@@ -297,7 +296,7 @@ class ArrayFeed:
     def execution_bytes(self) -> int:
         """Bytes of one execution's batches."""
         rows = self.plan.batches_per_execution * self.batch_size
-        return self.data_bytes * rows // _common_length(self._data)
+        return self.data_bytes * rows // host_data.common_length(self._data)
 
     def keep_on_device(self, device: jax.Device, regroup: Callable[[Any], Any]) -> None:
         """From now on, keeps the arrays on `device` and cuts executions there.
@@ -362,7 +361,8 @@ class ArrayFeed:
             self._order = np.concatenate(
                 [np.random.permutation(size) + b * size for b in range(num_batches)])
         elif self._shuffle:
-            self._order = np.random.permutation(_common_length(self._data))[: num_batches * size]
+            rows = host_data.common_length(self._data)
+            self._order = np.random.permutation(rows)[: num_batches * size]
         if self._resident is not None:
             self._resident.new_pass(self._order)
 
@@ -376,7 +376,7 @@ class ArrayFeed:
         if self._shuffle == "batch":
             np.random.permutation(self.batch_size)
         elif self._shuffle:
-            np.random.permutation(_common_length(self._data))
+            np.random.permutation(host_data.common_length(self._data))
 
     def rewind(self) -> None:
         """Starts the next execution at the beginning of a new pass over the data."""
@@ -468,7 +468,8 @@ class AdapterFeed:
                 getattr(self._adapter, "shuffle", False) or reads >= plan.num_batches):
             return
         count = plan.num_batches
-        size, last_size = _batch_size(self._first), _batch_size(dataset[count - 1])
+        size = host_data.batch_size_of(self._first)
+        last_size = host_data.batch_size_of(dataset[count - 1])
         if last_size is not None and last_size != size:
             raise ValueError(
                 f"{ROLES[self._role].subject} has a partial batch: its last batch (index "
@@ -498,7 +499,7 @@ class AdapterFeed:
                 )
                 return
             stacked = jax.tree_util.tree_map(
-                lambda a: a.reshape(*shape, *a.shape[1:]), _stack(batches)
+                lambda a: a.reshape(*shape, *a.shape[1:]), host_data.stack(batches)
             )
             yield begin, begin + plan.steps_per_execution - 1, stacked
         if plan.num_batches is not None and self._seen + plan.steps * plan.replicas > (
@@ -556,7 +557,8 @@ class AdapterFeed:
             return self._pending.pop(0)
         if self._iterator is None:
             self._iterator = iter(self._adapter.get_numpy_iterator())
-        batch = jax.tree_util.tree_map(_host_array, _as_tuple(next(self._iterator)))
+        batch = host_data.as_tuple(next(self._iterator))
+        batch = jax.tree_util.tree_map(host_data.host_array, batch)
         self._seen += 1
         self._check_shapes(batch)
         return batch
@@ -620,60 +622,6 @@ def _has_partial_batch(adapter: Any) -> bool:
         return bool(adapter.has_partial_batch)
     except NotImplementedError:  # unknown until the data is seen
         return False
-
-
-def _batch_size(batch: Any) -> int | None:
-    """The leading dimension of a batch's first array (`None` for a batch of scalars)."""
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)]
-    return np.shape(leaves[0])[0] if leaves else None
-
-
-def _stack(batches: list[Any]) -> Any:
-    return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *batches)
-
-
-def _as_tuple(batch: Any) -> tuple:
-    return batch if isinstance(batch, tuple) else (batch,)
-
-
-def _as_arrays(data: Any) -> Any | None:
-    # Only containers are walked: a generator or dataset is one leaf.
-    leaves = jax.tree_util.tree_leaves(
-        data, is_leaf=lambda v: not isinstance(v, (tuple, list, dict))
-    )
-    leaves = [leaf for leaf in leaves if leaf is not None]
-    if leaves and all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves):
-        return data
-    return None
-
-
-def _host_array(value: Any) -> np.ndarray:
-    array = np.asarray(value)
-    dtype = _host_dtype(array.dtype, backend.floatx())
-    return array if dtype is None else array.astype(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _host_dtype(dtype: np.dtype, floatx: str) -> str | None:
-    """The dtype host data of `dtype` is fed in, or `None` to keep it (cached: Keras'
-    dtype checks cost tens of microseconds per array in every fit)."""
-    if backend.is_float_dtype(dtype) and str(dtype) != floatx:
-        return floatx
-    if dtype in (np.int64, np.uint64):
-        # JAX runs 32-bit integers unless x64 is enabled.
-        return "int32" if dtype == np.int64 else "uint32"
-    return None
-
-
-def _common_length(data: Any) -> int:
-    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree_util.tree_leaves(data)}
-    if None in lengths or len(lengths) != 1:
-        sizes = [leaf.shape[:1] for leaf in jax.tree_util.tree_leaves(data)]
-        raise ValueError(
-            f"All arrays (inputs, targets and sample weights) must have the same "
-            f"number of samples in their first dimension; got first dimensions {sizes}."
-        )
-    return lengths.pop()
 
 
 def _single_target(y: Any) -> Any:

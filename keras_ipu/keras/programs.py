@@ -98,8 +98,7 @@ def _replicated_program(model, mode, replicas: Replicas, options: IPUOptions, ha
     streamed = options.asynchronous_callbacks
     identical = ipu_system.require().option("identical_replicas", False)
     norm_group = _norm_group(model, mode, replicas)
-    checks = floating_point.checks_for(
-        ipu_system.require().option("floating_point_exceptions", ()))
+    checks = floating_point.system_checks()
     # The accumulators' dtypes follow from this option and the trainable
     # variables (by identity in the run's key): worked out only to build.
     key = (mode, replicas, hardware, micro, custom, loop,

@@ -8,7 +8,9 @@ it (the existing file's, else the umask's), and a symbolic link is written
 through, as Keras writes through it. `check_model_file` explains why a `.keras` file
 cannot be a Keras model (Keras itself says "File not found" for a file that
 exists but is not a zip archive); `install` makes `keras.models.load_model`
-run it first inside a strategy scope (outside, Keras is left as it is).
+run it first inside a strategy scope (outside, Keras' loader runs alone), and
+routes Keras' `Model.save` and `save_weights` through `write_whole` for IPU
+models (other models save as Keras saves them).
 """
 
 from __future__ import annotations
@@ -260,21 +262,24 @@ def _routed_save(original: Callable[..., Any], whole: Callable[..., Any],
 
 
 def _saved_whole(save, model, filepath, overwrite=True, zipped=None, **kwargs):
-    if zipped is False:  # a folder (Keras refuses `.keras` names): Keras writes it
-        return on_first_instance(
-            lambda: save(model, filepath, overwrite=overwrite, zipped=zipped, **kwargs), filepath)
-    return on_first_instance(lambda: write_whole(
-        filepath, overwrite,
-        lambda path: save(model, path, overwrite=True, zipped=zipped, **kwargs)), filepath)
+    # `zipped=False` writes a folder (Keras refuses `.keras` names): as Keras writes it.
+    return _written(lambda path, overwrite: save(model, path, overwrite, zipped, **kwargs),
+                    filepath, overwrite, whole=zipped is not False)
 
 
-def _weights_saved_whole(save_weights, model, filepath, overwrite=True, **kwargs):
-    if kwargs.get("max_shard_size") is not None:  # sharded: its files as Keras writes them
-        return on_first_instance(
-            lambda: save_weights(model, filepath, overwrite=overwrite, **kwargs), filepath)
+def _weights_saved_whole(save_weights, model, filepath, overwrite=True, max_shard_size=None):
+    # Sharded weights: their files as Keras writes them.
+    return _written(lambda path, overwrite: save_weights(model, path, overwrite, max_shard_size),
+                    filepath, overwrite, whole=max_shard_size is None)
+
+
+def _written(save: Callable[[Any, bool], Any], filepath: Any, overwrite: bool,
+             whole: bool) -> Any:
+    """`save(path, overwrite)` in instance 0 alone; `whole`: into a file replaced whole."""
+    if not whole:
+        return on_first_instance(lambda: save(filepath, overwrite), filepath)
     return on_first_instance(lambda: write_whole(
-        filepath, overwrite,
-        lambda path: save_weights(model, path, overwrite=True, **kwargs)), filepath)
+        filepath, overwrite, lambda path: save(path, True)), filepath)
 
 
 def _checked_loader(original: Callable[..., Any]) -> Callable[..., Any]:

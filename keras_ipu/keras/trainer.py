@@ -157,21 +157,24 @@ def fit(
                 break
         training_finished = True
     finally:
-        # A Ctrl-C in the clean-up (a second one, say) waits for its end: cut
-        # short, it would leave the variables purged and the feeds' workers running.
-        with interrupts.deferred():
-            if ahead is not None:
-                ahead.close()
-            model.jax_state_sync()
-            feed.close()
-            if val_feed is not None:
-                val_feed.close()
-            if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
-                model.optimizer.finalize_variable_values(model.trainable_weights)
+        # The weights first (the sync holds Ctrl-C back itself): whatever stops the
+        # rest, a Ctrl-C in a close that waits for a data source, say, they are the model's.
+        model.jax_state_sync()
+        _forget_state(model)
+        _close_all(ahead, feed, val_feed)
+        if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
             callbacks.on_train_end(logs=training_logs)
-        _forget_state(model)
     return model.history
+
+
+def _close_all(*closables) -> None:
+    """Closes each (`None`s skipped), also when an earlier one raised (raised after)."""
+    with contextlib.ExitStack() as stack:
+        for closable in reversed(closables):  # the stack closes the last pushed first
+            if closable is not None:
+                stack.callback(closable.close)
 
 
 @contextlib.contextmanager
@@ -246,8 +249,7 @@ def evaluate(
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
     finally:
-        with interrupts.deferred():  # as fit's clean-up
-            feed.close()
+        feed.close()
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -304,9 +306,8 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     try:
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
-        with interrupts.deferred():  # as fit's clean-up
-            model.jax_state_sync()
-            feed.close()
+        model.jax_state_sync()  # first, as in fit
+        feed.close()
     callbacks.on_predict_end()
     _forget_state(model)
     if not outputs:

@@ -161,8 +161,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     # As in the reference, accumulated logs have no steps to report one by one.
     stepwise = options.asynchronous_callbacks and (mode == "predict" or not accumulate_outfeed)
     # The accumulators' dtypes follow from this option and the trainable variables.
-    checks = floating_point.checks_for(
-        ipu_system.require().option("floating_point_exceptions", ()))
+    checks = floating_point.system_checks()
     key = ("pipelined", mode, _plan_key(plan), mapping, replicas, hardware, micro, schedule,
            options.gradient_accumulation_reduction_method, options.pipelined_accumulator_dtype,
            reduction, accumulate_outfeed, recompute, keep_checkpoints, loop, stepwise,

@@ -1,0 +1,77 @@
+"""User data as the host arrays the feeds batch: which data are arrays, their dtypes, sizes.
+
+Example:
+
+```python
+data = as_arrays((x, y, None))              # None: not arrays (a generator, a PyDataset)
+rows = common_length(tree_map(host_array, data))
+```
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from keras.src import backend
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of a batch's first array (`None` for a batch of scalars)."""
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)]
+    return np.shape(leaves[0])[0] if leaves else None
+
+
+def stack(batches: list[Any]) -> Any:
+    """The batches stacked on a new leading axis, leaf by leaf."""
+    return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *batches)
+
+
+def as_tuple(batch: Any) -> tuple:
+    """A batch as Keras' `(x, y, sample_weight)`-style tuple."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def as_arrays(data: Any) -> Any | None:
+    """`data` when every leaf is a NumPy or JAX array, else `None`."""
+    # Only containers are walked: a generator or dataset is one leaf.
+    leaves = jax.tree_util.tree_leaves(
+        data, is_leaf=lambda v: not isinstance(v, (tuple, list, dict))
+    )
+    leaves = [leaf for leaf in leaves if leaf is not None]
+    if leaves and all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves):
+        return data
+    return None
+
+
+def host_array(value: Any) -> np.ndarray:
+    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
+    array = np.asarray(value)
+    dtype = _host_dtype(array.dtype, backend.floatx())
+    return array if dtype is None else array.astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_dtype(dtype: np.dtype, floatx: str) -> str | None:
+    """The dtype host data of `dtype` is fed in, or `None` to keep it (cached: Keras'
+    dtype checks cost tens of microseconds per array in every fit)."""
+    if backend.is_float_dtype(dtype) and str(dtype) != floatx:
+        return floatx
+    if dtype in (np.int64, np.uint64):
+        # JAX runs 32-bit integers unless x64 is enabled.
+        return "int32" if dtype == np.int64 else "uint32"
+    return None
+
+
+def common_length(data: Any) -> int:
+    """The samples every array of `data` has (a `ValueError` naming the sizes otherwise)."""
+    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree_util.tree_leaves(data)}
+    if None in lengths or len(lengths) != 1:
+        sizes = [leaf.shape[:1] for leaf in jax.tree_util.tree_leaves(data)]
+        raise ValueError(
+            f"All arrays (inputs, targets and sample weights) must have the same "
+            f"number of samples in their first dimension; got first dimensions {sizes}."
+        )
+    return lengths.pop()
