@@ -175,7 +175,21 @@ def raise_first(error: checkify.Error, program: str) -> None:
     """
     exception = error.get_exception()
     if exception is not None:
-        raise IPUFloatingPointError(program, f"{exception}{_where(exception)}")
+        exception = _origin(exception)
+        raise IPUFloatingPointError(program, f"{str(exception).rstrip('.')}{_where(exception)}")
+
+
+def _origin(exception: Any) -> Any:
+    """The exception itself, or of several replicas' (or stages') the one that made it.
+
+    The others saw it arrive through a collective (a gradient all-reduce, a
+    stage's hand-over) or the padding: their frames are keras_ipu's own.
+    """
+    mapping = getattr(exception, "error_mapping", None)
+    if not mapping:
+        return exception
+    made = [each for _, each in sorted(mapping.items()) if _where(each)]
+    return made[0] if made else next(iter(mapping.values()))
 
 
 def _where(exception: Any) -> str:
