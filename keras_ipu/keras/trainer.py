@@ -159,9 +159,11 @@ def fit(
     finally:
         # The weights first (the sync holds Ctrl-C back itself): whatever stops the
         # rest, a Ctrl-C in a close that waits for a data source, say, they are the model's.
-        model.jax_state_sync()
-        _forget_state(model)
-        _close_all(ahead, feed, val_feed)
+        try:
+            model.jax_state_sync()
+            _forget_state(model)
+        finally:  # a Ctrl-C held back by the sync is raised after the feeds closed
+            _close_all(ahead, feed, val_feed)
         if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
             model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
@@ -306,8 +308,10 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
     try:
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
-        model.jax_state_sync()  # first, as in fit
-        feed.close()
+        try:
+            model.jax_state_sync()  # first, as in fit
+        finally:
+            feed.close()
     callbacks.on_predict_end()
     _forget_state(model)
     if not outputs:
