@@ -100,6 +100,28 @@ def test_the_error_names_the_exception_and_where_it_happened(kind, setup, names)
     assert "test_floating_point.py" in raised.value.exception  # the fault's own line
 
 
+@pytest.mark.parametrize("scale, where", [
+    (1e38, "forward"),  # the convolution of the data overflows
+    (1e-20, "backward"),  # the input gradient's: the loss scales it by 1e30
+])
+def test_a_convolutions_error_names_its_layer(scale, where):
+    # On CPUs keras_ipu traces convolutions in its own form (device/convolutions.py):
+    # their operations keep the layer's line, forward and backward.
+    _configure(1, "oflo")
+    x = np.full((8, 4, 4, 1), scale, "float32")
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((4, 4, 1))
+        conv = keras.layers.Conv2D(1, 3, padding="same", use_bias=False,
+                                   kernel_initializer=keras.initializers.Constant(1e9))
+        model = keras.Model(inputs, keras.layers.Lambda(lambda t: t * 1e30)(conv(inputs))
+                            if where == "backward" else conv(inputs))
+    model.compile(optimizer="sgd", loss=lambda y, p: ops.sum(p, axis=(1, 2, 3)))
+    with pytest.raises(IPUFloatingPointError) as raised:
+        model.fit(x, x, batch_size=4, verbose=0)
+    assert "overflow in primitive: conv_general_dilated at " in str(raised.value)
+    assert "base_conv.py" in raised.value.exception
+
+
 def test_untrapped_exceptions_run_on_as_ieee_754_says():
     x, y = _data()
     _configure(1, "div0", "oflo")  # not inv: the square root of a negative number is a NaN

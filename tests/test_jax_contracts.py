@@ -50,3 +50,23 @@ def test_a_traced_jaxpr_runs_with_other_captured_values():
     assert len(traced.consts) == 1 and shape[1] is None
     run = jex.jaxpr_as_fun(jex.ClosedJaxpr(traced.jaxpr, [jnp.full(3, 2.0)]))
     np.testing.assert_array_equal(np.asarray(run(jnp.ones(3))[0]), np.full(3, 2.0))
+
+
+def test_operations_traced_in_a_user_context_carry_its_traceback():
+    # device/convolutions.py: `source_info_util.user_context(current().traceback)`
+    # gives the operations inside its custom_vjp the caller's stack.
+    from jax._src import source_info_util
+
+    @jax.custom_vjp
+    def double(x):
+        return x * 2.0
+
+    double.defvjp(lambda x: (double(x), None), lambda _, g: (g * 2.0,))
+
+    def caller_of_double(x):
+        with source_info_util.user_context(source_info_util.current().traceback):
+            return double(x)
+
+    inner = jax.make_jaxpr(caller_of_double)(1.0).jaxpr.eqns[0].params["call_jaxpr"].jaxpr
+    frames = inner.eqns[0].source_info.traceback.frames
+    assert any(frame.function_name.endswith("caller_of_double") for frame in frames)

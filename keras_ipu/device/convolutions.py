@@ -87,6 +87,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# The caller's stack for the operations traced inside the custom_vjp
+# (contract-tested in tests/test_jax_contracts.py).
+from jax._src import source_info_util
+
 from keras_ipu.device import conv_geometry as geometry
 from keras_ipu.device.conv_geometry import IntTuple, Pads
 
@@ -548,9 +552,13 @@ def conv_general_dilated(
         x = x.reshape(batch // batch_group_count, *in_spatial, batch_group_count * channels)
         groups = batch_group_count
 
-    y = _canonical_conv(
-        x, w, strides, pads, lhs_dil, rhs_dil, groups, geometry.hashable_precision(precision)
-    )
+    # JAX records the operations inside a custom_vjp with a stack that stops at
+    # its own frames: give them the caller's, so that a floating point trap (or
+    # any error JAX reports by source line) names the layer that convolved.
+    with source_info_util.user_context(source_info_util.current().traceback):
+        y = _canonical_conv(
+            x, w, strides, pads, lhs_dil, rhs_dil, groups, geometry.hashable_precision(precision)
+        )
     # Canonical output axis of logical dim k (batch, feature, spatial...).
     canonical_axis = (0, n + 1, *range(1, n + 1))
     perm = [0] * (n + 2)
