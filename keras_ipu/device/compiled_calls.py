@@ -43,9 +43,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import collectives, queues, scopes, system
+from keras_ipu.device import collectives, floating_point, queues, scopes, system
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 
 # Trace-time context, not global state: the infeed inputs of the `call_compiled` program
@@ -90,7 +91,7 @@ def without_operations(result: Any) -> Any:
 
 def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (),
                   kwargs: Any = None, outputs: Callable = lambda result: result,
-                  shard: int = 0) -> Any:
+                  shard: int = 0, name: str = "compiled") -> Any:
     """Runs `fn(*args, **kwargs)` under `jax.jit` on a logical device's IPUs, replicated.
 
     Array arguments (NumPy, JAX, or anything with `__jax_array__`) are the
@@ -122,6 +123,10 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     part of the outer program, in each of its replicas). Operations `fn`
     returns (outfeed markers) come back as `None`.
 
+    The floating point exceptions the system traps (`floating_point_behaviour`)
+    are checked: the first stops the call with `IPUFloatingPointError`; its
+    outfed values are dropped and the infeed elements it took are put back.
+
     Args:
         fn: A JAX-traceable function.
         ipus: The IPUs of the logical device it runs on.
@@ -130,6 +135,7 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
         outputs: Applied to `fn`'s result inside the program.
         shard: The IPU of the device a replica runs on (`ipu_shard` around
             the call); it counts among the shards the computation uses.
+        name: The program's name in a floating point exception's message.
 
     Returns:
         `fn`'s result, through `outputs` (replica 0's).
@@ -139,6 +145,8 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
             (none is taken), or the device's IPUs are not a multiple of the
             shards the computation uses.
         RuntimeError: When no IPU system is configured.
+        IPUFloatingPointError: When an operation raised a floating point
+            exception that the system traps.
 
     Example:
 
@@ -161,7 +169,8 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
         key, program = None, None
     if program is None:
         program = _Program(fn, outputs, treedef, fixed, ipus, shard,
-                           _ShardMemo(system.require().shard_counts, (fn, ipus, shard)))
+                           _ShardMemo(system.require().shard_counts, (fn, ipus, shard)),
+                           name=name)
     if key is not None:
         programs[key] = program  # most recently used last
         while len(programs) > _PROGRAMS_KEPT:
@@ -420,9 +429,12 @@ class _Program:
     """One compiled function: its jitted program, its replicas, the infeeds and outfeeds it uses."""
 
     def __init__(self, fn: Callable, outputs: Callable, treedef: Any, fixed: tuple,
-                 ipus: tuple, shard: int, shards: _ShardMemo | None = None):
+                 ipus: tuple, shard: int, shards: _ShardMemo | None = None,
+                 name: str = "compiled"):
         self.fn, self.outputs, self.treedef, self.fixed = fn, outputs, treedef, fixed
-        self.ipus, self.shard = ipus, shard
+        self.ipus, self.shard, self.name = ipus, shard, name
+        # The floating point exceptions it traps: the system's, which keeps the program.
+        self.checks = floating_point.system_checks()
         self.plan: list = []  # (infeed, iterations) its loops read, in order
         self.outfeeds: list = []  # the queues its outfed values go to, in order
         # Whether its last trace's while loops read infeeds as they run (host callbacks).
@@ -454,10 +466,26 @@ class _Program:
         self.replicas = replicas
         self.jitted = jax.jit(self._function(replicas), static_argnums=2)
 
-    def _function(self, replicas: Replicas) -> Callable:
-        if replicas.count == 1:
-            return self._traced
-        return functools.partial(self._replicated, replicas)
+    def _function(self, replicas: Replicas, checked: bool = True) -> Callable:
+        """`(arrays, feed_data, plan) -> ((result, outfed), error)`: the floating point
+        exceptions' checkify error, or `None` when the system traps none."""
+        function = (self._traced if replicas.count == 1
+                    else functools.partial(self._replicated, replicas))
+        checks = self.checks if checked else frozenset()
+
+        def run(arrays: list, feed_data: list, plan: tuple) -> tuple[tuple[Any, list], Any]:
+            if not checks:
+                return function(arrays, feed_data, plan), None
+            # The plan (queues) is static: checkify traces the arrays only.
+            error, out = checkify.checkify(lambda a, f: function(a, f, plan),
+                                           errors=checks)(arrays, feed_data)
+            return out, error
+
+        return run
+
+    def _raise_trapped(self, error: Any) -> None:
+        if error is not None:
+            floating_point.raise_first(error, self.name)
 
     def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
         reads = _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs else None
@@ -498,8 +526,9 @@ class _Program:
 
     def run(self, arrays: list) -> Any:
         if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)):
-            # Inside another JAX trace: part of it, once.
-            return self._run_once(arrays, Replicas((self.ipus[self.shard],)))
+            # Inside another JAX trace: part of it, once (unchecked: its error could
+            # not reach the host before that program's results).
+            return self._run_once(arrays, Replicas((self.ipus[self.shard],)), checked=False)
         replicas = self.replicas or self._probe(arrays)
         arrays = _placed(arrays, replicas, P())
         if not self.feeds_as_inputs:  # its loops read an infeed it makes
@@ -510,11 +539,12 @@ class _Program:
                 feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
                 executable, outfeeds, streams = self._executable(arrays, feed_data)
-                result, outfed = executable(arrays, feed_data)
+                (result, outfed), error = executable(arrays, feed_data)
                 if streams:
                     # Its while loops take infeed elements on the host as they run: the
                     # queue, and a loop's failure, are the call's when it returns.
                     jax.block_until_ready((result, outfed))
+                self._raise_trapped(error)  # the elements it took go back
             except _MadeInTrace:
                 _put_back(self.plan, taken)
                 return self._run_once(arrays, replicas)
@@ -577,11 +607,12 @@ class _Program:
         return Replicas(tuple(self.ipus[r * shards + self.shard]
                               for r in range(count // shards)))
 
-    def _run_once(self, arrays: list, replicas: Replicas) -> Any:
+    def _run_once(self, arrays: list, replicas: Replicas, checked: bool = True) -> Any:
         """Traced for this call only, its loops' infeed data constants of the trace."""
         self.reusable = self.feeds_as_inputs = False
-        function = jax.jit(self._function(replicas), static_argnums=2)
-        result, outfed = function(arrays, [], ())
+        function = jax.jit(self._function(replicas, checked), static_argnums=2)
+        (result, outfed), error = function(arrays, [], ())
+        self._raise_trapped(error)
         return self._delivered(replicas, result, outfed, self.outfeeds)
 
     @staticmethod

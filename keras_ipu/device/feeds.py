@@ -92,7 +92,7 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
     device, shard = scope
     ipus = system.require().ipus_of_device(device)
     return compiled_calls.call_compiled(computation, ipus, _as_list(inputs), outputs=output_list,
-                                        shard=shard)
+                                        shard=shard, name="ipu_compiler.compile")
 
 
 def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:

@@ -120,7 +120,8 @@ class IPUStrategy:
         _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
         return assignments.call_assigning(
-            lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs), fn)
+            lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,
+                                                        name="strategy.run"), fn)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.
