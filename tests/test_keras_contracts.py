@@ -556,3 +556,20 @@ def test_a_pydataset_adapter_runs_its_workers_with_an_enqueuer():
     assert adapter.enqueuer is not None and adapter.enqueuer.is_running()
     adapter.enqueuer.stop()
     assert not adapter.enqueuer.is_running()
+
+
+def test_an_optimizer_keeps_its_learning_rate_in_learning_rate_attribute():
+    # keras/pipelined/rebuilt_optimizer.py hides a schedule from `get_config` by
+    # setting `_learning_rate` to None (Keras then writes 0.5), and gives the copy
+    # the schedule through the `learning_rate` setter.
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    optimizer = keras.optimizers.Adam(schedule)
+    assert optimizer._learning_rate is schedule
+    assert isinstance(keras.optimizers.Adam(0.1)._learning_rate, keras.Variable)
+    optimizer._learning_rate = None
+    assert optimizer.get_config()["learning_rate"] == 0.5
+    copy = keras.optimizers.Adam(0.5)
+    copy.learning_rate = schedule
+    assert copy._learning_rate is schedule
+    assert not any(isinstance(v, keras.Variable) and "learning_rate" in v.name
+                   for v in copy.variables)  # the float's variable is let go

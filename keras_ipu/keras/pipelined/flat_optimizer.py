@@ -26,6 +26,8 @@ import keras
 import numpy as np
 from keras.src.backend.common import global_state
 
+from keras_ipu.keras.pipelined import rebuilt_optimizer
+
 # Optimizers whose update of a value reads only that value, its gradient,
 # its own slots and scalars (exact classes: a subclass may do otherwise).
 # Not Nadam: it builds a variable with a value, which a clone allocating
@@ -86,7 +88,8 @@ class FlatOptimizer:
         Returns:
             The `FlatOptimizer`, or `None` when the optimizer is not one of
             `ELEMENTWISE`, uses one of `PER_VARIABLE_SETTINGS`, excludes some
-            variables from weight decay, or the variables have more than one
+            variables from weight decay, a variable has a constraint or is
+            overwritten with its gradient, or the variables have more than one
             dtype.
 
         Example:
@@ -95,11 +98,11 @@ class FlatOptimizer:
         >>> [clone.variables[p].name for p in flat.storage_order]
         ['iteration', 'learning_rate', 'kernel_momentum', 'bias_momentum', 'kernel_velocity', ...]
         """
-        config = optimizer.get_config()
         dtypes = {str(np.dtype(v.dtype)) for v in variables}
         if (type(optimizer) not in ELEMENTWISE or len(dtypes) != 1
-                or any(config.get(key) for key in PER_VARIABLE_SETTINGS)
-                or _decays_some_only(optimizer, variables)):
+                or any(getattr(optimizer, key, None) for key in PER_VARIABLE_SETTINGS)
+                or _decays_some_only(optimizer, variables)
+                or any(map(_updated_apart, variables))):
             return None
         length = sum(int(np.prod(v.shape)) for v in variables)
         per_variable = unallocated_clone(optimizer, [
@@ -176,6 +179,13 @@ def _decays_some_only(optimizer: Any, variables: Sequence[Any]) -> bool:
         optimizer._use_weight_decay(v) for v in variables)
 
 
+def _updated_apart(variable: Any) -> bool:
+    """Whether Keras' update of `variable` is its own: a constraint applied to it after
+    the step, or its gradient taken as its new value (float8 scales)."""
+    return (getattr(variable, "constraint", None) is not None
+            or bool(getattr(variable, "overwrite_with_gradient", False)))
+
+
 def _signature(variables) -> list:
     return [(tuple(v.shape), str(v.dtype)) for v in variables]
 
@@ -187,7 +197,7 @@ def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> 
     Keras' list of variables to initialize, so that none ever is: their
     values always come from the packed state.
     """
-    clone = optimizer.__class__.from_config(optimizer.get_config())
+    clone = rebuilt_optimizer.rebuilt(optimizer)
     pending = list(global_state.get_global_attribute("uninitialized_variables") or [])
     try:
         with keras.StatelessScope(initialize_variables=False):

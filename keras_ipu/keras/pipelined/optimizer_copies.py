@@ -1,7 +1,7 @@
 """One copy of the model's optimizer per IPU of a pipeline, and where its variables go.
 
 Each IPU steps its own variables with its own copy of the optimizer, built
-from the optimizer's config on those variables alone. `positions` says where
+from the optimizer's config (`rebuilt_optimizer`) on those variables alone. `positions` says where
 each of a copy's variables is in the model's optimizer, so the packed state
 moves between the two (`model.PipelineState`).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from keras_ipu.keras.pipelined import flat_optimizer
+from keras_ipu.keras.pipelined import flat_optimizer, rebuilt_optimizer
 
 
 def copy_for(optimizer, variables: Sequence) -> Any:
@@ -32,12 +32,15 @@ def copy_for(optimizer, variables: Sequence) -> Any:
     Returns:
         The built copy.
 
+    Raises:
+        ValueError: When the optimizer's config does not keep one of its
+            settings (`rebuilt_optimizer.rebuilt`).
+
     Example:
 
     >>> copy_for(model.optimizer, model.layers[0].trainable_variables).variables
     """
-    # A fresh config each time: `from_config` may consume its argument.
-    copy = optimizer.__class__.from_config(_without_global_clipnorm(optimizer.get_config()))
+    copy = rebuilt_optimizer.rebuilt(optimizer, without_global_clipnorm=True)
     _exclude_from_weight_decay_as(optimizer, copy, variables)
     copy.build(variables)
     return copy
@@ -65,12 +68,16 @@ def check_pipelined(optimizer) -> None:
     Raises:
         ValueError: For `global_clipnorm` with the optimizer's own
             `gradient_accumulation_steps`.
+        NotImplementedError: For a `MultiOptimizer`: its optimizers' slots
+            cannot be split between the IPUs.
 
     Example:
 
     >>> check_pipelined(keras.optimizers.SGD(global_clipnorm=1.0))   # fine
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(inner, keras.optimizers.MultiOptimizer):
+        raise NotImplementedError(_NOT_SPLIT.format(name=type(inner).__name__))
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if global_clipnorm(optimizer) and steps and steps > 1:
         raise ValueError(
@@ -79,18 +86,6 @@ def check_pipelined(optimizer) -> None:
             f"the pipeline clips each call's gradients over every IPU, Keras their average. "
             f"Accumulate with `model.set_pipelining_options("
             f"gradient_accumulation_steps_per_replica=...)` instead, or clip with clipnorm.")
-
-
-def _without_global_clipnorm(config: dict) -> dict:
-    """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
-    config = dict(config)
-    if isinstance(config.get("inner_optimizer"), dict):
-        inner = dict(config["inner_optimizer"])
-        inner["config"] = _without_global_clipnorm(inner["config"])
-        config["inner_optimizer"] = inner
-    if "global_clipnorm" in config:
-        config["global_clipnorm"] = None
-    return config
 
 
 def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:
@@ -150,11 +145,13 @@ def positions(optimizer, copy, trainable: Sequence, ids: Sequence[int]) -> list[
     if not (_same_shapes(whole.variables, optimizer.variables)
             and _same_shapes(part.variables, copy.variables)
             and all(key in index_of for key in keys)):
-        raise NotImplementedError(
-            f"The variables of {type(optimizer).__name__} cannot be split between the "
-            f"pipeline's IPUs (its slots are not named after their variables). Train with "
-            f"another optimizer, or without pipelining.")
+        raise NotImplementedError(_NOT_SPLIT.format(name=type(optimizer).__name__))
     return [index_of[key] for key in keys]
+
+
+_NOT_SPLIT = ("The variables of {name} cannot be split between the pipeline's IPUs (its "
+              "slots are not named after their variables). Train with another optimizer, or "
+              "without pipelining.")
 
 
 def _named_clone(optimizer, stand_ins: list) -> Any:
@@ -166,7 +163,7 @@ def _named_clone(optimizer, stand_ins: list) -> Any:
     try:
         return flat_optimizer.unallocated_clone(optimizer, stand_ins)
     except ValueError:
-        clone = optimizer.__class__.from_config(optimizer.get_config())
+        clone = rebuilt_optimizer.rebuilt(optimizer)
         clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
                      for name, shape, dtype in stand_ins])
         return clone

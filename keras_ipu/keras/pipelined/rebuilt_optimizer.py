@@ -1,0 +1,129 @@
+"""A new optimizer like the model's, made from its config, for one IPU of a pipeline.
+
+A pipeline steps each IPU's weights with an optimizer of their own, made
+from the model's optimizer's config (`get_config` / `from_config`), as Keras
+makes one when it loads a model. Plain Keras never needs that round trip, so
+`rebuilt` asks no more of it than Keras' own training does:
+
+- a learning rate schedule or callable is shared, not serialized: a custom
+  schedule needs neither `get_config` nor registration, a lambda works;
+- a custom optimizer (or one a `LossScaleOptimizer` wraps) needs no
+  registration;
+- a setting the config leaves out (a subclass's extra `__init__` argument
+  without a `get_config` that returns it) is carried over from the
+  optimizer's attributes, as long as it is a number, a string, a bool, `None`
+  or a tuple or list of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+
+# The values `rebuilt` carries from an optimizer to its copy: its settings.
+_SCALARS = (bool, int, float, str, type(None))
+# Set on a built optimizer only.
+_BUILD_STATE = frozenset({"built"})
+
+
+def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
+    """A new, unbuilt optimizer made from `optimizer`'s config, with its learning rate.
+
+    Args:
+        optimizer: A Keras optimizer (a `LossScaleOptimizer` too).
+        without_global_clipnorm: Whether the copy (and the optimizer it
+            wraps) clips nothing by the global norm.
+
+    Returns:
+        The copy, not built.
+
+    Example:
+
+    >>> copy = rebuilt(keras.optimizers.Adam(MySchedule()))
+    >>> copy.build(variables)
+    """
+    chain = _nested(optimizer)
+    with _learning_rates_hidden(chain):
+        config = optimizer.get_config()
+    if without_global_clipnorm:
+        config = _without_global_clipnorm(config)
+    # The classes of the chain, registered or not (a LossScaleOptimizer looks its
+    # inner optimizer's class up by name).
+    custom = {type(each).__name__: type(each) for each in chain[1:]}
+    copy = (type(optimizer).from_config(config, custom_objects=custom) if custom
+            else type(optimizer).from_config(config))
+    for original, copied in zip(chain, _nested(copy)):
+        if not isinstance(original._learning_rate, keras.Variable):
+            copied.learning_rate = original._learning_rate  # the schedule itself
+    _carry_settings(chain, _nested(copy),
+                    {"global_clipnorm"} if without_global_clipnorm else set())
+    return copy
+
+
+def _nested(optimizer: Any) -> list:
+    """The optimizer, the one it wraps, and so on."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "inner_optimizer"):
+        chain.append(chain[-1].inner_optimizer)
+    return chain
+
+
+@contextlib.contextmanager
+def _learning_rates_hidden(chain: list) -> Iterator[None]:
+    """Schedules and callables hidden from `get_config`, which would serialize them.
+
+    Keras' `get_config` writes `0.5` for a learning rate it does not know;
+    `rebuilt` then gives the copy the original one.
+    """
+    hidden = [each for each in chain if _owns_learning_rate(each)
+              and not isinstance(each._learning_rate, keras.Variable)]
+    kept = [each._learning_rate for each in hidden]
+    try:
+        for each in hidden:
+            each._learning_rate = None
+        yield
+    finally:
+        for each, learning_rate in zip(hidden, kept):
+            each._learning_rate = learning_rate
+
+
+def _owns_learning_rate(optimizer: Any) -> bool:
+    # A LossScaleOptimizer's learning rate is its inner optimizer's.
+    return "_learning_rate" in vars(optimizer)
+
+
+def _without_global_clipnorm(config: dict) -> dict:
+    """An optimizer's config with no `global_clipnorm` (nor its inner optimizer's)."""
+    config = dict(config)
+    if isinstance(config.get("inner_optimizer"), dict):
+        inner = dict(config["inner_optimizer"])
+        inner["config"] = _without_global_clipnorm(inner["config"])
+        config["inner_optimizer"] = inner
+    if "global_clipnorm" in config:
+        config["global_clipnorm"] = None
+    return config
+
+
+def _carry_settings(chain: list, copies: list, changed: set) -> None:
+    """Gives each copy its original's settings where they differ (but those `changed`)."""
+    for original, copy in zip(chain, copies):
+        ours, theirs = vars(original), vars(copy)
+        for name in ours.keys() & theirs.keys() - _BUILD_STATE - changed:
+            if _is_setting(ours[name]) and not _same(ours[name], theirs[name]):
+                setattr(copy, name, ours[name])
+
+
+def _is_setting(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(each, _SCALARS) for each in value)
+    return isinstance(value, _SCALARS)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and (a == b or a != a and b != b)  # NaN is NaN
+
+
+__all__ = ["rebuilt"]
