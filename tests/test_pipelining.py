@@ -802,6 +802,32 @@ def test_accumulate_outfeed_averages_the_micro_batches_of_a_pass(strategy):
         assert evaluated == pytest.approx(tested.losses[-1], rel=1e-6)
 
 
+def test_accumulate_outfeed_averages_a_vector_metric_over_the_micro_batches(strategy):
+    # F1Score(average=None) logs one value per class: the average over the pass's
+    # micro-batches keeps the classes (before, it averaged the classes instead).
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 16)]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, "relu"),
+                                  keras.layers.Dense(3, "softmax")])
+    model.compile(loss="categorical_crossentropy", steps_per_execution=4,
+                  metrics=[keras.metrics.F1Score(average=None, name="f1")])
+    model.set_pipeline_stage_assignment([0, 1])
+    model.set_pipelining_options(accumulate_outfeed=True)
+    result = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+    # One pass of 4 micro-batches: the mean of the metric after each of them.
+    predictions = model.predict(x, batch_size=4, verbose=0)
+    running = []
+    for end in (4, 8, 12, 16):
+        f1 = keras.metrics.F1Score(average=None)
+        f1.update_state(y[:end], predictions[:end])
+        running.append(np.asarray(f1.result()))
+    assert np.shape(result["f1"]) == (3,)
+    np.testing.assert_allclose(result["f1"], np.mean(running, axis=0), rtol=1e-5)
+
+
 @pytest.mark.parametrize("form", ["scan", "host"])
 def test_recomputation_draws_the_forward_ops_dropout_masks(form, monkeypatch):
     # The backward op recomputes the stage with the seed state its forward op found: later

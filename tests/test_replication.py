@@ -122,6 +122,32 @@ def test_fit_history_follows_the_reduction(strategy):
     assert history.history["loss"] == [pytest.approx(2.5)]
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_vector_metric_is_reduced_over_the_replicas_not_its_own_axis(pipelined, strategy):
+    # F1Score(average=None) logs one value per class: MEAN and SUM keep the vector
+    # (before, it became one number); LIST stacks the replicas' vectors.
+    configure(4 if pipelined else 2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = np.eye(3, dtype="float32")[rng.integers(0, 3, 32)]
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+    model.compile(loss="categorical_crossentropy", steps_per_execution=4,
+                  metrics=[keras.metrics.F1Score(average=None, name="f1")])
+    if pipelined:
+        model.set_pipeline_stage_assignment([0, 1])
+    results = {}
+    for method in ("LIST", "MEAN", "SUM"):
+        model.set_replication_options(method)
+        results[method] = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)["f1"]
+    per_replica = np.asarray(results["LIST"])
+    assert per_replica.shape == (2, 3)
+    np.testing.assert_allclose(results["MEAN"], per_replica.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(results["SUM"], per_replica.sum(axis=0), rtol=1e-6)
+
+
 def test_bad_reduction_method(strategy):
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

@@ -15,12 +15,13 @@ from keras_ipu.keras import context
 from keras_ipu.keras.data import ROLES, FeedPlan
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 
-# The returned value of one log entry from its per-replica values `[R]`.
+# The returned value of one log entry from its per-replica values `[R, ...]` (a
+# metric's value may be a vector: F1Score(average=None), several thresholds).
 REPLICA_REDUCTIONS = {
     Reduction.NONE: lambda values: values[-1],
     Reduction.LIST: lambda values: values,
-    Reduction.SUM: lambda values: jnp.sum(values),
-    Reduction.MEAN: lambda values: jnp.mean(values),
+    Reduction.SUM: lambda values: jnp.sum(values, axis=0),
+    Reduction.MEAN: lambda values: jnp.mean(values, axis=0),
 }
 
 

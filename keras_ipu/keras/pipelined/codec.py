@@ -143,7 +143,8 @@ class PipelineLayout:
                 lambda a: jnp.swapaxes(a[0], 0, 1).reshape(-1, *a.shape[4:]), out)
 
         def last_logs(out):
-            pick = (lambda a: jnp.mean(a[-1], axis=-1)) if accumulate_outfeed else (
+            # `a[-1]` is `[replicas, micro-batches, ...]` (a metric may be a vector).
+            pick = (lambda a: jnp.mean(a[-1], axis=1)) if accumulate_outfeed else (
                 lambda a: a[-1, :, -1])
             last = jax.tree_util.tree_map(pick, out)
             if self.replicas == 1:
