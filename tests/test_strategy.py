@@ -178,6 +178,40 @@ def test_custom_stateless_train_step_runs_on_device(strategy):
     assert float(seen["half_loss"]) == pytest.approx(float(seen["loss"]) / 2, rel=1e-6)
 
 
+class _ListsAndNumbers(keras.Sequential):
+    """Steps that give their state back in other containers and log a Python number:
+    plain Keras takes both."""
+
+    def train_step(self, state, data):
+        logs, state = super().train_step(state, data)
+        return {**logs, "scale": 0.5}, tuple(tuple(part) for part in state)
+
+    def test_step(self, state, data):
+        logs, state = super().test_step(state, data)
+        return logs, list(state)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {**super().compute_metrics(x, y, y_pred, sample_weight), "constant": 1.5}
+
+
+def test_custom_steps_may_return_other_containers_and_python_numbers(strategy):
+    x, y = data_for("sequential", samples=16)
+    keras.utils.set_random_seed(0)
+    plain = _ListsAndNumbers([keras.Input((6,)), keras.layers.Dense(3)])
+    with strategy.scope():
+        model = _ListsAndNumbers([keras.Input((6,)), keras.layers.Dense(3)])
+    model.set_weights(plain.get_weights())
+    for each in (plain, model):
+        each.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    expected = plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    assert history["scale"] == [0.5, 0.5]
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True) == pytest.approx(
+        plain.evaluate(x, y, batch_size=4, verbose=0, return_dict=True), rel=1e-6)
+
+
 def test_strategy_runs_on_the_named_logical_device():
     config = ipu.config.IPUConfig()
     config.auto_select_ipus = [1, 1]

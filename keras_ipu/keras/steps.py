@@ -110,12 +110,12 @@ def train_step(
             # No loop of one: a loop costs compile time, and on XLA:CPU keeps
             # convolutions off their fast path (see device/loops.py).
             carry, logs = micro_step(carry, jax.tree_util.tree_map(lambda a: a[0], data))
-            logs = jax.tree_util.tree_map(lambda a: a[None], logs)
+            logs = _stacked_one(logs)
         else:
             carry, logs = jax.lax.scan(micro_step, carry, data)
         non_trainable, metrics_vars, acc, _ = carry
         if logs is None:
-            logs = jax.tree_util.tree_map(lambda a: a[None], metrics_logs(model, metrics_vars))
+            logs = _stacked_one(metrics_logs(model, metrics_vars))
         grads = [g.astype(v.dtype) for g, v in zip(replicas.sum(acc), trainable)]
         trainable, optimizer_vars = model.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
@@ -136,15 +136,20 @@ def keras_train_step(model: Any) -> Step:
     """The model's own (possibly overridden) Keras train step, one batch per step."""
 
     def step(state, data):
-        logs, state = model.train_step(state, jax.tree_util.tree_map(lambda a: a[0], data))
-        return jax.tree_util.tree_map(lambda a: a[None], logs), state
+        logs, new_state = model.train_step(state, jax.tree_util.tree_map(lambda a: a[0], data))
+        return _stacked_one(logs), _like(state, new_state, "train_step")
 
     return step
 
 
 def test_step(model: Any) -> Step:
     """The model's Keras test step."""
-    return lambda state, data: model.test_step(state, data)
+
+    def step(state, data):
+        logs, new_state = model.test_step(state, data)
+        return logs, _like(state, new_state, "test_step")
+
+    return step
 
 
 def predict_step(model: Any) -> Step:
@@ -152,9 +157,32 @@ def predict_step(model: Any) -> Step:
 
     def step(state, data):
         outputs, non_trainable = model.predict_step(state, data)
-        return outputs, (state[0], non_trainable)
+        return outputs, (state[0], _like(state[1], non_trainable, "predict_step"))
 
     return step
+
+
+def _stacked_one(logs: Any) -> Any:
+    """One step's logs with a leading axis of 1 (a Python number in them too, as Keras
+    logs it)."""
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], logs)
+
+
+def _like(state: Any, new_state: Any, method: str) -> Any:
+    """`new_state` in the containers of `state`: Keras takes a step's state back as lists
+    or tuples alike, the program's loop needs the structure it started with.
+
+    Raises:
+        ValueError: When `new_state` holds another number of values.
+    """
+    leaves, structure = jax.tree_util.tree_flatten(state)
+    new_leaves = jax.tree_util.tree_leaves(new_state)
+    if len(new_leaves) != len(leaves):
+        raise ValueError(
+            f"{method} returned a state of {len(new_leaves)} values, but it was given "
+            f"{len(leaves)}: return one new value per variable of the state it got, in "
+            f"its order.")
+    return jax.tree_util.tree_unflatten(structure, new_leaves)
 
 
 def distinct_random_streams(model: Any, step: Step) -> Step:
