@@ -573,3 +573,11 @@ def test_an_optimizer_keeps_its_learning_rate_in_learning_rate_attribute():
     assert copy._learning_rate is schedule
     assert not any(isinstance(v, keras.Variable) and "learning_rate" in v.name
                    for v in copy.variables)  # the float's variable is let go
+
+
+def test_an_optimizer_lists_the_variables_it_was_built_with():
+    # keras/pipelined/model.py refuses to train other variables than those.
+    variables = [keras.Variable(np.ones((2,)), name="a"), keras.Variable(np.ones((3,)), name="b")]
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(variables)
+    assert [id(v) for v in optimizer._trainable_variables] == [id(v) for v in variables]

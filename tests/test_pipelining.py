@@ -828,6 +828,37 @@ def test_accumulate_outfeed_averages_a_vector_metric_over_the_micro_batches(stra
     np.testing.assert_allclose(result["f1"], np.mean(running, axis=0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("refrozen", [False, True])
+def test_a_pipeline_frozen_after_fit_predicts_and_evaluates_and_refuses_to_train(
+        refrozen, strategy):
+    # Inference needs no optimizer (before, Adam's copies failed to split); training
+    # another set of weights takes compile(), as in Keras, the weights kept.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _mlp()
+    plain = keras.Sequential.from_config(model.get_config())
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=GA)
+    plain.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=MICRO, verbose=0)
+    plain.set_weights(model.get_weights())
+    for each in (model, plain):
+        each.layers[0].trainable = False
+        if refrozen:  # as many trainable variables as before, other ones
+            each.layers[0].trainable, each.layers[1].trainable = True, False
+    np.testing.assert_allclose(model.predict(x, batch_size=MICRO, verbose=0),
+                               plain.predict(x, batch_size=MICRO, verbose=0), atol=1e-6)
+    assert model.evaluate(x, y, batch_size=MICRO, verbose=0) == pytest.approx(
+        plain.evaluate(x, y, batch_size=MICRO, verbose=0), rel=1e-6)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="was built with 8 variables|compile\\(\\) again"):
+        model.fit(x, y, batch_size=MICRO, verbose=0)
+    assert_weights_close(weights, model.get_weights(), atol=0)
+
+
 @pytest.mark.parametrize("form", ["scan", "host"])
 def test_recomputation_draws_the_forward_ops_dropout_masks(form, monkeypatch):
     # The backward op recomputes the stage with the seed state its forward op found: later

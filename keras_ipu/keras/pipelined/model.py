@@ -112,13 +112,16 @@ class PipelinedModel:
         plan: The model's `PipelinePlan` (its layer calls per stage, tensors
             named by keys, the bundle each stage forwards).
         device_mapping: Per stage, the IPU (within a replica) it runs on.
+        training: Whether it trains: only then does each IPU get a copy of
+            the optimizer (inference needs none, also where the model's
+            trainable weights changed since its optimizer was built).
 
     Raises:
         ValueError: When a layer, or a trainable variable, is used by stages
             on different IPUs (`placement.layers_per_ipu`).
     """
 
-    def __init__(self, model, plan, device_mapping: Sequence[int]):
+    def __init__(self, model, plan, device_mapping: Sequence[int], training: bool = True):
         self.model, self.plan = model, plan
         self.num_stages = plan.num_stages
         self.device_mapping = tuple(device_mapping)
@@ -129,7 +132,7 @@ class PipelinedModel:
         # Known once from the graph, else per input shape (an axis it leaves `None`).
         self._graph_samples = samples.from_graph(plan)
         self._traced_samples: dict[tuple, dict] = {}
-        self._place_variables()
+        self._place_variables(training)
 
     def samples(self, x) -> Mapping[Any, boundary.Sample]:
         """Per tensor key, its per-sample shapes (`boundary.Sample`) for inputs like `x`.
@@ -171,7 +174,7 @@ class PipelinedModel:
                     + [1])
         return tree.flatten(x)[0].shape[0] + 1, width
 
-    def _place_variables(self) -> None:
+    def _place_variables(self, training: bool) -> None:
         model = self.model
         layers_of = placement.layers_per_ipu(self.plan, self.device_mapping)
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
@@ -202,8 +205,9 @@ class PipelinedModel:
         self.flat_optimizers, self.optimizer_storage = [], []
         self.global_clipnorm: float | None = None
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
+        if not training or optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
+        _check_built_for(optimizer, model.trainable_variables)
         # One optimizer copy per IPU, built on that IPU's variables
         # (`optimizer_copies`). Clipped by the norm over every IPU's gradients
         # before the copies step (`pipelined/update.py`): they do not clip again.
@@ -230,6 +234,24 @@ class PipelinedModel:
         """
         return bool(self.optimizers) and isinstance(
             self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _check_built_for(optimizer, trainable: Sequence) -> None:
+    """Refuses to train weights other than those the optimizer was built for (a layer
+    frozen or unfrozen since): `compile()` again makes an optimizer for them, as in Keras."""
+    built_for = optimizer._trainable_variables
+    if [id(v) for v in built_for] == [id(v) for v in trainable]:
+        return
+    if len(built_for) != len(trainable):  # Keras' own words
+        raise ValueError(
+            f"Argument `optimizer_variables` must be a list of tensors corresponding 1:1 to "
+            f"the trainable variables list that the optimizer was built with. Received "
+            f"len(trainable_variables) == {len(trainable)} whereas the optimizer was built "
+            f"with {len(built_for)} variables.")
+    raise ValueError(
+        f"The model's trainable variables are not those its optimizer was built with "
+        f"({', '.join(v.path for v in built_for)}): a layer was frozen or unfrozen since. "
+        f"Call compile() again to train the new set.")
 
 
 def _unique(values: list[int]) -> list[int]:

@@ -176,7 +176,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
         mesh = codec.pipeline_mesh(system_ipus, per_replica, used)
         ipus = tuple(system_ipus[r * per_replica + i]
                      for r in range(replicas.count) for i in range(used))
-        pipe = pipelined_model.PipelinedModel(model, plan, mapping)
+        pipe = pipelined_model.PipelinedModel(model, plan, mapping, training=mode == "fit")
         state = pipelined_model.PipelineState(pipe, mesh, STATE_PARTS[mode])
         state.set_up(model._get_jax_state(**dict.fromkeys(STATE_PARTS[mode], True)))
         host_form = None
