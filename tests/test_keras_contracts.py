@@ -581,3 +581,26 @@ def test_an_optimizer_lists_the_variables_it_was_built_with():
     optimizer = keras.optimizers.Adam()
     optimizer.build(variables)
     assert [id(v) for v in optimizer._trainable_variables] == [id(v) for v in variables]
+
+
+def test_a_loss_computed_in_a_scope_reads_weights_through_its_get_current_value():
+    # keras/pipelined/loss.py: `model._compute_loss` inside a StatelessScope subclass
+    # whose `get_current_value` answers (or refuses) every variable read.
+    class Penalized(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            return keras.ops.sum(self.layers[-1].kernel)
+
+    inputs = keras.Input((2,))
+    model = Penalized(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
+    model.compile(loss="mse")
+    seen = []
+
+    class Watching(keras.StatelessScope):
+        def get_current_value(self, variable):
+            seen.append(variable.path)
+            return super().get_current_value(variable)
+
+    kernel = model.layers[-1].kernel
+    with Watching(state_mapping=[(kernel, np.full((2, 1), 3.0, "float32"))]):
+        loss = model._compute_loss(x=None, y=None, y_pred=None, training=True)
+    assert float(loss) == 6.0 and kernel.path in seen

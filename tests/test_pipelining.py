@@ -983,6 +983,90 @@ def test_32_bit_integers_cross_stages_exactly(strategy):
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
 
 
+def _typed_outputs_model(staged: bool):
+    stage = _stage_scope(staged)
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    with stage(0):
+        h = keras.layers.Dense(4)(inputs)
+        # int32 when it runs, float32 in Keras' graph (a Lambda's compute dtype).
+        big = keras.layers.Lambda(
+            lambda t: keras.ops.cast(t[:, :1] * 0, "int32") + 2**24 + 1, name="big")(h)
+        early = keras.ops.greater(h[:, :1], 0)
+    with stage(1):
+        out = keras.layers.Dense(1)(h)
+        late = keras.ops.greater(out, 0)
+    return keras.Model(inputs, {"out": out, "big": big, "early": early, "late": late})
+
+
+def test_predictions_keep_the_types_the_layers_give_them(strategy):
+    # Before: a Lambda's int32 output crossed stages as float32 (2**24 + 1 rounded), and
+    # booleans came back int32.
+    configure(2)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    plain = _typed_outputs_model(staged=False)
+    with strategy.scope():
+        model = _typed_outputs_model(staged=True)
+    model.compile(steps_per_execution=2)
+    expected = plain.predict(x, batch_size=2, verbose=0)
+    predicted = model.predict(x, batch_size=2, verbose=0)
+    for name, value in expected.items():
+        assert predicted[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(predicted[name], value)
+
+
+class _Penalized(keras.Model):
+    """A compute_loss override reading a layer's weight (a hand-written penalty)."""
+
+    penalized = "head"
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        kernel = self.get_layer(self.penalized).kernel
+        return keras.ops.mean((y_pred - y) ** 2) + 5.0 * keras.ops.sum(kernel ** 2)
+
+
+def _penalized(penalized: str, staged: bool = True) -> keras.Model:
+    stage = _stage_scope(staged)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    with stage(0):
+        hidden = keras.layers.Dense(8, activation="relu", name="body")(inputs)
+    with stage(1):
+        outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = _Penalized(inputs, outputs)
+    model.penalized = penalized
+    return model
+
+
+def test_a_loss_reading_the_last_stages_weights_trains_as_in_keras(strategy):
+    # Before: the penalty read the weight's stale Keras value and got no gradient.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    plain = _penalized("head", staged=False)
+    with strategy.scope():
+        model = _penalized("head")
+    _compile_twins(plain, model, accumulation=GA, steps_per_execution=GA, learning_rate=0.05)
+    plain.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert model.evaluate(x, y, batch_size=MICRO, verbose=0) == pytest.approx(
+        plain.evaluate(x, y, batch_size=MICRO, verbose=0), rel=1e-5)
+
+
+def test_a_loss_reading_another_stages_weights_is_refused_before_any_step(strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = _penalized("body")
+    model.compile(optimizer="sgd", steps_per_execution=GA)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="The loss reads `body/kernel`, a weight of a pipeline "
+                                         "stage other than the last"):
+        model.fit(x, y, batch_size=MICRO, verbose=0)
+    assert_weights_close(weights, model.get_weights(), atol=0)
+
+
 def test_a_tensor_without_the_batch_axis_cannot_cross_stages(strategy):
     configure(2)
     with strategy.scope():

@@ -34,6 +34,10 @@ class Sample:
     Args:
         shape: The tensor's shape without the batch axis.
         mask: The mask's shape without the batch axis (`None`: no mask).
+        dtype: The type its values have when the layers run (`None`: the
+            graph tensor's). Keras types a layer's graph output by the
+            layer's compute dtype unless the layer says otherwise: a
+            `Lambda` returning integers is float32 in the graph.
 
     Example:
 
@@ -43,6 +47,7 @@ class Sample:
 
     shape: tuple[int, ...]
     mask: tuple[int, ...] | None = None
+    dtype: str | None = None
 
     @property
     def values(self) -> int:
@@ -53,27 +58,6 @@ class Sample:
     def width(self) -> int:
         """Values per sample the tensor takes in the bundle, its mask's included."""
         return self.values + (0 if self.mask is None else int(np.prod(self.mask)))
-
-
-def sample_of(tensor) -> Sample | None:
-    """A graph tensor's `Sample` from its symbolic shape; `None` where an axis is unknown.
-
-    Example:
-
-    >>> sample_of(keras.layers.Masking()(keras.Input((6, 4))))
-    Sample(shape=(6, 4), mask=(6,))
-    >>> sample_of(keras.Input((None, 4))) is None
-    True
-    """
-    mask = symbolic_mask(tensor)
-    shape, mask_shape = _known(tensor.shape[1:]), None if mask is None else _known(mask.shape[1:])
-    if shape is None or (mask is not None and mask_shape is None):
-        return None
-    return Sample(shape, mask_shape)
-
-
-def _known(shape) -> tuple[int, ...] | None:
-    return None if any(d is None for d in shape) else tuple(int(d) for d in shape)
 
 
 def receive(rows, offset: int, tensor, sample: Sample) -> tuple:
@@ -93,7 +77,7 @@ def receive(rows, offset: int, tensor, sample: Sample) -> tuple:
     >>> value, offset = receive(bundle[:-1], 0, tensor, samples[key])
     """
     value = from_bundle(rows[:, offset:offset + sample.values].reshape((-1, *sample.shape)),
-                        tensor.dtype)
+                        sample.dtype or tensor.dtype)
     offset += sample.values
     if symbolic_mask(tensor) is not None:  # the mask Keras layers find on the tensor, as sent
         size = int(np.prod(sample.mask))
@@ -133,7 +117,7 @@ def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
     Raises:
         ValueError: As `to_bundle`.
     """
-    parts = [to_bundle(value, batch, tensor, stage)]
+    parts = [to_bundle(value, batch, tensor, stage, sample.dtype or tensor.dtype)]
     if symbolic_mask(tensor) is not None:
         sent = masking.get_keras_mask(value)
         if sent is None:  # nothing masked
@@ -142,13 +126,13 @@ def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
     return parts
 
 
-def to_bundle(value, batch: int, tensor, stage: int):
+def to_bundle(value, batch: int, tensor, stage: int, dtype=None):
     """A tensor a stage sends on, as `[batch, values]` float32 rows of the bundle.
 
     32-bit integers travel as their bits (a float32 cast would round those
-    above 2**24); narrower types are exact in float32. A tensor goes in the
-    type of the graph's tensor (a `Lambda`'s output is float32 there,
-    whatever its function returns), as the receiving stage reads it.
+    above 2**24); narrower types are exact in float32. A tensor goes in
+    `dtype` (its `Sample`'s: the type the layers give it), as the receiving
+    stage reads it.
 
     Raises:
         ValueError: For a tensor without the batch as its first axis.
@@ -160,8 +144,7 @@ def to_bundle(value, batch: int, tensor, stage: int):
             f"stage, but a stage sends each sample's values: tensors crossing stages need the "
             f"batch ({batch} samples) as their first axis. Compute it in the stage that uses "
             f"it, or keep the batch axis.")
-    # In the type the receiving stage expects: the graph's (Keras' symbolic type).
-    flat = value.reshape(batch, -1).astype(tensor.dtype)
+    flat = value.reshape(batch, -1).astype(dtype or tensor.dtype)
     if _sent_as_bits(flat.dtype):
         return jax.lax.bitcast_convert_type(flat, jnp.float32)
     return flat.astype(jnp.float32)

@@ -36,6 +36,7 @@ from keras_ipu.keras.pipelined import (
     samples,
 )
 from keras_ipu.keras.pipelined.flat_optimizer import FlatOptimizer
+from keras_ipu.keras.pipelined.loss import stage_loss
 from keras_ipu.keras.steps import STATE_PARTS, replica_seed_mask, xor_seed_words
 
 IPU_AXIS = "ipu"
@@ -129,8 +130,8 @@ class PipelinedModel:
         self.bundle_in = [plan.live_after[s - 1] if s else () for s in range(self.num_stages)]
         self.bundle_out = [plan.live_after[s] if s < self.num_stages - 1 else ()
                            for s in range(self.num_stages)]
-        # Known once from the graph, else per input shape (an axis it leaves `None`).
-        self._graph_samples = samples.from_graph(plan)
+        # Per input shape: the layers' shapes and types (the graph may leave an axis
+        # `None`, and types a layer's output by its compute dtype).
         self._traced_samples: dict[tuple, dict] = {}
         self._place_variables(training)
 
@@ -142,11 +143,9 @@ class PipelinedModel:
                 structs), the batch first.
 
         Returns:
-            The graph's shapes; where it leaves an axis `None`, the shapes
-            the layers give `x` (worked out once per input shape).
+            The shapes and types the layers give `x` (worked out once per
+            input shape).
         """
-        if self._graph_samples is not None:
-            return self._graph_samples
         signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
         if signature not in self._traced_samples:
             variables = self.model.trainable_variables + self.model.non_trainable_variables
@@ -532,26 +531,6 @@ class StageRunner:
         return outputs, new_ntv, list(scope.losses)
 
 
-def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool):
-    """The model's loss on a micro-batch, its additional losses included.
-
-    Returns:
-        `(loss, new metrics values)`, as `model.stateless_compute_loss`;
-        `extra_loss` counts as `model.losses` (the stages' regularizers and
-        `add_loss` values, computed where their layers run).
-    """
-    x, y, sample_weight = batch
-    previous = model._losses_override
-    model._losses_override = [extra_loss]
-    try:
-        loss, (_, _, metrics_values) = model.stateless_compute_loss(
-            [], [], metrics_values, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-            training=training)
-    finally:
-        model._losses_override = previous
-    return loss, metrics_values
-
-
 def micro_batch_at(tree_, j):
     return jax.tree_util.tree_map(lambda a: a[j], tree_)
 
@@ -598,8 +577,11 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
                                                           bundle, x, False)
         if mode == "predict":
             return y_pred, non_trainable, metrics
+        last_weights = runner.trainable(p.device_mapping[-1], trainable)
         loss, metrics_vars = stage_loss(model, metrics_layout.unpack(metrics), batch, y_pred,
-                                        extra_loss, training=False)
+                                        extra_loss, training=False, weights={
+                                            i: last_weights[i]
+                                            for i in runner.own_trainable(stages - 1)})
         logs, metrics_vars = model._update_metrics_variables(metrics_vars, loss, x, y, y_pred,
                                                              sample_weight)
         return logs, non_trainable, metrics_layout.pack(
@@ -654,9 +636,11 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
 
         (non_trainable, metrics, _, outputs), _ = jax.lax.scan(
             tick, (non_trainable, metrics, fwd, outputs), ticks)
-        outputs = state.mesh.psum(
-            jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), outputs),
-            IPU_AXIS)
+        # The last IPU's outputs, in their types (a psum makes booleans int32).
+        outputs = jax.tree_util.tree_map(
+            lambda a, mine: a.astype(mine.dtype), state.mesh.psum(
+                jax.tree_util.tree_map(lambda a: jnp.where(me == p.last_ipu, a, 0), outputs),
+                IPU_AXIS), outputs)
         new = {"trainable_variables": trainable, "non_trainable_variables": non_trainable}
         if "metrics_variables" in parts:
             new["metrics_variables"] = metrics

@@ -1,9 +1,12 @@
-"""The per-sample shapes of a pipelined model's tensors, for the inputs a program is built for.
+"""The per-sample shapes and types of a pipelined model's tensors, for the inputs a program
+is built for.
 
-What a stage sends the next is laid out by its tensors' shapes
-(`boundary.Sample`). The graph gives them, but not an axis it leaves `None`
-(`Input((None, 4))`: a sequence of any length): an IPU program has static
-shapes, so such an axis takes its length from the data each program is
+What a stage sends the next is laid out by its tensors' shapes and types
+(`boundary.Sample`). The graph does not always know them: it may leave an
+axis `None` (`Input((None, 4))`: a sequence of any length), and it types a
+layer's output by the layer's compute dtype unless the layer says otherwise
+(a `Lambda` returning integers is float32 there). An IPU program has static
+shapes, so they come from tracing the layers on the data each program is
 built for, as Keras' own jit traces a step per input shape.
 
 Example:
@@ -25,19 +28,7 @@ from keras.src import tree
 from keras.src.backend.common import masking
 
 from keras_ipu.keras import stages
-from keras_ipu.keras.pipelined.boundary import Sample, sample_of, symbolic_mask
-
-
-def from_graph(plan) -> dict[Any, Sample] | None:
-    """Every tensor's `Sample` from the graph's shapes; `None` if an axis is unknown.
-
-    Example:
-
-    >>> from_graph(plan)[plan.output_keys[0]].shape
-    (3,)
-    """
-    found = {key: sample_of(tensor) for key, tensor in plan.tensors.items()}
-    return None if any(sample is None for sample in found.values()) else found
+from keras_ipu.keras.pipelined.boundary import Sample, symbolic_mask
 
 
 def samples_for(plan, variables: Sequence[Any], x) -> dict[Any, Sample]:
@@ -93,10 +84,11 @@ def _sample(tensor, value, mask) -> Sample:
     masked), the mask covers the value's leading axes, as the graph's does.
     """
     graph_mask = symbolic_mask(tensor)
+    dtype = str(value.dtype)
     if graph_mask is None:
-        return Sample(tuple(value.shape[1:]))
+        return Sample(tuple(value.shape[1:]), dtype=dtype)
     shape = mask.shape if mask is not None else value.shape[:len(graph_mask.shape)]
-    return Sample(tuple(value.shape[1:]), tuple(shape[1:]))
+    return Sample(tuple(value.shape[1:]), tuple(shape[1:]), dtype)
 
 
-__all__ = ["from_graph", "samples_for"]
+__all__ = ["samples_for"]

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from keras_ipu.device import checkpoints, schedules
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
 from keras_ipu.keras.pipelined.gradients import GradientLayout
+from keras_ipu.keras.pipelined.loss import stage_loss
 from keras_ipu.keras.pipelined.model import (
     BACKWARD,
     FORWARD,
@@ -55,7 +56,6 @@ from keras_ipu.keras.pipelined.model import (
     distinct_replica_streams,
     micro_batch_at,
     padded_lengths,
-    stage_loss,
 )
 from keras_ipu.keras.pipelined.update import (
     all_finite,
@@ -256,7 +256,8 @@ class Stages:
             x, y, sample_weight = batch
             _, new_ntv, y_pred, extra_loss = runner.run_with(s, arrays, ntv, bundle, x, True)
             loss, metrics_vars = stage_loss(model, self.metrics_layout.unpack(metrics), batch,
-                                            y_pred, extra_loss, training=True)
+                                            y_pred, extra_loss, training=True,
+                                            weights=dict(zip(self.own[s], weights)))
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, loss, x, y, y_pred, sample_weight)
             metrics_flats = self.metrics_layout.pack(
