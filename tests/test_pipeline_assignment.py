@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -366,6 +367,58 @@ def test_untraceable_subclassed_model_is_not_pipelined(strategy):
     assert pa.pipeline_plan(model) is None
     with pytest.raises(ValueError, match="Could not trace the `call` function of model `opaque`"):
         pa.get_assignment(model)
+
+
+class TrainingBranch(keras.Model):
+    """A layer applied in training only; keras.ops and Dropout whatever `training` is."""
+
+    def __init__(self, staged: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.staged = staged
+        self.first = keras.layers.Dense(4)
+        self.noise = keras.layers.Activation("tanh", name="training_only")
+        self.dropout = keras.layers.Dropout(0.5)
+        self.last = keras.layers.Dense(1)
+
+    def call(self, inputs, training=False):
+        with PipelineStage(0) if self.staged else contextlib.nullcontext():
+            h = keras.ops.relu(self.first(inputs)) + 1.0
+            if training:
+                h = self.noise(h)
+        with PipelineStage(1) if self.staged else contextlib.nullcontext():
+            return self.last(self.dropout(h, training=training))
+
+
+def test_a_pipelined_call_taking_other_layers_in_training_is_refused(strategy):
+    # The pipeline runs one graph for fit and predict: the training-only layer was
+    # silently left out of fit (a loss 2e5 times plain Keras').
+    with strategy.scope():
+        model = TrainingBranch(staged=True, name="branching")
+    model.build((None, 3))
+    with pytest.raises(ValueError, match=r"`call` makes other layer calls in training than in "
+                                         r"inference \(in training only: training_only "
+                                         r"\(Activation\); in inference only: none\)"):
+        pa.get_assignment(model)
+    # Unstaged, it is not pipelined: it runs as Keras runs it.
+    with strategy.scope():
+        plain = TrainingBranch(staged=False)
+    plain.build((None, 3))
+    assert pa.pipeline_plan(plain) is None
+
+
+def test_keras_ops_and_layers_taking_training_make_one_graph(strategy):
+    class Same(TrainingBranch):
+        def call(self, inputs, training=False):
+            with PipelineStage(0):
+                h = keras.ops.relu(self.first(inputs)) + 1.0
+            with PipelineStage(1):
+                return self.last(self.dropout(h, training=training))
+
+    with strategy.scope():
+        model = Same(staged=True)
+    model.build((None, 3))
+    assert [type(a.layer).__name__ for a in pa.get_assignment(model)] == [
+        "Dense", "Relu", "Add", "Dropout", "Dense"]
 
 
 def test_get_returns_new_objects(strategy):

@@ -230,24 +230,24 @@ class TraceError(ValueError):
     >>> raise TraceError(model, False, ValueError("a NumPy op in call"))
     """
 
-    def __init__(self, model: Any, uses_pipeline_stages: bool, error: BaseException):
+    def __init__(self, model: Any, uses_pipeline_stages: bool, error: BaseException,
+                 advice: str | None = None):
         self.uses_pipeline_stages = uses_pipeline_stages
         super().__init__(
             f"Could not trace the `call` function of model "
             f"`{assignments.name_of(model)}` into a graph of layer calls, which pipeline "
-            f"stage assignments need: {error} Every tensor operation in `call` must be a "
-            f"Keras layer or a `keras.ops` function. If your "
-            f"layers do not support float inputs, pass `keras.Input` objects with the "
-            f"required dtype to `model.build()`."
+            f"stage assignments need: {error} " + (advice or (
+                "Every tensor operation in `call` must be a Keras layer or a `keras.ops` "
+                "function. If your layers do not support float inputs, pass `keras.Input` "
+                "objects with the required dtype to `model.build()`."))
         )
 
 
-def _requires_training(call: Callable) -> bool:
+def _training_parameter(call: Callable) -> inspect.Parameter | None:
     try:
-        parameter = inspect.signature(call).parameters.get("training")
+        return inspect.signature(call).parameters.get("training")
     except (TypeError, ValueError):
-        return False
-    return parameter is not None and parameter.default is inspect.Parameter.empty
+        return None
 
 
 def _symbolic_inputs(specs: Any, default_dtype: str) -> Any:
@@ -280,8 +280,53 @@ def _build_specs(model: Any, config: dict) -> Any:
 
 
 def _trace(model: Any, specs: Any) -> Graph:
+    """The graph of `call` in inference; refused where training calls other layers.
+
+    A pipeline runs the one graph for fit, evaluate and predict (the layers
+    get `training` as each runs), so `call` must make the same layer calls
+    whatever `training` is.
+    """
+    parameter = _training_parameter(model.call)
+    required = parameter is not None and parameter.default is inspect.Parameter.empty
+    graph, staged = _traced(model, specs, {"training": False} if required else {})
+    if parameter is not None:
+        training_graph, _ = _traced(model, specs, {"training": True})
+        inference, training = _layer_calls(graph), _layer_calls(training_graph)
+        if inference != training:
+            raise TraceError(model, staged, ValueError(
+                f"`call` makes other layer calls in training than in inference (in "
+                f"training only: {_described(training, inference)}; in inference only: "
+                f"{_described(inference, training)})."), advice=(
+                "A pipelined model runs one graph of layer calls for fit, evaluate and "
+                "predict, each layer getting `training` as it runs: make the same calls "
+                "whatever `training` is (Dropout, BatchNormalization and the augmentation "
+                "layers take `training` themselves)."))
+    return graph
+
+
+def _layer_calls(graph: Graph) -> list:
+    """The graph's calls in order: a layer by identity (and name), another operation by
+    kind (`keras.ops` make a new one, newly named, at each call)."""
+    calls = []
+    for node in post_order(graph):
+        operation = node.operation
+        layer = isinstance(operation, keras.layers.Layer)
+        calls.append((type(operation).__name__, id(operation) if layer else None,
+                      operation.name if layer else ""))
+    return calls
+
+
+def _described(calls: list, others: list) -> str:
+    extra = [f"{name} ({kind})" for kind, layer, name in calls
+             if (kind, layer, name) not in others and layer is not None]
+    extra += sorted({kind for kind, layer, _ in calls if layer is None} - {
+        kind for kind, layer, _ in others if layer is None})
+    return ", ".join(extra) or "none"
+
+
+def _traced(model: Any, specs: Any, kwargs: dict) -> tuple[Graph, bool]:
+    """`call`'s graph with these keyword arguments, and whether it entered stage scopes."""
     inputs = _symbolic_inputs(specs, model.input_dtype)
-    kwargs = {"training": False} if _requires_training(model.call) else {}
     # PipelineStage scopes in `call` need an active strategy scope.
     strategy_scope = context.model_scope(model) if context.current_strategy() is None else (
         contextlib.nullcontext())
@@ -299,7 +344,8 @@ def _trace(model: Any, specs: Any) -> Graph:
         raise TraceError(
             model, bool(seen), ValueError(f"`call` returned {outputs!r}, not Keras tensors.")
         )
-    return Graph(tuple(keras.tree.flatten(inputs)), tuple(flat_outputs), inputs, outputs)
+    return (Graph(tuple(keras.tree.flatten(inputs)), tuple(flat_outputs), inputs, outputs),
+            bool(seen))
 
 
 _NOT_BUILT = {
