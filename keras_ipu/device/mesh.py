@@ -135,6 +135,15 @@ class IPUMesh:
         """
         return jax.lax.psum(tree, self._names(axis))
 
+    def pmax(self, tree: Any, axis: str | Sequence[str]) -> Any:
+        """Inside `map`: the maximum over the IPUs along `axis`, as `psum` sums.
+
+        Example:
+
+        >>> scales = mesh.pmax(scales, "replica")
+        """
+        return jax.lax.pmax(tree, self._names(axis))
+
     def axis_index(self, axis: str) -> Any:
         """Inside `map`: this IPU's index along `axis`.
 

@@ -95,6 +95,12 @@ class Replicas:
             return tree
         return self.grid.psum(tree, REPLICA_AXIS)
 
+    def max(self, tree: Any) -> Any:
+        """The maximum over replicas (inside a replicated step); identity for one."""
+        if self.count == 1:
+            return tree
+        return self.grid.pmax(tree, REPLICA_AXIS)
+
     def replicate(self, tree: Any) -> Any:
         """One copy of every leaf per replica, on the replica's device.
 

@@ -75,6 +75,18 @@ def train_step(
         (a leading axis of `micro_batches`, or of 1 with only the last's).
     """
     accumulate = ACCUMULATE[reduction]
+    # Variables Keras overwrites with their gradient (float8 scales and amax
+    # histories): their micro-batches' and replicas' values combine by their
+    # maximum, as Keras' own gradient accumulation combines them.
+    overwritten = tuple(bool(getattr(v, "overwrite_with_gradient", False))
+                        for v in model.trainable_variables)
+
+    def combined(a, g, n, overwrite: bool):
+        g = g.astype(a.dtype)
+        if overwrite:
+            return jnp.where(n == 0, g, jnp.maximum(a, g))
+        # In the accumulator's type: a float32 count would promote a 16-bit one.
+        return accumulate(a, g, n.astype(a.dtype), micro_batches).astype(a.dtype)
 
     def step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
@@ -96,11 +108,7 @@ def train_step(
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
             )
-            # In the accumulator's type: a float32 count would promote a 16-bit one.
-            acc = jax.tree_util.tree_map(
-                lambda a, g: accumulate(a, g.astype(a.dtype), n.astype(a.dtype),
-                                        micro_batches).astype(a.dtype), acc, grads
-            )
+            acc = [combined(a, g, n, over) for a, g, over in zip(acc, grads, overwritten)]
             return (non_trainable, metrics_vars, acc, n + 1), (
                 logs if every_micro_batch_logs else None)
 
@@ -116,13 +124,22 @@ def train_step(
         non_trainable, metrics_vars, acc, _ = carry
         if logs is None:
             logs = _stacked_one(metrics_logs(model, metrics_vars))
-        grads = [g.astype(v.dtype) for g, v in zip(replicas.sum(acc), trainable)]
+        grads = [g.astype(v.dtype) for g, v in zip(_over_replicas(replicas, acc, overwritten),
+                                                     trainable)]
         trainable, optimizer_vars = model.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
         )
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
     return step
+
+
+def _over_replicas(replicas: Replicas, acc: list, overwritten: Sequence[bool]) -> list:
+    """The gradients summed over the replicas (one all-reduce), the overwritten
+    variables' values their maximum."""
+    summed = iter(replicas.sum([g for g, over in zip(acc, overwritten) if not over]))
+    maxed = iter(replicas.max([g for g, over in zip(acc, overwritten) if over]))
+    return [next(maxed) if over else next(summed) for over in overwritten]
 
 
 def metrics_logs(model: Any, metrics_vars: Any) -> dict:

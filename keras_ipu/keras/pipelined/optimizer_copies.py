@@ -154,6 +154,29 @@ _NOT_SPLIT = ("The variables of {name} cannot be split between the pipeline's IP
               "without pipelining.")
 
 
+def check_overwritten(variables: Sequence) -> None:
+    """Refuses variables Keras overwrites with their gradient (float8 training).
+
+    A float8 layer's scales and amax histories take their "gradient" as their
+    new value, the maximum over the micro-batches of an update: the
+    pipeline's per-IPU accumulation sums gradients.
+
+    Raises:
+        NotImplementedError: Naming the first such variable.
+
+    Example:
+
+    >>> check_overwritten(model.trainable_variables)   # a model not quantized: fine
+    """
+    overwritten = [v.path for v in variables if getattr(v, "overwrite_with_gradient", False)]
+    if overwritten:
+        raise NotImplementedError(
+            f"A pipelined model cannot train float8 layers (`model.quantize(\"float8\")`): "
+            f"their scales ({overwritten[0]}, ...) take the maximum of the micro-batches' "
+            f"values, which the pipeline's accumulation does not. Train them without "
+            f"pipelining (gradient accumulation and replication combine them as Keras does).")
+
+
 def _named_clone(optimizer, stand_ins: list) -> Any:
     """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, for its names.
 
@@ -190,4 +213,5 @@ def _occurrences(variables) -> dict[tuple[str, int], int]:
     return keys
 
 
-__all__ = ["check_pipelined", "copy_for", "global_clipnorm", "positions"]
+__all__ = ["check_overwritten", "check_pipelined", "copy_for", "global_clipnorm",
+           "positions"]

@@ -138,6 +138,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     check_stage_poplar_options(options, plan.num_stages, training=mode == "fit")
     if mode == "fit" and getattr(model, "optimizer", None) is not None:
         optimizer_copies.check_pipelined(model.optimizer)
+        optimizer_copies.check_overwritten(model.trainable_variables)
     schedule = schedule_of(options)
     micro = accumulation_steps(model, options) if mode == "fit" else (
         feed.plan.steps_per_execution)
