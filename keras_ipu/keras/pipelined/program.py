@@ -143,6 +143,12 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     micro = accumulation_steps(model, options) if mode == "fit" else (
         feed.plan.steps_per_execution)
     minimum = schedules.minimum_micro_batches(schedule, plan.num_stages)
+    if micro < minimum and mode != "fit" and micro < model.steps_per_execution:
+        # Fewer batches than the schedule fills because the data is shorter than
+        # steps_per_execution (cut to fit it, with Keras' warning): inference runs them
+        # one after another, to the same values. (Set that small, it is refused below.)
+        schedule = schedules.PipelineSchedule.Sequential
+        minimum = schedules.minimum_micro_batches(schedule, plan.num_stages)
     if micro < minimum:
         what = ("`gradient_accumulation_steps_per_replica`" if mode == "fit"
                 else "`steps_per_execution`")
