@@ -294,3 +294,15 @@ def test_a_bad_validation_freq_is_refused_before_any_epoch(frequency, strategy):
                    validation_freq=frequency)
     assert_weights_close(before, on_ipu.get_weights(), atol=0)
     assert int(on_ipu.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("split", [-0.1, 1.5])
+def test_a_validation_split_outside_zero_to_one_is_refused_before_any_epoch(split, strategy):
+    # Keras makes an empty part and trains on ("Your input ran out of data").
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    before = on_ipu.get_weights()
+    with pytest.raises(ValueError, match=rf"`validation_split` .* between 0 and 1: received "
+                                         rf"{split}"):
+        on_ipu.fit(x, y, batch_size=BATCH, verbose=0, validation_split=split)
+    assert_weights_close(before, on_ipu.get_weights(), atol=0)

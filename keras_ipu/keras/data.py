@@ -604,8 +604,17 @@ class AdapterFeed:
 
 
 def validation_split(x: Any, y: Any, sample_weight: Any, split: float):
-    """Splits array data into training and validation parts, as Keras does."""
+    """Splits array data into training and validation parts, as Keras does.
+
+    Raises:
+        ValueError: For a `split` outside [0, 1] (Keras would make an empty part
+            and train on without saying so), or too little data (Keras' error).
+    """
     from keras.src.trainers.data_adapters import array_slicing
+
+    if not 0 <= split <= 1:
+        raise ValueError(f"`validation_split` is the fraction of the data kept for validation, "
+                         f"between 0 and 1: received {split}.")
 
     return array_slicing.train_validation_split((x, y, sample_weight), validation_split=split)
 
