@@ -421,6 +421,27 @@ def test_keras_ops_and_layers_taking_training_make_one_graph(strategy):
         "Dense", "Relu", "Add", "Dropout", "Dense"]
 
 
+def test_a_models_own_add_loss_in_a_pipelined_call_says_where_to_add_it(strategy):
+    class OwnLoss(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first, self.last = keras.layers.Dense(4), keras.layers.Dense(1)
+
+        def call(self, inputs):
+            with PipelineStage(0):
+                h = self.first(inputs)
+                self.add_loss(keras.ops.mean(h ** 2))
+            with PipelineStage(1):
+                return self.last(h)
+
+    with strategy.scope():
+        model = OwnLoss()
+    model.build((None, 3))
+    with pytest.raises(ValueError, match=r"The model's own `self.add_loss\(...\)` in `call` is "
+                                         r"not a layer call"):
+        pa.get_assignment(model)
+
+
 def test_get_returns_new_objects(strategy):
     with strategy.scope():
         model = with_mixin(sequential())

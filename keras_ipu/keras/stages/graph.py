@@ -324,6 +324,15 @@ def _described(calls: list, others: list) -> str:
     return ", ".join(extra) or "none"
 
 
+def _advice_for(error: BaseException) -> str | None:
+    """What to do about an error of `call`'s trace, where the usual advice does not fit."""
+    if "add_loss()" in str(error):  # the model's own add_loss: no layer call to run it in
+        return ("The model's own `self.add_loss(...)` in `call` is not a layer call, so no "
+                "stage can run it: add the loss in a layer of the stage that computes it "
+                "(with `self.add_loss` in that layer's `call`).")
+    return None
+
+
 def _traced(model: Any, specs: Any, kwargs: dict) -> tuple[Graph, bool]:
     """`call`'s graph with these keyword arguments, and whether it entered stage scopes."""
     inputs = _symbolic_inputs(specs, model.input_dtype)
@@ -336,7 +345,7 @@ def _traced(model: Any, specs: Any, kwargs: dict) -> tuple[Graph, bool]:
         try:
             outputs = model.call(inputs, **kwargs)
         except Exception as error:
-            raise TraceError(model, bool(seen), error) from error
+            raise TraceError(model, bool(seen), error, _advice_for(error)) from error
     flat_outputs = keras.tree.flatten(outputs)
     if not flat_outputs or not all(
         isinstance(t, keras.KerasTensor) and hasattr(t, "_keras_history") for t in flat_outputs
