@@ -8,6 +8,7 @@ graph is kept on the model until it is built with other shapes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -283,44 +284,48 @@ def _trace(model: Any, specs: Any) -> Graph:
     """The graph of `call` in inference; refused where training calls other layers.
 
     A pipeline runs the one graph for fit, evaluate and predict (the layers
-    get `training` as each runs), so `call` must make the same layer calls
-    whatever `training` is.
+    get `training` as each runs), so `call` must make the same kinds of layer
+    calls, in the same order, whatever `training` is.
     """
     parameter = _training_parameter(model.call)
     required = parameter is not None and parameter.default is inspect.Parameter.empty
     graph, staged = _traced(model, specs, {"training": False} if required else {})
-    if parameter is not None:
+    if parameter is None:
+        return graph
+    try:
         training_graph, _ = _traced(model, specs, {"training": True})
-        inference, training = _layer_calls(graph), _layer_calls(training_graph)
-        if inference != training:
-            raise TraceError(model, staged, ValueError(
-                f"`call` makes other layer calls in training than in inference (in "
-                f"training only: {_described(training, inference)}; in inference only: "
-                f"{_described(inference, training)})."), advice=(
-                "A pipelined model runs one graph of layer calls for fit, evaluate and "
-                "predict, each layer getting `training` as it runs: make the same calls "
-                "whatever `training` is (Dropout, BatchNormalization and the augmentation "
-                "layers take `training` themselves)."))
+    except TraceError:
+        return graph  # not traceable in training: nothing to compare (as before)
+    inference, training = _layer_calls(graph), _layer_calls(training_graph)
+    if [kind for kind, _ in inference] != [kind for kind, _ in training]:
+        raise TraceError(model, staged, ValueError(
+            f"`call` makes other layer calls in training than in inference (in training "
+            f"only: {_described(training, inference)}; in inference only: "
+            f"{_described(inference, training)})."), advice=(
+            "A pipelined model runs one graph of layer calls for fit, evaluate and predict, "
+            "each layer getting `training` as it runs: make the same calls whatever "
+            "`training` is (Dropout, BatchNormalization and the augmentation layers take "
+            "`training` themselves)."))
     return graph
 
 
-def _layer_calls(graph: Graph) -> list:
-    """The graph's calls in order: a layer by identity (and name), another operation by
-    kind (`keras.ops` make a new one, newly named, at each call)."""
-    calls = []
-    for node in post_order(graph):
-        operation = node.operation
-        layer = isinstance(operation, keras.layers.Layer)
-        calls.append((type(operation).__name__, id(operation) if layer else None,
-                      operation.name if layer else ""))
-    return calls
+def _layer_calls(graph: Graph) -> list[tuple[str, str]]:
+    """The graph's calls in order, as `(kind, name)`: a layer's class and name, another
+    operation's class (`keras.ops` make a new one, newly named, at each call)."""
+    return [(type(node.operation).__name__,
+             node.operation.name if isinstance(node.operation, keras.layers.Layer) else "")
+            for node in post_order(graph)]
 
 
 def _described(calls: list, others: list) -> str:
-    extra = [f"{name} ({kind})" for kind, layer, name in calls
-             if (kind, layer, name) not in others and layer is not None]
-    extra += sorted({kind for kind, layer, _ in calls if layer is None} - {
-        kind for kind, layer, _ in others if layer is None})
+    """The calls of kinds `others` has fewer of, by name (or kind)."""
+    left = collections.Counter(kind for kind, _ in others)
+    extra = []
+    for kind, name in calls:
+        if left[kind]:
+            left[kind] -= 1
+        else:
+            extra.append(f"{name} ({kind})" if name else kind)
     return ", ".join(extra) or "none"
 
 
