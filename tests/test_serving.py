@@ -272,14 +272,26 @@ def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
         stale.add(keras.layers.Dense(3))  # the assignment no longer covers every layer
         three_ipus = _pipelined_sequential([0, 1], [0, 1, 0])  # 2 stages, 3 mappings
         one_stage = _pipelined_sequential([0, 0], [0, 1])     # 1 stage, 2 mappings
+        absent_ipu = _pipelined_sequential([0, 1], [0, 5])    # the device has 2 IPUs
+        unbatched = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(3),
+            keras.layers.Lambda(lambda t: keras.ops.mean(t, axis=0)),  # (3,): no batch axis
+            keras.layers.Lambda(lambda t: t * 2.0)])
+        unbatched.set_pipeline_stage_assignment([0, 0, 1])
+        unbatched.compile(steps_per_execution=2)
     x = np.ones((4, 4), "float32")
     for model, error, message in ((stale, RuntimeError, "no longer valid"),
                                   (three_ipus, ValueError, r"3 mappings != 2 stages"),
-                                  (one_stage, ValueError, r"2 mappings != 1 stages")):
+                                  (one_stage, ValueError, r"2 mappings != 1 stages"),
+                                  (absent_ipu, ValueError, r"maps a stage to IPU 5, but the "
+                                                           r"model's device has 2 IPUs"),
+                                  (unbatched, ValueError, r"sends .* of shape \(3,\) to a "
+                                                          r"later stage")):
         with pytest.raises(error, match=message):
             model.predict(x, batch_size=2, verbose=0)
-        # Before, export caught the first and served the model unpipelined, and wrote the
-        # other two with their device_mapping.
+        # Before, export caught the first and served the model unpipelined, wrote the
+        # next three with their device_mapping and the last with a program every call of
+        # which failed.
         with pytest.raises(error, match=message):
             model.export_for_ipu_serving(tmp_path / model.name, batch_size=2)
         assert not (tmp_path / model.name).exists()
@@ -370,3 +382,58 @@ def test_a_subclassed_model_exports_the_dtype_it_was_called_with(strategy, tmp_p
     built([np.ones((2, 4)), np.ones((2, 2))])
     exported = built.export_for_ipu_serving(tmp_path / "built", batch_size=2)
     assert [i["dtype"] for i in exported.inputs] == ["float32", "float32"]
+
+
+def test_a_pipeline_stage_forwarding_integers_exports_their_type(tmp_path):
+    # A Lambda's output is float32 in Keras' graph whatever it returns: the export took
+    # that type for the next stage's input, and every call failed (int32 given).
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((4,))
+        with ipu.keras.PipelineStage(0):
+            ids = keras.layers.Lambda(
+                lambda t: keras.ops.cast(keras.ops.argmax(t, axis=-1), "int32"))(inputs)
+        with ipu.keras.PipelineStage(1):
+            outputs = keras.layers.Embedding(4, 2)(ids)
+        model = keras.Model(inputs, outputs)
+        model.compile(steps_per_execution=2)
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    np.testing.assert_array_equal(runtime(x), model.predict(x, batch_size=2, verbose=0))
+
+
+class _KeywordsCall(keras.Model):
+    """A `call(x, **kwargs)` passing its keywords on: Keras gives it no `training`."""
+
+    def call(self, inputs, **kwargs):
+        return self._head(inputs, **kwargs)
+
+    def _head(self, inputs, scale=3.0):
+        return inputs * scale
+
+
+@pytest.mark.parametrize("platforms, message", [
+    ("cpu", None),  # one name: not its letters
+    (("cpu", "ipu"), r"Cannot export for the platforms \['ipu'\]"),
+])
+def test_platforms_are_names(platforms, message, strategy, tmp_path):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), batch_size=2), keras.layers.Dense(3)])
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            model.export_for_ipu_serving(tmp_path / "e", platforms=platforms)
+        assert not (tmp_path / "e").exists()
+        return
+    runtime = model.export_for_ipu_serving(tmp_path / "e", platforms=platforms)
+    assert runtime.metadata["platforms"] == ["cpu"]
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=2, verbose=0), atol=1e-6)
+
+
+def test_a_call_taking_keywords_gets_no_training_argument(strategy, tmp_path):
+    with strategy.scope():
+        model = _KeywordsCall()
+        model.build((2, 2))
+    x = np.ones((2, 2), "float32")
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    np.testing.assert_allclose(runtime(x), np.full((2, 2), 3.0))

@@ -91,7 +91,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
                  for s in specs]
     iterations = int(getattr(model, "steps_per_execution", 1) or 1)
-    platforms = tuple(platforms) if platforms else (jax.default_backend(),)
+    platforms = _checked_platforms(platforms)
     plan = _plan(model)
     with context.model_scope(model):
         if plan is None:
@@ -388,11 +388,13 @@ def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
     """Stage -> IPU, checked as `predict` checks it (one IPU per stage).
 
     Raises:
-        ValueError: When `device_mapping` does not name one IPU per stage.
+        ValueError: When `device_mapping` does not name one IPU per stage, or
+            names an IPU the model's device does not have.
     """
     from keras_ipu.keras import pipelined
 
-    return pipelined.device_mapping(plan, options.options_of(model))
+    return pipelined.device_mapping(plan, options.options_of(model),
+                                    len(context.device_ipus(model)))
 
 
 def _pipeline_metadata(model: Any, plan: Any, num_ipus: int | None) -> dict:
@@ -430,8 +432,28 @@ def _specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
 
 
 def _takes_training(model: Any) -> bool:
-    parameters = inspect.signature(model.call).parameters.values()
-    return any(p.name == "training" or p.kind == p.VAR_KEYWORD for p in parameters)
+    # As Keras passes it: to a `call` that names it (not to `**kwargs`).
+    return "training" in inspect.signature(model.call).parameters
+
+
+# The platforms jax.export lowers for.
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def _checked_platforms(platforms: Any) -> tuple[str, ...]:
+    """The platforms to export for (default: this process's), names checked.
+
+    Raises:
+        ValueError: For a name jax.export does not lower for.
+    """
+    if not platforms:
+        return (jax.default_backend(),)
+    names = (platforms,) if isinstance(platforms, str) else tuple(platforms)
+    unknown = [name for name in names if name not in _PLATFORMS]
+    if unknown:
+        raise ValueError(f"Cannot export for the platforms {unknown}: each must be one of "
+                         f"{list(_PLATFORMS)} (IPUs are JAX devices of those).")
+    return names
 
 
 def _as_tuple(value: Any) -> tuple:

@@ -19,6 +19,7 @@ import numpy as np
 from keras import tree
 
 from keras_ipu.keras import stages
+from keras_ipu.keras.pipelined import boundary
 
 
 def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeStruct],
@@ -32,17 +33,24 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
     """
     batch = input_specs[0].shape[0]
     programs = []
+    forwarded: list[jax.ShapeDtypeStruct] = []  # what the stage before sends, as it runs
     for stage in range(plan.num_stages):
         variables = _stage_variables(plan, stage)
         weights = [np.asarray(v.numpy()) for v in variables]
         carried = plan.live_after[stage - 1] if stage else ()
         run = _stage_function(plan, stage, variables, carried, preprocessing_step,
                               postprocessing_step)
-        carried_specs = [_spec(plan.tensors[key], batch) for key in carried]
         exported = jax.export.export(jax.jit(run), platforms=tuple(platforms))(
             [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights],
-            carried_specs, list(input_specs))
+            forwarded, list(input_specs))
         programs.append((exported, weights))
+        if stage < plan.num_stages - 1:
+            # The types and shapes its layers give (a Lambda's graph type is float32,
+            # whatever it returns), each checked for the batch axis as predict checks it.
+            forwarded = [jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+                         for aval in exported.out_avals]
+            for key, spec in zip(plan.live_after[stage], forwarded):
+                boundary.check_batched(spec.shape, batch, plan.tensors[key], stage)
     return programs
 
 
@@ -76,10 +84,6 @@ def _stage_variables(plan, stage: int) -> list:
         for variable in getattr(operation, "variables", []):
             seen.setdefault(id(variable), variable)
     return list(seen.values())
-
-
-def _spec(tensor: Any, batch: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((batch, *tensor.shape[1:]), np.dtype(str(tensor.dtype)))
 
 
 def _as_list(value: Any) -> list:

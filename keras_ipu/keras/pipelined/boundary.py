@@ -137,17 +137,26 @@ def to_bundle(value, batch: int, tensor, stage: int, dtype=None):
     Raises:
         ValueError: For a tensor without the batch as its first axis.
     """
-    if value.ndim == 0 or value.shape[0] != batch:
-        name = getattr(tensor, "name", None) or "a tensor"
-        raise ValueError(
-            f"Pipeline stage {stage} sends {name} of shape {tuple(value.shape)} to a later "
-            f"stage, but a stage sends each sample's values: tensors crossing stages need the "
-            f"batch ({batch} samples) as their first axis. Compute it in the stage that uses "
-            f"it, or keep the batch axis.")
+    check_batched(value.shape, batch, tensor, stage)
     flat = value.reshape(batch, -1).astype(dtype or tensor.dtype)
     if _sent_as_bits(flat.dtype):
         return jax.lax.bitcast_convert_type(flat, jnp.float32)
     return flat.astype(jnp.float32)
+
+
+def check_batched(shape: tuple, batch: int, tensor, stage: int) -> None:
+    """Refuses a tensor crossing stages without the batch as its first axis.
+
+    Raises:
+        ValueError: Naming the tensor, its shape and the batch.
+    """
+    if not len(shape) or shape[0] != batch:
+        name = getattr(tensor, "name", None) or "a tensor"
+        raise ValueError(
+            f"Pipeline stage {stage} sends {name} of shape {tuple(shape)} to a later "
+            f"stage, but a stage sends each sample's values: tensors crossing stages need the "
+            f"batch ({batch} samples) as their first axis. Compute it in the stage that uses "
+            f"it, or keep the batch axis.")
 
 
 def from_bundle(value, dtype):
