@@ -32,7 +32,8 @@ def test_one_copy_called_twice_with_the_same_numbers_and_cost():
     inlined = jax.jit(_net(_block)).lower(x, w1, w2)
     assert "call @" not in inlined.as_text()
     # The same value and gradients; the cost model counts both calls.
-    np.testing.assert_allclose(_net(outlined)(x, w1, w2), _net(_block)(x, w1, w2), rtol=1e-6)
+    # (Up to float32 rounding: XLA:CPU may split the matrix products differently in a call.)
+    np.testing.assert_allclose(_net(outlined)(x, w1, w2), _net(_block)(x, w1, w2), rtol=1e-5)
     grads = jax.grad(_net(outlined), argnums=(1, 2))(x, w1, w2)
     expected = jax.grad(_net(_block), argnums=(1, 2))(x, w1, w2)
     for got, want in zip(grads, expected):

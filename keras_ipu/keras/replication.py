@@ -25,6 +25,38 @@ REPLICA_REDUCTIONS = {
 }
 
 
+def resumed_state(codec: Any, parts: tuple[str, ...], keras_state: Any, previous: Any) -> Any:
+    """The device state to go on from after a callback synced the model mid-run.
+
+    Keras' variables hold one replica's metric states (the last's, what
+    `NONE` reports): where they are still those the sync gave them, every
+    replica goes on from its own (held in `previous`), so that reduced logs
+    (`MEAN`, `SUM`, `LIST`) stay those of an unsynced run. Metrics the
+    callback changed (reset, say) go to every replica.
+
+    Args:
+        codec: The run's codec (`ReplicaCodec` or the pipeline's).
+        parts: The state's parts, in `keras_state`'s order.
+        keras_state: The Keras variables' values, per part.
+        previous: The device state before the sync (`None`: the first).
+
+    Returns:
+        The device state.
+
+    Example:
+
+    >>> state = resumed_state(codec, parts, model._get_jax_state(...), state)
+    """
+    state = codec.to_device(keras_state)
+    if previous is None or "metrics_variables" not in parts:
+        return state
+    synced = codec.to_keras(previous)["metrics_variables"]
+    now = keras_state[parts.index("metrics_variables")]
+    if all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(synced, now)):
+        return codec.with_metrics_of(state, previous)
+    return state
+
+
 def next_power_of_two(n: int) -> int:
     """The smallest power of two ≥ n."""
     return 1 << max(n - 1, 0).bit_length()
@@ -277,6 +309,11 @@ class ReplicaCodec:
                                             else first)
             for part, values in zip(self.parts, state)
         }
+
+    def with_metrics_of(self, state: Any, previous: Any) -> Any:
+        """`state` with the metric states each replica has in `previous`."""
+        k = self.parts.index("metrics_variables")
+        return tuple(previous[k] if i == k else part for i, part in enumerate(state))
 
     @property
     def lone_replica(self) -> bool:

@@ -354,6 +354,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     codec = run.codec
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     logs: Any = {}
+    state = None  # the device's, from the first execution on
     model._jax_state_synced = True
     try:
         if infeed is None:
@@ -366,8 +367,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     # First execution, or a callback synced the variables. A Ctrl-C
                     # between the purge and the keeping would lose the weights.
                     with interrupts.deferred():
-                        state = codec.to_device(model._get_jax_state(
-                            **dict.fromkeys(parts, True), purge_model_variables=True))
+                        state = replication.resumed_state(codec, parts, model._get_jax_state(
+                            **dict.fromkeys(parts, True), purge_model_variables=True), state)
                         model._jax_state_synced = False
                         # The variables are purged: until the execution's own
                         # state comes back, this is the model's (a hook reading the

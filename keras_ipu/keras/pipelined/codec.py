@@ -62,6 +62,10 @@ class PipelineCodec:
         """The packed state -> Keras state lists (`PipelineState.to_keras`)."""
         return self.state.to_keras(packed, self.state.parts)
 
+    def with_metrics_of(self, packed: dict, previous: dict) -> dict:
+        """`packed` with the metric states each replica has in `previous`."""
+        return {**packed, "metrics_variables": previous["metrics_variables"]}
+
     def batch_spec(self, batches: Any) -> Any:
         """Shape structs of an execution's placed (global) batches."""
         return jax.tree_util.tree_map(
