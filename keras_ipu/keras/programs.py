@@ -23,7 +23,7 @@ from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import batch_norm_groups, feed_options, pipelined, steps
 from keras_ipu.keras import run as run_module
 from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
-from keras_ipu.keras.replication import Layout, ReplicaCodec
+from keras_ipu.keras.replication import VARIABLES_CHANGED, Layout, ReplicaCodec
 from keras_ipu.keras.run import Run, cached_run
 from keras_ipu.keras.steps import STATE_PARTS
 
@@ -76,6 +76,21 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
         run_module.restore_entry(model, mode, previous)
         raise
     return run
+
+
+def check_unchanged(model, mode: str, structure: tuple) -> None:
+    """Refuses a run whose model's variables are no longer `structure` (`state_structure`).
+
+    Raises:
+        ValueError: `replication.VARIABLES_CHANGED`.
+    """
+    if _state_structure(model, STATE_PARTS[mode]) != structure:
+        raise ValueError(VARIABLES_CHANGED)
+
+
+def state_structure(model, mode: str) -> tuple:
+    """The variables of the model's state in `mode` (for `check_unchanged`)."""
+    return _state_structure(model, STATE_PARTS[mode])
 
 
 def _state_structure(model, parts) -> tuple:

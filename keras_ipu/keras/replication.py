@@ -25,6 +25,13 @@ REPLICA_REDUCTIONS = {
 }
 
 
+# A run's state no longer fits its program: refused, the model keeps its weights.
+VARIABLES_CHANGED = (
+    "The model's variables changed during the run (a callback froze or unfroze a layer, "
+    "say): its compiled program trains those it started with. As in Keras, training another "
+    "set of weights needs compile() again; the weights are those of the last execution.")
+
+
 def resumed_state(codec: Any, parts: tuple[str, ...], keras_state: Any, previous: Any) -> Any:
     """The device state to go on from after a callback synced the model mid-run.
 
