@@ -258,6 +258,9 @@ class Stages:
             loss, metrics_vars = stage_loss(model, self.metrics_layout.unpack(metrics), batch,
                                             y_pred, extra_loss, training=True,
                                             weights=dict(zip(self.own[s], weights)))
+            # As in Keras' JAX train step, whose metrics get `y_pred` back from
+            # `value_and_grad`: values without their Keras mask (the loss masks).
+            y_pred = jax.tree_util.tree_map(jax.lax.stop_gradient, y_pred)
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, loss, x, y, y_pred, sample_weight)
             metrics_flats = self.metrics_layout.pack(
