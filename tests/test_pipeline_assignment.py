@@ -442,6 +442,29 @@ def test_a_models_own_add_loss_in_a_pipelined_call_says_where_to_add_it(strategy
         pa.get_assignment(model)
 
 
+@pytest.mark.parametrize("masking", ["embedding", "masking"])
+def test_layers_staged_where_constructed_take_their_mask_ops_along(masking, strategy):
+    # Keras makes the mask ops (not_equal, any) inside the layer's call, outside any scope:
+    # they were left without a stage ("not_equal has not been assigned to one").
+    with strategy.scope():
+        with PipelineStage(0):
+            first = (keras.layers.Embedding(20, 8, mask_zero=True) if masking == "embedding"
+                     else keras.layers.Masking())
+            recurrent = keras.layers.LSTM(6)
+        with PipelineStage(1):
+            last = keras.layers.Dense(3)
+        inputs = (keras.Input((6,), dtype="int32") if masking == "embedding"
+                  else keras.Input((6, 4)))
+        model = keras.Model(inputs, last(recurrent(first(inputs))))
+    stages_of = {type(a.layer).__name__: a.pipeline_stage for a in pa.get_assignment(model)}
+    assert stages_of["LSTM"] == 0 and stages_of["Dense"] == 1
+    assert {stages_of[name] for name in stages_of if name not in ("LSTM", "Dense")} == {0}
+    rng = np.random.default_rng(0)
+    data = (rng.integers(0, 3, size=(2, 6)).astype("int32") if masking == "embedding"
+            else np.where(rng.random((2, 6, 1)) < 0.3, 0.0, rng.random((2, 6, 4))))
+    np.testing.assert_allclose(run_plan(pa.pipeline_plan(model), data), model(data), atol=1e-6)
+
+
 def test_get_returns_new_objects(strategy):
     with strategy.scope():
         model = with_mixin(sequential())

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import keras
+from keras.src.backend.common import masking
 from keras.src.ops.node import Node
 
 from keras_ipu.keras.stages import scope
@@ -157,7 +158,42 @@ def structure(
             child = structure(op, child_kind, static_graph(op, child_kind), annotate, stage)
             stage = None
         entries.append(Entry(op, node, node_index, stage, child))
+    if annotate and kind != SEQUENTIAL:
+        _stage_mask_ops(entries)
     return AssignmentTree(model, kind, graph, entries)
+
+
+def _stage_mask_ops(entries: list[Entry]) -> None:
+    """Gives Keras' own mask ops the stage of the layer whose output carries their mask.
+
+    Keras makes them inside a layer's call (`Embedding(mask_zero=True)`'s
+    `not_equal`, a merge's `logical_or`): a layer given its stage where it was
+    constructed is called outside any scope, and so are they, but they are
+    part of that layer's work. (Sequential models place them in
+    `_graph_entries`.)
+    """
+    owner, consumers = {}, {}
+    for entry in entries:
+        for tensor in entry.node.outputs if entry.node is not None else ():
+            mask = masking.get_keras_mask(tensor)
+            if mask is not None:
+                owner[id(mask)] = entry
+        for tensor in entry.node.arguments.keras_tensors if entry.node is not None else ():
+            consumers.setdefault(id(tensor), []).append(entry)
+    mask_ops: set[int] = set()
+    # Consumers first: `Masking`'s `not_equal` feeds the `any` that makes its mask.
+    for entry in reversed(entries):
+        outputs = entry.node.outputs if entry.node is not None else ()
+        if entry.stage is not None or entry.child is not None or not outputs:
+            continue
+        if all(id(t) in owner for t in outputs):
+            entry.stage = owner[id(outputs[0])].stage
+        else:
+            users = [user for t in outputs for user in consumers.get(id(t), [])]
+            if not users or any(id(user) not in mask_ops for user in users):
+                continue
+            entry.stage = users[0].stage
+        mask_ops.add(id(entry))
 
 
 def to_assignments(level: AssignmentTree) -> list:
