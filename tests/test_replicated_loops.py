@@ -349,3 +349,40 @@ def test_a_while_loop_over_an_infeed_runs_in_a_sharded_computation_of_one_replic
 
     assert [int(v) for v in _compiled(sharded)] == [2]
     assert len(infeed.peek(10)) == 2
+
+
+def _draws(api: str, ipus: int, identical: bool = False):
+    """Two iterations of keras.random draws per replica, and the generator's state after."""
+    import keras
+
+    configure(ipus)
+    ipu.utils.reset_ipu_seed(5, experimental_identical_replicas=identical)
+    generator = keras.random.SeedGenerator(1)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def net(x):
+        def body(x):
+            return x, outfeed.enqueue(keras.random.uniform((3,), seed=generator))
+        return ipu.loops.repeat(2, body, [x])
+
+    x = np.zeros(1, np.float32)
+    if api == "strategy.run":
+        with ipu.ipu_strategy.IPUStrategy().scope() as strategy:
+            strategy.run(net, args=(x,))
+    else:
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(net, inputs=[x])
+    draws = np.asarray(outfeed.dequeue())
+    return (draws if ipus > 1 else draws[:, None]), np.asarray(generator.state.value)
+
+
+@pytest.mark.parametrize("api", ["strategy.run", "ipu_compiler.compile"])
+def test_replicas_of_a_computation_draw_their_own_random_numbers(api):
+    # As in fit and IPU TensorFlow; before, every replica drew replica 0's numbers.
+    one, one_state = _draws(api, 1)
+    two, two_state = _draws(api, 2)
+    np.testing.assert_array_equal(two[:, 0], one[:, 0])  # replica 0 draws what one IPU does
+    assert not np.array_equal(two[:, 1], two[:, 0])
+    np.testing.assert_array_equal(two_state, one_state)  # the generator goes on as replica 0's
+    identical, _ = _draws(api, 2, identical=True)
+    np.testing.assert_array_equal(identical[:, 1], identical[:, 0])

@@ -24,7 +24,9 @@ import jax
 import keras
 from keras.src.backend.common import stateless_scope, variables
 
-from keras_ipu.device import compiled_calls, loop_state
+from keras_ipu.device import collectives, compiled_calls, loop_state
+from keras_ipu.device import system as ipu_system
+from keras_ipu.keras import steps
 
 
 class _Held:
@@ -57,13 +59,34 @@ class _Recording(stateless_scope.StatelessScope):
     its entries are the assigned variables, by `id`.
     """
 
-    def __init__(self):
+    def __init__(self, seed_mask: Any = None):
         # Losses are collected, so that `model.losses` read inside the computation has
         # the activity regularizers of its calls, as eagerly; variables made inside are
         # initialized once the program has run (`call_assigning`), not inside its trace.
         super().__init__(collect_losses=True, initialize_variables=False)
         self.assigned: dict[int, keras.Variable] = {}
         self.known: dict[int, keras.Variable] = {}  # kept when a trace is abandoned
+        # This replica's seed word (`steps.replica_seed_mask`), or None: one stream.
+        self.seed_mask = seed_mask
+
+    def get_current_value(self, variable: Any) -> Any:
+        value = super().get_current_value(variable)
+        if value is None and self.seed_mask is not None and steps.is_seed_state(variable):
+            # A seed generator first read here: this replica's stream from now on. (Its
+            # own value: `variable.value` would ask this scope again.)
+            outer = self.original_scope
+            own = outer.get_current_value(variable) if outer is not None else None
+            own = variable._value if own is None else own
+            value = steps.xor_seed_words([own], [0], self.seed_mask)[0]
+            self.known.setdefault(id(variable), variable)
+            self.state_mapping[id(variable)] = value
+        return value
+
+    def unmasked(self, variable: Any, value: Any) -> Any:
+        """A value to give `variable` after the computation: a seed state's own word back."""
+        if self.seed_mask is None or not steps.is_seed_state(variable):
+            return value
+        return steps.xor_seed_words([value], [0], self.seed_mask)[0]
 
     def add_update(self, update: tuple) -> None:
         variable, _ = update
@@ -120,10 +143,11 @@ class _KeepingAssignments:
         if isinstance(stateless_scope.get_stateless_scope(), _Recording):
             # Part of an enclosing computation's trace: its scope takes the assignments.
             return _Assigned(self.outputs(self.__wrapped__(*args, **kwargs)), [], ())
-        with _Recording() as scope, loop_state.carrying(scope):
+        with _Recording(_replica_seed_mask()) as scope, loop_state.carrying(scope):
             result = self.outputs(self.__wrapped__(*args, **kwargs))
         held = tuple(_Held(variable) for variable in scope.assigned.values())
-        return _Assigned(result, [scope.get_current_value(h.variable) for h in held], held)
+        return _Assigned(result, [scope.unmasked(h.variable, scope.get_current_value(h.variable))
+                                  for h in held], held)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, _KeepingAssignments) and other.__wrapped__ == self.__wrapped__
@@ -133,6 +157,15 @@ class _KeepingAssignments:
 
     def __hash__(self) -> int:
         return hash((self.__wrapped__, self.outputs, tuple(map(id, self.stateful))))
+
+
+def _replica_seed_mask() -> Any:
+    """This replica's seed word where the computation is replicated, as IPU replicas draw
+    their own random numbers (unless `experimental_identical_replicas`); else None."""
+    if (collectives.replica_count() == 1
+            or ipu_system.require().option("identical_replicas", False)):
+        return None
+    return steps.replica_seed_mask(collectives.replica_index())
 
 
 def call_assigning(run: Callable[[Callable], Any], fn: Callable,

@@ -241,8 +241,12 @@ def distinct_random_streams(model: Any, step: Step) -> Step:
 
 def seed_state_indices(variables: Any) -> list[int]:
     """Positions of Keras seed generators' `[seed, counter]` states among `variables`."""
-    return [i for i, v in enumerate(variables)
-            if v.name == _SEED_STATE_NAME and tuple(v.shape) == (2,)]
+    return [i for i, v in enumerate(variables) if is_seed_state(v)]
+
+
+def is_seed_state(variable: Any) -> bool:
+    """Whether `variable` is a Keras seed generator's `[seed, counter]` state."""
+    return variable.name == _SEED_STATE_NAME and tuple(variable.shape) == (2,)
 
 
 def replica_seed_mask(replica: Any) -> jax.Array:
