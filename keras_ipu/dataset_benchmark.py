@@ -114,7 +114,8 @@ def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epoc
     if not isinstance(infeed_queue, IPUInfeedQueue):
         raise TypeError(f"infeed_queue must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue, got "
                         f"{type(infeed_queue).__name__}.")
-    return dataset_benchmark(iter(infeed_queue.dataset), number_of_epochs, elements_per_epochs,
+    # The queue's own elements: those it looked at or had put back first.
+    return dataset_benchmark(infeed_queue.elements(), number_of_epochs, elements_per_epochs,
                              print_stats=print_stats, do_memcpy=do_memcpy)
 
 

@@ -228,8 +228,11 @@ def test_strategy_run_fixes_python_values_and_passes_queues_as_the_tf2_loops_do(
     assert float(first) == 2 * (0 + 1 + 2 + 3) and float(second) == 10 * 2 * (4 + 5)
     np.testing.assert_allclose(outfeed.dequeue(), [0, 2, 6, 12, 80, 180])
     assert float(ipu.loops.repeat(np.int64(3), lambda x: x + 1, [0.0])) == 3
-    for bad in (0, 2.0, True, "3"):
-        with pytest.raises(ValueError, match="repeat needs n >= 1 iterations, a Python or "
+    # No iteration, as IPU TensorFlow's while loop of 0: the inputs, nothing taken.
+    assert float(ipu.loops.repeat(0, lambda x, e: x + e, [5.0], infeed)) == 5.0
+    assert len(infeed.peek(10)) == 2
+    for bad in (-1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="repeat needs n >= 0 iterations, a Python or "
                                              "NumPy integer"):
             ipu.loops.repeat(bad, lambda x: x + 1, [0.0])
 
@@ -283,7 +286,8 @@ def test_the_queues_have_ipu_tensorflows_members():
                                                                 "b": np.zeros(3)})])
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
     assert infeed.initializer is None and infeed.deleter is None and outfeed.deleter is None
-    assert infeed.number_of_tuple_elements == 3 and not infeed.dequeued
+    # The body's arguments (IPU TensorFlow's `_body_arguments`): the tuple's two parts.
+    assert infeed.number_of_tuple_elements == 2 and not infeed.dequeued
     with pytest.raises(ValueError, match="get_next\\(\\) is obsolete"):
         infeed.get_next()
     assert ipu.ipu_infeed_queue.IPUInfeedQueue([]).number_of_tuple_elements == 0
@@ -512,3 +516,34 @@ def test_a_while_loops_infeed_takes_python_numbers_and_refuses_mixed_reads_clear
         with pytest.raises(Exception, match=r"shape=\(3,\).*it is left in the queue"):
             ipu.ipu_compiler.compile(one, [np.float32(0)])  # raised by the call itself
     assert [e.shape for e in shapes.peek(5)] == [(3,)]
+
+
+def test_queue_elements_as_ipu_tensorflow_gives_them():
+    # A list element is unpacked like a tuple; number_of_tuple_elements counts the body's
+    # arguments (not the arrays), and does not change as the queue empties.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        [[np.float32(i), (np.float32(1), np.float32(2))] for i in range(2)])
+    assert infeed.number_of_tuple_elements == 2
+    total = ipu.loops.repeat(2, lambda v, x, pair: v + x + pair[0] + pair[1], [0.0], infeed)
+    assert float(total) == (0 + 3) + (1 + 3)
+    assert infeed.number_of_tuple_elements == 2
+    with pytest.raises(ValueError, match="prefetch_depth must be an integer from 1 to 255"):
+        ipu.ipu_infeed_queue.IPUInfeedQueue([1], prefetch_depth=0)
+    ipu.ipu_outfeed_queue.IPUOutfeedQueue(buffer_depth=2)  # IPU TensorFlow's later argument
+    with pytest.raises(ValueError, match="buffer_depth must be an integer from 1 to 255"):
+        ipu.ipu_outfeed_queue.IPUOutfeedQueue(buffer_depth=256)
+
+
+def test_elements_of_another_shape_are_named_and_left_in_the_queue():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.ones(4, np.float32), np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match=r"elements differ in shape \(\(2,\), \(4,\)\).*"
+                                         r"partial"):
+        ipu.loops.repeat(2, lambda v, x: v + x.sum(), [0.0], infeed)
+    assert len(infeed.peek(3)) == 2
+
+
+def test_the_infeed_benchmark_times_the_queues_own_elements_in_order():
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(np.float32(i) for i in range(10))
+    assert infeed.number_of_tuple_elements == 1  # looks at element 0
+    ipu.dataset_benchmark.infeed_benchmark(infeed, 1, 3, print_stats=False)
+    assert [float(e) for e in infeed.take(4)] == [3, 4, 5, 6]  # before: 0, 4, 5, 6

@@ -47,6 +47,7 @@ def test_eager_work_outside_compilation_runs_on_the_host():
     lambda: ipu.scopes.partials_type(np.float16),
     lambda: ipu.scopes.partials_type("float32"),
     lambda: ipu.scopes.stochastic_rounding(True),
+    lambda: ipu.scopes.stochastic_rounding(np.bool_(False)),  # a NumPy configuration's
     lambda: ipu.scopes.frontend_attribute("PARTIALS_TYPE", "DT_HALF", restore_to="DT_FLOAT"),
     lambda: ipu.scopes.ipu_jit_scope("encoder"),
 ])
@@ -69,6 +70,8 @@ def test_option_scopes_leave_the_program_as_it_is(scope):
     (lambda: ipu.scopes.frontend_attribute("A", 1), TypeError, "attribute_value must be a string"),
     (lambda: ipu.scopes.ipu_jit_scope(1.5), TypeError, "a string or an int"),
     (lambda: ipu.scopes.outside_compilation_scope(None), TypeError, "a name string"),
+    (lambda: ipu.scopes.ipu_shard([0, 1]), TypeError, r"integer index of one IPU.*\[0, 1\]"),
+    (lambda: ipu.scopes.ipu_shard(1.5), TypeError, "integer index of one IPU"),
 ])
 def test_option_scopes_check_their_arguments(scope, error, message):
     with pytest.raises(error, match=message), scope():

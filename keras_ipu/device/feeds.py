@@ -120,7 +120,9 @@ def repeat(n: int, body: Callable, inputs: Any = None,
     """Runs `body` `n` times on the device, carrying `inputs` from one iteration to the next.
 
     Args:
-        n: The number of iterations, an integer of at least 1.
+        n: The number of iterations, an integer of at least 0 (0, as IPU
+            TensorFlow's loop of no iteration: the inputs, nothing taken or
+            outfed).
         body: `body(*carried, *element)` (a dict element by keyword) returning
             the new carried values, in the order of `inputs`; outfeed
             `enqueue` markers among them are dropped.
@@ -135,7 +137,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
-        ValueError: For `n` below 1 or not an integer, an infeed that runs
+        ValueError: For `n` below 0 or not an integer, an infeed that runs
             out (nothing is taken from it), an infeed read by a loop inside
             another loop's body, a body that returns another number of
             values than `inputs` has, or one that enqueues twice on an
@@ -154,6 +156,8 @@ def repeat(n: int, body: Callable, inputs: Any = None,
                          "elements. Read the infeed in the outer loop and pass the values "
                          "in.")
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
+    if n == 0:
+        return _unpacked(carried)
     feeds, taken, data = compiled_calls.infeed_inputs(), None, None
     if infeed_queue is not None and feeds is not None:  # inside `call_compiled`: its inputs
         data = feeds.take(infeed_queue, n)
@@ -163,7 +167,11 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             raise ValueError(compiled_calls.ran_out(len(infeed_queue.peek(n * replicas)), n,
                                                     replicas))
         taken = infeed_queue.take(n * replicas)
-        data = _own_elements(queues.stacked(taken), replicas)
+        try:
+            data = _own_elements(queues.stacked(taken), replicas)
+        except BaseException:  # elements of another shape: they stay in the queue
+            infeed_queue.put_back(taken)
+            raise
     layout: list = []  # (outfeed, whether its values are a nested loop's block), per record
 
     def scan(keys: tuple, initial: list) -> tuple[Any, list]:
@@ -198,7 +206,7 @@ def _called(body: Callable, carry: tuple, element: Any) -> Any:
         return body(*carry)
     if isinstance(element, dict):
         return body(*carry, **element)
-    return body(*carry, *(element if isinstance(element, tuple) else (element,)))
+    return body(*carry, *(element if isinstance(element, (tuple, list)) else (element,)))
 
 
 def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]:
@@ -263,8 +271,8 @@ def _iterations(n: Any) -> int:
         count = operator.index(n)
     except TypeError:
         count = None
-    if count is None or isinstance(n, bool) or count < 1:
-        raise ValueError(f"repeat needs n >= 1 iterations, a Python or NumPy integer, got {n!r}.")
+    if count is None or isinstance(n, bool) or count < 0:
+        raise ValueError(f"repeat needs n >= 0 iterations, a Python or NumPy integer, got {n!r}.")
     return count
 
 

@@ -265,15 +265,29 @@ def stacked(elements: list) -> Any:
     Returns:
         The structure with each array stacked, `[len(elements), ...]`.
 
+    Raises:
+        ValueError: When the elements' arrays differ in shape (a partial last
+            batch, say), naming the shapes.
+
     Example:
 
     >>> stacked([np.ones(3), np.zeros(3)]).shape
     (2, 3)
     """
-    data = jax.tree_util.tree_map(lambda *parts: np.stack(parts), *elements)
+    data = jax.tree_util.tree_map(_stacked_array, *elements)
     if synthetic_data():  # no host data reaches the device: it gets zeros
         return jax.tree_util.tree_map(np.zeros_like, data)
     return data
+
+
+def _stacked_array(*parts: Any) -> np.ndarray:
+    shapes = sorted({np.shape(part) for part in parts})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"The infeed's elements differ in shape ({', '.join(map(str, shapes))}): a loop's "
+            f"iterations take elements of one shape, as a program has static shapes. Is the "
+            f"last batch partial? Drop it (drop_remainder=True) or pad it.")
+    return np.stack(parts)
 
 
 class IPUInfeedQueue:
@@ -290,10 +304,12 @@ class IPUInfeedQueue:
             the replicas, iteration k of replica r getting element
             k × replicas + r).
         data_to_prefetch: Accepted for compatibility.
-        prefetch_depth: Accepted for compatibility.
+        prefetch_depth: Accepted for compatibility, checked as in IPU
+            TensorFlow: `None` or an integer from 1 to 255.
 
     Raises:
         TypeError: When `dataset` is not iterable.
+        ValueError: For a `prefetch_depth` outside 1 to 255.
 
     Example:
 
@@ -304,6 +320,7 @@ class IPUInfeedQueue:
     def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
                  replication_factor: int = 1, data_to_prefetch: int = 1,
                  prefetch_depth: int | None = None):
+        _check_depth("prefetch_depth", prefetch_depth)
         self._dataset = dataset
         try:
             self._elements = iter(dataset)
@@ -312,6 +329,7 @@ class IPUInfeedQueue:
                             f"{type(dataset).__name__}.") from None
         self._ahead: collections.deque = collections.deque()  # peeked, not yet taken
         self._dequeued = False
+        self._arguments: int | None = None  # of the first element seen
         _register_made(self)
 
     @property
@@ -362,15 +380,34 @@ class IPUInfeedQueue:
 
     @property
     def number_of_tuple_elements(self) -> int:
-        """The number of arrays in one element (the values each iteration receives).
+        """The values each iteration's body receives after the carried ones: a tuple's
+        or list's parts, a dict's entries, or 1 (0 before any element was seen).
 
         Example:
 
-        >>> IPUInfeedQueue([(np.ones(2), np.zeros(1))]).number_of_tuple_elements
+        >>> IPUInfeedQueue([(np.ones(2), (np.zeros(1), np.zeros(1)))]).number_of_tuple_elements
         2
         """
-        first = self.peek(1)
-        return len(jax.tree_util.tree_leaves(first[0])) if first else 0
+        if self._arguments is None:
+            first = self.peek(1)
+            if not first:
+                return 0
+            element = first[0]
+            self._arguments = len(element) if isinstance(element, (tuple, list, dict)) else 1
+        return self._arguments
+
+    def elements(self) -> Iterator[Any]:
+        """The queue's elements in order, each taken as it is reached (those looked at first).
+
+        Example:
+
+        >>> next(IPUInfeedQueue([1, 2]).elements())
+        1
+        """
+        while True:
+            if not self.peek(1):
+                return
+            yield self.take(1)[0]
 
     def get_next(self) -> Any:
         """Obsolete, as in IPU TensorFlow: loops take the queue's elements themselves.
@@ -444,6 +481,15 @@ class IPUInfeedQueue:
         self._ahead.extendleft(reversed(elements))
 
 
+def _check_depth(name: str, depth: Any) -> None:
+    """A queue's buffer depth: `None` or an integer from 1 to 255, as IPU TensorFlow takes it."""
+    if depth is None:
+        return
+    if (isinstance(depth, bool) or not isinstance(depth, (int, np.integer))
+            or not 0 < depth < 256):
+        raise ValueError(f"{name} must be an integer from 1 to 255, got {depth!r}.")
+
+
 class IPUOutfeedMode(enum.Enum):
     """What an outfeed's `dequeue` returns: every enqueued element, or the last.
 
@@ -469,6 +515,9 @@ class IPUOutfeedQueue:
             it is set from the program (a replicated one's values have a
             replica axis second).
         io_batch_size: Accepted for compatibility.
+        buffer_depth: Accepted for compatibility (IPU TensorFlow's later
+            releases), checked: an integer from 1 to 255.
+        optimise_latency: Accepted for compatibility.
 
     Raises:
         ValueError: For an `outfeed_mode` that is not an `IPUOutfeedMode`
@@ -487,7 +536,8 @@ class IPUOutfeedQueue:
 
     def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
                  device_ordinal: int = 0, replication_factor: int | None = None,
-                 io_batch_size: int = 1):
+                 io_batch_size: int = 1, buffer_depth: int = 3, optimise_latency: bool = False):
+        _check_depth("buffer_depth", buffer_depth)
         self.outfeed_mode = _outfeed_mode(outfeed_mode)
         self._received: list = []
 

@@ -101,6 +101,8 @@ def ipu_shard(index: int) -> Iterator[None]:
         index: The IPU of the device (its shard).
 
     Raises:
+        TypeError: When `index` is not an integer (one shard: a list of
+            shards has no meaning here).
         ValueError: When the device has no IPU `index`.
 
     Example:
@@ -108,6 +110,9 @@ def ipu_shard(index: int) -> Iterator[None]:
     >>> with ipu_scope("/device:IPU:0"), ipu_shard(1):
     ...     result = compile(stage, inputs=[x])
     """
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        raise TypeError(f"ipu_shard takes the integer index of one IPU of the device, got "
+                        f"{index!r}.")
     device = (_SCOPE.get() or ("/device:IPU:0", 0))[0]
     ipus = system.require().ipus_of_device(device)
     if not 0 <= index < len(ipus):
@@ -210,14 +215,14 @@ def stochastic_rounding(override: bool) -> Iterator[None]:
         override: Whether to round stochastically.
 
     Raises:
-        TypeError: When `override` is not a bool.
+        TypeError: When `override` is not a bool (Python's or NumPy's).
 
     Example:
 
     >>> with stochastic_rounding(False):
     ...     y = compile(net, inputs=[x])
     """
-    if not isinstance(override, bool):
+    if not isinstance(override, (bool, np.bool_)):
         raise TypeError(f"stochastic_rounding takes a bool, got {override!r}.")
     yield
 
