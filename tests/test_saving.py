@@ -333,3 +333,44 @@ def test_save_and_save_weights_take_keras_positional_arguments(strategy, tmp_pat
     plain.load_weights(tmp_path / "m.weights.h5")
     assert_weights_close(model.get_weights(), plain.get_weights(), atol=0)
     assert sorted(os.listdir(tmp_path)) == ["m.keras", "m.weights.h5"]
+
+
+@pytest.mark.parametrize("save, name", [
+    ("save_weights", "weights.h5"), ("save_weights", "model.keras"),  # not `.weights.h5`
+    ("save", "missing/folder/model.keras"), ("save_weights", "missing/m.weights.h5"),
+])
+def test_a_bad_path_gets_plain_keras_error(save, name, strategy, tmp_path):
+    # Before: the error named a temporary file, and a missing folder was made.
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    errors = []
+    for each in (plain, model):
+        with pytest.raises((ValueError, OSError)) as raised:
+            getattr(each, save)(str(tmp_path / name))
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[1] == errors[0]
+    assert not (tmp_path / "missing").exists()
+
+
+def test_an_ipu_model_unpickled_in_a_fresh_process_is_an_ipu_model(strategy, tmp_path,
+                                                                      fork_server):
+    import pickle
+
+    from conftest import fresh_process_env
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=4)
+    (tmp_path / "model.pickle").write_bytes(pickle.dumps(model))
+    # Before: a plain Keras model, the options lost (the hooks are installed by a strategy).
+    script = (
+        "import pickle, keras_ipu as ipu\n"
+        "config = ipu.config.IPUConfig(); config.auto_select_ipus = 1\n"
+        "config.configure_ipu_system()\n"
+        "model = pickle.loads(open('model.pickle', 'rb').read())\n"
+        "assert isinstance(model, ipu.keras.extensions.ExtensionBase), type(model)\n"
+        "options = ipu.keras.options.options_of(model)\n"
+        "assert options.gradient_accumulation_steps == 4, options\n")
+    status, _, stderr = fork_server.run(["-c", script], tmp_path, fresh_process_env(), 300)
+    assert status == 0, stderr[-3000:]

@@ -455,7 +455,9 @@ class ExtensionBase:
 
 
 def _unpickle_model(buffer: Any, strategy: Any) -> Model:
-    """Loads a pickled IPU model back inside its strategy's scope."""
+    """Loads a pickled IPU model back inside its strategy's scope (in another process too:
+    the hooks that make models IPU models are installed first)."""
+    install()
     scope = context.strategy_scope(strategy) if strategy is not None else contextlib.nullcontext()
     with scope:
         return keras_model_module.Model._unpickle_model(buffer)

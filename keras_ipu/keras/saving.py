@@ -69,7 +69,8 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
             return None
     path = os.path.realpath(path)  # a link stays a link: its target is replaced
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
+    if not os.path.isdir(folder):
+        return write(filepath)  # Keras' own error, naming the path it was given
     temporary = _new_file(folder, f".{os.path.basename(path)}.", suffix)
     try:
         try:
@@ -268,9 +269,11 @@ def _saved_whole(save, model, filepath, overwrite=True, zipped=None, **kwargs):
 
 
 def _weights_saved_whole(save_weights, model, filepath, overwrite=True, max_shard_size=None):
-    # Sharded weights: their files as Keras writes them.
+    # Sharded weights: their files as Keras writes them; another name than Keras takes for
+    # weights: its error, naming it.
+    whole = max_shard_size is None and str(filepath).endswith(".weights.h5")
     return _written(lambda path, overwrite: save_weights(model, path, overwrite, max_shard_size),
-                    filepath, overwrite, whole=max_shard_size is None)
+                    filepath, overwrite, whole=whole)
 
 
 def _written(save: Callable[[Any, bool], Any], filepath: Any, overwrite: bool,

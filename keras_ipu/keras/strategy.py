@@ -66,6 +66,11 @@ class IPUStrategy:
         """1: replication happens inside the compiled program, as on IPUs."""
         return 1
 
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled (in another process, say), `__init__` does not run: the hooks must.
+        self.__dict__.update(state)
+        extensions.install()
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[IPUStrategy]:
         """A context in which created Keras models run on the IPU system."""
