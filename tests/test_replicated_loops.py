@@ -386,3 +386,22 @@ def test_replicas_of_a_computation_draw_their_own_random_numbers(api):
     np.testing.assert_array_equal(two_state, one_state)  # the generator goes on as replica 0's
     identical, _ = _draws(api, 2, identical=True)
     np.testing.assert_array_equal(identical[:, 1], identical[:, 0])
+
+
+def test_a_deleted_model_a_computation_closed_over_is_freed():
+    # The shards a function uses were remembered in a table of the system's that kept the
+    # last 64 functions, and the models their closures hold, alive.
+    import gc
+    import weakref
+
+    import keras
+
+    configure(2)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    strategy.run(lambda x: model(x), args=(np.ones((2, 4), np.float32),))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

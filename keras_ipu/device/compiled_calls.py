@@ -169,7 +169,7 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
         key, program = None, None
     if program is None:
         program = _Program(fn, outputs, treedef, fixed, ipus, shard,
-                           _ShardMemo(system.require().shard_counts, (fn, ipus, shard)),
+                           _ShardMemo(fn, (ipus, shard)),
                            name=name)
     if key is not None:
         programs[key] = program  # most recently used last
@@ -405,24 +405,31 @@ class _FeedProbe(_FeedReads):
 
 
 class _ShardMemo:
-    """Where the shards a function's computation uses are remembered (a bounded dict entry)."""
+    """The shards a function's computation uses, remembered on the user's function itself.
 
-    def __init__(self, counts: dict, key: Any):
-        self.counts, self.key = counts, key
+    A program that is not kept (its trace captured arrays) learns them once,
+    not at every call. Kept on the function, the memo lives and dies with it:
+    a table of functions would keep every function it saw alive, and with it
+    the models their closures hold. A function that takes no attributes (a
+    bound method) is probed at each call.
+    """
+
+    _ATTRIBUTE = "_keras_ipu_shard_counts"
+
+    def __init__(self, fn: Callable, key: Any):
+        while hasattr(fn, "__wrapped__"):  # the user's function, not a wrapper made per call
+            fn = fn.__wrapped__
+        self.owner, self.key = fn, key
 
     def get(self) -> int | None:
-        try:
-            return self.counts.get(self.key)
-        except TypeError:  # an unhashable function: found again at each call
-            return None
+        memo = getattr(self.owner, "__dict__", {}).get(self._ATTRIBUTE)
+        return None if memo is None else memo.get(self.key)
 
     def put(self, shards: int) -> None:
         try:
-            self.counts[self.key] = shards
-        except TypeError:
+            self.owner.__dict__.setdefault(self._ATTRIBUTE, {})[self.key] = shards
+        except (AttributeError, TypeError):
             return
-        while len(self.counts) > _PROGRAMS_KEPT:
-            self.counts.pop(next(iter(self.counts)))
 
 
 class _Program:

@@ -57,8 +57,6 @@ class IPUSystem:
         options: Runtime options from the configuration (read-only).
         programs: Compiled graph-style programs (`compile`, `strategy.run`),
             most recently used last.
-        shard_counts: The shards each graph-style function was found to use,
-            for the functions whose programs are not kept.
 
     Example:
 
@@ -77,9 +75,6 @@ class IPUSystem:
     # The graph-style programs compiled for this system (`compiled_calls.call_compiled`),
     # kept so that calling one again does not retrace; a new configuration starts afresh.
     programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    # Per (function, IPUs, shard), the shards its computation uses: a program that is not
-    # kept (its trace captured arrays) learns them once, not at every call.
-    shard_counts: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # The host ends of the host embeddings registered with this system, by name
     # (`keras_ipu.ops.host_embedding`), as IPU TensorFlow registers them with its session.
     host_embeddings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
