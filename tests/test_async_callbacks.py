@@ -375,3 +375,25 @@ def test_hooks_reading_a_pipelined_model_while_it_trains_read_whole_weights(form
         if asynchronous:  # while the first execution runs: the weights it started from
             assert_weights_close(initial, reader.read[0], atol=0)
     assert_weights_close(weights[False], weights[True], atol=0)
+
+
+def test_a_cancelled_callback_thread_calls_no_more_hooks():
+    # A run stopped by an error or a Ctrl-C: the steps still queued reach no hook.
+    from keras_ipu.keras.options import ReplicatedMetricReductionMethod
+    from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery
+
+    called, first = [], threading.Event()
+
+    def on_end(index, logs):
+        called.append(index)
+        first.set()
+        time.sleep(0.05)
+
+    delivery = StepDelivery("fit", 1, None, ReplicatedMetricReductionMethod.NONE,
+                            lambda index: None, on_end)
+    hooks = CallbackThread(delivery, lambda: None)
+    hooks.submit(0, [[{"loss": np.arange(100, dtype=np.float32)}]])  # 100 steps
+    assert first.wait(10)
+    hooks.cancel()
+    hooks.close()
+    assert 1 <= len(called) < 10

@@ -398,10 +398,13 @@ def test_a_deleted_model_a_computation_closed_over_is_freed():
 
     configure(2)
     strategy = ipu.ipu_strategy.IPUStrategy()
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    strategy.run(lambda x: model(x), args=(np.ones((2, 4), np.float32),))
-    alive = weakref.ref(model)
-    del model
+
+    def run_with_a_new_model():
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        strategy.run(lambda x: model(x), args=(np.ones((2, 4), np.float32),))
+        return weakref.ref(model)
+
+    alive = run_with_a_new_model()
     gc.collect()
     assert alive() is None

@@ -69,8 +69,9 @@ class StepDelivery:
         self._on_begin = on_begin
         self._on_end = on_end
 
-    def deliver(self, begin: int, chunks: Iterable[list[Any]]) -> None:
-        """Calls the hooks for each batch of `chunks`, from index `begin`.
+    def deliver(self, begin: int, chunks: Iterable[list[Any]],
+                stopped: Callable[[], bool] = lambda: False) -> None:
+        """Calls the hooks for each batch of `chunks`, from index `begin`, until `stopped()`.
 
         Each chunk is its replicas' outputs of some consecutive program steps
         (leading axis: the steps).
@@ -80,6 +81,8 @@ class StepDelivery:
             per_batch = self._per_batch_logs(per_replica)
             for logs_of_replicas in zip(*per_batch):
                 for logs in logs_of_replicas:
+                    if stopped():
+                        return
                     self._on_begin(index)
                     self._on_end(index, logs)
                 index += 1
@@ -154,6 +157,7 @@ class CallbackThread:
         self._jobs: queue.Queue = queue.Queue()
         self._done = threading.Semaphore(0)
         self._error: BaseException | None = None
+        self._cancelled = threading.Event()  # the run failed: no more hooks
         self._thread = threading.Thread(target=self._work, name="keras_ipu-callbacks",
                                         daemon=True)
         try:
@@ -183,16 +187,21 @@ class CallbackThread:
         while (job := self._jobs.get()) is not None:
             begin, chunks = job
             try:
-                if self._error is None:
-                    self._delivery.deliver(begin, chunks)
+                if self._error is None and not self._cancelled.is_set():
+                    self._delivery.deliver(begin, chunks, self._cancelled.is_set)
             except BaseException as error:  # handed to the run's thread
                 self._on_error()
                 self._error = error
             finally:
                 self._done.release()
 
+    def cancel(self) -> None:
+        """Calls no more hooks (the one running ends): the run stopped with an error, or
+        a Ctrl-C, which must not wait for the steps still streamed to be delivered."""
+        self._cancelled.set()
+
     def close(self) -> None:
-        """Ends the thread (after the submitted work)."""
+        """Ends the thread (after the submitted work, unless cancelled)."""
         self._jobs.put(None)
         self._thread.join()
 

@@ -412,6 +412,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
             else:  # every execution taken: the pass ends (not after a stop or an error)
                 feed.end_pass()
     except BaseException:
+        if hooks is not None:
+            hooks.cancel()  # a Ctrl-C (or an error) delivers no more steps
         if stream is not None:
             # Whatever stopped the run, the device must not wait for a reader.
             stream.mute()
