@@ -340,3 +340,41 @@ def test_a_ctrl_c_while_a_thread_starts_leaves_no_thread(monkeypatch):
     while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(threading.enumerate()) - before == set()
+
+
+def test_a_ctrl_c_stops_the_reading_of_a_slow_data_source_at_its_batch():
+    # Before: the input thread read the rest of the execution's batches after a Ctrl-C
+    # (a slow source delayed it by all of them), went on after fit returned, and the next
+    # fit on the same generator raised "generator already executing".
+    import os
+    import signal
+    import threading
+
+    configure(1)
+    x, y = data_for("sequential", samples=8 * BATCH)
+    reads, release = [], threading.Event()
+
+    def batches():
+        for index in range(10**6):
+            reads.append(index)
+            if index == 2 * SPE + 1:  # inside the third execution's batches: slow
+                os.kill(os.getpid(), signal.SIGINT)
+                release.wait(10)
+            start = (index % 8) * BATCH
+            yield x[start:start + BATCH], y[start:start + BATCH]
+
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
+    source = batches()
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(source, steps_per_epoch=8 * SPE, epochs=1, verbose=0)
+    finally:
+        release.set()
+        timer.cancel()
+    assert reads[-1] == 2 * SPE + 1  # the batch being read when the Ctrl-C came, no more
+    history = model.fit(source, steps_per_epoch=SPE, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])

@@ -38,6 +38,8 @@ class Infeed:
             run's setup): its first item is ready without a thread to start
             or hand the GIL over to, before that work or the first
             execution's dispatch. Ignored with `threaded=False`.
+        stop: The event `close` sets (the source may ask it between the
+            parts of an item); a new one by default.
 
     An exception raised by `source` or `place` is re-raised to the consumer
     at the item where it happened.
@@ -56,9 +58,10 @@ class Infeed:
         depth: int = 2,
         threaded: bool = True,
         first_inline: bool = False,
+        stop: threading.Event | None = None,
     ):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self._inline = None if threaded else map(place, source)
         self._first: tuple[bool, Any] | None = None
         self._start_later = False

@@ -333,8 +333,9 @@ class ArrayFeed:
         """One batch (host arrays), for building the model."""
         return jax.tree_util.tree_map(lambda a: a[: self.batch_size], self._data)
 
-    def executions(self) -> Iterator[Execution]:
-        """One epoch's executions: `[steps, (replicas,) batch, ...]` each."""
+    def executions(self, stopped: Callable[[], bool] = lambda: False) -> Iterator[Execution]:
+        """One epoch's executions: `[steps, (replicas,) batch, ...]` each (`stopped`: as
+        `AdapterFeed.executions`; slicing arrays, it is not asked)."""
         plan, batch = self.plan, self.batch_size
         shape = _execution_shape(plan)
         for begin in range(0, plan.steps, plan.steps_per_execution):
@@ -478,15 +479,24 @@ class AdapterFeed:
                 f"the remainder in the PyDataset's `__getitem__`."
             )
 
-    def executions(self) -> Iterator[Execution]:
-        """One epoch's executions; stops early, with a warning, if data runs out."""
+    def executions(self, stopped: Callable[[], bool] = lambda: False) -> Iterator[Execution]:
+        """One epoch's executions; stops early, with a warning, if data runs out.
+
+        Args:
+            stopped: Asked before each batch is read: once it is true (the
+                run was interrupted), no more batch is read from the source.
+        """
         plan = self.plan
         shape = _execution_shape(plan)
         self._started = True
         self._begin_pass()
         for begin in range(0, plan.steps, plan.steps_per_execution):
             try:
-                batches = [self._next_batch() for _ in range(plan.batches_per_execution)]
+                batches = []
+                for _ in range(plan.batches_per_execution):
+                    if stopped():
+                        return
+                    batches.append(self._next_batch())
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True

@@ -18,6 +18,7 @@ for, and resident data is only copied to the device ahead.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -67,8 +68,10 @@ def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
     # the copy of the next execution overlaps the device's work on this one.
     threaded = feed.prefetch_in_thread or (
         place is not _already_placed and run.program.device.platform != "cpu")
-    return Infeed(feed.executions(), place=place, depth=depth, threaded=threaded,
-                  first_inline=ahead)
+    # The thread reads no more batches once the infeed closes (a Ctrl-C, say).
+    stop = threading.Event()
+    return Infeed(feed.executions(stop.is_set), place=place, depth=depth, threaded=threaded,
+                  first_inline=ahead, stop=stop)
 
 
 def open_ahead(model: Any, run: Run, feed: Any) -> Infeed | None:
