@@ -547,3 +547,8 @@ def test_the_infeed_benchmark_times_the_queues_own_elements_in_order():
     assert infeed.number_of_tuple_elements == 1  # looks at element 0
     ipu.dataset_benchmark.infeed_benchmark(infeed, 1, 3, print_stats=False)
     assert [float(e) for e in infeed.take(4)] == [3, 4, 5, 6]  # before: 0, 4, 5, 6
+    # A source with new passes (a list) is timed anew, the queue left as it was.
+    listed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(10)])
+    listed.put_back(listed.take(2))
+    ipu.dataset_benchmark.infeed_benchmark(listed, 1, 6, print_stats=False)
+    assert [float(e) for e in listed.peek(20)] == list(range(10))

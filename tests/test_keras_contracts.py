@@ -604,3 +604,15 @@ def test_a_loss_computed_in_a_scope_reads_weights_through_its_get_current_value(
     with Watching(state_mapping=[(kernel, np.full((2, 1), 3.0, "float32"))]):
         loss = model._compute_loss(x=None, y=None, y_pred=None, training=True)
     assert float(loss) == 6.0 and kernel.path in seen
+
+
+def test_a_stateless_scope_knows_the_scope_it_was_entered_in_and_variables_their_value():
+    # keras/assignments.py: a seed state first read in a computation is masked from its
+    # own value: the enclosing scope's (`original_scope`), else the variable's `_value`
+    # (`variable.value` would ask the scope again).
+    variable = keras.Variable(np.ones((2,), "uint32"))
+    with keras.StatelessScope(state_mapping=[(variable, np.zeros((2,), "uint32"))]) as outer:
+        with keras.StatelessScope() as inner:
+            assert inner.original_scope is outer
+            np.testing.assert_array_equal(outer.get_current_value(variable), [0, 0])
+    np.testing.assert_array_equal(np.asarray(variable._value), [1, 1])

@@ -408,3 +408,32 @@ def test_a_deleted_model_a_computation_closed_over_is_freed():
     alive = run_with_a_new_model()
     gc.collect()
     assert alive() is None
+
+
+def test_wrappers_of_one_function_and_methods_of_two_objects_count_their_own_shards():
+    # A computation closing over an array is traced at each call, its shards remembered
+    # per function: two wrappers of one function, or one method of two objects, are two.
+    import functools
+
+    configure(2)
+    weights = jnp.ones(3)
+
+    def summed(x, shard):
+        if shard is None:
+            return cross_replica_ops.cross_replica_sum(x * weights)
+        with ipu.scopes.ipu_shard(shard):
+            return cross_replica_ops.cross_replica_sum(x * weights)
+
+    class Summing:
+        def __init__(self, shard):
+            self.shard = shard
+
+        def run(self, x):
+            return summed(x, self.shard)
+
+    on_two_shards = functools.wraps(summed)(lambda x: summed(x, 1))
+    on_one_shard = functools.wraps(summed)(lambda x: summed(x, None))
+    strategy, ones = ipu.ipu_strategy.IPUStrategy(), np.ones(3, np.float32)
+    for sharded, unsharded in ((on_two_shards, on_one_shard), (Summing(1).run, Summing(None).run)):
+        np.testing.assert_array_equal(strategy.run(sharded, args=(ones,)), [1, 1, 1])  # 1 replica
+        np.testing.assert_array_equal(strategy.run(unsharded, args=(ones,)), [2, 2, 2])  # 2

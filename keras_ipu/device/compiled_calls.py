@@ -169,7 +169,8 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
         key, program = None, None
     if program is None:
         program = _Program(fn, outputs, treedef, fixed, ipus, shard,
-                           _ShardMemo(fn, (ipus, shard)),
+                           _ShardMemo(system.require().shard_counts,
+                                      getattr(fn, "computation", fn), (ipus, shard)),
                            name=name)
     if key is not None:
         programs[key] = program  # most recently used last
@@ -405,30 +406,32 @@ class _FeedProbe(_FeedReads):
 
 
 class _ShardMemo:
-    """The shards a function's computation uses, remembered on the user's function itself.
+    """The shards a computation uses, remembered while the computation lives.
 
     A program that is not kept (its trace captured arrays) learns them once,
-    not at every call. Kept on the function, the memo lives and dies with it:
-    a table of functions would keep every function it saw alive, and with it
-    the models their closures hold. A function that takes no attributes (a
-    bound method) is probed at each call.
+    not at every call. The system's table holds its functions weakly: it
+    keeps neither them nor the models their closures hold alive. A callable
+    made anew at each use (a bound method) is probed at each call.
+
+    Args:
+        counts: The system's table (`IPUSystem.shard_counts`).
+        computation: The user's function (a wrapper's `computation`).
+        key: The device's IPUs and the shard of the call.
     """
 
-    _ATTRIBUTE = "_keras_ipu_shard_counts"
-
-    def __init__(self, fn: Callable, key: Any):
-        while hasattr(fn, "__wrapped__"):  # the user's function, not a wrapper made per call
-            fn = fn.__wrapped__
-        self.owner, self.key = fn, key
+    def __init__(self, counts: Any, computation: Callable, key: Any):
+        self.counts, self.computation, self.key = counts, computation, key
 
     def get(self) -> int | None:
-        memo = getattr(self.owner, "__dict__", {}).get(self._ATTRIBUTE)
-        return None if memo is None else memo.get(self.key)
+        try:
+            return self.counts.get(self.computation, {}).get(self.key)
+        except TypeError:  # not weakly referable
+            return None
 
     def put(self, shards: int) -> None:
         try:
-            self.owner.__dict__.setdefault(self._ATTRIBUTE, {})[self.key] = shards
-        except (AttributeError, TypeError):
+            self.counts.setdefault(self.computation, {})[self.key] = shards
+        except TypeError:
             return
 
 

@@ -399,6 +399,9 @@ class IPUInfeedQueue:
     def elements(self) -> Iterator[Any]:
         """The queue's elements in order, each taken as it is reached (those looked at first).
 
+        Returns:
+            An iterator over them; it ends where the queue does.
+
         Example:
 
         >>> next(IPUInfeedQueue([1, 2]).elements())

@@ -96,7 +96,12 @@ class Replicas:
         return self.grid.psum(tree, REPLICA_AXIS)
 
     def max(self, tree: Any) -> Any:
-        """The maximum over replicas (inside a replicated step); identity for one."""
+        """The maximum over replicas (inside a replicated step); identity for one.
+
+        Example:
+
+        >>> scales = replicas.max(scales)   # float8 scales, combined as Keras combines them
+        """
         if self.count == 1:
             return tree
         return self.grid.pmax(tree, REPLICA_AXIS)

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import types
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ class IPUSystem:
         options: Runtime options from the configuration (read-only).
         programs: Compiled graph-style programs (`compile`, `strategy.run`),
             most recently used last.
+        shard_counts: The shards each graph-style function was found to use
+            (its functions held weakly).
 
     Example:
 
@@ -75,6 +78,10 @@ class IPUSystem:
     # The graph-style programs compiled for this system (`compiled_calls.call_compiled`),
     # kept so that calling one again does not retrace; a new configuration starts afresh.
     programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # Per graph-style function (held weakly: not kept alive), per (IPUs, shard), the shards
+    # its computation uses: a program that is not kept learns them once, not at each call.
+    shard_counts: weakref.WeakKeyDictionary = dataclasses.field(
+        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
     # The host ends of the host embeddings registered with this system, by name
     # (`keras_ipu.ops.host_embedding`), as IPU TensorFlow registers them with its session.
     host_embeddings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)

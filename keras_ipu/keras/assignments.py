@@ -135,6 +135,7 @@ class _KeepingAssignments:
 
     def __init__(self, fn: Callable, outputs: Callable):
         self.__wrapped__ = compiled_calls.unwrapped(fn)
+        self.computation = self.__wrapped__  # what the shards it uses are remembered for
         self.outputs = outputs
         self.stateful = tuple(value for value in compiled_calls.referenced_values(fn)
                               if isinstance(value, _STATEFUL))

@@ -78,19 +78,22 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     return run
 
 
-def check_unchanged(model, mode: str, structure: tuple) -> None:
-    """Refuses a run whose model's variables are no longer `structure` (`state_structure`).
+def check_unchanged(model, mode: str) -> None:
+    """Refuses to go on with the model's run for `mode` once its variables are no longer
+    those it was prepared for (a callback froze or unfroze a layer).
 
     Raises:
         ValueError: `replication.VARIABLES_CHANGED`.
+
+    Example:
+
+    >>> check_unchanged(model, "fit")   # in fit's loop, after the callbacks ran
     """
-    if _state_structure(model, STATE_PARTS[mode]) != structure:
+    entry = run_module.entry(model, mode)
+    # `cached_run`'s key: ((the program's key, the state structure), the flags).
+    prepared = None if entry is None else entry[0][0][1]
+    if prepared is not None and _state_structure(model, STATE_PARTS[mode]) != prepared:
         raise ValueError(VARIABLES_CHANGED)
-
-
-def state_structure(model, mode: str) -> tuple:
-    """The variables of the model's state in `mode` (for `check_unchanged`)."""
-    return _state_structure(model, STATE_PARTS[mode])
 
 
 def _state_structure(model, parts) -> tuple:

@@ -59,7 +59,8 @@ def resumed_state(codec: Any, parts: tuple[str, ...], keras_state: Any, previous
         return state
     synced = codec.to_keras(previous)["metrics_variables"]
     now = keras_state[parts.index("metrics_variables")]
-    if all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(synced, now)):
+    if all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+           for a, b in zip(synced, now)):
         return codec.with_metrics_of(state, previous)
     return state
 

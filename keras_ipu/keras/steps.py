@@ -245,7 +245,13 @@ def seed_state_indices(variables: Any) -> list[int]:
 
 
 def is_seed_state(variable: Any) -> bool:
-    """Whether `variable` is a Keras seed generator's `[seed, counter]` state."""
+    """Whether `variable` is a Keras seed generator's `[seed, counter]` state.
+
+    Example:
+
+    >>> is_seed_state(keras.random.SeedGenerator(1).state)
+    True
+    """
     return variable.name == _SEED_STATE_NAME and tuple(variable.shape) == (2,)
 
 

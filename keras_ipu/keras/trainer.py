@@ -140,12 +140,11 @@ def fit(
     training_finished = False
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
     initial_epoch = model._initial_epoch or initial_epoch
-    structure = programs.state_structure(model, "fit")
     try:
         for epoch in range(initial_epoch, epochs):
             metric_reset.reset_metrics(model)
             callbacks.on_epoch_begin(epoch)
-            programs.check_unchanged(model, "fit", structure)  # a callback froze a layer?
+            programs.check_unchanged(model, "fit")  # a callback froze a layer?
             logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead)
             ahead = None  # closed by the epoch
             model.jax_state_sync()
@@ -357,7 +356,6 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     logs: Any = {}
     state = None  # the device's, from the first execution on
-    structure = programs.state_structure(model, mode)
     model._jax_state_synced = True
     try:
         if infeed is None:
@@ -370,7 +368,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     # First execution, or a callback synced the variables (and froze a
                     # layer? checked before the purge). A Ctrl-C between the purge and
                     # the keeping would lose the weights.
-                    programs.check_unchanged(model, mode, structure)
+                    if state is not None:
+                        programs.check_unchanged(model, mode)
                     with interrupts.deferred():
                         state = replication.resumed_state(codec, parts, model._get_jax_state(
                             **dict.fromkeys(parts, True), purge_model_variables=True), state)

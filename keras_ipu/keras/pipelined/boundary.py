@@ -149,6 +149,10 @@ def check_batched(shape: tuple, batch: int, tensor, stage: int) -> None:
 
     Raises:
         ValueError: Naming the tensor, its shape and the batch.
+
+    Example:
+
+    >>> check_batched((4, 8), 4, tensor, stage=0)   # fine: the batch comes first
     """
     if not len(shape) or shape[0] != batch:
         name = getattr(tensor, "name", None) or "a tensor"

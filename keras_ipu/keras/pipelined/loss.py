@@ -34,6 +34,10 @@ def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool,
 
     Raises:
         ValueError: When the loss reads a weight of another stage.
+
+    Example:
+
+    >>> loss, metrics = stage_loss(model, metrics, batch, y_pred, extra, True, {3: kernel})
     """
     x, y, sample_weight = batch
     trainable = model.trainable_variables
