@@ -290,7 +290,9 @@ def _trace(model: Any, specs: Any) -> Graph:
     parameter = _training_parameter(model.call)
     required = parameter is not None and parameter.default is inspect.Parameter.empty
     graph, staged = _traced(model, specs, {"training": False} if required else {})
-    if parameter is None:
+    if parameter is None or not staged:
+        # Only a model that enters stage scopes is pipelined by its trace; another's
+        # layers are not built by a training trace plain Keras would not make.
         return graph
     try:
         training_graph, _ = _traced(model, specs, {"training": True})
