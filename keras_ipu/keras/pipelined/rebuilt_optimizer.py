@@ -17,8 +17,6 @@ makes one when it loads a model. Plain Keras never needs that round trip, so
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -46,8 +44,7 @@ def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
     >>> copy.build(variables)
     """
     chain = _nested(optimizer)
-    with _learning_rates_hidden(chain):
-        config = optimizer.get_config()
+    config = _config_without_learning_rates(chain)
     if without_global_clipnorm:
         config = _without_global_clipnorm(config)
     # The classes of the chain, registered or not (a LossScaleOptimizer looks its
@@ -71,23 +68,28 @@ def _nested(optimizer: Any) -> list:
     return chain
 
 
-@contextlib.contextmanager
-def _learning_rates_hidden(chain: list) -> Iterator[None]:
-    """Schedules and callables hidden from `get_config`, which would serialize them.
+def _config_without_learning_rates(chain: list) -> dict:
+    """The first optimizer's config, its (and its inner ones') schedules and callables left
+    out: `get_config` would serialize them (a custom schedule may not serialize).
 
-    Keras' `get_config` writes `0.5` for a learning rate it does not know;
-    `rebuilt` then gives the copy the original one.
+    Asked of shallow copies whose learning rate is `None` (Keras then writes `0.5`;
+    `rebuilt` gives the copy the original one), so that the optimizer itself, which
+    another thread may be reading, never changes.
     """
-    hidden = [each for each in chain if _owns_learning_rate(each)
-              and not isinstance(each._learning_rate, keras.Variable)]
-    kept = [each._learning_rate for each in hidden]
-    try:
-        for each in hidden:
-            each._learning_rate = None
-        yield
-    finally:
-        for each, learning_rate in zip(hidden, kept):
-            each._learning_rate = learning_rate
+    copies = [_shallow_copy(each) for each in chain]
+    for outer, inner in zip(copies, copies[1:]):
+        object.__setattr__(outer, "inner_optimizer", inner)
+    for each in copies:
+        if _owns_learning_rate(each) and not isinstance(each._learning_rate, keras.Variable):
+            object.__setattr__(each, "_learning_rate", None)
+    return copies[0].get_config()
+
+
+def _shallow_copy(optimizer: Any) -> Any:
+    # Not `copy.copy`: Keras objects copy (and pickle) through their config.
+    made = object.__new__(type(optimizer))
+    made.__dict__.update(optimizer.__dict__)
+    return made
 
 
 def _owns_learning_rate(optimizer: Any) -> bool:
@@ -109,11 +111,11 @@ def _without_global_clipnorm(config: dict) -> dict:
 
 def _carry_settings(chain: list, copies: list, changed: set) -> None:
     """Gives each copy its original's settings where they differ (but those `changed`)."""
-    for original, copy in zip(chain, copies):
-        ours, theirs = vars(original), vars(copy)
+    for original, made in zip(chain, copies):
+        ours, theirs = vars(original), vars(made)
         for name in ours.keys() & theirs.keys() - _BUILD_STATE - changed:
             if _is_setting(ours[name]) and not _same(ours[name], theirs[name]):
-                setattr(copy, name, ours[name])
+                setattr(made, name, ours[name])
 
 
 def _is_setting(value: Any) -> bool:
