@@ -315,20 +315,23 @@ def test_too_few_micro_batches_names_the_minimum(strategy):
         model.predict(x, batch_size=4, verbose=0)
 
 
+def _staged_mlp_and_twin(strategy, optimizer):
+    """A 2-stage MLP pipeline (GA 4) and its plain twin (the same weights), with data."""
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = _mlp()
+    plain = _plain_twin(model, x)
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], steps_per_execution=GA)
+    return model, plain, x, y
+
+
 def test_data_shorter_than_the_schedules_minimum_still_predicts_and_evaluates(strategy):
     # One batch cuts steps_per_execution to 1, below the Grouped schedule's 2 for 2
     # stages: inference runs it (before: the minimum's error, also for a fit's validation).
-    configure(2)
-    x, y = data_for("sequential", samples=32)
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = _mlp()
-    plain = keras.Sequential.from_config(model.get_config())
-    plain.set_weights(model.get_weights())
-    model.set_pipeline_stage_assignment([0, 0, 1, 1])
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=GA)
-    plain.compile(optimizer="sgd", loss="mse")
+    model, plain, x, y = _staged_mlp_and_twin(strategy, keras.optimizers.SGD(0.05))
     np.testing.assert_allclose(model.predict(x[:MICRO], batch_size=MICRO, verbose=0),
                                plain.predict(x[:MICRO], batch_size=MICRO, verbose=0), atol=1e-6)
     assert model.evaluate(x[:MICRO], y[:MICRO], batch_size=MICRO, verbose=0) == pytest.approx(
@@ -336,7 +339,7 @@ def test_data_shorter_than_the_schedules_minimum_still_predicts_and_evaluates(st
     history = model.fit(x, y, batch_size=MICRO, validation_data=(x[:MICRO], y[:MICRO]),
                         verbose=0)
     assert history.history["val_loss"][0] == pytest.approx(
-        model.evaluate(x[:MICRO], y[:MICRO], batch_size=MICRO, verbose=0), rel=1e-6)
+        model.evaluate(x[:MICRO], y[:MICRO], batch_size=MICRO, verbose=0)[0], rel=1e-6)
 
 
 def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
@@ -857,16 +860,7 @@ def test_a_pipeline_frozen_after_fit_predicts_and_evaluates_and_refuses_to_train
         refrozen, strategy):
     # Inference needs no optimizer (before, Adam's copies failed to split); training
     # another set of weights takes compile(), as in Keras, the weights kept.
-    configure(2)
-    x, y = data_for("sequential", samples=32)
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = _mlp()
-    plain = keras.Sequential.from_config(model.get_config())
-    model.set_pipeline_stage_assignment([0, 0, 1, 1])
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
-    model.compile(optimizer="adam", loss="mse", steps_per_execution=GA)
-    plain.compile(optimizer="adam", loss="mse")
+    model, plain, x, y = _staged_mlp_and_twin(strategy, "adam")
     model.fit(x, y, batch_size=MICRO, verbose=0)
     plain.set_weights(model.get_weights())
     for each in (model, plain):
