@@ -114,10 +114,10 @@ def infeed_benchmark(infeed_queue: Any, number_of_epochs: int, elements_per_epoc
     if not isinstance(infeed_queue, IPUInfeedQueue):
         raise TypeError(f"infeed_queue must be a keras_ipu.ipu_infeed_queue.IPUInfeedQueue, got "
                         f"{type(infeed_queue).__name__}.")
-    source = infeed_queue.dataset
-    if not _restarts(source):
-        # One pass only: the queue's own elements, those it looked at or had put back first.
-        source = infeed_queue.elements()
+    # A new pass, on across the epochs; for a one-pass iterator, which has none, the
+    # queue's own elements (those it looked at or had put back first).
+    source = (iter(infeed_queue.dataset) if _restarts(infeed_queue.dataset)
+              else infeed_queue.elements())
     return dataset_benchmark(source, number_of_epochs, elements_per_epochs,
                              print_stats=print_stats, do_memcpy=do_memcpy)
 

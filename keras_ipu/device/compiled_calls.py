@@ -406,17 +406,11 @@ class _FeedProbe(_FeedReads):
 
 
 class _ShardMemo:
-    """The shards a computation uses, remembered while the computation lives.
+    """The shards a computation uses, learnt once for a program that is not kept.
 
-    A program that is not kept (its trace captured arrays) learns them once,
-    not at every call. The system's table holds its functions weakly: it
-    keeps neither them nor the models their closures hold alive. A callable
-    made anew at each use (a bound method) is probed at each call.
-
-    Args:
-        counts: The system's table (`IPUSystem.shard_counts`).
-        computation: The user's function (a wrapper's `computation`).
-        key: The device's IPUs and the shard of the call.
+    The system's table (`IPUSystem.shard_counts`) holds the user's function
+    (a wrapper's `computation`) weakly, so not the models its closure holds;
+    a callable made at each use (a bound method) is probed at each call.
     """
 
     def __init__(self, counts: Any, computation: Callable, key: Any):
