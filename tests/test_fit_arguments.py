@@ -330,3 +330,55 @@ def test_a_callback_freezing_a_layer_mid_fit_stops_it_with_the_weights_kept(hook
         steps = None if hook == "on_epoch_end" else 2
         plain.fit(x, y, batch_size=BATCH, steps_per_epoch=steps, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+def test_weights_for_several_outputs_are_checked_and_shared_as_in_keras(strategy):
+    plain, on_ipu = twin("functional", strategy, steps_per_execution=2)
+    x, y = data_for("functional", samples=32)
+    w = np.linspace(0.1, 2.0, 32).astype("float32")
+    bad = {
+        "a weight too many": ([w, w, w], "one `sample_weight` array per output"),
+        "another structure": ({"out_a": w}, "one `sample_weight` array per output"),
+        "one array of vectors": (np.stack([w, w], 1), "one scalar score per sample"),
+    }
+    for weights, message in bad.values():
+        for model in (plain, on_ipu):
+            with pytest.raises(ValueError, match=message):
+                model.fit(x, y, sample_weight=weights, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match="only supported for Models with a single output"):
+        on_ipu.fit(x, y, class_weight={0: 1.0}, batch_size=BATCH, verbose=0)
+    assert int(on_ipu.optimizer.iterations) == 0
+    # One per-sample array weighs every output.
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        x, y, sample_weight=w, batch_size=BATCH, shuffle=False, verbose=0))
+    assert_history_close(expected.history, actual.history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+def test_sample_weights_without_targets_are_dropped_as_in_keras(strategy):
+    # Not taken for the targets: a model whose loss needs none trains as in Keras, one
+    # that needs them is refused.
+    class LossOfItsOwn(keras.layers.Layer):
+        def call(self, outputs):
+            self.add_loss(keras.ops.mean(outputs ** 2))
+            return outputs
+
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3), LossOfItsOwn()])
+    with strategy.scope():
+        on_ipu = keras.models.clone_model(plain)
+    on_ipu.set_weights(plain.get_weights())
+    x, _ = data_for("sequential", samples=32)
+    w = np.linspace(0.1, 2.0, 32).astype("float32")
+    for model in (plain, on_ipu):
+        model.compile(keras.optimizers.SGD(0.1), steps_per_execution=2)
+    expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+        x, sample_weight=w, batch_size=BATCH, shuffle=False, verbose=0))
+    assert_history_close(expected.history, actual.history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    # A compiled loss has no targets to compare with: refused, as in Keras, not trained.
+    for model in (plain, on_ipu):
+        model.compile(keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+        with pytest.raises(ValueError, match="None"):
+            model.fit(x, sample_weight=w, batch_size=BATCH, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

@@ -21,9 +21,8 @@ import jax
 import numpy as np
 from keras import config as keras_config
 from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_ipu.keras import host_data
+from keras_ipu.keras import host_data, sample_weights
 from keras_ipu.keras.resident import ResidentPasses
 
 logger = logging.getLogger("keras_ipu")
@@ -260,12 +259,7 @@ class ArrayFeed:
         replicas: int,
         role: str = "fit",
     ):
-        x, y, sample_weight = arrays
-        if class_weight is not None:
-            sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-                _single_target(y), class_weight
-            )
-        data = tuple(part for part in (x, y, sample_weight) if part is not None)
+        data = sample_weights.packed_data(*arrays, class_weight)
         self._data = jax.tree_util.tree_map(host_data.host_array, data)
         rows = host_data.common_length(self._data)
         if batch_size is None:
@@ -641,16 +635,6 @@ def _has_partial_batch(adapter: Any) -> bool:
         return bool(adapter.has_partial_batch)
     except NotImplementedError:  # unknown until the data is seen
         return False
-
-
-def _single_target(y: Any) -> Any:
-    leaves = jax.tree_util.tree_leaves(y)
-    if len(leaves) != 1:
-        raise ValueError(
-            f"`class_weight` needs a single target array; got {len(leaves)} targets. "
-            f"Use `sample_weight` for models with several outputs."
-        )
-    return leaves[0]
 
 
 def _capped_steps(steps: int | None) -> int | None:
