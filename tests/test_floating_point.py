@@ -213,3 +213,28 @@ def test_graph_style_programs_trap_too_and_take_nothing(api):
     _configure(2)
     assert float(run()) == 3 * (1.0 + 3.0)
     assert np.isnan(outfeed.dequeue()).sum() == 3
+
+
+@pytest.mark.parametrize("dividend, divisor, trapped", [
+    (1.0, 0.0, {"div0"}),
+    (-2.0, -0.0, {"div0"}),
+    (0.0, 0.0, {"inv"}),  # IEEE 754: an invalid operation, not a division by zero
+    (np.inf, 0.0, set()),
+    (np.nan, 0.0, {"inv"}),
+    (1.0, 2.0, set()),
+])
+def test_div0_traps_ieee_754s_division_by_zero_only(dividend, divisor, trapped):
+    import jax
+
+    from keras_ipu.device import floating_point
+
+    for name in ("inv", "div0"):
+        run = floating_point.checked(lambda state, xy: (state, xy[0] / xy[1]),
+                                     floating_point.checks_for([name]))
+        _, (_, error) = jax.jit(run)(0.0, (jnp.float32(dividend), jnp.float32(divisor)))
+        assert (error.get() is not None) == (name in trapped), (name, error.get())
+    # Integer division raises no floating point exception.
+    run = floating_point.checked(lambda state, xy: (state, xy[0] // xy[1]),
+                                 floating_point.checks_for(["div0", "inv", "oflo"]))
+    _, (_, error) = jax.jit(run)(0.0, (jnp.int32(3), jnp.int32(0)))
+    assert error.get() is None

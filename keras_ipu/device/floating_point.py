@@ -9,14 +9,16 @@ execution that completed.
 
 - `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
   NaN carried in from its operands, the data's say);
-- `div0`: a division by zero;
+- `div0`: a floating point division of a finite, non-zero number by zero
+  (IEEE 754: 0/0 is `inv`'s);
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
   float32, say; a division by zero is `div0`'s).
 
-checkify checks NaNs and divisions by zero, not overflows: importing this
-module adds an overflow rule to checkify's (process-wide) rule table, for the
-operations that can overflow. It checks only when a checkified function asks
-for this module's overflow error, so other uses of checkify are unchanged.
+checkify checks NaNs, not overflows, and its division check flags 0/0 too:
+importing this module adds an overflow rule and an IEEE division-by-zero rule
+to checkify's (process-wide) rule table. They check only when a checkified
+function asks for this module's errors, so other uses of checkify are
+unchanged.
 
 Example:
 
@@ -50,8 +52,8 @@ from keras_ipu.device import system
 from keras_ipu.errors import IPUFloatingPointError
 
 
-class _OverflowError(checkify_rules.JaxException):
-    """An operation of finite operands made an infinity."""
+class _IPUException(checkify_rules.JaxException):
+    """A floating point exception the IPU raises and checkify has no check for."""
 
     def __init__(self, traceback_info: Any, primitive_name: str):
         super().__init__(traceback_info)
@@ -65,14 +67,30 @@ class _OverflowError(checkify_rules.JaxException):
         del payload
         return cls(*metadata)
 
+    def get_effect_type(self):
+        return checkify_rules.ErrorEffect(type(self), ())
+
+
+class _OverflowError(_IPUException):
+    """An operation of finite operands made an infinity."""
+
     def __str__(self) -> str:
         return f"overflow in primitive: {self.prim}."
 
-    def get_effect_type(self):
-        return checkify_rules.ErrorEffect(_OverflowError, ())
+
+class _DivisionByZeroError(_IPUException):
+    """A finite, non-zero number divided by zero.
+
+    IEEE 754's division by zero: 0/0 is an invalid operation (`inv`'s NaN),
+    and integer division raises no floating point exception. checkify's own
+    division check flags any zero divisor, so `div0` has this one instead.
+    """
+
+    def __str__(self) -> str:
+        return "division by zero."
 
 
-_OPTION_ERRORS = {"inv": checkify.nan_checks, "div0": checkify.div_checks,
+_OPTION_ERRORS = {"inv": checkify.nan_checks, "div0": frozenset({_DivisionByZeroError}),
                   "oflo": frozenset({_OverflowError})}
 
 # The operations that can overflow finite operands.
@@ -127,7 +145,7 @@ def checks_for(exceptions: Iterable[str]) -> frozenset:
 
     Example:
 
-    >>> checks_for(["div0"]) == checkify.div_checks
+    >>> checks_for(["inv"]) == checkify.nan_checks
     True
     """
     errors: frozenset = frozenset()
@@ -201,29 +219,42 @@ def _where(exception: Any) -> str:
     return ""
 
 
-def _add_overflow_rules() -> None:
-    """Adds the overflow check to the rules of the operations that can overflow (once)."""
+def _add_rules() -> None:
+    """Adds the overflow and division checks to the rules of their operations (once)."""
     for primitive in _OVERFLOWING:
-        rule = checkify_rules.error_checks.get(primitive, functools.partial(_bound, primitive))
-        if not getattr(rule, "checks_overflow", False):
-            checkify_rules.error_checks[primitive] = _overflow_checked(primitive, rule)
+        _extend_rule(primitive, _OverflowError, _made_infinity)
+    _extend_rule(lax.div_p, _DivisionByZeroError, _divided_by_zero)
 
 
 def _bound(primitive, error, enabled_errors, *operands, **params):
     return error, primitive.bind(*operands, **params)
 
 
-def _overflow_checked(primitive, rule: Callable) -> Callable:
+def _extend_rule(primitive, error_type: type, raised: Callable) -> None:
+    """Makes `primitive`'s rule also check `raised(primitive, operands, out)` when asked."""
+    rule = checkify_rules.error_checks.get(primitive, functools.partial(_bound, primitive))
+    extended = getattr(rule, "keras_ipu_checks", ())
+    if error_type.__name__ in extended:  # a reload of this module
+        return
+
     def checked_rule(error, enabled_errors, *operands, **params):
         error, out = rule(error, enabled_errors, *operands, **params)
-        if _OverflowError in enabled_errors:
-            made = _made_infinity(primitive, operands, out)
+        if error_type in enabled_errors:
             error = checkify_rules.assert_func(
-                error, made, _OverflowError(checkify_rules.get_traceback(), primitive.name))
+                error, raised(primitive, operands, out),
+                error_type(checkify_rules.get_traceback(), primitive.name))
         return error, out
 
-    checked_rule.checks_overflow = True
-    return checked_rule
+    checked_rule.keras_ipu_checks = (*extended, error_type.__name__)
+    checkify_rules.error_checks[primitive] = checked_rule
+
+
+def _divided_by_zero(primitive, operands: tuple, out: Any) -> jax.Array:
+    """Whether a floating point division had a finite, non-zero dividend and a zero divisor."""
+    dividend, divisor = operands
+    if not _is_float(out):
+        return jnp.bool_(False)
+    return jnp.any((divisor == 0) & (dividend != 0) & jnp.isfinite(dividend))
 
 
 def _made_infinity(primitive, operands: tuple, out: Any) -> jax.Array:
@@ -243,4 +274,4 @@ def _is_float(x: Any) -> bool:
 
 
 # At import, under Python's import lock: once per process.
-_add_overflow_rules()
+_add_rules()
