@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from keras_ipu.config.enums import SyntheticDataCategory
+from keras_ipu.config.enums import KeyId, SyntheticDataCategory, VerificationOptions
 from keras_ipu.config.legacy import (
     auto_select_ipus,
     create_ipu_config,
@@ -212,7 +212,9 @@ def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: A
 
 
 __all__ = [
+    "KeyId",
     "SyntheticDataCategory",
+    "VerificationOptions",
     "auto_select_ipus",
     "configure_ipu_system",
     "create_ipu_config",

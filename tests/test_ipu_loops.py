@@ -5,6 +5,8 @@ The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,6 +293,40 @@ def test_the_queues_have_ipu_tensorflows_members():
     with pytest.raises(ValueError, match="get_next\\(\\) is obsolete"):
         infeed.get_next()
     assert ipu.ipu_infeed_queue.IPUInfeedQueue([]).number_of_tuple_elements == 0
+
+
+def test_the_arguments_ipu_tensorflow_deprecated_warn_only_when_passed():
+    queues = ipu.ipu_infeed_queue, ipu.ipu_outfeed_queue
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        queues[0].IPUInfeedQueue([1], prefetch_depth=2)
+        queues[1].IPUOutfeedQueue(buffer_depth=2)
+    with pytest.warns(DeprecationWarning) as caught:
+        queues[0].IPUInfeedQueue([1], "feed", 0, 2, data_to_prefetch=2)
+        queues[1].IPUOutfeedQueue(feed_name="out", io_batch_size=2)
+    assert [str(w.message).split(" of ")[0] for w in caught] == [
+        "The argument data_to_prefetch", "The argument feed_name",
+        "The argument replication_factor", "The argument feed_name",
+        "The argument io_batch_size"]
+    assert "use prefetch_depth instead" in str(caught[0].message)
+    assert {w.filename for w in caught} == {__file__}
+
+
+def test_ipu_tensorflows_other_homes_of_its_names_import():
+    from keras_ipu.config import KeyId as config_key_id
+    from keras_ipu.keras.extensions import (
+        FunctionalLayerPipelineStageAssignment,
+        ReplicatedMetricReductionMethod,
+    )
+    from keras_ipu.utils import KeyId, VerificationOptions
+
+    assert KeyId is config_key_id and VerificationOptions is ipu.config.VerificationOptions
+    assert (FunctionalLayerPipelineStageAssignment
+            is ipu.keras.FunctionalLayerPipelineStageAssignment)
+    assert ReplicatedMetricReductionMethod is ipu.keras.ReplicatedMetricReductionMethod
+    options = VerificationOptions()
+    options.input_parameters = KeyId(1)  # the seed's set_verification_options example
+    assert options.input_parameters.key == 1
 
 
 def test_a_program_closing_over_arrays_sees_their_values_at_each_call():

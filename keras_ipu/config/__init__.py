@@ -16,6 +16,7 @@ from keras_ipu.config.attributes import AttributeMetadata
 from keras_ipu.config.enums import (
     DeviceConnectionType,
     ExecutionProfileType,
+    KeyId,
     MergeRemoteBuffersBehaviour,
     SchedulingAlgorithm,
     SelectionOrder,
@@ -33,6 +34,7 @@ __all__ = [
     "DeviceConnectionType",
     "ExecutionProfileType",
     "IPUConfig",
+    "KeyId",
     "MergeRemoteBuffersBehaviour",
     "SchedulingAlgorithm",
     "SelectionOrder",

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_ipu.device import system
+from keras_ipu.device.deprecated_arguments import deprecated_arguments
 
 
 class Operation:
@@ -290,6 +291,10 @@ def _stacked_array(*parts: Any) -> np.ndarray:
     return np.stack(parts)
 
 
+_NAMED = "no change needed, feed names are generated."
+_REPLICATED = "no change needed, the replication factor is set from the program."
+
+
 class IPUInfeedQueue:
     """The elements a loop's iterations take, one each, from a data source.
 
@@ -317,6 +322,8 @@ class IPUInfeedQueue:
     >>> repeat(10, body, [0.0], infeed)
     """
 
+    @deprecated_arguments(feed_name=_NAMED, replication_factor=_REPLICATED,
+                          data_to_prefetch="use prefetch_depth instead.")
     def __init__(self, dataset: Any, feed_name: str | None = None, device_ordinal: int = 0,
                  replication_factor: int = 1, data_to_prefetch: int = 1,
                  prefetch_depth: int | None = None):
@@ -537,6 +544,9 @@ class IPUOutfeedQueue:
     (20, 4)
     """
 
+    @deprecated_arguments(feed_name=_NAMED, replication_factor=_REPLICATED,
+                          io_batch_size="accumulate the results yourself, or use "
+                                        "accumulate_outfeed when pipelining.")
     def __init__(self, feed_name: str | None = None, outfeed_mode: IPUOutfeedMode | None = None,
                  device_ordinal: int = 0, replication_factor: int | None = None,
                  io_batch_size: int = 1, buffer_depth: int = 3, optimise_latency: bool = False):

@@ -31,9 +31,16 @@ from keras.src.models.sequential import Sequential
 
 from keras_ipu.device import interrupts
 from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
+from keras_ipu.keras.options import ReplicatedMetricReductionMethod
 from keras_ipu.keras.stages import (
+    FunctionalLayerPipelineStageAssignment,
+    FunctionalNestedModelPipelineStageAssignment,
     FunctionalPipelineMixin,
+    ModelLayerPipelineStageAssignment,
     ModelPipelineMixin,
+    NestedModelPipelineStageAssignment,
+    SequentialLayerPipelineStageAssignment,
+    SequentialNestedModelPipelineStageAssignment,
     SequentialPipelineMixin,
 )
 
@@ -668,4 +675,16 @@ def extension_class(cls: type, functional: bool = False) -> type:
     )
 
 
-__all__ = ["FunctionalExtension", "ModelExtension", "SequentialExtension"]
+# IPU TensorFlow's `keras.extensions` package exports these too.
+__all__ = [
+    "FunctionalExtension",
+    "FunctionalLayerPipelineStageAssignment",
+    "FunctionalNestedModelPipelineStageAssignment",
+    "ModelExtension",
+    "ModelLayerPipelineStageAssignment",
+    "NestedModelPipelineStageAssignment",
+    "ReplicatedMetricReductionMethod",
+    "SequentialExtension",
+    "SequentialLayerPipelineStageAssignment",
+    "SequentialNestedModelPipelineStageAssignment",
+]
