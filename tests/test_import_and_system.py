@@ -146,3 +146,35 @@ def test_select_ipus_picks_configurations_of_the_gc_info_listing():
     configured = system.require()
     assert configured.device_sizes == (4, 4) and configured.num_ipus == 8
     assert [ipu.index for ipu in configured.ipus_of_device("/device:IPU:1")] == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("imports", ["import keras_ipu, keras", "import keras, keras_ipu"])
+def test_a_model_saved_with_ipu_layers_loads_after_importing_keras_ipu(imports, tmp_path):
+    # Before: "Could not locate class 'PopnnGRU'" until the layers' module was imported by hand.
+    import keras
+
+    import keras_ipu as ipu
+
+    inputs = keras.Input((4, 3))  # time-major for rnn_ops: [time, batch, features]
+    sequences, _ = ipu.rnn_ops.PopnnGRU(5)(inputs)
+    outputs = ipu.keras.layers.GroupNormalization(groups=2)(
+        ipu.keras.layers.PopnnLSTM(4)(sequences))
+    model = keras.Model(inputs, outputs)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    x = np.linspace(-1, 1, 24, dtype="float32").reshape(2, 4, 3)
+    np.save(tmp_path / "expected.npy", model.predict(x, verbose=0))
+    result = _run(
+        f"""
+        {imports}
+        import numpy as np
+        model = keras.models.load_model({path!r})
+        x = np.linspace(-1, 1, 24, dtype="float32").reshape(2, 4, 3)
+        np.testing.assert_allclose(model.predict(x, verbose=0),
+                                   np.load({str(tmp_path / "expected.npy")!r}), atol=1e-6)
+        print([type(layer).__name__ for layer in model.layers])
+        """, {"KERAS_BACKEND": "jax"}  # for Keras imported first
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith(
+        "['InputLayer', 'PopnnGRU', 'PopnnLSTM', 'GroupNormalization']")
