@@ -110,6 +110,21 @@ def test_outside_a_replicated_program_there_is_one_replica():
     np.testing.assert_array_equal(cross_replica_ops.cross_replica_sum(x), x)
 
 
+def test_a_collective_on_a_keras_tensor_says_to_wrap_it_in_a_layer():
+    # Before: the Keras tensor came back unchanged, so the model never summed.
+    inputs = keras.Input((1,))
+    for op in (cross_replica_ops.cross_replica_sum,
+               lambda x: ipu.ops.all_to_all_op.all_gather(x, 2)):
+        with pytest.raises(ValueError, match="Wrap the operation in a layer"):
+            op(inputs)
+    configure(2)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        summed = keras.layers.Lambda(lambda x: cross_replica_ops.cross_replica_sum(x))(inputs)
+        model = keras.Model(inputs, summed)
+    out = model.predict(np.array([[1.0], [2.0]], "float32"), batch_size=1, verbose=0)
+    np.testing.assert_array_equal(out, [[3.0], [3.0]])
+
+
 def _on_4_replicas(fn, x):
     """`fn` on each of 4 replicas' rows of `x` (`[4, ...]`, one row each); rows stacked."""
     from jax.sharding import Mesh

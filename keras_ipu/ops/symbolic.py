@@ -18,7 +18,10 @@ gathered = symbolic.collective(collectives.all_gather, 2, x, 2)
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+import jax
 
 from keras_ipu.device import collectives
 
@@ -53,13 +56,27 @@ def collective(op: Any, group_size: int | None, *args: Any) -> Any:
 
     Raises:
         ValueError: From `op`, for a group that does not divide the replicas
-            of a real (not symbolic) call.
+            of a real (not symbolic) call; for a Keras tensor of a model being
+            built (the collective would not be in the model).
 
     Example:
 
     >>> collective(collectives.all_gather, 2, x, 2)
     """
+    _refuse_keras_tensors(args)
     if (group_size is not None and group_size > 1 and collectives.replica_count() == 1
             and in_keras_symbolic_build()):
         return collectives.as_first_of(group_size, op, *args)
     return op(*args)
+
+
+def _refuse_keras_tensors(args: Any) -> None:
+    keras = sys.modules.get("keras")  # no Keras tensor without Keras
+    if keras is None or not any(isinstance(leaf, keras.KerasTensor)
+                                for leaf in jax.tree_util.tree_leaves(args)):
+        return
+    raise ValueError(
+        "The IPU's cross-replica operations take arrays, in a layer's `call` or a step, not "
+        "a KerasTensor of a model being built: there they would not be part of the model. "
+        "Wrap the operation in a layer, e.g. "
+        "`keras.layers.Lambda(lambda x: cross_replica_ops.cross_replica_sum(x))(inputs)`.")
