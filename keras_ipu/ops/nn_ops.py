@@ -400,8 +400,9 @@ def log_uniform_candidate_sampler(true_classes: Any, num_true: int, num_sampled:
     `log((k + 2) / (k + 1)) / log(range_max + 1)`: low class IDs are
     frequent. With `unique`, draws are repeated until `num_sampled`
     different classes came (an on-device `lax.while_loop`), and a class's
-    expected count is `1 - (1 - p) ** tries`; without, it is
-    `num_sampled * p`.
+    expected count is `1 - (1 - p) ** tries`, or `num_sampled * p` when
+    the first `num_sampled` draws were all different (TensorFlow's range
+    sampler); without `unique`, it is `num_sampled * p`.
 
     Args:
         true_classes: `[batch_size, num_true]` target classes.
@@ -451,9 +452,9 @@ def log_uniform_candidate_sampler(true_classes: Any, num_true: int, num_sampled:
 
     def expected(classes):
         p = _log_uniform_probability(classes, range_max)
-        if not unique:
-            return p * num_sampled
-        return -jnp.expm1(tries.astype(jnp.float32) * jnp.log1p(-p))
+        at_least_once = -jnp.expm1(tries.astype(jnp.float32) * jnp.log1p(-p))
+        # TensorFlow's range sampler: p × num_sampled when no draw was repeated.
+        return jnp.where(tries == num_sampled, p * num_sampled, at_least_once)
 
     return samples, expected(true_classes), expected(samples)
 
