@@ -151,6 +151,32 @@ def test_a_keras_model_fit_on_an_ipu_trains_the_host_table_as_by_hand():
     np.testing.assert_array_equal(embedding.get_embedding_tensor(), before)
 
 
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=4.0),
+    lambda: keras.optimizers.SGD(0.05, loss_scale_factor=4.0),
+])
+def test_a_scaled_loss_is_refused_before_the_host_table_changes(optimizer):
+    # Before: the table moved by the scaled gradients (32768x under mixed_float16), and on the
+    # steps a LossScaleOptimizer skips.
+    ids, targets = _batches(2)
+    table = _table()
+    embedding = embedding_ops.create_host_embedding(
+        "scaled", (TOKENS, WIDTH), np.float32,
+        optimizer_spec=embedding_ops.HostEmbeddingOptimizerSpec(0.05),
+        initializer=lambda shape, dtype=None: table.copy())
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((4,), dtype="int32")
+        outputs = keras.layers.Dense(1, use_bias=False)(_HostLookup(embedding)(inputs))[..., 0]
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=optimizer(), loss="mse")
+    weights = model.get_weights()
+    with embedding.register(), pytest.raises(ValueError, match=r"Host embeddings \['scaled'\]"):
+        model.fit(ids, targets, batch_size=1, verbose=0)
+    np.testing.assert_array_equal(embedding.get_embedding_tensor(), table)
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
 def test_replicas_look_up_and_update_the_one_host_table():
     configure(2)
     ids, targets = _batches(3)

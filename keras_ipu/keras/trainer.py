@@ -46,6 +46,7 @@ from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.run import Placement, Run
 from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery, returned_chunk
 from keras_ipu.keras.steps import STATE_PARTS
+from keras_ipu.ops import host_embedding
 
 logger = logging.getLogger("keras_ipu")
 
@@ -625,6 +626,7 @@ def _check_validation_freq(validation_freq: Any) -> None:
 
 def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
     programs.check_pipelined_overrides(model, "fit", plan)
+    host_embedding.check_loss_unscaled(model)
     if programs.overrides(model, "train_step") and (
         options.gradient_accumulation_steps > 1 or replicas.count > 1
     ):

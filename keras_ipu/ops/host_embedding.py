@@ -151,6 +151,39 @@ def _trainable_fetch(name: str, table: np.ndarray, indices: jax.Array,
     return lookup(handle, indices)
 
 
+def check_loss_unscaled(model: Any) -> None:
+    """Refuses to train a model's host embeddings on a scaled loss.
+
+    The host applies SGD to the rows' gradients as the backward pass sends
+    them: a `LossScaleOptimizer`'s scale (`mixed_float16` compiles one in)
+    or an optimizer's `loss_scale_factor` would multiply them, and a step the
+    optimizer skips would still update the table.
+
+    Args:
+        model: A compiled Keras model about to train.
+
+    Raises:
+        ValueError: Naming the embeddings, when the optimizer scales the loss.
+
+    Example:
+
+    >>> check_loss_unscaled(model)   # before the first step of fit
+    """
+    optimizer = getattr(model, "optimizer", None)
+    scaler = ("a LossScaleOptimizer" if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+              else "loss_scale_factor" if getattr(optimizer, "loss_scale_factor", None)
+              else None)
+    names = sorted({variable._keras_ipu_host_embedding for variable in model.trainable_variables
+                    if hasattr(variable, "_keras_ipu_host_embedding")})
+    if scaler and names:
+        raise ValueError(
+            f"Host embeddings {names} are trained on the host by plain SGD, which does not see "
+            f"the loss scale of the model's optimizer ({scaler}): the table's updates would be "
+            f"multiplied by the scale and made on steps the optimizer skips. Train them without "
+            f"loss scaling: a 'mixed_bfloat16' or 'float32' policy ('mixed_float16' compiles in "
+            f"a LossScaleOptimizer), and no loss_scale_factor.")
+
+
 class HostEmbeddingOptimizerSpec:
     """How a host embedding is trained: SGD with `learning_rate`, applied on the host.
 
@@ -214,8 +247,9 @@ class HostEmbeddingOptimizerSpec:
         """
         if self._learning_rate == 0:
             return []
-        return [keras.Variable(np.zeros((), np.float32), trainable=True,
-                               name=f"{name}__dummy")]
+        handle = keras.Variable(np.zeros((), np.float32), trainable=True, name=f"{name}__dummy")
+        handle._keras_ipu_host_embedding = name  # what check_loss_unscaled looks for
+        return [handle]
 
     def create_register_instruction(self, embedding_tensor, slot_vars, name):
         """Registers the table on the host, so that lookups of `name` reach it.
