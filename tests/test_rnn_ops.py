@@ -99,6 +99,16 @@ def test_dynamic_gru_stops_each_entry_at_its_length(time_major):
     assert (np.asarray(outputs)[2:, 1] == 0).all()  # entry 1 stops after two steps
 
 
+@pytest.mark.parametrize("layer", [rnn_ops.PopnnDynamicGRU, rnn_ops.PopnnAUGRU])
+def test_reset_after_starts_the_recurrent_gate_biases_as_the_input_ones(layer):
+    # IPU TensorFlow duplicates the [3, U] biases: before, the recurrent row started at zeros.
+    layer = layer(U, reset_after=True)
+    x, _ = _inputs(2)
+    args = (np.zeros((T, B), np.float32),) if isinstance(layer, rnn_ops.PopnnAUGRU) else ()
+    layer(x, np.array([T] * B), *args)
+    np.testing.assert_array_equal(layer.get_weights()[2], [[1] * 2 * U + [0] * U] * 2)
+
+
 @pytest.mark.parametrize("reset_after", [False, True])
 @pytest.mark.parametrize("time_major", [True, False])
 def test_augru_scales_the_update_gate_by_the_attention(reset_after, time_major):

@@ -181,10 +181,14 @@ class _PopnnRecurrent(keras.layers.Layer):
 
 
 def _gate_biases(shape, dtype=None):
-    """Ones for the update and reset gates' input biases, zeros for the rest (Keras' layout)."""
+    """Ones for the update and reset gates' biases, zeros for the candidate's (Keras' layout).
+
+    With `reset_after`'s separate recurrent biases, both rows start so, as
+    IPU TensorFlow's `rnn_ops` duplicate the biases.
+    """
     units = shape[-1] // 3
     row = ops.concatenate([ops.ones((2 * units,), dtype), ops.zeros((units,), dtype)])
-    return row if len(shape) == 1 else ops.stack([row, ops.zeros_like(row)])
+    return row if len(shape) == 1 else ops.stack([row, row])
 
 
 def _sequence_mask(seq_len, steps: int):
