@@ -76,6 +76,13 @@ def test_dropout_with_a_seed_pair_repeats():
     np.testing.assert_array_equal(first, rand_ops.dropout(x, rate=0.25, seed=(3, 4)))
     assert set(np.unique(first)) == {0.0, np.float32(1 / 0.75)}
     assert 0.15 < (first == 0).mean() < 0.35
+    # noise_shape as IPU TensorFlow takes it: a shared mask along its axes of 1.
+    shared = np.asarray(rand_ops.dropout(x, rate=0.25, noise_shape=(1, 32), seed=[3, 4]))
+    assert (shared == shared[0]).all() and (shared[0] == 0).any()
+    for bad, message in (((32,), "length of noise_shape must equal the rank"),
+                         ((2, 32), "Dimension mismatch: noise_shape \\(2, 32\\) has 2 on axis 0")):
+        with pytest.raises(ValueError, match=message):
+            rand_ops.dropout(x, rate=0.25, noise_shape=bad, seed=[3, 4])
 
 
 class _ReplicaAware(keras.layers.Layer):

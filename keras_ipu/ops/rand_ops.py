@@ -23,7 +23,9 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
     Args:
         x: The input.
         rate: The probability that an element is zeroed, in [0, 1).
-        noise_shape: The shape of the mask (broadcast over `x`), or `None`.
+        noise_shape: The shape of the mask, or `None` (`x`'s): as long as
+            `x`'s shape, each entry 1 (the mask is shared along that axis)
+            or `x`'s.
         seed: An integer, IPU TensorFlow's pair of 32-bit integers, or a
             `keras.random.SeedGenerator`. A fixed seed gives the same mask at
             every call; inside a compiled step, pass a `SeedGenerator` (a
@@ -35,7 +37,9 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
         The input with some elements zeroed.
 
     Raises:
-        ValueError: For a malformed `seed`, or a `rate` outside [0, 1).
+        ValueError: For a malformed `seed`, a `rate` outside [0, 1), or a
+            `noise_shape` of another length than `x`'s shape or an entry
+            neither 1 nor `x`'s.
 
     Example:
 
@@ -48,9 +52,25 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
         raise ValueError(f"dropout's rate is the probability that an element is zeroed, a "
                          f"number in [0, 1); got {rate!r}.")
 
+    _check_noise_shape(noise_shape, tuple(keras.ops.shape(x)))
     from keras_ipu.keras.layers import keras_seed
 
     return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=keras_seed(seed))
+
+
+def _check_noise_shape(noise_shape: Any, shape: tuple) -> None:
+    """IPU TensorFlow's checks: one entry per axis of `x`, each 1 or `x`'s."""
+    if noise_shape is None:
+        return
+    noise_shape = tuple(noise_shape)
+    if len(noise_shape) != len(shape):
+        raise ValueError(f"The length of noise_shape must equal the rank of x: noise_shape "
+                         f"{noise_shape} for x of shape {shape}.")
+    for axis, (noise, size) in enumerate(zip(noise_shape, shape)):
+        if noise is not None and size is not None and noise not in (1, size):
+            raise ValueError(f"Dimension mismatch: noise_shape {noise_shape} has {noise} on "
+                             f"axis {axis}, where x of shape {shape} has {size}; use 1 (the mask "
+                             f"is shared along the axis) or {size}.")
 
 
 __all__ = ["dropout"]
