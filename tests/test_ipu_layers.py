@@ -360,7 +360,7 @@ def test_the_functional_normalisations_compute_the_seeds_operators(strided):
 
     x = np.random.default_rng(0).normal(size=(2, 3, 3, 8)).astype(np.float32)
     np.testing.assert_allclose(
-        normalization_ops.group_norm(x, groups=4, strided_channel_grouping=strided),
+        normalization_ops.group_norm(x, groups=np.int64(4), strided_channel_grouping=strided),
         _group_norm_reference(x, 4, strided, 1e-6), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(normalization_ops.instance_norm(x),
                                _group_norm_reference(x, 8, True, 1e-6), rtol=1e-4, atol=1e-5)
@@ -470,7 +470,7 @@ def test_recurrent_layers_take_the_seeds_positional_order(layer_class):
         keras.layers.Bidirectional(layer_class(4, time_major=True, return_sequences=True))
 
 
-@pytest.mark.parametrize("groups", [2.0, 0, True])
+@pytest.mark.parametrize("groups", [2.0, 0, True, None])
 def test_a_group_count_that_is_not_a_positive_integer_is_refused_at_once(groups):
     with pytest.raises(ValueError, match=f"groups must be a positive integer, got {groups!r}"):
         ipu.keras.layers.GroupNormalization(groups=groups)

@@ -114,11 +114,10 @@ class GroupNormalization(keras.layers.Layer):
                  epsilon=0.001, beta_initializer=None, gamma_initializer=None,
                  strided_channel_grouping=True, trainable=True, name=None, **kwargs):
         super().__init__(dtype=dtype, trainable=trainable, name=name, **kwargs)
-        if groups is not None and (isinstance(groups, bool)
-                                   or not isinstance(groups, numbers.Integral) or groups < 1):
+        if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1:
             raise ValueError(f"{type(self).__name__}: groups must be a positive integer, got "
                              f"{groups!r}.")
-        self.groups = None if groups is None else int(groups)
+        self.groups = int(groups)
         self.channels_axis = channels_axis
         self.center, self.scale, self.epsilon = center, scale, epsilon
         self.beta_initializer = keras.initializers.get(beta_initializer or "zeros")

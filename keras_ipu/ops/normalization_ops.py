@@ -24,6 +24,7 @@ z = normalization_ops.group_norm(x, groups=4, param_initializers={"gamma": layer
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 _PARAMETERS = {"gamma": "ones", "beta": "zeros"}
@@ -73,14 +74,14 @@ def group_norm(inputs: Any, groups: int = 2, channels_axis: int = -1, center: bo
     from keras_ipu.keras.layers import normalize_groups
 
     axis, channels = _channels(inputs, channels_axis)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 \
+    if not isinstance(groups, numbers.Integral) or isinstance(groups, bool) or groups < 1 \
             or channels % groups:
         raise ValueError(f"{channels} channels (axis {channels_axis} of {tuple(inputs.shape)}) "
                          f"cannot be split into {groups!r} groups; use a number of groups "
                          f"that divides {channels}.")
     dtype = keras.backend.standardize_dtype(inputs.dtype)
     gamma, beta = _parameters(param_initializers, channels, dtype, scale, center)
-    return normalize_groups(inputs, groups, axis, epsilon, strided_channel_grouping, gamma,
+    return normalize_groups(inputs, int(groups), axis, epsilon, strided_channel_grouping, gamma,
                             beta, dtype)
 
 
