@@ -35,6 +35,11 @@ def test_a_notebook_runs_top_to_bottom(path, monkeypatch):
     errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
               if output.get("output_type") == "error"]
     assert errors == []
+    # The pictures show as pictures, without pyplot's inline backend (MPLBACKEND=Agg).
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "plot_" in cell.source:
+            kinds = {kind for output in cell.outputs for kind in output.get("data", {})}
+            assert "image/png" in kinds, (cell.source, kinds)
 
 
 def test_the_porting_notebook_holds_the_examples_verbatim():

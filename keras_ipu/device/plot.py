@@ -10,6 +10,8 @@ extra (`keras_ipu[plot]`), imported when a picture is drawn.
 
 from __future__ import annotations
 
+import functools
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,7 +146,12 @@ def _per_stage(cycles: float | Sequence[float], count: int) -> list[float]:
 
 
 def _figure(width: float, height: float):
-    """A matplotlib `Figure` and its axes, outside pyplot's state (Jupyter shows it inline)."""
+    """A matplotlib `Figure` and its axes, outside pyplot's state.
+
+    Jupyter shows a bare `Figure` as a picture only once pyplot has loaded
+    its inline backend (`%matplotlib inline`); the figure's own
+    `_repr_png_` makes it one in any kernel.
+    """
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
@@ -153,7 +160,14 @@ def _figure(width: float, height: float):
             "matplotlib`)."
         ) from error
     figure = Figure(figsize=(width, height))
+    figure._repr_png_ = functools.partial(_png, figure)
     return figure, figure.subplots()
+
+
+def _png(figure) -> bytes:
+    picture = io.BytesIO()
+    figure.savefig(picture, format="png", bbox_inches="tight")
+    return picture.getvalue()
 
 
 __all__ = ["memory", "steps_timeline", "timeline"]
