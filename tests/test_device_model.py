@@ -251,3 +251,13 @@ def test_the_report_stays_the_last_run_programs_after_an_out_of_memory_error(str
         assert ipu.utils.execution_report(model, "fit").ipus[0].memory_bytes == ran
     with pytest.raises(TypeError, match="takes a Keras model, got NoneType"):
         ipu.utils.execution_report(None)
+
+
+def test_a_pipeline_reports_fractions_of_a_cycle_not_zero():
+    # Peak-rate estimates of small stages are below one cycle: they printed as "0 fwd / 0 bwd".
+    from keras_ipu.device.report import PipelineReport
+
+    report = PipelineReport("Grouped", 2, 4, (0, 1), (0.276, 1234.5), (0.42, 0.0801), 0.5,
+                            (2, 1), 6)
+    assert ("stage 0 on IPU 0: 0.276 fwd / 0.42 bwd cycles, stash 2, "
+            "stage 1 on IPU 1: 1,234 fwd / 0.0801 bwd cycles, stash 1") in str(report)

@@ -96,7 +96,7 @@ class PipelineReport:
 
     def __str__(self) -> str:
         stages = ", ".join(
-            f"stage {s} on IPU {ipu}: {f:,.0f} fwd / {b:,.0f} bwd cycles, stash {n}"
+            f"stage {s} on IPU {ipu}: {_cycles(f)} fwd / {_cycles(b)} bwd cycles, stash {n}"
             + (f" ({self.stash_bytes[s]:,} B)" if self.stash_bytes else "")
             for s, (ipu, f, b, n) in enumerate(zip(
                 self.device_mapping, self.stage_forward_cycles, self.stage_backward_cycles,
@@ -336,3 +336,9 @@ class ExecutionReport:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
+
+
+def _cycles(cycles: float) -> str:
+    """Whole cycles, or three significant digits below 100 (peak-rate estimates of small
+    stages are fractions of a cycle: not 0)."""
+    return f"{cycles:,.0f}" if cycles >= 100 else f"{cycles:.3g}"
