@@ -502,13 +502,13 @@ def test_reported_utilisation_matches_the_closed_form(schedule, stages, micro_ba
     configure(stages)  # one replica
     # Wide enough that a stage's layer outweighs the bundle's bookkeeping.
     with strategy.scope():
-        model = keras.Sequential([keras.Input((64,))] + [
-            keras.layers.Dense(64, activation="relu") for _ in range(stages)])
+        model = keras.Sequential([keras.Input((128,))] + [
+            keras.layers.Dense(128, activation="relu") for _ in range(stages)])
     model.set_pipeline_stage_assignment(list(range(stages)))
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=micro_batches)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
                                  pipeline_schedule=schedule)
-    x = np.ones((micro_batches * 2, 64), "float32")
+    x = np.ones((micro_batches * 2, 128), "float32")
     model.fit(x, x, batch_size=2, verbose=0)
     pipeline = ipu.utils.execution_report(model, "fit").pipeline
     assert pipeline.schedule == schedule.name and pipeline.num_stages == stages

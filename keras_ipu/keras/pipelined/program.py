@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -298,14 +299,19 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
         forward, backward, forward_flops, backward_flops = [], [], [], []
         for s in range(pipe.num_stages):
             ipu = pipe.device_mapping[s]
-            args = (flats("trainable_variables", ipu), flats("non_trainable_variables", ipu),
-                    bundle, x)
+            # The weights one by one, as an IPU holds them: differentiating with
+            # respect to the flat vector that stores them would count, for each
+            # weight, an addition over the whole vector to gather the gradients.
+            weights = jax.eval_shape(functools.partial(runner.trainable, ipu),
+                                     flats("trainable_variables", ipu))
+            args = (weights, flats("non_trainable_variables", ipu), bundle, x)
 
-            def stage(t, n, b, x, s=s):
-                out = runner.run(s, t, n, b, x, training)
+            def stage(t, n, b, x, s=s, ipu=ipu):
+                out, _, outputs, _ = runner.run_with(s, t, runner.non_trainable(ipu, n), b, x,
+                                                     training)
                 # The samples' rows only: the row carrying the additional
                 # losses is bookkeeping, not the stage's work.
-                return out[0][:-1] if out[0] is not None else out[2]
+                return out[:-1] if out is not None else outputs
 
             ahead, behind = _stage_costs(stage, args, s == 0, training, layout.replicas)
             forward.append(ahead.work_cycles(hardware))
