@@ -6,13 +6,15 @@ from __future__ import annotations
 class IPUOutOfMemoryError(RuntimeError):
     """A program needs more memory than an IPU has.
 
-    Raised before the program runs, so no weights change.
+    Raised before the program runs, so no weights change. Of several IPUs
+    out of memory, it names the one that needs most.
 
     Args:
         ipu: Index of the IPU that ran out of memory.
         required_bytes: Bytes the program needs on that IPU.
         capacity_bytes: Bytes the IPU has.
         program: Name of the program (for example `"fit"`).
+        pipelined: Whether the program runs a pipeline (the remedies differ).
 
     Example:
 
@@ -21,29 +23,40 @@ class IPUOutOfMemoryError(RuntimeError):
     2000000
     """
 
-    def __init__(
-        self, ipu: int, required_bytes: int, capacity_bytes: int, program: str = "program"
-    ):
+    def __init__(self, ipu: int, required_bytes: int, capacity_bytes: int,
+                 program: str = "program", pipelined: bool = False):
         self.ipu = ipu
         self.required_bytes = required_bytes
         self.capacity_bytes = capacity_bytes
         self.program = program
+        self.pipelined = pipelined
         super().__init__(
             f"Out of memory on IPU {ipu}: the {program} program needs "
             f"{required_bytes:,} bytes, but the IPU has {capacity_bytes:,} bytes "
-            f"({required_bytes / capacity_bytes:.2f}x its capacity). Usual "
-            f"remedies: pipeline the model over more IPUs "
-            f"(`set_pipeline_stage_assignment` and `set_pipelining_options`), "
-            f"enable recomputation (`IPUConfig.allow_recompute = True`), or use "
-            f"a smaller batch size (with gradient accumulation to keep the "
-            f"effective batch size)."
+            f"({required_bytes / capacity_bytes:.2f}x its capacity). Usual remedies: "
+            f"{_remedies(program, pipelined)}."
         )
 
     def __reduce__(self):
         return (
             type(self),
-            (self.ipu, self.required_bytes, self.capacity_bytes, self.program),
+            (self.ipu, self.required_bytes, self.capacity_bytes, self.program, self.pipelined),
         )
+
+
+def _remedies(program: str, pipelined: bool) -> str:
+    """What frees memory for this program: recomputation and accumulation only train."""
+    training = program == "fit"
+    remedies = [
+        "move layers from this IPU's stages to other IPUs, or pipeline over more IPUs "
+        "(`set_pipeline_stage_assignment`)" if pipelined else
+        "pipeline the model over more IPUs (`set_pipeline_stage_assignment` and "
+        "`set_pipelining_options`)"]
+    if training and pipelined:
+        remedies.append("enable recomputation (`IPUConfig.allow_recompute = True`)")
+    remedies.append("use a smaller batch size (with gradient accumulation to keep the "
+                    "effective batch size)" if training else "use a smaller batch size")
+    return ", ".join(remedies[:-1]) + f", or {remedies[-1]}"
 
 
 class IPUNotAttachedError(RuntimeError):

@@ -102,7 +102,12 @@ def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strateg
     assert "IPU 0" in message and f"{error.required_bytes:,}" in message
     ratio = error.required_bytes / error.capacity_bytes  # to the hundredth: 1.03x is not 1.0x
     assert f"({ratio:.2f}x its capacity)" in message
-    assert "pipelin" in message and "recomputation" in message and "batch size" in message
+    # Recomputation saves memory only in a pipeline's backward pass.
+    assert "pipeline the model" in message and "batch size" in message
+    assert "recomputation" not in message
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
+        model.predict(np.ones((4096, 64), "float32"), batch_size=4096, verbose=0)
+    assert str(info.value).endswith("or use a smaller batch size.")  # no accumulation
     assert_weights_close(before, model.get_weights(), atol=0)
     assert model.optimizer.iterations.numpy() == 0
 
@@ -261,3 +266,25 @@ def test_a_pipeline_reports_fractions_of_a_cycle_not_zero():
                             (2, 1), 6)
     assert ("stage 0 on IPU 0: 0.276 fwd / 0.42 bwd cycles, stash 2, "
             "stage 1 on IPU 1: 1,234 fwd / 0.0801 bwd cycles, stash 1") in str(report)
+
+
+def test_a_pipeline_out_of_memory_names_the_ipu_that_needs_most(strategy):
+    # IPU 0 holds a Dense(64 -> 8) and was named for it, with its smaller need.
+    configure(2, tiles_per_ipu=4)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(1024, activation="relu"),
+                                  keras.layers.Dense(1024), keras.layers.Dense(4)])
+        model.compile("adam", "mse", steps_per_execution=8)
+        model.set_pipeline_stage_assignment([0, 1, 1, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    x, y = _data(128)
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert info.value.ipu == 1 and info.value.pipelined
+    assert "move layers from this IPU's stages" in str(info.value)
+    assert "allow_recompute" in str(info.value)
+    configure(2)
+    model.fit(x, y, batch_size=16, verbose=0)
+    needs = [i.memory_bytes for i in ipu.utils.execution_report(model, "fit").ipus]
+    assert needs[1] > needs[0] and info.value.required_bytes == pytest.approx(needs[1], rel=0.05)

@@ -570,10 +570,13 @@ class ExecutionProgram:
                  options: str = "", dispatched: bool = False) -> _Executable:
         """The executable, once each IPU's memory is checked; its report comes when read."""
         seconds = time.perf_counter() - started
-        for ipu, use in zip(self.replicas.ipus, memory):
-            if use.total_bytes > self.hardware.memory_capacity_bytes:
-                raise IPUOutOfMemoryError(ipu.index, use.total_bytes,
-                                          self.hardware.memory_capacity_bytes, self.mode)
+        capacity = self.hardware.memory_capacity_bytes
+        over = [(use.total_bytes, -ipu.index) for ipu, use in zip(self.replicas.ipus, memory)
+                if use.total_bytes > capacity]
+        if over:  # the IPU that needs most, the first of equals
+            needed, ipu = max(over)
+            raise IPUOutOfMemoryError(-ipu, needed, capacity, self.mode,
+                                      pipelined=self._pipeline is not None)
         report = functools.partial(self._report, batches, memory, cost, loop, seconds, options)
         executable = _Executable(compiled, report, loop, dispatched)
         executable.memory = tuple(memory)
