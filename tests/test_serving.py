@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -255,6 +256,40 @@ def test_an_unnamed_input_beside_one_named_input_1_gets_a_name_of_its_own(strate
     path.write_text(json.dumps(metadata))
     with pytest.raises(ValueError, match=r"names several inputs \['input_1'\]"):
         ipu.serving.load(str(tmp_path / "e"))
+
+
+class _TakesADict(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(4)
+
+    def call(self, inputs):
+        return self.a(inputs["u"]) + self.b(inputs["v"])
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclass"])
+def test_a_model_taking_a_dict_is_served_by_its_keys(kind, strategy, tmp_path):
+    # Before: "Unknown inputs ['u', 'v']": the export knew the inputs by names only.
+    u, v = np.ones((2, 3), "float32"), np.linspace(0, 1, 10, dtype="float32").reshape(2, 5)
+    with strategy.scope():
+        if kind == "functional":
+            a, b = keras.Input((3,), name="a_in"), keras.Input((5,), name="b_in")
+            with warnings.catch_warnings():  # Keras prefers keys that are the inputs' names
+                warnings.simplefilter("ignore", UserWarning)
+                model = keras.Model({"u": a, "v": b},
+                                    keras.layers.Dense(4)(a) + keras.layers.Dense(4)(b))
+        else:
+            model = _TakesADict()
+            model.build({"v": (None, 5), "u": (None, 3)})
+    expected = np.asarray(model({"u": u, "v": v}))
+    runtime = model.export_for_ipu_serving(tmp_path / kind, batch_size=2)
+    names = runtime.input_names
+    assert "(key 'u')" in runtime.signature()
+    np.testing.assert_allclose(runtime({"u": u, "v": v}), expected, atol=1e-6)
+    np.testing.assert_allclose(runtime(u=u, v=v), expected, atol=1e-6)
+    np.testing.assert_allclose(runtime(**dict(zip(names, (u, v)))), expected, atol=1e-6)
+    with pytest.raises(TypeError, match=f"Input '{names[0]}' given twice"):
+        runtime(**{"u": u, names[0]: u, "v": v})
 
 
 def _pipelined_sequential(stages, device_mapping):

@@ -19,7 +19,7 @@ import json
 import numbers
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -85,8 +85,10 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
             f"it in `IPUStrategy().scope()` to export it for IPU serving."
         )
     structure, specs, names = _input_signature(model, _checked_batch_size(batch_size))
+    keys = _dict_keys(structure, len(specs))
     if preprocessing_step is not None and preprocessing_step_signature is not None:
         specs, names = _step_inputs(preprocessing_step_signature, specs[0].shape[0])
+        keys = [None] * len(specs)
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
                  for s in specs]
@@ -107,7 +109,8 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         "model_name": model.name,
         "batch_size": specs[0].shape[0],
         "iterations": iterations,
-        "inputs": [_signature_entry(n, s) for n, s in zip(names, specs)],
+        "inputs": [{**_signature_entry(n, s), **({"key": k} if k else {})}
+                   for n, s, k in zip(names, specs, keys)],
         "outputs": [_signature_entry(n, s) for n, s in
                     zip(_output_names(output_names, len(outputs)), outputs)],
         "platforms": list(platforms),
@@ -421,6 +424,17 @@ def _archive_dtypes(weights: dict[str, np.ndarray]) -> dict[str, str]:
     recorded here.)
     """
     return {key: str(w.dtype) for key, w in weights.items() if w.dtype.kind == "V"}
+
+
+def _dict_keys(structure: Any, count: int) -> list[str | None]:
+    """Per input, the key a model taking a dict of inputs knows it by (`None` for others).
+
+    The runtime takes a dict by these keys too: they are what the model's
+    callers use, where the inputs' names may differ.
+    """
+    if not isinstance(structure, Mapping) or count != len(structure):
+        return [None] * count
+    return [str(path[0]) for path, _ in tree.flatten_with_path(structure)]
 
 
 def _signature_entry(name: str, spec: Any) -> dict:

@@ -151,7 +151,8 @@ class ServingRuntime:
     def signature(self) -> str:
         """The expected inputs and outputs, in words."""
         def entries(items):
-            return ", ".join(f"{e['name']}: {e['dtype']}{list(e['shape'])}" for e in items)
+            return ", ".join(
+                f"{e['name']}{_key_note(e)}: {e['dtype']}{list(e['shape'])}" for e in items)
 
         return f"inputs ({entries(self.inputs)}) -> outputs ({entries(self.outputs)})"
 
@@ -161,6 +162,7 @@ class ServingRuntime:
             args, kwargs = (), args[0]
         if len(args) == 1 and len(names) > 1 and isinstance(args[0], (list, tuple)):
             args = tuple(args[0])
+        kwargs = self._by_name(kwargs)
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"Unknown inputs {unknown}; the export expects {self.signature()}.")
@@ -176,6 +178,19 @@ class ServingRuntime:
         if missing:
             raise TypeError(f"Missing inputs {missing}; the export expects {self.signature()}.")
         return [bound[n] for n in names]
+
+    def _by_name(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Inputs by name: a model taking a dict of inputs is also called by its keys."""
+        names = self.input_names
+        aliases = {e["key"]: e["name"] for e in self.inputs if e.get("key") not in (None, *names)}
+        named: dict[str, Any] = {}
+        for key, value in given.items():
+            name = aliases.get(key, key)
+            if name in named:
+                raise TypeError(f"Input {name!r} given twice (as {key!r} too); the export "
+                                f"expects {self.signature()}.")
+            named[name] = value
+        return named
 
     def _checked(self, inputs: list[Any], leading: tuple[int, ...]) -> list[Any]:
         checked = []
@@ -335,4 +350,11 @@ def _deserialize(export_dir: str, name: str) -> Any:
         return jax.export.deserialize(bytearray(f.read()))
 
 
+def _key_note(entry: Mapping[str, Any]) -> str:
+    """` (key 'u')` for an input the model's dict knows by another key than its name."""
+    key = entry.get("key")
+    return f" (key {key!r})" if key not in (None, entry["name"]) else ""
+
+
 __all__ = ["ServingRuntime", "load", "run_inline_on_cpu"]
+
