@@ -238,6 +238,31 @@ def test_a_nested_model_runs_in_its_stage(stages, tmp_path):
     np.testing.assert_allclose(runtime(data), expected, atol=1e-5)
 
 
+def test_manual_sharding_keeps_an_unmatched_layer_after_the_ipus_it_takes_from(tmp_path):
+    # The reference puts unmatched layers on IPU 0; a residual Add taking IPU 1's output
+    # cannot run in stage 0 ("a dependency from a pipeline stage which has not yet been
+    # executed"): it joins IPU 1. Unmatched layers taking only IPU 0's stay there.
+    from keras_ipu.keras import convert
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((4,), name="x")
+        h = keras.layers.Dense(8, name="shard0_dense")(x)
+        early = keras.layers.ReLU(name="relu")(h)
+        residual = keras.layers.Add(name="add")([early, keras.layers.Dense(8, name="shard1")(h)])
+        model = keras.Model(x, keras.layers.Dense(2, name="shard1_out")(residual))
+        model.save(tmp_path / "residual.keras")
+    data = np.random.default_rng(0).normal(size=(BATCH, 4)).astype("float32")
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, num_ipus=2,
+                                     manual_sharding=[["^shard0"], ["^shard1"]])
+    summary = convert.convert(str(tmp_path / "residual.keras"), str(tmp_path / "export"), options)
+    assert summary["stage_of_layer"] == {"shard0_dense": 0, "relu": 0, "shard1": 1, "add": 1,
+                                         "shard1_out": 1}
+    np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "export"))(data), expected,
+                               atol=1e-5)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

@@ -197,7 +197,7 @@ def _stage_plan(model, options: ConvertOptions, summary: dict):
             raise ValueError(
                 f"--manual_sharding gives {len(patterns)} regex lists for --num_ipus "
                 f"{options.num_ipus}: give one per IPU.")
-        stage_of = _by_patterns(model, patterns)
+        stage_of = _sharded(model, patterns)
         _check_every_stage_used(stage_of, options.manual_sharding, "--manual_sharding", "IPU")
         return stage_of, tuple(range(len(patterns)))
     config = options.pipeline_cfg
@@ -229,14 +229,41 @@ def _chain(model) -> list:
     return [layer for layer in model.layers if type(layer).__name__ != "InputLayer"]
 
 
-def _by_patterns(model, patterns: list[list[re.Pattern]]) -> dict[str, int]:
-    """Stage of each layer: the first regex list that matches its name, else stage 0."""
+def _by_patterns(model, patterns: list[list[re.Pattern]], unmatched: int | None = 0
+                 ) -> dict[str, int | None]:
+    """Stage of each layer: the first regex list that matches its name, else `unmatched`."""
     stage_of = {}
     for layer in _chain(model):
         stage_of[layer.name] = next(
             (s for s, regexes in enumerate(patterns) if any(r.search(layer.name)
-                                                           for r in regexes)), 0)
+                                                           for r in regexes)), unmatched)
     return stage_of
+
+
+def _sharded(model, patterns: list[list[re.Pattern]]) -> dict[str, int]:
+    """`--manual_sharding`'s stage of each layer: the IPU whose regexes match its name.
+
+    An unmatched layer is IPU 0's, as the reference places it, unless it
+    takes a later IPU's output: sharded IPUs pass tensors either way, but a
+    stage takes only from the stages before it, so the layer joins the
+    latest IPU it takes from.
+    """
+    inbound = _inbound_names(model)
+    stage_of: dict[str, int] = {}
+    for name, stage in _by_patterns(model, patterns, unmatched=None).items():
+        stage_of[name] = stage if stage is not None else max(
+            (stage_of.get(source, 0) for source in inbound.get(name, ())), default=0)
+    return stage_of
+
+
+def _inbound_names(model) -> dict[str, list[str]]:
+    """The names of the layers each layer of the chain takes its inputs from."""
+    assignments = model.get_pipeline_stage_assignment()
+    if not all(hasattr(a, "inbound_layers") for a in assignments):  # a Sequential's chain
+        names = [layer.name for layer in _chain(model)]
+        return {name: [before] for before, name in zip(names, names[1:])}
+    return {(a.nested_model if a.is_nested_model else a.layer).name:
+            [layer.name for layer in a.inbound_layers] for a in assignments}
 
 
 def _check_every_stage_used(stage_of: dict[str, int], given: Sequence[Any], option: str,
