@@ -382,3 +382,33 @@ def test_sample_weights_without_targets_are_dropped_as_in_keras(strategy):
         with pytest.raises(ValueError, match="None"):
             model.fit(x, sample_weight=w, batch_size=BATCH, verbose=0)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["fit", "evaluate", "predict"])
+def test_a_users_mistake_shows_the_users_frames_as_in_keras(call, strategy):
+    # Before: keras_ipu's and Keras' frames made the traceback 3-5x plain Keras'.
+    import os
+
+    import keras_ipu
+
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    run = {"fit": lambda: on_ipu.fit(x[:, :2], y, batch_size=BATCH, verbose=0),
+           "evaluate": lambda: on_ipu.evaluate(x[:, :2], y, batch_size=BATCH, verbose=0),
+           "predict": lambda: on_ipu.predict(x[:, :2], batch_size=BATCH, verbose=0)}[call]
+    library = (os.path.dirname(keras_ipu.__file__), os.path.dirname(keras.__file__))
+
+    def library_frames():
+        with pytest.raises(ValueError, match="incompatible with the layer") as raised:
+            run()
+        return [str(entry.path) for entry in raised.traceback
+                if str(entry.path).startswith(library)]
+
+    # The re-raise, and the line that raised.
+    assert [os.path.basename(path) for path in library_frames()] == ["tracebacks.py",
+                                                                     "input_spec.py"]
+    keras.config.disable_traceback_filtering()
+    try:
+        assert any("trainer.py" in path for path in library_frames())
+    finally:
+        keras.config.enable_traceback_filtering()

@@ -43,6 +43,7 @@ from keras_ipu.keras.stages import (
     SequentialNestedModelPipelineStageAssignment,
     SequentialPipelineMixin,
 )
+from keras_ipu.keras.tracebacks import user_frames_only
 
 _ASSET_FILE = "ipu_options.json"
 
@@ -375,6 +376,7 @@ class ExtensionBase:
         if own is not None:
             own(dir_path)
 
+    @user_frames_only
     def fit(self, *args, **kwargs):
         """Trains the model on the IPU system; same arguments as `keras.Model.fit`.
 
@@ -408,6 +410,7 @@ class ExtensionBase:
         # `fit` in the model's own class runs first and sees the caller's arguments.
         return super().fit(*args, **kwargs)
 
+    @user_frames_only
     def evaluate(self, *args, **kwargs):
         """Evaluates the model on the IPU system; same arguments as `keras.Model.evaluate`.
 
@@ -428,6 +431,7 @@ class ExtensionBase:
         """
         return super().evaluate(*args, **kwargs)
 
+    @user_frames_only
     def predict(self, *args, **kwargs):
         """Predicts on the IPU system; same arguments as `keras.Model.predict`.
 
