@@ -158,6 +158,19 @@ def test_a_wide_beam_finds_the_exact_most_likely_sequences(blank):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
+def test_an_entry_of_no_time_step_decodes_to_the_empty_sequence():
+    # Before: decoded as if of length 1 (Keras' search takes a step of it).
+    logits, lengths, _ = _data(2)
+    lengths = np.array([0, *lengths[1:]])
+    neg_log_probs, lengths_out, predictions = nn_ops.ctc_beam_search_decoder(
+        logits, lengths, beam_width=8, top_paths=2)
+    np.testing.assert_array_equal(neg_log_probs[0], [0.0, np.inf])
+    np.testing.assert_array_equal(lengths_out[0], [0, 0])
+    assert (np.asarray(predictions[0]) == -1).all()
+    whole = nn_ops.ctc_beam_search_decoder(logits, np.array([T, *lengths[1:]]), 8, 2)
+    np.testing.assert_allclose(neg_log_probs[1:], whole[0][1:])  # the others as before
+
+
 def test_a_model_trained_with_the_ctc_loss_on_an_ipu_equals_plain_keras():
     rng = np.random.default_rng(3)
     x = rng.random((16, T, 5), np.float32)

@@ -312,7 +312,8 @@ def ctc_beam_search_decoder_with_log_probs(
         log probability `[batch_size, top_paths]` and length
         `[batch_size, top_paths]` of each sequence, and the sequences
         `[batch_size, top_paths, max_time]`, padded with -1 after their
-        length.
+        length. An entry of length 0 decodes to the empty sequence (its
+        other paths have an infinite negative log probability).
 
     Raises:
         ValueError: For a beam width below 1, `top_paths` outside 1 to
@@ -338,8 +339,15 @@ def ctc_beam_search_decoder_with_log_probs(
         beam_width=int(beam_width), top_paths=int(top_paths),
         mask_index=_blank(blank_index, log_probs.shape[-1]))
     predictions = jnp.swapaxes(paths, 0, 1).astype(jnp.int32)
+    neg_log_probs = -scores.astype(log_probs.dtype)
+    # An entry of no time step decodes to the empty sequence, surely (Keras' search
+    # takes a step of it anyway); its other paths are impossible.
+    empty = (jnp.asarray(input_lengths) == 0)[:, None]
+    predictions = jnp.where(empty[..., None], -1, predictions)
+    neg_log_probs = jnp.where(empty, jnp.where(jnp.arange(top_paths) == 0, 0.0, jnp.inf),
+                              neg_log_probs).astype(log_probs.dtype)
     lengths = jnp.sum(predictions >= 0, axis=-1).astype(jnp.int32)
-    return -scores.astype(log_probs.dtype), lengths, predictions
+    return neg_log_probs, lengths, predictions
 
 
 def ctc_beam_search_decoder(
