@@ -1328,3 +1328,26 @@ def test_ipus_the_device_mapping_skips_hold_nothing_in_the_report(loop, strategy
     assert report.loop == loop and len(report.ipus) == 4
     assert [ipu_report.memory_bytes == 0 for ipu_report in report.ipus] == [
         False, True, True, False]
+
+
+@pytest.mark.parametrize("mode", ["fit", "predict"])
+def test_an_unbuilt_subclass_with_stage_scopes_fed_a_generator_is_refused_until_built(
+        mode, strategy):
+    # Before: it ran unpipelined, as data-parallel replicas, silently (other weights).
+    configure(4)
+    x, y = data_for("sequential", samples=64)
+
+    def batches():
+        for i in range(0, 64, MICRO):
+            yield (x[i:i + MICRO], y[i:i + MICRO]) if mode == "fit" else (x[i:i + MICRO],)
+
+    with strategy.scope():
+        model = FourStages()
+    _fit_pipelined(model, ipu.ops.pipelining_ops.PipelineSchedule.Grouped)
+    run = {"fit": lambda: model.fit(batches(), steps_per_epoch=16, verbose=0),
+           "predict": lambda: model.predict(batches(), steps=16, verbose=0)}[mode]
+    with pytest.raises(RuntimeError, match="enters `PipelineStage` scopes, but it was not built"):
+        run()
+    assert int(model.optimizer.iterations) == 0
+    run()  # built now: pipelined
+    assert ipu.utils.execution_report(model, mode).pipeline.num_stages == 4

@@ -20,7 +20,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import batch_norm_groups, feed_options, pipelined, steps
+from keras_ipu.keras import batch_norm_groups, data, feed_options, pipelined, stages, steps
 from keras_ipu.keras import run as run_module
 from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
 from keras_ipu.keras.replication import VARIABLES_CHANGED, Layout, ReplicaCodec
@@ -52,6 +52,8 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     """
     hardware = ipu_system.require().hardware
     parts = STATE_PARTS[mode]
+    if placement.plan is None:
+        _check_not_pipelined(model, feed)
     if placement.plan is not None:
         key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
     else:
@@ -206,6 +208,24 @@ def _one_replicas_step(model, mode: str, options: IPUOptions, replicas: Replicas
         replicas=replicas,
         every_micro_batch_logs=options.asynchronous_callbacks or not own_logs,
     )
+
+
+def _check_not_pipelined(model, feed) -> None:
+    """Refuses a subclassed model that its first batch showed to be pipelined.
+
+    Whether a subclassed model enters `PipelineStage` scopes shows only when
+    it is traced: with arrays keras_ipu traces it before it places the run,
+    but other data (a generator, a `PyDataset`, a data frame) is read only
+    to build the model, after the run was placed on replicas.
+    """
+    if isinstance(feed, data.ArrayFeed) or stages.model_kind(model) != stages.MODEL:
+        return
+    if pipelined.plan_of(model) is not None:
+        raise RuntimeError(
+            f"Model {model.name} enters `PipelineStage` scopes, but it was not built when "
+            f"this run started: keras_ipu places a run before it reads data that is not "
+            f"arrays, so the model would have run unpipelined. Build it first "
+            f"(`model.build(input_shape)`, or call it on a batch) and run it again.")
 
 
 # The methods a pipelined model runs as keras_ipu's own, per mode: the stages
