@@ -82,6 +82,20 @@ def test_instance_environment_and_launcher_environment_agree():
     assert runtime.launcher_environment({}) is None
     with pytest.raises(ValueError, match="KERAS_IPU_INSTANCE_INDEX=2"):
         runtime.launcher_environment({**env, runtime.INSTANCE_INDEX_ENV: "2"})
+    # Two instances without their index would both be instance 0, and hang.
+    del env[runtime.INSTANCE_INDEX_ENV]
+    with pytest.raises(ValueError, match=r"KERAS_IPU_INSTANCE_INDEX=\(not set\)"):
+        runtime.launcher_environment(env)
+    assert runtime.launcher_environment({runtime.NUM_INSTANCES_ENV: "1"})["instance_index"] == 0
+
+
+def test_the_helpers_refuse_what_has_no_answer():
+    with pytest.raises(ValueError, match="an instance index in 0..1, got 2"):
+        ipu.distributed.shard_for_instance(np.ones((8, 1)), 2, 1, instance=2, instances=2)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        ipu.distributed.allgather(np.float32(1))
+    halves = np.array([[1.0], [2.0]], "bfloat16")  # two instances' values, stacked
+    assert float(runtime.reduce_stacked(halves, "mean")[0]) == 1.5
 
 
 def test_update_ipu_config_sets_the_multi_replica_distribution_options(monkeypatch):
@@ -92,6 +106,8 @@ def test_update_ipu_config_sets_the_multi_replica_distribution_options(monkeypat
     distribution = config.experimental.multi_replica_distribution
     assert (distribution.process_count, distribution.process_index) == (2, 1)
     assert config.auto_select_ipus == 2  # 4 replicas over 2 instances
+    # A replica of 3 pipeline stages takes 4 IPUs, as the pipeline needs.
+    assert ipu.distributed.update_ipu_config(ipu.config.IPUConfig(), 3).auto_select_ipus == 8
     monkeypatch.delenv(runtime.NUM_REPLICAS_ENV)
     config = ipu.distributed.update_ipu_config(ipu.config.IPUConfig())
     assert config.experimental.multi_replica_distribution.process_count == 2
@@ -196,6 +212,11 @@ def test_helpers_across_two_instances():
         assert "ipus [0, 1, 2, 3]" in out  # the job's IPUs, numbered one by one
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
         assert "wide 2199023255553 int64 float64 [1099511627776, 1099511627777] True" in out
+        # Before: garbage in one instance, and a hang.
+        assert ("mismatch dtype allreduce needs the same structure, dtypes and shapes on "
+                "every instance") in out
+        assert "mismatch shape broadcast needs the same structure" in out
+        assert "bf16 mean 1.5" in out  # was truncated as an integer's: 1.0
 
 
 @pytest.mark.parametrize("how", ["dies", "raise"])
@@ -291,9 +312,13 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
     # Instance 0 alone saving (Horovod's idiom) neither hangs nor breaks the fit's collectives.
     assert "first only ['first_only.weights.h5', 'saved_by_first.weights.h5']" in lines_of(
         done.stdout, 0)
+    own = lines_of(done.stdout, 1)
+    assert f"own path Instance 0 did not save {str(tmp_path / 'own_1.weights.h5')!r}" in own
+    listed = next(line for line in own.splitlines() if line.startswith("own files"))
+    assert "'own_1.keras'" in listed and "own_1.weights.h5" not in listed
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt_1.weights.h5", "ckpt_2.weights.h5", "first_only.weights.h5", "model.keras",
-        "saved_by_first.weights.h5"]
+        "own_0.keras", "own_0.weights.h5", "own_1.keras", "saved_by_first.weights.h5"]
 
 
 def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(tmp_path):

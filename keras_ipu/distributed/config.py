@@ -14,7 +14,8 @@ def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
     Under `keras-ipu run --num-instances N` (as `popdist.tensorflow.set_ipu_config`):
     `experimental.multi_replica_distribution.process_count` becomes `N` and
     `.process_index` this instance's index; with `--num-replicas R
-    [--ipus-per-replica K]` an instance also gets `auto_select_ipus = R / N × K`.
+    [--ipus-per-replica K]` an instance also gets `auto_select_ipus = R / N × K`
+    (K rounded up to a power of two, as a replica takes: 4 for 3 stages).
     Outside a launched job the config is left as it is.
 
     Args:
@@ -43,5 +44,7 @@ def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
     if replicas is None:
         return config
     per_replica = ipus_per_replica or int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
+    # A replica takes a power of two of IPUs: a 3-stage pipeline's replica takes 4.
+    per_replica = 1 << (per_replica - 1).bit_length()
     config.auto_select_ipus = int(replicas) // shape["num_instances"] * per_replica
     return config

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # The launcher's environment: what each instance it starts is told.
@@ -70,7 +72,8 @@ def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, 
         return None
     try:
         count = int(environ[NUM_INSTANCES_ENV])
-        index = int(environ.get(INSTANCE_INDEX_ENV, "0"))
+        # Only a job of one instance may leave its index out: two would both be instance 0.
+        index = int(environ.get(INSTANCE_INDEX_ENV, "0" if count == 1 else "-1"))
     except ValueError as error:
         raise ValueError(
             f"{NUM_INSTANCES_ENV} and {INSTANCE_INDEX_ENV} must be integers, got "
@@ -80,7 +83,8 @@ def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, 
     if count < 1 or not 0 <= index < count or (count > 1 and not coordinator):
         raise ValueError(
             f"The launcher's environment is inconsistent: {NUM_INSTANCES_ENV}={count}, "
-            f"{INSTANCE_INDEX_ENV}={index}, {COORDINATOR_ENV}={coordinator!r}. Start the "
+            f"{INSTANCE_INDEX_ENV}={environ.get(INSTANCE_INDEX_ENV, '(not set)')}, "
+            f"{COORDINATOR_ENV}={coordinator!r}. Start the "
             f"instances with `keras-ipu run --num-instances N`, or set all three "
             f"(the index in 0..N-1, the coordinator as HOST:PORT)."
         )
@@ -230,9 +234,11 @@ def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
     stacked = np.asarray(stacked)
     if op == "sum":
         return np.sum(stacked, axis=0, dtype=stacked.dtype)
-    if op in ("mean", "average") and not np.issubdtype(stacked.dtype, np.inexact):
+    if op in ("mean", "average") and not jnp.issubdtype(stacked.dtype, jnp.inexact):
         total = np.sum(stacked, axis=0, dtype=stacked.dtype)
         return np.trunc(total / stacked.shape[0]).astype(stacked.dtype)
+    if op in ("mean", "average") and stacked.dtype.itemsize < 4:  # bfloat16, float16
+        return np.mean(stacked.astype(np.float32), axis=0).astype(stacked.dtype)
     return np.asarray(_REDUCTIONS[op](stacked, axis=0)).astype(stacked.dtype, copy=False)
 
 
@@ -258,6 +264,7 @@ def allreduce(value: Any, op: str = "mean") -> Any:
     name = str(getattr(op, "name", op)).lower()
     if name not in _REDUCTIONS:
         raise ValueError(f"Unknown reduction {op!r}; valid ones are {sorted(_REDUCTIONS)}.")
+    _check_alike(value, "allreduce")
     gathered = _gather_stacked(value)
     return jax.tree_util.tree_map(lambda a: reduce_stacked(a, name), gathered)
 
@@ -278,9 +285,15 @@ def allgather(value: Any) -> Any:
     >>> allgather(np.full((instance_index() + 1,), instance_index()))   # 2 instances
     array([0, 1, 1])
     """
+    scalars = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(value) if not np.ndim(leaf)]
+    if scalars:
+        raise ValueError("allgather concatenates along the first axis: give arrays of at least "
+                         "one dimension (a scalar `x` as `[x]`).")
     if num_instances() == 1:
         return jax.tree_util.tree_map(np.asarray, value)
     from jax.experimental import multihost_utils
+
+    _check_alike(value, "allgather", first_axis_free=True)
 
     def gather(leaf):
         leaf = np.asarray(leaf)
@@ -318,6 +331,7 @@ def broadcast(value: Any, root_rank: int = 0) -> Any:
                          f"got {root_rank!r}.")
     if count == 1:
         return jax.tree_util.tree_map(np.asarray, value)
+    _check_alike(value, "broadcast")
     if root_rank == 0:
         from jax.experimental import multihost_utils
 
@@ -332,6 +346,28 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def _check_alike(value: Any, operation: str, first_axis_free: bool = False) -> None:
+    """Raises in every instance when their values differ in structure, dtypes or shapes.
+
+    The exchange itself would mix their bytes, or wait forever for an
+    instance sending another size, as Horovod refuses mismatched tensors.
+    """
+    if num_instances() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    leaves, structure = jax.tree_util.tree_flatten(value)
+    described = f"{structure}: " + ", ".join(
+        f"{np.asarray(leaf).dtype}{list(np.shape(leaf)[1:] if first_axis_free else np.shape(leaf))}"
+        for leaf in leaves)
+    digests = multihost_utils.process_allgather(np.uint32(zlib.crc32(described.encode())))
+    if len(set(np.asarray(digests).ravel().tolist())) > 1:
+        raise ValueError(
+            f"{operation} needs the same structure, dtypes and shapes"
+            f"{' (but for the first axis)' if first_axis_free else ''} on every instance; "
+            f"instance {instance_index()} has {described}, and not every instance has the same.")
 
 
 def _gather_stacked(value: Any) -> Any:

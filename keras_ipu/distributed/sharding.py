@@ -34,6 +34,9 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
     Returns:
         The instance's share, with the same structure as `data`.
 
+    Raises:
+        ValueError: For an `instance` that is not an index below `instances`.
+
     Example:
 
     >>> x_local, y_local = shard_for_instance((x, y), batch_size=8)
@@ -43,6 +46,9 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
     if local_replicas is None:
         per_replica = int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
         local_replicas = runtime.num_local_replicas(per_replica)
+    if not 0 <= instance < instances:
+        raise ValueError(f"instance must be an instance index in 0..{instances - 1}, got "
+                         f"{instance!r}.")
     local = local_replicas
     replicas = instances * local
 

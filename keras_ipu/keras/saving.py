@@ -30,8 +30,9 @@ _WRITING = threading.local()
 # n-th save of a path in another instance waits for instance 0's n-th write of it.
 _SAVES: dict[str, int] = {}
 # How long another instance waits for instance 0 to write (the launcher stops the
-# job sooner when instance 0 dies).
-_WAIT_FOR_WRITER_MS = 24 * 3600 * 1000
+# job sooner when instance 0 dies): instances reach a save together, but for the
+# work instance 0 alone may do first (evaluating, say).
+_WAIT_FOR_WRITER_MS = 10 * 60 * 1000
 
 # The extensions Keras recognises, longest first.
 _EXTENSIONS = (".weights.h5", ".keras", ".h5", ".hdf5")
@@ -142,7 +143,17 @@ def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
     _SAVES[path] = count = _SAVES.get(path, 0) + 1
     key = f"keras_ipu/saved/{path}/{count}"
     if jax.process_index() != 0:
-        if client.blocking_key_value_get(key, _WAIT_FOR_WRITER_MS) != "written":
+        try:
+            written = client.blocking_key_value_get(key, _WAIT_FOR_WRITER_MS)
+        except Exception as error:  # the coordination service's deadline
+            raise RuntimeError(
+                f"Instance 0 did not save {filepath!r} within "
+                f"{_WAIT_FOR_WRITER_MS // 60000} minutes. In a job, instance 0 writes the "
+                f"files `model.save` and `save_weights` name, and the other instances wait "
+                f"for it: save to the same path in every instance, or in instance 0 only; "
+                f"for a file of this instance's own, use `keras.saving.save_model(model, "
+                f"path)`, which every instance writes itself.") from error
+        if written != "written":
             raise RuntimeError(f"Instance 0 failed to save {filepath!r}; see its error.")
         return None
     _WRITING.active = True

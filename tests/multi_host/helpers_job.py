@@ -32,3 +32,12 @@ say("wide", int(wide), wide.dtype, dist.broadcast(np.float64(0.1)).dtype,
     dist.allgather(np.array([2**40 + i], np.int64)).tolist(),
     abs(float(dist.allreduce(np.float64(1 + 1e-12 * (i + 1)), op="sum")) - 2.000000000003)
     < 1e-15)
+# Values that differ between instances are refused in every instance, not mixed or waited for.
+for name, call in (("dtype", lambda: dist.allreduce(np.ones(2, "float32" if i == 0 else "int32"))),
+                   ("shape", lambda: dist.broadcast(np.ones(2 + i, "float32")))):
+    try:
+        call()
+        say("mismatch", name, "passed")
+    except ValueError as error:
+        say("mismatch", name, str(error).split(";")[0])
+say("bf16 mean", float(dist.allreduce(np.array([1.0 + i], jax.numpy.bfloat16))[0]))

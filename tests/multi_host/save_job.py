@@ -71,3 +71,17 @@ with strategy.scope():
     if index == 0:
         model.save_weights(os.path.join(out, "saved_by_first.weights.h5"))
 say("first only", sorted(n for n in os.listdir(out) if "first" in n))
+# A save of a path of the instance's own: instance 1 would wait for instance 0 to write it
+# (for 24 hours before); now it gives up with advice, and keras.saving.save_model writes it.
+import keras_ipu.keras.saving as ipu_saving  # noqa: E402
+
+ipu_saving._WAIT_FOR_WRITER_MS = 3000  # the job's own patience, for the test
+own = os.path.join(out, f"own_{index}.weights.h5")
+with strategy.scope():
+    try:
+        model.save_weights(own)
+        say("own path", "saved")
+    except RuntimeError as error:
+        say("own path", str(error).split(". In a job")[0])
+    keras.saving.save_model(model, os.path.join(out, f"own_{index}.keras"))
+say("own files", sorted(n for n in os.listdir(out) if n.startswith("own_")))
