@@ -412,3 +412,13 @@ def test_a_users_mistake_shows_the_users_frames_as_in_keras(call, strategy):
         assert any("trainer.py" in path for path in library_frames())
     finally:
         keras.config.enable_traceback_filtering()
+
+
+def test_steps_on_one_batch_train_and_test_as_in_keras(strategy):
+    plain, on_ipu = twin("sequential", strategy, optimizer="sgd")
+    x, y = data_for("sequential", samples=BATCH)
+    for model in (plain, on_ipu):
+        model.train_on_batch(x, y)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(*_both(plain, on_ipu, lambda m: m.test_on_batch(x, y)),
+                               rtol=1e-6)

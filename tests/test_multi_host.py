@@ -312,6 +312,10 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
     # Instance 0 alone saving (Horovod's idiom) neither hangs nor breaks the fit's collectives.
     assert "first only ['first_only.weights.h5', 'saved_by_first.weights.h5']" in lines_of(
         done.stdout, 0)
+    for index in (0, 1):  # Before: each instance trained its own weights.
+        out = lines_of(done.stdout, index)
+        for name in ("train_on_batch", "test_on_batch"):
+            assert f"on batch `{name}` runs on this instance's IPUs alone" in out
     own = lines_of(done.stdout, 1)
     assert f"own path Instance 0 did not save {str(tmp_path / 'own_1.weights.h5')!r}" in own
     listed = next(line for line in own.splitlines() if line.startswith("own files"))

@@ -182,6 +182,27 @@ def num_instances() -> int:
     return jax.process_count()
 
 
+def check_one_instance(what: str) -> None:
+    """Refuses what would run on this instance's IPUs alone in a job of several instances.
+
+    Args:
+        what: What the user called, for the message (`"`train_on_batch`"`).
+
+    Raises:
+        NotImplementedError: When the job has several instances: the
+            instances' weights would part.
+
+    Example:
+
+    >>> check_one_instance("`train_on_batch`")   # one instance: nothing happens
+    """
+    if num_instances() > 1:
+        raise NotImplementedError(
+            f"{what} runs on this instance's IPUs alone, so the instances' weights would "
+            f"part: in a job of several instances, train with `fit` (one batch: `fit(x, y, "
+            f"batch_size=len(x))`) and evaluate with `evaluate`.")
+
+
 def num_local_replicas(ipus_per_replica: int = 1) -> int:
     """Replicas on this instance's configured IPUs, `ipus_per_replica` (rounded up
     to a power of two) each.

@@ -30,6 +30,7 @@ from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
 from keras_ipu.device import interrupts
+from keras_ipu.distributed import runtime
 from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod
 from keras_ipu.keras.stages import (
@@ -598,8 +599,18 @@ def _predict_on_ipus(model, x, batch_size=None, verbose="auto", steps=None, call
 # Keras' own `fit`, `evaluate` and `predict`, which an IPU model reaches through `super()`
 # (from the extension, or from an override in the model's class) and which run it on the
 # IPUs; other models get Keras' methods unchanged.
-_ON_IPUS = {"fit": _fit_on_ipus, "evaluate": _evaluate_on_ipus, "predict": _predict_on_ipus}
 _original_trainer_methods: dict = {}
+
+
+def _on_this_instance(name: str):
+    def on_ipus(model, *args, **kwargs):  # Keras' own step on a batch, on this instance
+        runtime.check_one_instance(f"`{name}`")
+        return _original_trainer_methods[name](model, *args, **kwargs)
+    return on_ipus
+
+
+_ON_IPUS = {"fit": _fit_on_ipus, "evaluate": _evaluate_on_ipus, "predict": _predict_on_ipus,
+            **{name: _on_this_instance(name) for name in ("train_on_batch", "test_on_batch")}}
 
 
 def _route_trainer_methods() -> None:
@@ -681,14 +692,9 @@ def extension_class(cls: type, functional: bool = False) -> type:
 
 # IPU TensorFlow's `keras.extensions` package exports these too.
 __all__ = [
-    "FunctionalExtension",
-    "FunctionalLayerPipelineStageAssignment",
-    "FunctionalNestedModelPipelineStageAssignment",
-    "ModelExtension",
-    "ModelLayerPipelineStageAssignment",
-    "NestedModelPipelineStageAssignment",
-    "ReplicatedMetricReductionMethod",
-    "SequentialExtension",
-    "SequentialLayerPipelineStageAssignment",
-    "SequentialNestedModelPipelineStageAssignment",
+    "FunctionalExtension", "FunctionalLayerPipelineStageAssignment",
+    "FunctionalNestedModelPipelineStageAssignment", "ModelExtension",
+    "ModelLayerPipelineStageAssignment", "NestedModelPipelineStageAssignment",
+    "ReplicatedMetricReductionMethod", "SequentialExtension",
+    "SequentialLayerPipelineStageAssignment", "SequentialNestedModelPipelineStageAssignment",
 ]

@@ -85,3 +85,10 @@ with strategy.scope():
         say("own path", str(error).split(". In a job")[0])
     keras.saving.save_model(model, os.path.join(out, f"own_{index}.keras"))
 say("own files", sorted(n for n in os.listdir(out) if n.startswith("own_")))
+# One step on a batch would train this instance's weights alone.
+for step in (model.train_on_batch, model.test_on_batch):
+    try:
+        step(x[:BATCH], y[:BATCH])
+        say("on batch", "ran")
+    except NotImplementedError as error:
+        say("on batch", str(error).split(",")[0])
