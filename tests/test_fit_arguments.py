@@ -6,6 +6,8 @@ same initial weights and compares what comes out.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -422,3 +424,20 @@ def test_steps_on_one_batch_train_and_test_as_in_keras(strategy):
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
     np.testing.assert_allclose(*_both(plain, on_ipu, lambda m: m.test_on_batch(x, y)),
                                rtol=1e-6)
+
+
+def test_epochs_after_the_data_ran_out_end_with_the_last_logs_as_in_keras(strategy):
+    # Before: on_epoch_end got {} and History missed the epoch's loss.
+    plain, on_ipu = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=64)
+
+    def batches():
+        for i in range(0, 64, BATCH):
+            yield x[i:i + BATCH], y[i:i + BATCH]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Your input ran out of data"
+        expected, actual = _both(plain, on_ipu, lambda model: model.fit(
+            batches(), steps_per_epoch=4, epochs=3, verbose=0))
+    assert len(actual.history["loss"]) == 3 and actual.history.keys() == expected.history.keys()
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

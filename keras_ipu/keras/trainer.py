@@ -138,7 +138,7 @@ def fit(
             model.stop_training = False
             callbacks.on_train_begin()
     training_logs: dict = {}
-    training_finished = False
+    training_finished, logs = False, {}
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
     initial_epoch = model._initial_epoch or initial_epoch
     try:
@@ -146,7 +146,7 @@ def fit(
             metric_reset.reset_metrics(model)
             callbacks.on_epoch_begin(epoch)
             programs.check_unchanged(model, "fit")  # a callback froze a layer?
-            logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead)
+            logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead) or logs
             ahead = None  # closed by the epoch
             model.jax_state_sync()
             epoch_logs = _epoch_logs(model, run, logs)
