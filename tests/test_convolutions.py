@@ -264,6 +264,24 @@ def test_fallback_paths() -> None:
     )
 
 
+def test_forward_mode_autodiff_is_traced_with_lax_convolutions() -> None:
+    """jvp through a convolution traces with the rewrite's custom_vjp but cannot lower:
+    `trace_for` traces it again with lax's (before, predict of such a model failed)."""
+    x = _operand((BATCH, 9, 7, CHANNELS), 16, jnp.float32)
+    w = _operand((3, 3, CHANNELS, 6), 17, jnp.float32)
+
+    def conv(x):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=NHWC[2])
+
+    jitted = jax.jit(lambda x: jax.jvp(conv, (x,), (jnp.ones_like(x),)))
+    traced = cc.trace_for("cpu", jitted, x)
+    assert "custom_lin" not in str(traced.jaxpr)
+    _assert_trees_close(jax.jvp(conv, (x,), (jnp.ones_like(x),)),
+                        traced.lower().compile()(x))
+    plain = jax.jit(conv)  # without forward mode, the rewrite stays
+    assert "custom_vjp_call" in str(cc.trace_for("cpu", plain, x).jaxpr)
+
+
 def test_second_order() -> None:
     """grad-of-grad through the custom VJP matches lax."""
     x = _operand((BATCH, 9, 7, CHANNELS), 16)

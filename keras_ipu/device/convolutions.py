@@ -83,6 +83,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -152,9 +153,23 @@ def trace_for(platform: str, jitted: Any, *args: Any) -> Any:
         return jitted.trace(*args)
     try:
         with canonical_convolutions():
-            return jitted.trace(*args)
-    except Exception:  # noqa: BLE001 - e.g. forward-mode autodiff of a convolution
+            traced = jitted.trace(*args)
+    except Exception:  # noqa: BLE001 - e.g. reverse- over forward-mode autodiff
         return jitted.trace(*args)
+    if not _linearizes_custom_vjp(traced.jaxpr):
+        return traced
+    # Forward-mode autodiff of the rewrite's custom_vjp traces, but cannot lower: traced
+    # again with lax's convolutions, past JAX's cache of the trace.
+    jitted.clear_cache()
+    return jitted.trace(*args)
+
+
+def _linearizes_custom_vjp(jaxpr: Any) -> bool:
+    """Whether a jaxpr (or one inside it) holds JAX's forward-mode form of a custom_vjp."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(eqn.primitive.name == "custom_lin"
+               or any(_linearizes_custom_vjp(sub) for sub in jex.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 def _raw_canonical_conv(
