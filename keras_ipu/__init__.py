@@ -21,8 +21,6 @@ Submodules load on first use, so the import stays light.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -54,43 +52,10 @@ def _select_jax_backend() -> None:
 
 _select_jax_backend()
 
-# The modules whose layers are registered with Keras' serialization, so that
-# `keras.models.load_model` finds them (recurrent_ops imports layers, which
-# imports group_normalization).
-_REGISTERING_MODULE = "keras_ipu.keras.recurrent_ops"
+from keras_ipu import layer_registration  # noqa: E402 (after the backend is chosen)
 
-
-class _RegisterAfterKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Registers keras_ipu's layers with Keras as soon as Keras is imported.
-
-    keras_ipu does not import Keras itself (the import stays light, and
-    Keras' backend is chosen first); a model saved with IPU layers must
-    still load after `import keras_ipu`, as with IPU TensorFlow, without
-    importing the layers' module by hand.
-    """
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "keras":
-            return None
-        sys.meta_path.remove(self)  # once, and the real finders find Keras
-        spec = importlib.util.find_spec("keras")
-        if spec is not None and spec.loader is not None:
-            self._keras_loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec):
-        return self._keras_loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__spec__.loader = module.__loader__ = self._keras_loader
-        self._keras_loader.exec_module(module)
-        importlib.import_module(_REGISTERING_MODULE)
-
-
-if "keras" in sys.modules:
-    importlib.import_module(_REGISTERING_MODULE)
-elif not any(isinstance(finder, _RegisterAfterKeras) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterAfterKeras())
+# Keras' `load_model` finds keras_ipu's layers once Keras is imported.
+layer_registration.install()
 
 _SUBMODULES = (
     "config",

@@ -148,7 +148,12 @@ def test_select_ipus_picks_configurations_of_the_gc_info_listing():
     assert [ipu.index for ipu in configured.ipus_of_device("/device:IPU:1")] == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("imports", ["import keras_ipu, keras", "import keras, keras_ipu"])
+@pytest.mark.parametrize("imports", [
+    "import keras_ipu, keras", "import keras, keras_ipu",
+    # A registering module imported first imports Keras itself (it failed: a circular import).
+    "import keras_ipu.keras.layers, keras", "import keras_ipu.keras.group_normalization, keras",
+    # A probe for Keras does not use the registration up.
+    "import keras_ipu, importlib.util; importlib.util.find_spec('keras'); import keras"])
 def test_a_model_saved_with_ipu_layers_loads_after_importing_keras_ipu(imports, tmp_path):
     # Before: "Could not locate class 'PopnnGRU'" until the layers' module was imported by hand.
     import keras

@@ -22,6 +22,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_ipu import layer_registration
+
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
 
@@ -210,3 +212,6 @@ class InstanceNormalization(GroupNormalization):
 
     def _groups_for(self, channels: int) -> int:
         return channels
+
+# Keras' import may have come while this module was imported: the registration ends here.
+layer_registration.complete(__name__)

@@ -54,6 +54,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_ipu import layer_registration
 from keras_ipu.device import checkpoints
 from keras_ipu.keras.group_normalization import (  # noqa: F401 (ipu.keras.layers' names)
     GroupNormalization,
@@ -594,3 +595,6 @@ __all__ = [
     "poplar_hard_sigmoid",
     "seeded_initializer",
 ]
+
+# Keras' import may have come while this module was imported: the registration ends here.
+layer_registration.complete(__name__)

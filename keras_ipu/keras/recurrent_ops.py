@@ -46,6 +46,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_ipu import layer_registration
 from keras_ipu.keras.layers import PopnnGRU as _KerasGRU
 from keras_ipu.keras.layers import PopnnLSTM as _KerasLSTM
 from keras_ipu.keras.layers import float_dtype_choice, poplar_hard_sigmoid
@@ -447,3 +448,6 @@ class AttentionGRUCell(keras.layers.GRUCell):
 
 __all__ = ["AttentionGRUCell", "LSTMStateTuple", "PopnnAUGRU", "PopnnDynamicGRU", "PopnnGRU",
            "PopnnLSTM"]
+
+# Keras' import may have come while this module was imported: the registration ends here.
+layer_registration.complete(__name__)
