@@ -440,4 +440,6 @@ def test_epochs_after_the_data_ran_out_end_with_the_last_logs_as_in_keras(strate
         expected, actual = _both(plain, on_ipu, lambda model: model.fit(
             batches(), steps_per_epoch=4, epochs=3, verbose=0))
     assert len(actual.history["loss"]) == 3 and actual.history.keys() == expected.history.keys()
+    assert actual.history["loss"][2] == actual.history["loss"][1] > 0  # not the reset metrics
+    assert_history_close(expected.history, actual.history)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

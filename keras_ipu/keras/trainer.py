@@ -129,8 +129,7 @@ def fit(
         val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                    if val_feed else None)
         _check_attached("fit")
-        # On an accelerator the first execution's data moves while the callbacks and the
-        # state are set up.
+        # On an accelerator the first execution's data moves while the callbacks are set up.
         ahead = infeeds.open_ahead(model, run, feed)
         with _closed_on_error(ahead):
             callbacks = _callback_list(model, callbacks, verbose, epochs, feed,
@@ -138,7 +137,7 @@ def fit(
             model.stop_training = False
             callbacks.on_train_begin()
     training_logs: dict = {}
-    training_finished, logs = False, {}
+    training_finished = False
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
     initial_epoch = model._initial_epoch or initial_epoch
     try:
@@ -146,10 +145,11 @@ def fit(
             metric_reset.reset_metrics(model)
             callbacks.on_epoch_begin(epoch)
             programs.check_unchanged(model, "fit")  # a callback froze a layer?
-            logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead) or logs
+            logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead)
             ahead = None  # closed by the epoch
             model.jax_state_sync()
-            epoch_logs = _epoch_logs(model, run, logs)
+            epoch_logs = (_epoch_logs(model, run, logs) if logs else  # no step: the last ones
+                          {k: v for k, v in training_logs.items() if not k.startswith("val_")})
             if val_run is not None and model._should_eval(epoch, validation_freq):
                 val_logs = _evaluate_feed(model, val_run, val_feed, callbacks, restart=True)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
