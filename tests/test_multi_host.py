@@ -217,6 +217,7 @@ def test_helpers_across_two_instances():
                 "every instance") in out
         assert "mismatch shape broadcast needs the same structure" in out
         assert "bf16 mean 1.5" in out  # was truncated as an integer's: 1.0
+        assert "scalar gather allgather needs the same structure" in out
 
 
 @pytest.mark.parametrize("how", ["dies", "raise"])

@@ -306,15 +306,13 @@ def allgather(value: Any) -> Any:
     >>> allgather(np.full((instance_index() + 1,), instance_index()))   # 2 instances
     array([0, 1, 1])
     """
-    scalars = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(value) if not np.ndim(leaf)]
-    if scalars:
+    _check_alike(value, "allgather", first_axis_free=True)  # before raising alone
+    if any(not np.ndim(leaf) for leaf in jax.tree_util.tree_leaves(value)):
         raise ValueError("allgather concatenates along the first axis: give arrays of at least "
                          "one dimension (a scalar `x` as `[x]`).")
     if num_instances() == 1:
         return jax.tree_util.tree_map(np.asarray, value)
     from jax.experimental import multihost_utils
-
-    _check_alike(value, "allgather", first_axis_free=True)
 
     def gather(leaf):
         leaf = np.asarray(leaf)
@@ -381,8 +379,9 @@ def _check_alike(value: Any, operation: str, first_axis_free: bool = False) -> N
 
     leaves, structure = jax.tree_util.tree_flatten(value)
     described = f"{structure}: " + ", ".join(
-        f"{np.asarray(leaf).dtype}{list(np.shape(leaf)[1:] if first_axis_free else np.shape(leaf))}"
-        for leaf in leaves)
+        f"{np.asarray(leaf).dtype}"
+        + (f"[*{list(np.shape(leaf)[1:])}]" if first_axis_free and np.ndim(leaf)
+           else f"{list(np.shape(leaf))}") for leaf in leaves)
     digests = multihost_utils.process_allgather(np.uint32(zlib.crc32(described.encode())))
     if len(set(np.asarray(digests).ravel().tolist())) > 1:
         raise ValueError(

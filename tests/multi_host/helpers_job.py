@@ -41,3 +41,7 @@ for name, call in (("dtype", lambda: dist.allreduce(np.ones(2, "float32" if i ==
     except ValueError as error:
         say("mismatch", name, str(error).split(";")[0])
 say("bf16 mean", float(dist.allreduce(np.array([1.0 + i], jax.numpy.bfloat16))[0]))
+try:  # a scalar in one instance only: refused in both, none waits for the other
+    dist.allgather(np.float32(i) if i == 0 else np.ones(1, "float32"))
+except ValueError as error:
+    say("scalar gather", str(error).split(";")[0])
