@@ -273,12 +273,13 @@ def test_forward_mode_autodiff_is_traced_with_lax_convolutions() -> None:
     def conv(x):
         return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=NHWC[2])
 
-    jitted = jax.jit(lambda x: jax.jvp(conv, (x,), (jnp.ones_like(x),)))
-    traced = cc.trace_for("cpu", jitted, x)
-    assert "custom_lin" not in str(traced.jaxpr)
-    _assert_trees_close(jax.jvp(conv, (x,), (jnp.ones_like(x),)),
-                        traced.lower().compile()(x))
-    plain = jax.jit(conv)  # without forward mode, the rewrite stays
+    for inner in (conv, jax.jit(conv)):  # a jit inside the program has its own trace cache
+        jitted = jax.jit(lambda x, inner=inner: jax.jvp(inner, (x,), (jnp.ones_like(x),)))
+        traced = cc.trace_for("cpu", jitted, x)
+        assert "custom_lin" not in str(traced.jaxpr)
+        _assert_trees_close(jax.jvp(conv, (x,), (jnp.ones_like(x),)),
+                            traced.lower().compile()(x))
+    plain = jax.jit(lambda x: conv(x))  # without forward mode, the rewrite stays
     assert "custom_vjp_call" in str(cc.trace_for("cpu", plain, x).jaxpr)
 
 

@@ -72,13 +72,15 @@ def test_operations_traced_in_a_user_context_carry_its_traceback():
     assert any(frame.function_name.endswith("caller_of_double") for frame in frames)
 
 
-def test_clearing_a_jitted_functions_cache_traces_it_anew():
-    # device/convolutions.py `trace_for`: `jitted.clear_cache()`, so that a trace after a
-    # change of what the function calls (lax's convolution swapped back) is not the cached one.
+def test_clearing_jaxs_caches_traces_a_function_anew():
+    # device/convolutions.py `trace_for`: `jax.clear_caches()`, so that a trace after a
+    # change of what the function calls (lax's convolution swapped back) is not the cached
+    # one, for the jits inside it too.
     scale = [2.0]
-    jitted = jax.jit(lambda x: x * scale[0])
+    inner = jax.jit(lambda x: x * scale[0])
+    jitted = jax.jit(lambda x: inner(x) + 1.0)
     assert "2.0" in str(jitted.trace(1.0).jaxpr)
     scale[0] = 3.0
     assert "2.0" in str(jitted.trace(1.0).jaxpr)  # the cached trace
-    jitted.clear_cache()
+    jax.clear_caches()
     assert "3.0" in str(jitted.trace(1.0).jaxpr)

@@ -159,8 +159,9 @@ def trace_for(platform: str, jitted: Any, *args: Any) -> Any:
     if not _linearizes_custom_vjp(traced.jaxpr):
         return traced
     # Forward-mode autodiff of the rewrite's custom_vjp traces, but cannot lower: traced
-    # again with lax's convolutions, past JAX's cache of the trace.
-    jitted.clear_cache()
+    # again with lax's convolutions, past JAX's caches of the traces (of any jit inside
+    # it too; compiled programs stay in the compilation cache).
+    jax.clear_caches()
     return jitted.trace(*args)
 
 
