@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -238,3 +239,35 @@ def test_div0_traps_ieee_754s_division_by_zero_only(dividend, divisor, trapped):
                                  floating_point.checks_for(["div0", "inv", "oflo"]))
     _, (_, error) = jax.jit(run)(0.0, (jnp.int32(3), jnp.int32(0)))
     assert error.get() is None
+
+
+@pytest.mark.parametrize("operation", [
+    lambda x: jnp.reciprocal(x), lambda x: x ** -1.5, lambda x: jax.lax.rsqrt(x),
+    lambda x: 1.0 / x,
+])
+def test_a_reciprocal_of_zero_is_div0s_not_oflos(operation):
+    import jax
+
+    from keras_ipu.device import floating_point
+
+    for name, trapped in (("div0", True), ("oflo", False)):
+        run = floating_point.checked(lambda state, x: (state, operation(x)),
+                                     floating_point.checks_for([name]))
+        _, (_, error) = jax.jit(run)(0.0, jnp.float32(0.0))
+        assert (error.get() is not None) == trapped, (name, error.get())
+
+
+def test_the_traps_survive_a_reload_of_their_module():
+    # Before: the reloaded module's errors were never checked (the rules held the old ones).
+    import importlib
+
+    import jax
+
+    from keras_ipu.device import floating_point
+
+    floating_point = importlib.reload(floating_point)
+    for name, operation in (("div0", lambda x: 1.0 / x), ("oflo", lambda x: jnp.exp(x / 0.01))):
+        run = floating_point.checked(lambda state, x, f=operation: (state, f(x)),
+                                     floating_point.checks_for([name]))
+        _, (_, error) = jax.jit(run)(0.0, jnp.float32(0.0 if name == "div0" else 100.0))
+        assert error.get() is not None, name

@@ -10,7 +10,7 @@ execution that completed.
 - `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
   NaN carried in from its operands, the data's say);
 - `div0`: a floating point division of a finite, non-zero number by zero
-  (IEEE 754: 0/0 is `inv`'s);
+  (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included;
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
   float32, say; a division by zero is `div0`'s).
 
@@ -220,10 +220,11 @@ def _where(exception: Any) -> str:
 
 
 def _add_rules() -> None:
-    """Adds the overflow and division checks to the rules of their operations (once)."""
+    """Adds the overflow and division checks to the rules of their operations."""
     for primitive in _OVERFLOWING:
         _extend_rule(primitive, _OverflowError, _made_infinity)
-    _extend_rule(lax.div_p, _DivisionByZeroError, _divided_by_zero)
+    for primitive in _DIVIDING:
+        _extend_rule(primitive, _DivisionByZeroError, _divided_by_zero)
 
 
 def _bound(primitive, error, enabled_errors, *operands, **params):
@@ -231,41 +232,63 @@ def _bound(primitive, error, enabled_errors, *operands, **params):
 
 
 def _extend_rule(primitive, error_type: type, raised: Callable) -> None:
-    """Makes `primitive`'s rule also check `raised(primitive, operands, out)` when asked."""
+    """Makes `primitive`'s rule also check `raised(primitive, operands, params, out)` when
+    asked; a reload of this module replaces the check its earlier version added."""
     rule = checkify_rules.error_checks.get(primitive, functools.partial(_bound, primitive))
-    extended = getattr(rule, "keras_ipu_checks", ())
-    if error_type.__name__ in extended:  # a reload of this module
-        return
+    rule = _without(rule, error_type.__name__)
+    checkify_rules.error_checks[primitive] = _checked_rule(rule, primitive, error_type, raised)
 
+
+def _checked_rule(rule: Callable, primitive, error_type: type, raised: Callable) -> Callable:
     def checked_rule(error, enabled_errors, *operands, **params):
         error, out = rule(error, enabled_errors, *operands, **params)
         if error_type in enabled_errors:
             error = checkify_rules.assert_func(
-                error, raised(primitive, operands, out),
+                error, raised(primitive, operands, params, out),
                 error_type(checkify_rules.get_traceback(), primitive.name))
         return error, out
 
-    checked_rule.keras_ipu_checks = (*extended, error_type.__name__)
-    checkify_rules.error_checks[primitive] = checked_rule
+    checked_rule.keras_ipu_check = (rule, primitive, error_type, raised)
+    return checked_rule
 
 
-def _divided_by_zero(primitive, operands: tuple, out: Any) -> jax.Array:
-    """Whether a floating point division had a finite, non-zero dividend and a zero divisor."""
-    dividend, divisor = operands
+def _without(rule: Callable, error_name: str) -> Callable:
+    """`rule` without this module's check of the error named so (an earlier version's)."""
+    check = getattr(rule, "keras_ipu_check", None)
+    if check is None:
+        return rule
+    inner, primitive, error_type, raised = check
+    if error_type.__name__ == error_name:
+        return inner
+    return _checked_rule(_without(inner, error_name), primitive, error_type, raised)
+
+
+# IEEE 754's division by zero: an exact infinity from finite operands, per operation.
+_DIVIDING = {
+    lax.div_p: lambda operands, params: ((operands[1] == 0) & (operands[0] != 0)
+                                         & jnp.isfinite(operands[0])),
+    lax.integer_pow_p: lambda operands, params: (operands[0] == 0) & (params["y"] < 0),
+    lax.pow_p: lambda operands, params: (operands[0] == 0) & (operands[1] < 0),
+    lax.rsqrt_p: lambda operands, params: operands[0] == 0,
+}
+
+
+def _divided_by_zero(primitive, operands: tuple, params: dict, out: Any) -> jax.Array:
+    """Whether a floating point operation divided a finite, non-zero number by zero."""
     if not _is_float(out):
         return jnp.bool_(False)
-    return jnp.any((divisor == 0) & (dividend != 0) & jnp.isfinite(dividend))
+    return jnp.any(_DIVIDING[primitive](operands, params))
 
 
-def _made_infinity(primitive, operands: tuple, out: Any) -> jax.Array:
-    """Whether `out` holds an infinity that finite operands (no zero divisor) made."""
+def _made_infinity(primitive, operands: tuple, params: dict, out: Any) -> jax.Array:
+    """Whether `out` holds an infinity that finite operands made, not by dividing by zero."""
     results = [leaf for leaf in jax.tree_util.tree_leaves(out) if _is_float(leaf)]
     if not results:
         return jnp.bool_(False)
     infinite = jnp.any(jnp.stack([jnp.isinf(leaf).any() for leaf in results]))
     finite = [jnp.isfinite(x).all() for x in operands if _is_float(x)]
-    if primitive is lax.div_p:  # x / 0 is div0's
-        finite.append(jnp.all(operands[1] != 0))
+    if primitive in _DIVIDING:  # a division by zero is div0's
+        finite.append(~jnp.any(_DIVIDING[primitive](operands, params)))
     return infinite & jnp.all(jnp.stack(finite)) if finite else infinite
 
 
