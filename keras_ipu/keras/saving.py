@@ -145,10 +145,12 @@ def on_first_instance(save: Callable[[], Any], filepath: Any) -> Any:
     if jax.process_index() != 0:
         try:
             written = client.blocking_key_value_get(key, _WAIT_FOR_WRITER_MS)
-        except Exception as error:  # the coordination service's deadline
+        except Exception as error:
+            if "DEADLINE_EXCEEDED" not in str(error):  # the job's runtime failed
+                raise
             raise RuntimeError(
-                f"Instance 0 did not save {filepath!r} within "
-                f"{_WAIT_FOR_WRITER_MS // 60000} minutes. In a job, instance 0 writes the "
+                f"Instance 0 did not save {filepath!r} within {_WAIT_FOR_WRITER_MS / 1000:g} "
+                f"seconds. In a job, instance 0 writes the "
                 f"files `model.save` and `save_weights` name, and the other instances wait "
                 f"for it: save to the same path in every instance, or in instance 0 only; "
                 f"for a file of this instance's own, use `keras.saving.save_model(model, "

@@ -52,7 +52,8 @@ def user_frames_only(method: Callable) -> Callable:
 
 
 def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback without the hidden frames (the outermost one if none is left)."""
+    """The traceback without the hidden frames (the innermost one, that raised, if none
+    is left)."""
     frames = list(traceback.walk_tb(tb))
     kept = [(f, line) for f, line in frames if not f.f_code.co_filename.startswith(_HIDDEN)]
     chain = None
