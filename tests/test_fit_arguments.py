@@ -383,6 +383,8 @@ def test_sample_weights_without_targets_are_dropped_as_in_keras(strategy):
         model.compile(keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
         with pytest.raises(ValueError, match="None"):
             model.fit(x, sample_weight=w, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match="give the targets"):  # it was ignored
+        on_ipu.fit(x, class_weight={0: 2.0}, batch_size=BATCH, verbose=0)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 

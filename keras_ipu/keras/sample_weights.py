@@ -28,13 +28,15 @@ def packed_data(x: Any, y: Any, sample_weight: Any, class_weight: dict | None) -
     Raises:
         ValueError: For weights that do not match the targets' structure, a
             single array of non-scalar weights for several targets, or class
-            weights for several targets.
+            weights for several targets or none.
 
     Example:
 
     >>> packed_data(x, {"a": ya, "b": yb}, w, None)  # (x, y, {"a": w, "b": w})
     """
     if y is None:
+        if class_weight is not None:
+            raise ValueError("`class_weight` weighs the targets' classes: give the targets `y`.")
         return (x,)
     if sample_weight is not None and tree.is_nested(y):
         sample_weight = _per_target(y, sample_weight)
