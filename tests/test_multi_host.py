@@ -89,6 +89,20 @@ def test_instance_environment_and_launcher_environment_agree():
     assert runtime.launcher_environment({runtime.NUM_INSTANCES_ENV: "1"})["instance_index"] == 0
 
 
+def test_steps_of_a_job_count_every_replicas_batches():
+    from types import SimpleNamespace
+
+    from keras_ipu.keras import replication
+
+    two_by_two = SimpleNamespace(count=4, local_count=2, spans_processes=True)
+    assert replication.instance_steps(8, two_by_two) == 4
+    # Before: "at least 2 (one batch per instance)" for 1, and a confusing error later for 3.
+    for steps in (1, 2, 5):
+        with pytest.raises(ValueError, match=rf"steps_per_epoch={steps} counts the batches of "
+                                             r"all 4 replicas .* at least 4 .* multiple of 2"):
+            replication.instance_steps(steps, two_by_two, "steps_per_epoch")
+
+
 def test_the_helpers_refuse_what_has_no_answer():
     with pytest.raises(ValueError, match="an instance index in 0..1, got 2"):
         ipu.distributed.shard_for_instance(np.ones((8, 1)), 2, 1, instance=2, instances=2)

@@ -213,5 +213,6 @@ class InstanceNormalization(GroupNormalization):
     def _groups_for(self, channels: int) -> int:
         return channels
 
+
 # Keras' import may have come while this module was imported: the registration ends here.
 layer_registration.complete(__name__)

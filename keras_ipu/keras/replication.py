@@ -163,7 +163,8 @@ def instance_steps(steps: int | None, replicas: Replicas, argument: str = "steps
     batches of all replicas together, as in one process (PopDist divides them alike).
 
     Raises:
-        ValueError: When `steps` is fewer than the instances.
+        ValueError: When `steps` is fewer than the replicas, or does not
+            divide among the instances.
 
     Example:
 
@@ -173,11 +174,12 @@ def instance_steps(steps: int | None, replicas: Replicas, argument: str = "steps
     if steps is None or steps == -1 or not replicas.spans_processes:
         return steps
     instances = replicas.count // replicas.local_count
-    if 0 < steps < instances:
+    if steps > 0 and (steps < replicas.count or steps % instances):
         raise ValueError(
             f"{argument}={steps} counts the batches of all {replicas.count} replicas of the "
-            f"{instances} instances together, so it must be at least {instances} (one "
-            f"batch per instance); got {steps}.")
+            f"{instances} instances together, so it must be at least {replicas.count} (one "
+            f"batch per replica) and a multiple of {instances} (as many in each instance); "
+            f"got {steps}.")
     return steps // instances if steps > 0 else steps
 
 
