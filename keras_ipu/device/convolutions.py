@@ -83,7 +83,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -93,6 +92,7 @@ from jax import lax
 from jax._src import source_info_util
 
 from keras_ipu.device import conv_geometry as geometry
+from keras_ipu.device import jaxprs
 from keras_ipu.device.conv_geometry import IntTuple, Pads
 
 # Captured at import time so that `canonical_convolutions()` (which replaces
@@ -156,21 +156,14 @@ def trace_for(platform: str, jitted: Any, *args: Any) -> Any:
             traced = jitted.trace(*args)
     except Exception:  # noqa: BLE001 - e.g. reverse- over forward-mode autodiff
         return jitted.trace(*args)
-    if not _linearizes_custom_vjp(traced.jaxpr):
+    # JAX's forward-mode form of a custom_vjp: the rewrite's, linearized.
+    if not any(eqn.primitive.name == "custom_lin" for eqn in jaxprs.equations(traced.jaxpr)):
         return traced
     # Forward-mode autodiff of the rewrite's custom_vjp traces, but cannot lower: traced
     # again with lax's convolutions, past JAX's caches of the traces (of any jit inside
     # it too; compiled programs stay in the compilation cache).
     jax.clear_caches()
     return jitted.trace(*args)
-
-
-def _linearizes_custom_vjp(jaxpr: Any) -> bool:
-    """Whether a jaxpr (or one inside it) holds JAX's forward-mode form of a custom_vjp."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return any(eqn.primitive.name == "custom_lin"
-               or any(_linearizes_custom_vjp(sub) for sub in jex.jaxprs_in_params(eqn.params))
-               for eqn in jaxpr.eqns)
 
 
 def _raw_canonical_conv(

@@ -26,12 +26,11 @@ layout. `--execution_loop=scan|host` in `KERAS_IPU_FLAGS` forces a form.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from keras_ipu.device import conv_geometry
+from keras_ipu.device import conv_geometry, jaxprs
 
 SCAN = "scan"
 HOST = "host"
@@ -181,7 +180,7 @@ def slow_in_loops(jaxpr: Any) -> int:
     >>> slow_in_loops(jax.make_jaxpr(jax.grad(conv_loss))(kernel))
     2
     """
-    return sum(1 for eqn in _equations(jaxpr)
+    return sum(1 for eqn in jaxprs.equations(jaxpr)
                if eqn.primitive.name == "conv_general_dilated" and not _canonical(eqn))
 
 
@@ -193,7 +192,7 @@ def convolution_count(jaxpr: Any) -> int:
     >>> convolution_count(jax.make_jaxpr(jax.grad(conv_loss))(kernel))
     3
     """
-    return sum(1 for eqn in _equations(jaxpr) if eqn.primitive.name == "conv_general_dilated")
+    return sum(1 for eqn in jaxprs.equations(jaxpr) if eqn.primitive.name == "conv_general_dilated")
 
 
 def _canonical(eqn: Any) -> bool:
@@ -208,13 +207,3 @@ def _canonical(eqn: Any) -> bool:
         and eqn.params.get("batch_group_count", 1) == 1
         and np.dtype(eqn.invars[0].aval.dtype) in conv_geometry.CANONICAL_DTYPES
     )
-
-
-def _equations(jaxpr: Any) -> Iterator[Any]:
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _equations(sub)
