@@ -112,8 +112,9 @@ def test_save_and_load_keeps_weights_and_extension(strategy, tmp_path):
     )
     # Keras' config, with the IPU options inside the scope (as the reference's get_config).
     inside = loaded_inside.get_config()
-    assert inside.pop("ipu_options")["gradient_accumulation_steps_per_replica"] is None
-    assert inside == loaded_outside.get_config()
+    assert inside.pop("gradient_accumulation_steps_per_replica") is None  # at the top level
+    assert {k: v for k, v in inside.items() if k in loaded_outside.get_config()} == \
+        loaded_outside.get_config()
     serialized = keras.saving.serialize_keras_object(model)
     assert (serialized["module"], serialized["class_name"]) == ("keras", "Sequential")
 

@@ -4,8 +4,9 @@ A `.keras` file keeps a model's IPU options (gradient accumulation,
 pipelining, replication, asynchronous callbacks, feed options) and its
 pipeline stage assignment as an asset. The reference also put them in the
 model's `get_config`, so `to_json` / `model_from_json`, `from_config` and
-legacy `.h5` files keep them too: `ipu_config` is what both carry, under
-`CONFIG_KEY` in a config. Keras' own `from_config` of Functional and
+legacy `.h5` files keep them too: `ipu_config` is what both carry, at the
+top level of a config as the reference laid them out (a config that holds
+them under `CONFIG_KEY` loads too). Keras' own `from_config` of Functional and
 Sequential models ignores keys it does not know, so a model whose config
 carries them still loads without keras_ipu. A subclass's (a subclassed or
 a Functional subclass model's) `from_config` may pass its config to
@@ -22,6 +23,11 @@ from typing import Any
 from keras_ipu.keras import options, stages
 
 CONFIG_KEY = "ipu_options"
+# The stage assignment's keys next to the options' (see `ipu_config`), and the keys
+# the reference took out of older configs.
+_STAGE_KEYS = ("pipeline_stage_assignment", "pipeline_stage_assignment_valid")
+_LEGACY_KEYS = ("experimental_gradient_accumulation_normalize_gradients",
+                "experimental_pipelining_normalize_gradients")
 
 
 def ipu_config(model: Any) -> dict[str, Any]:
@@ -88,12 +94,30 @@ def install() -> None:
             cls.from_config = classmethod(_restoring(original.__func__))
 
 
+def split_config(config: Any) -> tuple[dict[str, Any] | None, Any]:
+    """`(the IPU options and assignment a model config carries or None, Keras' config)`.
+
+    Example:
+
+    >>> saved, keras_config = split_config(model.get_config())
+    >>> saved["gradient_accumulation_steps_per_replica"]
+    4
+    """
+    if not isinstance(config, dict):
+        return None, config
+    ipu_keys = {*options.IPUOptions().to_config(), *_STAGE_KEYS, *_LEGACY_KEYS, CONFIG_KEY}
+    saved = {key: config[key] for key in ipu_keys & config.keys()}
+    if not saved:
+        return None, config
+    nested = saved.pop(CONFIG_KEY, None) or {}  # an earlier layout
+    saved = {**saved, **nested}
+    return saved, {key: value for key, value in config.items() if key not in ipu_keys}
+
+
 def _restoring(from_config: Any) -> Any:
     @functools.wraps(from_config)
     def restoring(cls, config, custom_objects=None):
-        saved = config.get(CONFIG_KEY) if isinstance(config, dict) else None
-        if saved is not None:
-            config = {key: value for key, value in config.items() if key != CONFIG_KEY}
+        saved, config = split_config(config)
         model = from_config(cls, config, custom_objects=custom_objects)
         # Made inside a strategy scope: an IPU model (its class an extension's).
         if saved is not None and hasattr(type(model), "_ipu_base_class"):
@@ -104,4 +128,4 @@ def _restoring(from_config: Any) -> Any:
     return restoring
 
 
-__all__ = ["CONFIG_KEY", "carries_options", "install", "ipu_config", "restore"]
+__all__ = ["CONFIG_KEY", "carries_options", "install", "ipu_config", "restore", "split_config"]
