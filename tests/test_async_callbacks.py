@@ -397,3 +397,30 @@ def test_a_cancelled_callback_thread_calls_no_more_hooks():
     hooks.cancel()
     hooks.close()
     assert 1 <= len(called) < 10
+
+
+class _Assigns(keras.callbacks.Callback):
+    """At batch `at`, sets the learning rate to 0 and the first kernel to zeros."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            self.model.optimizer.learning_rate = 0.0
+            kernel = self.model.layers[0].kernel
+            kernel.assign(np.zeros(kernel.shape, kernel.dtype))
+
+
+def test_what_a_hook_assigns_lands_when_its_execution_ends(strategy):
+    # Before: the device's state was kept over it: the learning rate and the kernel a
+    # hook set were lost for good. Now as a hook at the execution's end in plain Keras.
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    on_ipu.set_asynchronous_callbacks(True)
+    for model, at in ((plain, SPE - 1), (on_ipu, 1)):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_Assigns(at)])
+    assert float(on_ipu.optimizer.learning_rate) == 0.0
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

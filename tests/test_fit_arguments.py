@@ -334,6 +334,83 @@ def test_a_callback_freezing_a_layer_mid_fit_stops_it_with_the_weights_kept(hook
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
+class _Recompiles(keras.callbacks.Callback):
+    def __init__(self, hook: str):
+        super().__init__()
+        setattr(self, hook, self._recompile)
+
+    def _recompile(self, index=None, logs=None):
+        self.model.compile(keras.optimizers.Adam(0.01), "mae", steps_per_execution=2)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("hook", ["on_epoch_end", "on_train_batch_end"])
+def test_a_callback_compiling_the_model_mid_fit_stops_it_with_the_weights_kept(
+        hook, asynchronous, strategy):
+    # Before: the run trained on with the old optimizer rule and loss, and the new
+    # optimizer got the old one's learning rate (plain Keras: "'NoneType' object is not
+    # callable").
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    on_ipu.set_asynchronous_callbacks(asynchronous)
+    x, y = data_for("sequential", samples=32)
+    with pytest.raises(RuntimeError, match="The model was compiled again .* while it runs"):
+        on_ipu.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                   callbacks=[_Recompiles(hook)])
+    # The weights the model had when compiled: after one epoch, after the first
+    # execution, or (an asynchronous hook runs while its execution does) the initial ones.
+    if hook == "on_epoch_end" or not asynchronous:
+        steps = None if hook == "on_epoch_end" else 2
+        plain.fit(x, y, batch_size=BATCH, steps_per_epoch=steps, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    # The new compile holds: the next fit trains with Adam on the MAE, as plain Keras.
+    plain.compile(keras.optimizers.Adam(0.01), "mae", steps_per_execution=2)
+    histories = _both(plain, on_ipu, lambda m: m.fit(x, y, batch_size=BATCH, shuffle=False,
+                                                     verbose=0).history)
+    assert_history_close(*histories)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+class _Forwarding:
+    """A callback wrapper (as tracking libraries make) forwarding every attribute."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_callback_wrapper_that_forwards_its_hooks_runs_them(strategy):
+    # Before: AttributeError: type object '_Forwarding' has no attribute 'on_train_batch_begin'.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+    seen = []
+    wrapped = _Forwarding(keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append((batch, sorted(logs)))))
+    on_ipu.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[wrapped])
+    assert seen == [(3, ["loss", "mae"]), (7, ["loss", "mae"])]
+
+
+def test_validation_runs_the_models_own_evaluate_as_in_keras(strategy):
+    # Keras' fit validates through `self.evaluate`: an override of it runs (it was skipped).
+    class WithExtra(keras.Sequential):
+        def evaluate(self, *args, **kwargs):
+            logs = super().evaluate(*args, **kwargs)
+            return {**logs, "extra": 42.0} if kwargs.get("return_dict") else logs
+
+    x, y = data_for("sequential", samples=32)
+    plain = WithExtra([keras.Input((x.shape[1],)), keras.layers.Dense(y.shape[1])])
+    with strategy.scope():
+        on_ipu = WithExtra([keras.Input((x.shape[1],)), keras.layers.Dense(y.shape[1])])
+    on_ipu.set_weights(plain.get_weights())
+    for model in (plain, on_ipu):
+        model.compile("sgd", "mse", steps_per_execution=2)
+    histories = [m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                       validation_data=(x[:16], y[:16])).history for m in (plain, on_ipu)]
+    assert histories[1]["val_extra"] == [42.0, 42.0]
+    assert_history_close(histories[0], histories[1])
+
+
 def test_weights_for_several_outputs_are_checked_and_shared_as_in_keras(strategy):
     plain, on_ipu = twin("functional", strategy, steps_per_execution=2)
     x, y = data_for("functional", samples=32)

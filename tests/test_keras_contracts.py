@@ -616,3 +616,37 @@ def test_a_stateless_scope_knows_the_scope_it_was_entered_in_and_variables_their
             assert inner.original_scope is outer
             np.testing.assert_array_equal(outer.get_current_value(variable), [0, 0])
     np.testing.assert_array_equal(np.asarray(variable._value), [1, 1])
+
+
+def test_kerases_global_state_is_per_thread_under_the_carried_names():
+    # keras_ipu.keras.thread_state hands these attributes of the caller's thread to the
+    # infeed and callback threads; host_data.random_state_kept puts the generator back.
+    import threading
+
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    from keras_ipu.keras.thread_state import CARRIED_KERAS_STATE
+
+    assert isinstance(global_state.GLOBAL_STATE_TRACKER, threading.local)
+    keras.utils.set_random_seed(3)
+    keras.random.normal((1,))  # makes the global seed generator
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        here = vars(global_state.GLOBAL_STATE_TRACKER)
+        assert GLOBAL_SEED_GENERATOR == "global_seed_generator"
+        assert {"global_random_seed", GLOBAL_SEED_GENERATOR, "dtype_policy"} <= set(here)
+        assert set(CARRIED_KERAS_STATE) >= {"global_random_seed", GLOBAL_SEED_GENERATOR,
+                                            "dtype_policy"}
+        generator = here[GLOBAL_SEED_GENERATOR]
+        assert isinstance(generator.state, keras.Variable)
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(
+            (global_state.get_global_attribute(GLOBAL_SEED_GENERATOR),
+             keras.config.dtype_policy().name)))
+        thread.start()
+        thread.join()
+        assert elsewhere == [(None, "float32")]  # another thread starts without them
+    finally:
+        keras.config.set_dtype_policy(previous)

@@ -464,7 +464,8 @@ class AdapterFeed:
             return
         count = plan.num_batches
         size = host_data.batch_size_of(self._first)
-        last_size = host_data.batch_size_of(dataset[count - 1])
+        with host_data.random_state_kept():  # an augmentation's draws are the run's
+            last_size = host_data.batch_size_of(dataset[count - 1])
         if last_size is not None and last_size != size:
             raise ValueError(
                 f"{ROLES[self._role].subject} has a partial batch: its last batch (index "

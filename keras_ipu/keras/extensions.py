@@ -53,6 +53,7 @@ class ExtensionBase:
     """Behaviour shared by the three extension classes."""
 
     def compile(self, *args, **kwargs):
+        self.jax_state_sync()  # called by a callback during a run: the device's state first
         run.forget_programs(self)
         return super().compile(*args, **kwargs)
 
@@ -189,12 +190,8 @@ class ExtensionBase:
 
         >>> model.set_replication_options("mean")
         """
-        options.set_options(
-            self,
-            options.replication_options(
-                options.options_of(self), replicated_metric_reduction_method
-            ),
-        )
+        method = replicated_metric_reduction_method
+        options.set_options(self, options.replication_options(options.options_of(self), method))
 
     def set_asynchronous_callbacks(self, asynchronous=False):
         """Sets whether batch callbacks run for every step while the device runs.
@@ -349,7 +346,7 @@ class ExtensionBase:
         """Keras' config, with the IPU options where Keras' `from_config` can take them."""
         config = super().get_config()
         if model_config.carries_options(self):
-            config = {**config, model_config.CONFIG_KEY: model_config.ipu_config(self)}
+            config = {**config, **model_config.ipu_config(self)}  # the reference's layout
         if options.options_of(self).pipelining_kwargs:
             trainer.logger.info(  # the reference's message: they are not in the config
                 "Calling get_config() on %s - `pipelining_kwargs` cannot be serialized and "
@@ -603,14 +600,17 @@ _original_trainer_methods: dict = {}
 
 
 def _on_this_instance(name: str):
-    def on_ipus(model, *args, **kwargs):  # Keras' own step on a batch, on this instance
-        runtime.check_one_instance(f"`{name}`")
-        return _original_trainer_methods[name](model, *args, **kwargs)
+    def on_ipus(model, *args, **kwargs):  # Keras' own step on a batch, in the model's scope
+        if name != "predict_on_batch":  # a step of the job's weights: one instance's only
+            runtime.check_one_instance(f"`{name}`")
+        with context.model_scope(model):
+            return _original_trainer_methods[name](model, *args, **kwargs)
     return on_ipus
 
 
 _ON_IPUS = {"fit": _fit_on_ipus, "evaluate": _evaluate_on_ipus, "predict": _predict_on_ipus,
-            **{name: _on_this_instance(name) for name in ("train_on_batch", "test_on_batch")}}
+            **{name: _on_this_instance(name)
+               for name in ("train_on_batch", "test_on_batch", "predict_on_batch")}}
 
 
 def _route_trainer_methods() -> None:

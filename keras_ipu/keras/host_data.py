@@ -10,7 +10,10 @@ rows = common_length(tree_map(host_array, data))
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -75,3 +78,32 @@ def common_length(data: Any) -> int:
             f"number of samples in their first dimension; got first dimensions {sizes}."
         )
     return lengths.pop()
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Puts the global random generators back as they were: Python's, NumPy's and Keras'
+    (unseeded `keras.random` calls draw from it), so that user code run inside (a look
+    at a `PyDataset`'s batch that plain Keras does not read there) draws nothing the
+    run's own reads would have drawn.
+
+    Example:
+
+    >>> with random_state_kept():
+    ...     last = dataset[len(dataset) - 1]
+    """
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    seed_state = None if generator is None else generator.state.value
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        if generator is None:  # made inside: the run's first draw makes it again
+            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+        else:
+            generator.state.assign(seed_state)

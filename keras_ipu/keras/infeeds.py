@@ -26,7 +26,7 @@ import numpy as np
 
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.infeed import Infeed
-from keras_ipu.keras import data, feed_options, resident
+from keras_ipu.keras import data, feed_options, resident, thread_state
 from keras_ipu.keras.options import options_of
 from keras_ipu.keras.replication import ReplicaCodec
 from keras_ipu.keras.run import Run
@@ -70,7 +70,9 @@ def open_infeed(model: Any, run: Run, feed: Any, ahead: bool = False) -> Infeed:
         place is not _already_placed and run.program.device.platform != "cpu")
     # The thread reads no more batches once the infeed closes (a Ctrl-C, say).
     stop = threading.Event()
-    return Infeed(feed.executions(stop.is_set), place=place, depth=depth, threaded=threaded,
+    # On a thread, a generator's or `PyDataset`'s code sees the caller's Keras state.
+    executions = thread_state.read_as_caller(feed.executions(stop.is_set))
+    return Infeed(executions, place=place, depth=depth, threaded=threaded,
                   first_inline=ahead, stop=stop)
 
 

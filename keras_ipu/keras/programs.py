@@ -82,20 +82,45 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
 
 def check_unchanged(model, mode: str) -> None:
     """Refuses to go on with the model's run for `mode` once its variables are no longer
-    those it was prepared for (a callback froze or unfroze a layer).
+    those it was prepared for (a callback froze or unfroze a layer), or once the model
+    was compiled again (see `check_current`).
 
     Raises:
         ValueError: `replication.VARIABLES_CHANGED`.
+        RuntimeError: `RECOMPILED`.
 
     Example:
 
     >>> check_unchanged(model, "fit")   # in fit's loop, after the callbacks ran
     """
-    entry = run_module.entry(model, mode)
+    check_current(model, mode)
     # `cached_run`'s key: ((the program's key, the state structure), the flags).
-    prepared = None if entry is None else entry[0][0][1]
-    if prepared is not None and _state_structure(model, STATE_PARTS[mode]) != prepared:
+    prepared = run_module.entry(model, mode)[0][0][1]
+    if _state_structure(model, STATE_PARTS[mode]) != prepared:
         raise ValueError(VARIABLES_CHANGED)
+
+
+RECOMPILED = (
+    "The model was compiled again (or an IPU option of it set) while it runs, by a "
+    "callback say: the run's program is the one compiled for the model at its start "
+    "(its optimizer, loss and metrics), so the run stops here. As in Keras, call "
+    "compile() between calls of fit(); the weights are those the model had when it was "
+    "compiled.")
+
+
+def check_current(model, mode: str) -> None:
+    """Refuses to go on with a run whose programs the model forgot: `compile()` (or an
+    option setter) ran since the run was prepared. Cheap: one lookup.
+
+    Raises:
+        RuntimeError: `RECOMPILED`.
+
+    Example:
+
+    >>> check_current(model, "fit")   # after an execution's asynchronous hooks
+    """
+    if run_module.entry(model, mode) is None:
+        raise RuntimeError(RECOMPILED)
 
 
 def _state_structure(model, parts) -> tuple:

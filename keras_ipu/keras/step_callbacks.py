@@ -31,6 +31,8 @@ import jax
 import numpy as np
 
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
+from keras_ipu.keras.options import options_of
+from keras_ipu.keras.thread_state import CallersState
 
 # One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
 _HOST_REDUCTIONS = {
@@ -158,6 +160,7 @@ class CallbackThread:
         self._done = threading.Semaphore(0)
         self._error: BaseException | None = None
         self._cancelled = threading.Event()  # the run failed: no more hooks
+        self._callers = CallersState()  # hooks see the scope and Keras state of `fit`'s thread
         self._thread = threading.Thread(target=self._work, name="keras_ipu-callbacks",
                                         daemon=True)
         try:
@@ -188,7 +191,8 @@ class CallbackThread:
             begin, chunks = job
             try:
                 if self._error is None and not self._cancelled.is_set():
-                    self._delivery.deliver(begin, chunks, self._cancelled.is_set)
+                    self._callers.run(self._delivery.deliver, begin, chunks,
+                                      self._cancelled.is_set)
             except BaseException as error:  # handed to the run's thread
                 self._on_error()
                 self._error = error
@@ -221,4 +225,90 @@ def returned_chunk(per_step: Any, replicas: int) -> list[list[Any]]:
     return [[jax.tree_util.tree_map(lambda a, r=r: a[:, r], per_step) for r in range(replicas)]]
 
 
-__all__ = ["CallbackThread", "StepDelivery", "returned_chunk"]
+def step_delivery(model: Any, run: Any, mode: str, on_begin: Callable[..., Any],
+                  on_end: Callable[..., Any]) -> StepDelivery | None:
+    """The per-step delivery of a run with asynchronous callbacks, else `None`.
+
+    Example:
+
+    >>> step_delivery(model, run, "fit", cbs.on_train_batch_begin, cbs.on_train_batch_end)
+    """
+    options = options_of(model)
+    if not options.asynchronous_callbacks:
+        return None
+    if run.program.stream is None and run.split_steps is None:
+        return None  # the reference's exception: pipelines accumulating their outfeed
+    return StepDelivery(mode, run.replica_count, run.batches_per_step,
+                        options.replicated_metric_reduction_method, on_begin, on_end)
+
+
+def submit_streamed(hooks: CallbackThread | None, stream: Any, begin: int,
+                    batches: Any) -> list:
+    """Hands the steps an execution will stream to the hooks' thread, before it runs.
+
+    Returns:
+        A list that receives the execution's outfeed once dispatched: the
+        stream is broken if that is ready and steps are missing.
+    """
+    ended: list = []
+    if hooks is not None and stream is not None:
+        steps = jax.tree_util.tree_leaves(batches)[0].shape[0]
+        chunks = stream.chunks(steps, finished=lambda: bool(ended) and ended[0].is_ready())
+        hooks.submit(begin, chunks)
+    return ended
+
+
+def split_steps(run: Any, outfeed: Any) -> tuple[Any, Any]:
+    """`(outfeed, per-step outputs or None)`: programs that return every step split them."""
+    if run.split_steps is None:
+        return outfeed, None
+    return run.split_steps(outfeed)
+
+
+def await_hooks(hooks: CallbackThread, ended: list, outfeed: Any, returned: Any,
+                begin: int, replicas: int) -> None:
+    """Waits for an execution's hooks (its steps streamed, or returned with it)."""
+    if returned is None:
+        ended.append(jax.tree_util.tree_leaves(outfeed)[0])
+    else:
+        hooks.submit(begin, returned_chunk(returned, replicas))
+    hooks.wait()
+
+
+def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
+    """The `(variable, value)`s the hooks of an execution assigned, to land after it.
+
+    The hooks ran while the device ran the next execution, on the state they
+    synced (the previous execution's): a learning rate or weights a hook set
+    is applied once that execution ends, as an assignment the reference queues
+    behind the running program. A variable counts as assigned when its value
+    is no longer the one the sync gave it.
+
+    Example:
+
+    >>> hook_writes(model, ("trainable_variables", "optimizer_variables"))
+    [(<Variable path=SGD/learning_rate>, Array(0., dtype=float32))]
+    """
+    synced = getattr(model, "_jax_state", None)
+    if not model._jax_state_synced or not synced:
+        return []  # no hook read the model: none wrote it through Keras
+    written = []
+    for part in parts:
+        variables = (model.optimizer.variables if part == "optimizer_variables"
+                     else getattr(model, part))
+        for variable, value in zip(variables, synced.get(part) or ()):
+            if not _same_value(variable.value, value):
+                written.append((variable, variable.value))
+    return written
+
+
+def _same_value(now: Any, synced: Any) -> bool:
+    # The sync assigns the state's own arrays: identity is the common answer.
+    if now is synced:
+        return True
+    return (np.shape(now) == np.shape(synced)
+            and np.array_equal(np.asarray(now), np.asarray(synced), equal_nan=True))
+
+
+__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "hook_writes", "returned_chunk",
+           "split_steps", "step_delivery", "submit_streamed"]

@@ -41,10 +41,11 @@ from keras_ipu.keras import (
     programs,
     replication,
     saving,
+    step_callbacks,
 )
 from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.run import Placement, Run
-from keras_ipu.keras.step_callbacks import CallbackThread, StepDelivery, returned_chunk
+from keras_ipu.keras.step_callbacks import CallbackThread
 from keras_ipu.keras.steps import STATE_PARTS
 from keras_ipu.ops import host_embedding
 
@@ -144,14 +145,16 @@ def fit(
         for epoch in range(initial_epoch, epochs):
             metric_reset.reset_metrics(model)
             callbacks.on_epoch_begin(epoch)
-            programs.check_unchanged(model, "fit")  # a callback froze a layer?
             logs = _run_epoch(model, run, feed, "fit", callbacks, infeed=ahead)
             ahead = None  # closed by the epoch
             model.jax_state_sync()
             epoch_logs = (_epoch_logs(model, run, logs) if logs else  # no step: the last ones
                           {k: v for k, v in training_logs.items() if not k.startswith("val_")})
             if val_run is not None and model._should_eval(epoch, validation_freq):
-                val_logs = _evaluate_feed(model, val_run, val_feed, callbacks, restart=True)
+                val_logs = _validate(model, (val_run, val_feed), callbacks, x=val_x, y=val_y,
+                                     sample_weight=val_sw,
+                                     batch_size=validation_batch_size or batch_size,
+                                     steps=validation_steps)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callbacks.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
@@ -227,6 +230,10 @@ def evaluate(
     **kwargs,
 ):
     """Keras `evaluate` on the IPU system (see `ExtensionBase.evaluate`)."""
+    validation = context.state_of(model).validation
+    if kwargs.pop("_use_cached_eval_dataset", False) and validation is not None:
+        logs = _evaluate_feed(model, *validation, callbacks, restart=True)  # fit's validation
+        return logs if return_dict else model._flatten_metrics_in_order(logs)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
     model._assert_compile_called("evaluate")
@@ -257,6 +264,18 @@ def evaluate(
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
+
+
+def _validate(model, validation: tuple, callbacks, **data_arguments) -> dict:
+    """A `fit`'s validation through the model's own `evaluate`, as Keras' `fit` calls it
+    (an override of it runs), on the validation run prepared with the fit."""
+    model_state = context.state_of(model)
+    model_state.validation = validation
+    try:
+        return model.evaluate(**data_arguments, callbacks=callbacks, return_dict=True,
+                              _use_cached_eval_dataset=True)
+    finally:
+        model_state.validation = None
 
 
 def _evaluate_feed(model, run: Run, feed, callbacks, restart: bool = False) -> dict:
@@ -336,6 +355,8 @@ _BATCH_HOOKS = {
 def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None):
     """Runs one epoch of executions (from `infeed` when one is open); returns the last
     outfeed (logs)."""
+    # Since the run was prepared: a callback froze a layer, or compiled the model again?
+    programs.check_unchanged(model, mode)
     begin_hook, end_hook, as_logs, stop_flag = _BATCH_HOOKS[mode]
     # Batch hooks cost a host sync per execution (Keras converts the logs):
     # call them only when some callback has one.
@@ -346,7 +367,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     # handed to the hooks as they return (nothing streams from a device).
     attached = _connection() != "PRE_COMPILE"
     execute = run.program if attached else run.program.unattached
-    delivery = _step_delivery(model, run, mode, on_begin, on_end) if hooked and attached else None
+    delivery = (step_callbacks.step_delivery(model, run, mode, on_begin, on_end)
+                if hooked and attached else None)
     stream = run.program.stream
     if stream is not None:
         # Nobody reads a stream without hooks: the device drops its steps.
@@ -383,14 +405,14 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     # Hooks read the model while the execution consumes its state
                     # (a pipeline's): they read a copy of it.
                     _keep_state(model, jax.tree_util.tree_map(jax.numpy.copy, state), codec)
-                ended = _submit_streamed(hooks, stream, begin, batches)
+                ended = step_callbacks.submit_streamed(hooks, stream, begin, batches)
                 # A Ctrl-C between the execution and keeping its state would lose both.
                 with interrupts.deferred():
                     new_state, outfeed = execute(state, batches)
                     if hooks is None:
                         # The old state may be consumed: the new one is the model's now.
                         _keep_state(model, new_state, codec)
-                outfeed, returned = _split_steps(run, outfeed)
+                outfeed, returned = step_callbacks.split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
                     outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
                 logs = outfeed  # the program returns the last step's logs (or predictions)
@@ -401,11 +423,15 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     # (leaf by leaf: cheaper than `jax.device_get` at every execution).
                     on_end(end, jax.tree_util.tree_map(np.asarray, as_logs(outfeed)))
                 else:
-                    _await_hooks(hooks, ended, outfeed, returned, begin, run.replica_count)
-                    # The device's state wins over a hook's sync; kept once its hooks
-                    # all ran (a hook that raises leaves the last execution's).
+                    step_callbacks.await_hooks(hooks, ended, outfeed, returned, begin,
+                                               run.replica_count)
+                    programs.check_current(model, mode)  # did a hook compile the model?
+                    # The device's state is kept once its hooks all ran (a hook that
+                    # raises leaves the last execution's); what they assigned lands on it.
+                    written = step_callbacks.hook_writes(model, parts)
                     model._jax_state_synced = False
                     _keep_state(model, new_state, codec)
+                    _land(model, written)
                 state = new_state
                 if getattr(model, stop_flag, False):
                     break
@@ -453,51 +479,6 @@ def _check_attached(mode: str) -> None:
         raise IPUNotAttachedError(mode)
 
 
-def _submit_streamed(hooks, stream, begin: int, batches) -> list:
-    """Hands the steps an execution will stream to the hooks' thread, before it runs.
-
-    Returns a list that receives the execution's outfeed once dispatched:
-    the stream is broken if that is ready and steps are missing.
-    """
-    ended: list = []
-    if hooks is not None and stream is not None:
-        chunks = stream.chunks(_leading(batches),
-                               finished=lambda: bool(ended) and ended[0].is_ready())
-        hooks.submit(begin, chunks)
-    return ended
-
-
-def _await_hooks(hooks, ended: list, outfeed, returned, begin: int, replicas: int) -> None:
-    """Waits for an execution's hooks (its steps streamed, or returned with it)."""
-    if returned is None:
-        ended.append(jax.tree_util.tree_leaves(outfeed)[0])
-    else:
-        hooks.submit(begin, returned_chunk(returned, replicas))
-    hooks.wait()
-
-
-def _step_delivery(model, run: Run, mode: str, on_begin, on_end):
-    """The per-step delivery of a run with asynchronous callbacks, else `None`."""
-    options = options_of(model)
-    if not options.asynchronous_callbacks:
-        return None
-    if run.program.stream is None and run.split_steps is None:
-        return None  # the reference's exception: pipelines accumulating their outfeed
-    return StepDelivery(mode, run.replica_count, run.batches_per_step,
-                        options.replicated_metric_reduction_method, on_begin, on_end)
-
-
-def _split_steps(run: Run, outfeed):
-    """`(outfeed, per-step outputs or None)`: programs that return every step split them."""
-    if run.split_steps is None:
-        return outfeed, None
-    return run.split_steps(outfeed)
-
-
-def _leading(batches) -> int:
-    return jax.tree_util.tree_leaves(batches)[0].shape[0]
-
-
 def _callback_list(model, callbacks, verbose, epochs, feed, add_history=False):
     """Keras' callback container for a run (a given `CallbackList` is used as it is)."""
     if isinstance(callbacks, callbacks_module.CallbackList):
@@ -529,7 +510,8 @@ def _has_batch_hooks(callbacks, *hooks: str) -> bool:
 
     generic = ("on_batch_begin", "on_batch_end")
     return any(
-        hook in vars(callback) or getattr(type(callback), hook) is not getattr(Callback, hook)
+        hook in vars(callback)
+        or getattr(type(callback), hook, None) is not getattr(Callback, hook)
         for callback in callbacks.callbacks
         for hook in (*hooks, *generic)
     )
@@ -566,6 +548,15 @@ def sync_pending_state(model) -> None:
     state, codec = model_state.pending_state
     model._jax_state = codec.to_keras(state)
     model_state.pending_state = None  # only now: the state is Keras' to sync
+
+
+def _land(model, written: list) -> None:
+    """Assigns what asynchronous hooks wrote over the kept state; the next execution
+    gathers its state from the variables then."""
+    if written:
+        model.jax_state_sync()
+        for variable, value in written:
+            variable.assign(value)
 
 
 def _forget_state(model) -> None:
