@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from conftest import assert_weights_close
+from conftest import assert_weights_close, configure
 from models import data_for, twin
 
 
@@ -67,3 +67,27 @@ def test_the_shuffled_order_is_plain_kerases_for_the_same_seed():
         actual = [row for _ in range(2)
                   for _, _, chunk in feed.executions() for row in _rows_seen(chunk[0])]
         assert actual == expected
+
+
+def test_a_callbacks_strategy_run_may_read_the_model_inside_its_function(strategy):
+    # On 2 IPUs the function is traced twice (its shards first): the model's sync inside
+    # the first trace left the variables purged, and the fit failed at its next execution.
+    configure(2)
+    x, y = np.ones((32, 4), np.float32), np.zeros((32, 1), np.float32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    seen = []
+
+    class Reads(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ran = strategy.run(lambda a: self.model(a), args=(x[:1],))
+            kernel, bias = self.model.get_weights()
+            seen.append((np.asarray(ran), x[:1] @ kernel + bias))
+
+    before = model.get_weights()
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[Reads()])
+    assert len(seen) == 4  # 2 replicas: 4 steps of 8 samples
+    for ran, expected in seen:
+        np.testing.assert_allclose(ran, expected, atol=1e-6)
+    assert not np.allclose(before[0], model.get_weights()[0])  # and it trained on

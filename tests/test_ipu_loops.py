@@ -351,6 +351,9 @@ STEPS = 2
 
 
 def test_a_kept_program_sees_the_python_values_its_function_reads_and_its_argument_types():
+    def my_scaled(x):
+        return x * scale
+
     # The seed's loops re-run with new host values: a program keeps only while they hold.
     global STEPS
     scale = np.float32(2)
@@ -368,6 +371,10 @@ def test_a_kept_program_sees_the_python_values_its_function_reads_and_its_argume
     with strategy.scope():  # 1, 1.0 and True are equal keys of different types
         kinds = [strategy.run(lambda v: jnp.asarray(v), args=(v,)).dtype for v in (1, 1.0, True)]
     assert kinds == [jnp.int32, jnp.float32, jnp.bool_]
+    # A 0-d NumPy array is written into the program as a literal (was reused: 2 * x).
+    for value in (2.0, 5.0):
+        scale = np.array(value, np.float32)
+        assert strategy.run(my_scaled, args=(np.ones(2, np.float32),)).tolist() == [value] * 2
 
 
 def test_compile_inside_a_jax_transform_and_an_infeed_made_inside_run_as_before():
@@ -588,3 +595,25 @@ def test_the_infeed_benchmark_times_the_queues_own_elements_in_order():
     listed.put_back(listed.take(2))
     ipu.dataset_benchmark.infeed_benchmark(listed, 1, 6, print_stats=False)
     assert [float(e) for e in listed.peek(20)] == list(range(10))
+
+
+def test_an_outfeed_is_iterated_one_element_at_a_time_as_in_ipu_tensorflow():
+    # IPU TF 2's custom loops read `for loss in outfeed_queue:` (was not iterable).
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(
+        outfeed_mode=ipu.ipu_outfeed_queue.IPUOutfeedMode.LAST)
+
+    def body(x):
+        return x + 1, outfeed.enqueue({"x": x, "twice": 2 * x}), last.enqueue(x)
+
+    assert list(outfeed) == [] and list(last) == []  # nothing enqueued yet
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        for _ in range(3):
+            ipu.ipu_compiler.compile(lambda x: ipu.loops.repeat(2, body, [x]),
+                                     [np.float32(1)])
+    elements = list(outfeed)
+    assert [(float(e["x"]), float(e["twice"])) for e in elements] == [(1, 2), (2, 4)] * 3
+    assert outfeed.dequeue() == []  # iterating took them
+    # LAST keeps one element, however many runs enqueued (every run's were held).
+    assert len(last._received) == 1 and last._received[0].shape == (1,)
+    assert [float(v) for v in last] == [2.0]

@@ -650,3 +650,13 @@ def test_kerases_global_state_is_per_thread_under_the_carried_names():
         assert elsewhere == [(None, "float32")]  # another thread starts without them
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def test_the_active_stateless_scope_is_kerases_global_attribute():
+    # keras_ipu.keras.assignments.outside_traces clears and restores it around a sync.
+    from keras.src.backend.common import global_state, stateless_scope
+
+    with keras.StatelessScope() as scope:
+        assert global_state.get_global_attribute("stateless_scope") is scope
+        assert stateless_scope.get_stateless_scope() is scope
+    assert stateless_scope.get_stateless_scope() is None

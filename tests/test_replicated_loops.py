@@ -83,6 +83,22 @@ def test_each_replica_reads_its_own_infeed_elements_and_the_replicas_sum():
     np.testing.assert_array_equal(outfeed.dequeue()["x"], elements[8:].reshape(2, 2, 3))
 
 
+def test_strategy_run_shards_over_the_ipus_of_its_own_device():
+    # On /device:IPU:1 of [1, 2] IPUs: ipu_shard(1) was checked against /device:IPU:0.
+    configure([1, 2])
+
+    def fn(x):
+        with ipu.scopes.ipu_shard(0):
+            a = x + 1
+        with ipu.scopes.ipu_shard(1):
+            return a * 2, replication_ops.replication_index()
+
+    strategy = ipu.ipu_strategy.IPUStrategy(ipu_device="/device:IPU:1")
+    result, replica = strategy.run(fn, args=(np.ones(2, np.float32),))
+    np.testing.assert_array_equal(result, [4, 4])
+    assert int(replica) == 0  # one replica of two shards
+
+
 def test_a_computation_on_two_shards_of_two_ipus_is_not_replicated():
     configure(2)
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()

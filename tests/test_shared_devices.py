@@ -77,6 +77,22 @@ def test_batched_replicas_have_the_collectives_of_separate_devices():
     assert [s["x"].devices() for s in slices] == [{d[0]}, {d[0]}, {d[1]}, {d[1]}]
 
 
+def test_replicated_programs_without_data_run_on_shared_devices():
+    # A program no argument of which is split over the replicas (strategy.run of a
+    # function of host values, or of none): "vmap must have at least one non-None value".
+    configure(16)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    index = ipu.replication_ops.replication_index
+    assert system.require().shared_devices  # 16 IPUs on the suite's 8 devices
+    np.testing.assert_array_equal(
+        strategy.run(lambda x: x * 2, args=(np.ones(2, np.float32),)), [2.0, 2.0])
+    sums = strategy.run(lambda: ipu.cross_replica_ops.cross_replica_sum(index() + 1))
+    assert int(sums) == sum(range(1, 17))
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        compiled = ipu.ipu_compiler.compile(lambda x: x * 2, [np.ones(2, np.float32)])
+    np.testing.assert_array_equal(compiled[0], [2.0, 2.0])
+
+
 def test_ipus_sharing_devices_must_tile_the_grid():
     d = jax.devices()
     IPUMesh(np.array([[d[0], d[0]], [d[1], d[1]]], dtype=object), ("replica", "ipu"))

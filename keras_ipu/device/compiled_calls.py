@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import collectives, floating_point, queues, scopes, system
+from keras_ipu.device import closures, collectives, elements, floating_point, queues, scopes, system
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 
 # Trace-time context, not global state: the infeed inputs of the `call_compiled` program
@@ -162,7 +162,7 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     programs = system.require().programs
     # `1`, `1.0` and `True` are equal keys: their types tell them apart.
     typed = tuple(leaf if leaf is _ARRAY else (type(leaf), leaf) for leaf in fixed)
-    key = (fn, outputs, ipus, shard, treedef, typed, _host_values(fn))
+    key = (fn, outputs, ipus, shard, treedef, typed, closures.host_values(fn))
     try:
         program = programs.pop(key, None)
     except TypeError:  # an unhashable fixed argument: a program for this call only
@@ -184,88 +184,6 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
 
 # Programs `call_compiled` keeps per configured system (the least recently used go first).
 _PROGRAMS_KEPT = 64
-
-# Host values a traced function may read and fix in its program: a kept program is run
-# again only while those it reads from its closure and globals are unchanged.
-_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
-# The queues a traced function may read: its program takes from and fills those of its trace.
-_QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
-# Whose functions' globals are their own constants: not walked.
-_LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
-
-
-def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
-    """What `fn` (and the functions it calls) reads from closures and globals.
-
-    Bound methods give their object too; functions of the libraries in
-    `_LIBRARIES` are not walked (their globals are their own constants), nor
-    are values read from objects' attributes.
-
-    Args:
-        fn: A function.
-        depth: How many calls deep to follow the functions it reads.
-
-    Returns:
-        An iterator over the values, each function's once.
-
-    Example:
-
-    >>> scale = 2.0
-    >>> list(referenced_values(lambda x: x * scale))
-    [2.0]
-    """
-    seen: set = set()
-
-    def visit(function: Any, depth: int) -> Iterator[Any]:
-        if isinstance(function, functools.partial):
-            function = function.func
-        if not hasattr(function, "__code__") and hasattr(function, "__wrapped__"):
-            function = function.__wrapped__  # a callable wrapper's function
-        owner = getattr(function, "__self__", None)
-        function = getattr(function, "__func__", function)  # a bound method's function
-        code = getattr(function, "__code__", None)
-        library = getattr(function, "__module__", None) or ""
-        if (code is None or depth < 0 or id(function) in seen
-                or library.partition(".")[0] in _LIBRARIES):
-            return
-        seen.add(id(function))
-        if owner is not None:
-            yield owner
-        cells = []
-        for cell in function.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # a cell not filled yet
-                continue
-        found = function.__globals__
-        for value in cells + [found[name] for name in _global_names(code) if name in found]:
-            yield value
-            if callable(value) and not isinstance(value, type):
-                yield from visit(value, depth - 1)
-
-    return visit(fn, depth)
-
-
-def _host_values(fn: Callable, depth: int = 4) -> tuple:
-    """The numbers, strings and queues `fn` (and what it calls) reads from closures and globals.
-
-    Values read from objects' attributes are not seen: a kept program keeps
-    those of its trace, as `tf.function` does. Queues count by identity: a
-    queue made again (a notebook cell run again) is another program's; the
-    kept one would take from, and fill, the old queue.
-    """
-    return tuple((type(value), value) for value in referenced_values(fn, depth)
-                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)))
-
-
-def _global_names(code: Any) -> set:
-    """The global names a code object and the functions defined in it use."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if hasattr(constant, "co_names"):
-            names |= _global_names(constant)
-    return names
-
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (np.ndarray, np.generic, jax.Array)) or hasattr(leaf, "__jax_array__")
@@ -540,7 +458,7 @@ class _Program:
         while True:
             taken = _take_all(self.plan, replicas.count)
             try:
-                feed_data = _placed([_dealt(queues.stacked(t), replicas.count) for t in taken],
+                feed_data = _placed([_dealt(elements.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
                 executable, outfeeds, streams = self._executable(arrays, feed_data)
                 (result, outfed), error = executable(arrays, feed_data)
@@ -696,5 +614,5 @@ def ran_out(left: int, iterations: int, replicas: int = 1) -> str:
 
 
 def _put_back(plan: list, taken: list) -> None:
-    for (queue, _), elements in reversed(list(zip(plan, taken))):
-        queue.put_back(elements)
+    for (queue, _), taken_elements in reversed(list(zip(plan, taken))):
+        queue.put_back(taken_elements)

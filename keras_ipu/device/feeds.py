@@ -44,7 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from keras_ipu.device import collectives, compiled_calls, loop_state, queues, scopes, system
+from keras_ipu.device import (
+    collectives,
+    compiled_calls,
+    elements,
+    loop_state,
+    queues,
+    scopes,
+    system,
+)
 
 
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
@@ -168,7 +176,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
                                                     replicas))
         taken = infeed_queue.take(n * replicas)
         try:
-            data = _own_elements(queues.stacked(taken), replicas)
+            data = _own_elements(elements.stacked(taken), replicas)
         except BaseException:  # elements of another shape: they stay in the queue
             infeed_queue.put_back(taken)
             raise
@@ -242,7 +250,7 @@ def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]
             raise ValueError(f"The infeed's element for iteration {int(count)} of a "
                              f"while_loop is {_element_specs(left[0])}, not {specs} as the "
                              f"loop was compiled for; it is left in the queue.")
-        element = queues.stacked(infeed_queue.take(1))
+        element = elements.stacked(infeed_queue.take(1))
         return jax.tree_util.tree_map(lambda a, spec: np.asarray(a[0], spec.dtype),
                                       element, specs)
 

@@ -243,7 +243,7 @@ class IPUMesh:
         body = fn
         for axis, local in reversed(list(zip(self.axis_names, self.local))):
             if local > 1:
-                body = _batched(body, axis, in_specs, out_specs)
+                body = _batched(body, axis, local, in_specs, out_specs)
         # check_vma is off: collectives appear only on gradients after
         # differentiation, never inside a differentiated function.
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -272,8 +272,9 @@ def _dims(specs: Any, axis: str) -> Any:
     return tuple(_dims(s, axis) for s in specs)
 
 
-def _batched(fn: Callable, axis: str, in_specs: tuple, out_specs: Any) -> Callable:
-    """`fn` vmapped over the local IPUs of `axis`, each seeing a block of size 1 there."""
+def _batched(fn: Callable, axis: str, local: int, in_specs: tuple, out_specs: Any) -> Callable:
+    """`fn` vmapped over the `local` IPUs of `axis` on a device, each seeing a block of
+    size 1 there (with no argument split over `axis` too: a program without data)."""
     in_dims, out_dims = _dims(in_specs, axis), _dims(out_specs, axis)
 
     def expand(tree, dim):
@@ -295,7 +296,7 @@ def _batched(fn: Callable, axis: str, in_specs: tuple, out_specs: Any) -> Callab
     # An output not split over `axis` is the same on all its IPUs (as in
     # `shard_map`, which takes any one): stacked by the vmap, the first is kept.
     stacked = jax.vmap(per_ipu, in_axes=in_dims, out_axes=_stacking(out_dims),
-                       axis_name=local_axis(axis))
+                       axis_name=local_axis(axis), axis_size=local)
 
     @functools.wraps(fn)
     def batched(*args):

@@ -257,40 +257,6 @@ def synthetic_data() -> bool:
     return configured is not None and bool(configured.option("use_synthetic_data"))
 
 
-def stacked(elements: list) -> Any:
-    """Infeed elements stacked on a leading axis (zeros under `--use_synthetic_data`).
-
-    Args:
-        elements: Elements of one structure (arrays, tuples or dicts of them).
-
-    Returns:
-        The structure with each array stacked, `[len(elements), ...]`.
-
-    Raises:
-        ValueError: When the elements' arrays differ in shape (a partial last
-            batch, say), naming the shapes.
-
-    Example:
-
-    >>> stacked([np.ones(3), np.zeros(3)]).shape
-    (2, 3)
-    """
-    data = jax.tree_util.tree_map(_stacked_array, *elements)
-    if synthetic_data():  # no host data reaches the device: it gets zeros
-        return jax.tree_util.tree_map(np.zeros_like, data)
-    return data
-
-
-def _stacked_array(*parts: Any) -> np.ndarray:
-    shapes = sorted({np.shape(part) for part in parts})
-    if len(shapes) > 1:
-        raise ValueError(
-            f"The infeed's elements differ in shape ({', '.join(map(str, shapes))}): a loop's "
-            f"iterations take elements of one shape, as a program has static shapes. Is the "
-            f"last batch partial? Drop it (drop_remainder=True) or pad it.")
-    return np.stack(parts)
-
-
 _NAMED = "no change needed, feed names are generated."
 _REPLICATED = "no change needed, the replication factor is set from the program."
 
@@ -619,6 +585,11 @@ class IPUOutfeedQueue:
         if synthetic_data():  # nothing returns to the host: empty arrays of the structure
             values = jax.tree_util.tree_map(
                 lambda a: np.zeros((0, *np.shape(a)[1:]), np.asarray(a).dtype), values)
+        if self.outfeed_mode == IPUOutfeedMode.LAST:
+            # "Only the last enqueued element is stored" (a run of no iteration has none).
+            if all(np.shape(a)[0] for a in jax.tree_util.tree_leaves(values)):
+                self._received = [jax.tree_util.tree_map(lambda a: np.array(a[-1:]), values)]
+            return
         self._received.append(values)
 
     def dequeue(self, wait_for_completion: bool = False) -> Any:
@@ -670,6 +641,25 @@ class IPUOutfeedQueue:
                 stacklevel=2)
             received = received[:stacking]
         return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Takes the values enqueued since the last `dequeue` and yields them one by one,
+        as IPU TensorFlow's outfeed iterator: each iteration's (with `LAST`, the last).
+
+        Example:
+
+        >>> for loss in outfeed_queue:
+        ...     print(loss)
+        """
+        if not self._received:  # nothing enqueued (LAST's dequeue would raise)
+            return
+        values = self.dequeue()
+        if self.outfeed_mode == IPUOutfeedMode.LAST:
+            yield values
+            return
+        leaves = jax.tree_util.tree_leaves(values)
+        for index in range(leaves[0].shape[0] if leaves else 0):
+            yield jax.tree_util.tree_map(lambda a, index=index: a[index], values)
 
 
 def _shapes(values: Any) -> Any:

@@ -17,16 +17,41 @@ carry the assigned variables through their iterations (`loop_state`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import keras
-from keras.src.backend.common import stateless_scope, variables
+from keras.src.backend.common import global_state, stateless_scope, variables
 
-from keras_ipu.device import collectives, compiled_calls, loop_state
+from keras_ipu.device import closures, collectives, compiled_calls, loop_state
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import steps
+
+
+@contextlib.contextmanager
+def outside_traces() -> Iterator[None]:
+    """Makes the work inside eager and its variable assignments act on the variables:
+    not on an enclosing stateless scope's record (Keras keeps the active scope in its
+    global state), nor traced into the program being traced.
+
+    For state the host hands back to the variables (a model's sync of the
+    device's state) whatever program is being traced: a sync inside a trace
+    would leave the trace's values in the variables, or be dropped with it.
+
+    Example:
+
+    >>> with outside_traces():
+    ...     model.jax_state_sync()
+    """
+    scope = stateless_scope.get_stateless_scope()
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        with jax.ensure_compile_time_eval():
+            yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 class _Held:
@@ -137,7 +162,7 @@ class _KeepingAssignments:
         self.__wrapped__ = compiled_calls.unwrapped(fn)
         self.computation = self.__wrapped__  # what the shards it uses are remembered for
         self.outputs = outputs
-        self.stateful = tuple(value for value in compiled_calls.referenced_values(fn)
+        self.stateful = tuple(value for value in closures.referenced_values(fn)
                               if isinstance(value, _STATEFUL))
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Assigned:

@@ -32,6 +32,7 @@ from keras.src.models.sequential import Sequential
 from keras_ipu.device import interrupts
 from keras_ipu.distributed import runtime
 from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
+from keras_ipu.keras.assignments import outside_traces
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod
 from keras_ipu.keras.stages import (
     FunctionalLayerPipelineStageAssignment,
@@ -164,11 +165,8 @@ class ExtensionBase:
         ...     pipeline_schedule=keras_ipu.pipelining_ops.PipelineSchedule.Interleaved)
         """
         new = options.pipelining_options(
-            options.options_of(self),
-            gradient_accumulation_steps_per_replica,
-            device_mapping,
-            accumulate_outfeed,
-            gradient_accumulation_reduction_method,
+            options.options_of(self), gradient_accumulation_steps_per_replica, device_mapping,
+            accumulate_outfeed, gradient_accumulation_reduction_method,
             pipelining_kwargs,
         )
         options.set_options(self, new)
@@ -337,8 +335,8 @@ class ExtensionBase:
         run.forget_programs(self)
 
     def jax_state_sync(self):
-        # A Ctrl-C waits for the sync's end: cut short, it could leave the variables purged.
-        with interrupts.deferred():
+        # Ctrl-C waits (cut short, the variables stay purged); eager in a trace (strategy.run).
+        with interrupts.deferred(), outside_traces():
             trainer.sync_pending_state(self)
             return super().jax_state_sync()
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import keras
 
-from keras_ipu.device import compiled_calls
+from keras_ipu.device import closures, compiled_calls
+from keras_ipu.device import scopes as device_scopes
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import assignments, context, extensions
 
@@ -124,9 +125,10 @@ class IPUStrategy:
         """
         _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
-        return assignments.call_assigning(
-            lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,
-                                                        name="strategy.run"), fn)
+        with device_scopes.ipu_scope(self.ipu_device):  # `ipu_shard(i)` is of its IPUs
+            return assignments.call_assigning(
+                lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,
+                                                            name="strategy.run"), fn)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.
@@ -177,7 +179,7 @@ def _check_built(fn: Callable, args: tuple, kwargs: dict | None) -> None:
     they would hold the trace's placeholders, and the program's next call
     fails. (IPU TensorFlow creates them at the first trace.)
     """
-    values = [fn, *args, *(kwargs or {}).values(), *compiled_calls.referenced_values(fn)]
+    values = [fn, *args, *(kwargs or {}).values(), *closures.referenced_values(fn)]
     for value in values:
         if isinstance(value, keras.layers.Layer) and not value.built:
             raise ValueError(

@@ -1,0 +1,119 @@
+"""What a traced function reads from its closures and globals.
+
+A program `call_compiled` keeps (`compiled_calls.py`) runs again only while the
+host values its function reads are unchanged: numbers, strings, 0-d NumPy
+arrays (JAX writes them into the program as literals) and the queues it
+takes from and fills.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from keras_ipu.device import queues
+
+# Host values a traced function may read and fix in its program: a kept program is run
+# again only while those it reads from its closure and globals are unchanged.
+_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# The queues a traced function may read: its program takes from and fills those of its trace.
+_QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
+# Whose functions' globals are their own constants: not walked.
+_LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
+
+
+def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
+    """What `fn` (and the functions it calls) reads from closures and globals.
+
+    Bound methods give their object too; functions of the libraries in
+    `_LIBRARIES` are not walked (their globals are their own constants), nor
+    are values read from objects' attributes.
+
+    Args:
+        fn: A function.
+        depth: How many calls deep to follow the functions it reads.
+
+    Returns:
+        An iterator over the values, each function's once.
+
+    Example:
+
+    >>> scale = 2.0
+    >>> list(referenced_values(lambda x: x * scale))
+    [2.0]
+    """
+    seen: set = set()
+
+    def visit(function: Any, depth: int) -> Iterator[Any]:
+        if isinstance(function, functools.partial):
+            function = function.func
+        if not hasattr(function, "__code__") and hasattr(function, "__wrapped__"):
+            function = function.__wrapped__  # a callable wrapper's function
+        owner = getattr(function, "__self__", None)
+        function = getattr(function, "__func__", function)  # a bound method's function
+        code = getattr(function, "__code__", None)
+        library = getattr(function, "__module__", None) or ""
+        if (code is None or depth < 0 or id(function) in seen
+                or library.partition(".")[0] in _LIBRARIES):
+            return
+        seen.add(id(function))
+        if owner is not None:
+            yield owner
+        cells = []
+        for cell in function.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                continue
+        found = function.__globals__
+        for value in cells + [found[name] for name in _global_names(code) if name in found]:
+            yield value
+            if callable(value) and not isinstance(value, type):
+                yield from visit(value, depth - 1)
+
+    return visit(fn, depth)
+
+
+def host_values(fn: Callable, depth: int = 4) -> tuple:
+    """The numbers, strings and queues `fn` (and what it calls) reads from closures and
+    globals: part of a kept program's key.
+
+    Values read from objects' attributes are not seen: a kept program keeps
+    those of its trace, as `tf.function` does. Queues count by identity: a
+    queue made again (a notebook cell run again) is another program's; the
+    kept one would take from, and fill, the old queue.
+
+    Example:
+
+    >>> scale = 2.0
+    >>> host_values(lambda x: x * scale)
+    ((<class 'float'>, 2.0),)
+    """
+    return tuple(_host_key(value) for value in referenced_values(fn, depth)
+                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)) or _is_host_0d(value))
+
+
+def _is_host_0d(value: Any) -> bool:
+    # JAX writes a 0-d NumPy array into the program as a literal, not as a constant.
+    return isinstance(value, np.ndarray) and value.ndim == 0
+
+
+def _host_key(value: Any) -> tuple:
+    if _is_host_0d(value):
+        return (np.ndarray, value.dtype.str, value.tobytes())
+    return (type(value), value)
+
+
+def _global_names(code: Any) -> set:
+    """The global names a code object and the functions defined in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _global_names(constant)
+    return names
+
+
+__all__ = ["host_values", "referenced_values"]
