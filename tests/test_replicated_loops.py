@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 import pytest
 
@@ -453,3 +454,44 @@ def test_wrappers_of_one_function_and_methods_of_two_objects_count_their_own_sha
     for sharded, unsharded in ((on_two_shards, on_one_shard), (Summing(1).run, Summing(None).run)):
         np.testing.assert_array_equal(strategy.run(sharded, args=(ones,)), [1, 1, 1])  # 1 replica
         np.testing.assert_array_equal(strategy.run(unsharded, args=(ones,)), [2, 2, 2])  # 2
+
+
+def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorflow():
+    # IPU TF's strategy all-reduces a Keras optimizer's gradients (a cross-replica SUM):
+    # the update took replica 0's gradients only, dropping the other replica's data.
+    configure(2)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(2, 4, 3)).astype("float32")
+    ys = rng.normal(size=(2, 4, 1)).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    for name, optimizer in {"apply": keras.optimizers.SGD(0.1),
+                            "apply_gradients": keras.optimizers.SGD(0.1)}.items():
+        before = model.get_weights()[0]
+
+        def step(x, y, optimizer=optimizer, name=name):
+            def loss(weights):
+                out, _ = model.stateless_call(weights, [], x)
+                return jnp.mean((out - y) ** 2)
+
+            variables = model.trainable_variables
+            grads = jax.grad(loss)([v.value for v in variables])
+            if name == "apply":
+                optimizer.apply(grads, variables)
+            else:
+                optimizer.apply_gradients(zip(grads, variables))
+
+        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(list(zip(xs, ys)))
+        strategy.run(lambda infeed=infeed: ipu.loops.repeat(1, step, [], infeed))
+
+        def grad(x, y, w=before):
+            return 2 * x.T @ (x @ w - y) / len(x)
+
+        expected = before - 0.1 * (grad(xs[0], ys[0]) + grad(xs[1], ys[1]))
+        np.testing.assert_allclose(model.get_weights()[0], expected, atol=1e-6, err_msg=name)
+    # strategy.reduce inside the program reduces over the replicas too.
+    index = replication_ops.replication_index
+    assert float(strategy.run(lambda: strategy.reduce("SUM", index() + 1.0))) == 3.0
+    assert float(strategy.run(lambda: strategy.reduce("MEAN", index() + 1.0))) == 1.5
+    assert float(strategy.reduce("SUM", np.float32(2.0))) == 2.0  # outside: one replica

@@ -54,6 +54,16 @@ from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 _FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
 
 
+def in_compiled_program() -> bool:
+    """Whether a `call_compiled` program (`compile`, `strategy.run`) is being traced here.
+
+    Example:
+
+    >>> strategy.run(lambda: in_compiled_program())   # True while it traces
+    """
+    return _FEEDS.get() is not None
+
+
 def infeed_inputs() -> Any:
     """The infeed data of the program being traced, for its loops to read.
 

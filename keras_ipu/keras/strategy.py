@@ -11,7 +11,7 @@ import keras
 from keras_ipu.device import closures, compiled_calls
 from keras_ipu.device import scopes as device_scopes
 from keras_ipu.device import system as ipu_system
-from keras_ipu.keras import assignments, context, extensions
+from keras_ipu.keras import assignments, context, extensions, replica_gradients
 
 
 class IPUStrategy:
@@ -58,9 +58,9 @@ class IPUStrategy:
         self.cpu_device = cpu_device
         self.enable_dataset_iterators = bool(enable_dataset_iterators)
         self.enable_keras_extensions = bool(enable_keras_extensions)
-        # Models are redirected when they are created; the hook is installed
-        # the first time a strategy exists.
-        extensions.install()
+        # Models are redirected when they are created, and optimizers applied in a
+        # replicated `run` reduce their gradients: hooks installed when a strategy exists.
+        _install_hooks()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -70,7 +70,7 @@ class IPUStrategy:
     def __setstate__(self, state: dict) -> None:
         # Unpickled (in another process, say), `__init__` does not run: the hooks must.
         self.__dict__.update(state)
-        extensions.install()
+        _install_hooks()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[IPUStrategy]:
@@ -96,7 +96,9 @@ class IPUStrategy:
         several replicas); so do values `fn` enqueues outside any loop, one
         element per run. Keras variables `fn` assigns (BatchNormalization's
         moving statistics in training mode, a seed generator's state) take
-        their new values once it has run, replica 0's.
+        their new values once it has run, replica 0's. A Keras optimizer
+        applied in `fn` sums the replicas' gradients first, as IPU
+        TensorFlow's strategy does.
         `num_replicas_in_sync` stays 1, as in IPU TensorFlow: the
         replication is inside the program.
 
@@ -131,7 +133,12 @@ class IPUStrategy:
                                                             name="strategy.run"), fn)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
-        """Reduces `value` over the replicas (one, as `num_replicas_in_sync` says), and `axis`.
+        """Reduces `value` over the replicas, and over `axis`.
+
+        Inside `run`'s function: over the program's replicas
+        (`cross_replica_sum`, or its mean), as IPU TensorFlow's strategy
+        reduces on the device; outside it, over one replica, as
+        `num_replicas_in_sync` says.
 
         Args:
             reduce_op: `"SUM"` or `"MEAN"` (or an enum member of that name,
@@ -157,6 +164,7 @@ class IPUStrategy:
         reductions = {"SUM": jnp.sum, "MEAN": jnp.mean}
         if name not in reductions:
             raise ValueError(f"Unknown reduce_op {reduce_op!r}; valid: SUM, MEAN.")
+        value = replica_gradients.reduce_over_replicas(name, value)
         if axis is None:
             return value
         return jax.tree_util.tree_map(lambda v: reductions[name](v, axis=axis), value)
@@ -169,6 +177,11 @@ class IPUStrategy:
 
 
 IPUStrategyV1 = IPUStrategy
+
+
+def _install_hooks() -> None:
+    extensions.install()
+    replica_gradients.install()
 
 
 def _check_built(fn: Callable, args: tuple, kwargs: dict | None) -> None:

@@ -1,0 +1,77 @@
+"""Keras optimizers applied in a replicated graph-style program sum the replicas' gradients.
+
+In IPU TensorFlow a Keras optimizer applied inside `strategy.run` all-reduces
+its gradients through the strategy before the update, and the IPU strategy
+lowers that reduction to a `cross_replica_sum`: a custom training loop on R
+replicas trains on every replica's data, and the replicas' weights stay equal.
+`install` gives Keras' optimizers that rule inside the programs of
+`strategy.run` and `ipu_compiler.compile` (`optimizer.apply`,
+`apply_gradients` and `stateless_apply` all apply through `apply`). `fit`'s
+programs reduce their gradients themselves and are not such programs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+import jax
+
+from keras_ipu.device import collectives, compiled_calls
+
+# Set while an optimizer applies reduced gradients: an optimizer it applies through
+# (LossScaleOptimizer's inner one) gets them as they are.
+_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar("keras_ipu_reduced",
+                                                                default=False)
+
+
+def install() -> None:
+    """Makes Keras' `BaseOptimizer.apply` sum the gradients over the replicas first when
+    it runs in a replicated program of `strategy.run` or `compile` (idempotent).
+
+    Example:
+
+    >>> install()
+    >>> strategy.run(train_step)   # its optimizer.apply trains on every replica's data
+    """
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    original = BaseOptimizer.__dict__["apply"]
+    if getattr(original, "_keras_ipu_reducing", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if _REDUCED.get() or not compiled_calls.in_compiled_program():
+            return original(self, grads, trainable_variables)
+        token = _REDUCED.set(True)
+        try:
+            summed = [None if g is None else collectives.cross_replica_sum(g) for g in grads]
+            return original(self, summed, trainable_variables)
+        finally:
+            _REDUCED.reset(token)
+
+    apply._keras_ipu_reducing = True
+    BaseOptimizer.apply = apply
+
+
+def reduce_over_replicas(reduce_op: str, value: Any) -> Any:
+    """`value` summed (`"SUM"`) or averaged (`"MEAN"`) over the replicas of the program
+    being traced, as IPU TensorFlow's strategy reduces on the device; unchanged outside
+    a replicated program.
+
+    Example:
+
+    >>> strategy.run(lambda: reduce_over_replicas("SUM", replication_index() + 1))  # 1 + 2
+    """
+    if not compiled_calls.in_compiled_program():
+        return value
+    total = collectives.cross_replica_sum(value)
+    if reduce_op == "SUM":
+        return total
+    count = collectives.replica_count()
+    return jax.tree_util.tree_map(lambda v: v / count, total)
+
+
+__all__ = ["install", "reduce_over_replicas"]
