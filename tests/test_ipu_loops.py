@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 import pytest
 
@@ -617,3 +618,20 @@ def test_an_outfeed_is_iterated_one_element_at_a_time_as_in_ipu_tensorflow():
     # LAST keeps one element, however many runs enqueued (every run's were held).
     assert len(last._received) == 1 and last._received[0].shape == (1,)
     assert [float(v) for v in last] == [2.0]
+
+
+def test_keras_variables_are_handed_over_and_returned_as_in_ipu_tensorflow(strategy):
+    # A variable given to the function is the variable there (it may assign it; it was an
+    # array without `assign`), and one returned comes back as its value (a JAX error).
+    counter = keras.Variable(np.zeros((), np.float32))
+
+    def step(count, x):
+        count.assign(count + jnp.sum(x))
+        return count
+
+    assert [float(strategy.run(step, args=(counter, np.ones(3, np.float32))))
+            for _ in range(2)] == [3.0, 6.0]
+    assert float(counter.numpy()) == 6.0
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        [value] = ipu.ipu_compiler.compile(lambda c: c * 2, [counter])
+    assert float(value) == 12.0
