@@ -1351,3 +1351,58 @@ def test_an_unbuilt_subclass_with_stage_scopes_fed_a_generator_is_refused_until_
     assert int(model.optimizer.iterations) == 0
     run()  # built now: pipelined
     assert ipu.utils.execution_report(model, mode).pipeline.num_stages == 4
+
+
+class _WithStateNoStageHolds(keras.Model):
+    """Two stages; the model's own untrainable weight (read by the last stage) and an
+    unused Dropout's seed state belong to no stage's layer."""
+
+    def __init__(self, staged=True):
+        super().__init__()
+        self.staged = staged
+        self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
+        self.spare = keras.layers.Dropout(0.5)
+        self.scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(2.0),
+                                     trainable=False, name="scale")
+
+    def call(self, inputs):
+        with ipu.keras.PipelineStage(0) if self.staged else contextlib.nullcontext():
+            hidden = self.hidden(inputs)
+        with ipu.keras.PipelineStage(1) if self.staged else contextlib.nullcontext():
+            return self.out(hidden) * self.scale
+
+
+def test_state_no_stage_holds_stays_on_the_host_and_the_stages_read_it(strategy):
+    # Before: fit and predict failed ("None is not a valid value for jnp.array") after the
+    # weights had changed, and the variables were left empty: the model was unusable.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    plain = _WithStateNoStageHolds(staged=False)
+    plain(x[:2])
+    with strategy.scope():
+        on_ipu = _WithStateNoStageHolds()
+        on_ipu(x[:2])
+    on_ipu.set_weights(plain.get_weights())
+    on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                  gradient_accumulation_reduction_method="mean")
+    for model, spe in ((plain, 1), (on_ipu, 4)):
+        model.compile(keras.optimizers.SGD(0.05), "mse", steps_per_execution=spe)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # 4 micro-batches of 4
+    on_ipu.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(on_ipu.predict(x, batch_size=4, verbose=0),
+                               plain.predict(x, batch_size=4, verbose=0), atol=1e-6)
+    assert float(on_ipu.scale.numpy()) == 2.0
+
+
+def test_a_trainable_weight_no_stage_holds_is_named_in_the_refusal(strategy):
+    configure(2)
+    x, _ = data_for("sequential", samples=8)
+    with strategy.scope():
+        model = _WithStateNoStageHolds()
+        model(x[:2])
+    model.scale.trainable = True  # the model's own weight, in no stage's layer
+    model.compile("sgd", "mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match=r"\['.*scale'\] belong to none .* `add_weight`"):
+        model.predict(x, batch_size=4, verbose=0)
+    assert float(model.scale.numpy()) == 2.0  # nothing lost

@@ -192,11 +192,14 @@ class PipelinedModel:
                      for v in variables(layer, "non_trainable_variables")])
             for layers in layers_of
         ]
-        placed = sorted(i for ids in self.trainable_of for i in ids)
-        if placed != list(range(len(model.trainable_variables))):
+        placed = {i for ids in self.trainable_of for i in ids}
+        unplaced = [v.path for i, v in enumerate(model.trainable_variables) if i not in placed]
+        if unplaced:
             raise ValueError(
-                "Every trainable variable must belong to a layer of a pipeline stage."
-            )
+                f"Every trainable variable of a pipelined model must belong to a layer of a "
+                f"pipeline stage; {unplaced} belong to none (a weight the model makes with "
+                f"`add_weight`, or a layer no stage calls). Make it a weight of a layer "
+                f"called inside a `PipelineStage`, or set it untrainable.")
         self.last_ipu = self.device_mapping[-1]
         self.optimizers, self.optimizer_of = [], []
         # Per IPU: the flat form of its clone (`None` where it has none),
@@ -277,6 +280,8 @@ class PipelineState:
         self.sharding = mesh.sharding(P(REPLICA_AXIS, IPU_AXIS))
         self.layouts: dict[str, list[FlatLayout]] = {}
         self.lengths: dict[str, dict[str, int]] = {}
+        # Per part: the values of the variables no IPU holds, by index (`to_device`).
+        self.held: dict[str, dict[int, Any]] = {}
         # In a multi-host job: the replicas this process runs (its own pipelines).
         self.spans_processes = instances.spans_processes(mesh)
         self.local_replicas = (instances.local_replicas(mesh) if self.spans_processes
@@ -325,6 +330,11 @@ class PipelineState:
         packed = {}
         for part, values in zip(self.parts, keras_state):
             values = [np.asarray(v) for v in values]
+            # No stage's layer holds them (an unused layer's seed state, a model's own
+            # untrainable weight): the host keeps them, and the stages read them as traced.
+            held = set(range(len(values))).difference(
+                *(self.indices(part, d) for d in range(self.ipus)))
+            self.held[part] = {i: values[i] for i in held}
             per_ipu = [[values[i] for i in self.indices(part, d)] for d in range(self.ipus)]
             flats = [layout.pack(arrays, self.lengths[part], xp=np)
                      for layout, arrays in zip(self.layouts[part], per_ipu)]
@@ -371,6 +381,8 @@ class PipelineState:
                 for i, array in zip(self.indices(part, d), arrays):
                     if values[i] is None:
                         values[i] = array
+            for i, array in self.held.get(part, {}).items():
+                values[i] = array
             result[part] = values
         return result
 
