@@ -1406,3 +1406,32 @@ def test_a_trainable_weight_no_stage_holds_is_named_in_the_refusal(strategy):
     with pytest.raises(ValueError, match=r"\['.*scale'\] belong to none .* `add_weight`"):
         model.predict(x, batch_size=4, verbose=0)
     assert float(model.scale.numpy()) == 2.0  # nothing lost
+
+
+class _UsesTheBatchSize(keras.Model):
+    def __init__(self, staged=True):
+        super().__init__()
+        self.staged = staged
+        self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
+
+    def call(self, inputs):
+        with ipu.keras.PipelineStage(0) if self.staged else contextlib.nullcontext():
+            hidden = self.hidden(inputs)
+        with ipu.keras.PipelineStage(1) if self.staged else contextlib.nullcontext():
+            rows = keras.ops.shape(hidden)[0]
+            offsets = keras.ops.cast(keras.ops.arange(rows), "float32")[:, None]
+            return self.out(keras.ops.reshape(hidden, (-1, 4, 2))[:, 0] + offsets)
+
+
+def test_a_subclassed_pipeline_is_traced_for_any_batch_size_not_its_first_calls(strategy):
+    # Built by a call on 1 row, the graph kept that batch size: `arange(rows)` was the
+    # constant [0] and the predictions of 4-row batches were silently wrong. Now the
+    # graph's batch is unknown: what needs it is refused when traced.
+    configure(2)
+    x, _ = data_for("sequential", samples=16)
+    with strategy.scope():
+        model = _UsesTheBatchSize()
+        model(x[:1])
+    model.compile(steps_per_execution=4)
+    with pytest.raises(ValueError, match="Could not trace the `call` function.* any batch size"):
+        model.predict(x, batch_size=4, verbose=0)

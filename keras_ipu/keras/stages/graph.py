@@ -240,7 +240,9 @@ class TraceError(ValueError):
             f"stage assignments need: {error} " + (advice or (
                 "Every tensor operation in `call` must be a Keras layer or a `keras.ops` "
                 "function. If your layers do not support float inputs, pass `keras.Input` "
-                "objects with the required dtype to `model.build()`."))
+                "objects with the required dtype to `model.build()`. The graph is traced for "
+                "any batch size (`None`): a reshape takes `-1` for it, not "
+                "`keras.ops.shape(x)[0]`."))
         )
 
 
@@ -252,17 +254,20 @@ def _training_parameter(call: Callable) -> inspect.Parameter | None:
 
 
 def _symbolic_inputs(specs: Any, default_dtype: str) -> Any:
+    # The graph must not fix its batch size: a first call's batch (a build config's) would
+    # leave its size in what `call` makes of `ops.shape(x)[0]`, wrong for other batches.
+    def unbatched(shape: Any) -> tuple:
+        return (None, *tuple(shape)[1:]) if len(shape) else ()
+
     def from_spec(spec: Any) -> Any:
-        # Specs describe data: the graph must not fix its batch size.
-        shape = (None, *tuple(spec.shape)[1:]) if len(spec.shape) else ()
         dtype = keras.backend.standardize_dtype(getattr(spec, "dtype", default_dtype))
-        return keras.Input(batch_shape=shape, dtype=dtype)
+        return keras.Input(batch_shape=unbatched(spec.shape), dtype=dtype)
 
     flat = keras.tree.flatten(specs)
     if all(leaf is None or isinstance(leaf, numbers.Integral) for leaf in flat):
         # Plain shapes, as in a build config: tuples/lists of ints and None.
         return keras.tree.map_shape_structure(
-            lambda shape: keras.Input(batch_shape=tuple(shape), dtype=default_dtype), specs
+            lambda shape: keras.Input(batch_shape=unbatched(shape), dtype=default_dtype), specs
         )
     return keras.tree.map_structure(from_spec, specs)
 
