@@ -635,3 +635,22 @@ def test_keras_variables_are_handed_over_and_returned_as_in_ipu_tensorflow(strat
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [value] = ipu.ipu_compiler.compile(lambda c: c * 2, [counter])
     assert float(value) == 12.0
+
+
+def test_an_enqueue_inside_a_transformation_of_the_computation_says_where_to_enqueue(strategy):
+    # Inside jax.grad the values are the gradient trace's: "Computation compiled for 2
+    # inputs but called with 1". The gradient without the enqueue is unchanged.
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def logged(w, log):
+        def body(t):
+            t = t * w
+            return (t, outfeed.enqueue(t)) if log else t
+        return ipu.loops.repeat(3, body, [jnp.float32(1.0)])
+
+    with pytest.raises(RuntimeError, match="filled inside a JAX transformation within the "
+                                           "computation .* has_aux=True"):
+        strategy.run(lambda w: jax.grad(logged)(w, True), args=(np.float32(2.0),))
+    assert outfeed.dequeue() == []
+    gradient = strategy.run(lambda w: jax.grad(logged)(w, False), args=(np.float32(2.0),))
+    assert float(gradient) == 12.0

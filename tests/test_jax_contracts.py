@@ -84,3 +84,24 @@ def test_clearing_jaxs_caches_traces_a_function_anew():
     assert "2.0" in str(jitted.trace(1.0).jaxpr)  # the cached trace
     jax.clear_caches()
     assert "3.0" in str(jitted.trace(1.0).jaxpr)
+
+
+def test_the_opaque_trace_state_tells_a_transformation_inside_a_trace():
+    # keras_ipu.device.program_outfeeds refuses an enqueue made in another trace than its
+    # program's (jax.grad inside the computation) by comparing these states.
+    from jax._src import core
+
+    seen = []
+
+    def computation(x):
+        seen.append(core.get_opaque_trace_state(convention="nnx"))
+        seen.append(core.get_opaque_trace_state(convention="nnx"))
+
+        def inner(y):
+            seen.append(core.get_opaque_trace_state(convention="nnx"))
+            return (y * 2).sum()
+
+        return jax.grad(inner)(x)
+
+    jax.jit(computation)(jax.numpy.ones(2))
+    assert seen[0] == seen[1] and seen[2] != seen[0]

@@ -46,7 +46,16 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
-from keras_ipu.device import closures, collectives, elements, floating_point, queues, scopes, system
+from keras_ipu.device import (
+    closures,
+    collectives,
+    elements,
+    floating_point,
+    program_outfeeds,
+    queues,
+    scopes,
+    system,
+)
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 
 # Trace-time context, not global state: the infeed inputs of the `call_compiled` program
@@ -165,7 +174,7 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     Array([2., 2., 2.], dtype=float32)
     """
     fn = unwrapped(fn)
-    if queues.program_outfeeds() is not None:  # inside another program's trace: part of it
+    if program_outfeeds.program_outfeeds() is not None:  # inside another program: part of it
         return without_operations(outputs(fn(*args, **(kwargs or {}))))
     ipus = tuple(ipus)
     arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
@@ -432,7 +441,7 @@ class _Program:
         feeds_token = _FEEDS.set(feeds)
         try:
             with (queues.recording_made_infeeds(self.unread),
-                  queues.collect_program_outfeeds() as outfed):
+                  program_outfeeds.collect_program_outfeeds() as outfed):
                 result = self.outputs(self.fn(*args, **kwargs))
         finally:
             _FEEDS.reset(feeds_token)

@@ -49,6 +49,7 @@ from keras_ipu.device import (
     compiled_calls,
     elements,
     loop_state,
+    program_outfeeds,
     queues,
     scopes,
     system,
@@ -106,7 +107,7 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
 def _deliver(queue: queues.IPUOutfeedQueue, values: Any) -> None:
     """Sends a finished loop's stacked values on: the enclosing body, program, or the queue."""
     enclosing = queues.current_enqueues()
-    outfed = queues.program_outfeeds()
+    outfed = program_outfeeds.program_outfeeds()
     if enclosing is not None:  # a loop nested in a body: a block of that iteration's values
         enclosing.add(queue, values, block=True)
     elif outfed is not None:  # inside `call_compiled`: the values leave with its outputs

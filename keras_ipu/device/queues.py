@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import system
+from keras_ipu.device import program_outfeeds, system
 from keras_ipu.device.deprecated_arguments import deprecated_arguments
 
 
@@ -97,9 +97,6 @@ class Enqueues:
 
 # Trace-time context, not global state: the enqueues of the loop body being traced.
 _ENQUEUES: contextvars.ContextVar = contextvars.ContextVar("enqueues", default=None)
-# Trace-time context: the outfeed values of the compiled program being traced (`compile`,
-# `strategy.run`), `(queue, values stacked per element)` in the order they were enqueued.
-_PROGRAM_OUTFED: contextvars.ContextVar = contextvars.ContextVar("program_outfed", default=None)
 # Trace-time context: the infeed queues made while a compiled function is traced.
 _MADE_INFEEDS: contextvars.ContextVar = contextvars.ContextVar("made_infeeds", default=None)
 
@@ -199,47 +196,6 @@ def current_enqueues() -> Enqueues | None:
     True
     """
     return _ENQUEUES.get()
-
-
-@contextlib.contextmanager
-def collect_program_outfeeds() -> Iterator[list]:
-    """Collects the outfeed values of a compiled program being traced, in order.
-
-    A loop's stacked values and an `enqueue` made outside any loop (one
-    element per run, as IPU TensorFlow's enqueue op returned by the
-    computation; each such `enqueue` adds one) both land here; they leave the
-    program with its outputs.
-
-    Yields:
-        The list of `(queue, values)` pairs, filled as the block traces.
-
-    Example:
-
-    >>> with collect_program_outfeeds() as outfed:
-    ...     result = fn(x)
-    >>> [queue for queue, _ in outfed]
-    """
-    outfed: list = []
-    token = _PROGRAM_OUTFED.set(outfed)
-    try:
-        yield outfed
-    finally:
-        _PROGRAM_OUTFED.reset(token)
-
-
-def program_outfeeds() -> list | None:
-    """The outfeed values of the compiled program being traced.
-
-    Returns:
-        A list of `(queue, values)` pairs (each array stacked on a leading
-        axis), or `None` outside a compiled program's trace.
-
-    Example:
-
-    >>> program_outfeeds() is None   # outside `compile` and `strategy.run`
-    True
-    """
-    return _PROGRAM_OUTFED.get()
 
 
 def synthetic_data() -> bool:
@@ -558,7 +514,7 @@ class IPUOutfeedQueue:
         ...     return x + 1, outfeed.enqueue({"x": x})
         """
         enqueued = current_enqueues()
-        program = program_outfeeds()
+        program = program_outfeeds.program_outfeeds()
         if enqueued is not None:
             enqueued.add(self, tensors, block=False)
         elif program is not None:

@@ -1,0 +1,85 @@
+"""The outfeed values of the `call_compiled` program being traced (`compile`, `strategy.run`).
+
+A loop's stacked values and an `enqueue` made outside any loop land here, and
+leave the program with its outputs (`compiled_calls.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+# Trace-time context: the outfeed values of the compiled program being traced (`compile`,
+# `strategy.run`), `(queue, values stacked per element)` in the order they were enqueued.
+_PROGRAM_OUTFED: contextvars.ContextVar = contextvars.ContextVar("program_outfed", default=None)
+
+
+@contextlib.contextmanager
+def collect_program_outfeeds() -> Iterator[list]:
+    """Collects the outfeed values of a compiled program being traced, in order.
+
+    A loop's stacked values and an `enqueue` made outside any loop (one
+    element per run, as IPU TensorFlow's enqueue op returned by the
+    computation; each such `enqueue` adds one) both land here; they leave the
+    program with its outputs.
+
+    Yields:
+        The list of `(queue, values)` pairs, filled as the block traces.
+
+    Example:
+
+    >>> with collect_program_outfeeds() as outfed:
+    ...     result = fn(x)
+    >>> [queue for queue, _ in outfed]
+    """
+    outfed = _ProgramOutfeeds()
+    token = _PROGRAM_OUTFED.set(outfed)
+    try:
+        yield outfed
+    finally:
+        _PROGRAM_OUTFED.reset(token)
+
+
+class _ProgramOutfeeds(list):
+    """A traced program's outfeed values: only those of its own trace, as a value made
+    inside a transformation of the computation (`jax.grad`, an inner `jax.jit`) exists
+    only there."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = _trace_state()
+
+    def append(self, entry: tuple) -> None:
+        if _trace_state() != self.trace:
+            raise RuntimeError(
+                "An IPUOutfeedQueue was filled inside a JAX transformation within the "
+                "computation (jax.grad, jax.vmap, an inner jax.jit): its values exist only "
+                "inside that transformation and cannot reach the queue. Enqueue outside it "
+                "(return the values from the differentiated function with has_aux=True, "
+                "say).")
+        super().append(entry)
+
+
+def _trace_state() -> object:
+    from jax._src import core  # JAX's identity of the trace now running
+
+    return core.get_opaque_trace_state(convention="nnx")
+
+
+def program_outfeeds() -> list | None:
+    """The outfeed values of the compiled program being traced.
+
+    Returns:
+        A list of `(queue, values)` pairs (each array stacked on a leading
+        axis), or `None` outside a compiled program's trace.
+
+    Example:
+
+    >>> program_outfeeds() is None   # outside `compile` and `strategy.run`
+    True
+    """
+    return _PROGRAM_OUTFED.get()
+
+
+__all__ = ["collect_program_outfeeds", "program_outfeeds"]
