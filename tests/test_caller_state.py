@@ -86,16 +86,22 @@ class _StagedModel(keras.Model):
             return self.out(hidden)
 
 
-def test_asynchronous_hooks_run_in_the_strategy_scope_of_fit(strategy):
-    # Before: a hook calling a stage-scoped model raised "PipelineStage may only be used
-    # from within an IPUStrategy context", and models it made were plain Keras models.
+def _staged_model(strategy, x, **compile_arguments):
+    """A `_StagedModel` on 2 IPUs, built on `x`'s first row and compiled."""
     configure(2)
-    x, y = data_for("sequential", samples=32)
     with strategy.scope():
         model = _StagedModel()
         model(x[:1])
-        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
-        model.compile("sgd", "mse", steps_per_execution=4)
+    model.compile("sgd", "mse", **compile_arguments)
+    return model
+
+
+def test_asynchronous_hooks_run_in_the_strategy_scope_of_fit(strategy):
+    # Before: a hook calling a stage-scoped model raised "PipelineStage may only be used
+    # from within an IPUStrategy context", and models it made were plain Keras models.
+    x, y = data_for("sequential", samples=32)
+    model = _staged_model(strategy, x, steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
     seen = {}
 
     class Look(keras.callbacks.Callback):
@@ -114,12 +120,8 @@ def test_asynchronous_hooks_run_in_the_strategy_scope_of_fit(strategy):
 def test_steps_on_one_batch_run_in_the_models_scope_outside_it(strategy):
     # As fit, evaluate and predict (upstream runs them in the model's strategy scope);
     # they raised "PipelineStage may only be used from within an IPUStrategy context".
-    configure(2)
     x, y = data_for("sequential", samples=8)
-    with strategy.scope():
-        model = _StagedModel()
-        model(x[:1])
-        model.compile("sgd", "mse")
+    model = _staged_model(strategy, x)
     with strategy.scope():
         expected_outputs = model(x)
     assert np.asarray(model.predict_on_batch(x)).shape == (8, 3)
