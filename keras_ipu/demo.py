@@ -57,8 +57,12 @@ def run(
     config.auto_select_ipus = num_ipus
     config.configure_ipu_system()
 
-    x, y = synthetic_classification(samples=4480, features=32, classes=10)
-    x_train, y_train, x_test, y_test = x[:3840], y[:3840], x[3840:], y[3840:]
+    replicas = num_ipus // 2 if pipelined else num_ipus
+    # About 3,840 training and 640 test samples, in whole executions of every replica.
+    per_execution = batch_size * replicas * steps_per_execution
+    train, test = (max(1, round(n / per_execution)) * per_execution for n in (3840, 640))
+    x, y = synthetic_classification(samples=train + test, features=32, classes=10)
+    x_train, y_train, x_test, y_test = x[:train], y[:train], x[train:], y[train:]
 
     strategy = ipu.ipu_strategy.IPUStrategy()
     with strategy.scope():
@@ -71,7 +75,6 @@ def run(
                 keras.layers.Dense(10),
             ]
         )
-        replicas = num_ipus // 2 if pipelined else num_ipus
         model.compile(
             # Gradients are summed over replicas, as on IPUs.
             optimizer=keras.optimizers.Adam(1e-2 / replicas),

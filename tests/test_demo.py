@@ -44,5 +44,14 @@ def test_bad_demo_arguments_are_one_line_errors(capsys):
         assert exited.value.code == 2 and message in capsys.readouterr().err
     # Numbers keras_ipu refuses: its own message, before anything trains.
     assert demo.main(["--ipus", "2", "--steps-per-execution", "7", "--epochs", "1"]) == 2
-    assert ("`steps_per_execution` (7) must be a divisor of the number of batches (120)"
-            in capsys.readouterr().err)
+    assert ("the current `steps_per_execution` value (set to 7) is not divisible by "
+            "`gradient_accumulation_steps_per_replica` (5)" in capsys.readouterr().err)
+
+
+def test_the_demo_trains_on_any_number_of_ipus():
+    # Its data are whole executions of every replica: 16 IPUs (a POD16) are 8 replicas of
+    # 2 stages, which 3,840 samples in batches of 32 did not fit ("divisor of ... (15)").
+    lines = []
+    result = demo.run(num_ipus=16, epochs=1, print_fn=lines.append)
+    assert result["report"].replicas == 8 and len(result["report"].ipus) == 16
+    assert "2-stage pipeline, 8 replica(s)" in "\n".join(lines)

@@ -52,13 +52,15 @@ def test_depths_must_be_small_positive_integers(value, strategy):
 def test_options_are_saved_and_the_accepted_ones_kept(strategy, tmp_path):
     model = _model(strategy)
     model.set_infeed_queue_options(prefetch_depth=3, feed_name="ignored")
-    model.set_outfeed_queue_options(buffer_depth=2, io_batch_size=1)
+    model.set_outfeed_queue_options(buffer_depth=2, io_batch_size=1, optimise_latency=True)
     with strategy.scope():
         model.save(tmp_path / "m.keras")
         loaded = keras.models.load_model(tmp_path / "m.keras")
     restored = options.options_of(loaded)
     assert restored.infeed_kwargs == {"prefetch_depth": 3, "feed_name": "ignored"}
-    assert restored.outfeed_kwargs == {"buffer_depth": 2, "io_batch_size": 1}
+    # `optimise_latency`, as the queues take it: accepted, no effect (it was refused).
+    assert restored.outfeed_kwargs == {"buffer_depth": 2, "io_batch_size": 1,
+                                       "optimise_latency": True}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

@@ -210,6 +210,11 @@ def test_allreduce_keeps_the_shape_and_dtype_as_horovod():
             value = np.array([1, 2], dtype)
             assert ipu.distributed.allreduce(value, op=op).dtype == value.dtype, (dtype, op)
     assert ipu.horovod.allreduce(np.int32(5)).dtype == np.int32
+    # An array whatever the reduction (a sum of a 0-d value was a NumPy scalar).
+    for op in ("mean", "sum", "max"):
+        for value in (np.float32(3), np.int32(7)):
+            reduced = runtime.reduce_stacked(np.stack([value, value]), op)
+            assert isinstance(reduced, np.ndarray) and reduced.shape == (), (op, value)
 
 
 def test_helpers_across_two_instances():

@@ -622,8 +622,9 @@ def ran_out(left: int, iterations: int, replicas: int = 1) -> str:
 
     Example:
 
-    >>> ran_out(6, 4, 2)
-    'The infeed ran out: 6 elements left for a loop of 4 iterations on 2 replicas ...'
+    >>> print(ran_out(6, 4, 2))  # doctest: +NORMALIZE_WHITESPACE
+    The infeed ran out: 6 elements left for a loop of 4 iterations on 2 replicas, which
+    takes 8 (iteration k of replica r takes element k * 2 + r).
     """
     if replicas == 1:
         return f"The infeed ran out: {left} elements left for a loop of {iterations} iterations."

@@ -254,13 +254,16 @@ def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
     """
     stacked = np.asarray(stacked)
     if op == "sum":
-        return np.sum(stacked, axis=0, dtype=stacked.dtype)
-    if op in ("mean", "average") and not jnp.issubdtype(stacked.dtype, jnp.inexact):
+        reduced = np.sum(stacked, axis=0, dtype=stacked.dtype)
+    elif op in ("mean", "average") and not jnp.issubdtype(stacked.dtype, jnp.inexact):
         total = np.sum(stacked, axis=0, dtype=stacked.dtype)
-        return np.trunc(total / stacked.shape[0]).astype(stacked.dtype)
-    if op in ("mean", "average") and stacked.dtype.itemsize < 4:  # bfloat16, float16
-        return np.mean(stacked.astype(np.float32), axis=0).astype(stacked.dtype)
-    return np.asarray(_REDUCTIONS[op](stacked, axis=0)).astype(stacked.dtype, copy=False)
+        reduced = np.trunc(total / stacked.shape[0])
+    elif op in ("mean", "average") and stacked.dtype.itemsize < 4:  # bfloat16, float16
+        reduced = np.mean(stacked.astype(np.float32), axis=0)
+    else:
+        reduced = _REDUCTIONS[op](stacked, axis=0)
+    # An array whatever the reduction (NumPy's sums of a 0-d value are scalars).
+    return np.asarray(reduced).astype(stacked.dtype, copy=False)
 
 
 def allreduce(value: Any, op: str = "mean") -> Any:
@@ -280,7 +283,7 @@ def allreduce(value: Any, op: str = "mean") -> Any:
     Example:
 
     >>> allreduce(np.float32(instance_index()), op="sum")   # 2 instances
-    1.0
+    array(1., dtype=float32)
     """
     name = str(getattr(op, "name", op)).lower()
     if name not in _REDUCTIONS:

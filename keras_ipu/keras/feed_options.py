@@ -31,12 +31,14 @@ INFEED_KWARGS = {
     "feed_name": "generated automatically; accepted, no effect",
     "device_ordinal": "set by the model's IPUs; accepted, no effect",
     "replication_factor": "set automatically from the model; accepted, no effect",
+    "optimise_latency": "a Poplar stream setting; accepted, no effect",
 }
 OUTFEED_KWARGS = {
     "buffer_depth": "steps of results the device holds before the host takes them",
     "feed_name": "generated automatically; accepted, no effect",
     "replication_factor": "set automatically from the model; accepted, no effect",
     "io_batch_size": "deprecated in the reference; accepted, no effect",
+    "optimise_latency": "a Poplar stream setting; accepted, no effect",
 }
 _INFEED_AUTOMATIC = ("dataset", "infeed_spec", "element_spec")
 _OUTFEED_INCOMPATIBLE = ("outfeed_mode", "device_ordinal")

@@ -37,7 +37,7 @@ def gelu(x: Any, approximate: bool = True, name: str | None = None) -> jax.Array
     Example:
 
     >>> gelu(jnp.array([0.0, 1.0]))
-    Array([0.       , 0.8411920], dtype=float32)
+    Array([0.      , 0.841192], dtype=float32)
     """
     return jax.nn.gelu(x, approximate=approximate)
 
