@@ -1354,25 +1354,31 @@ def test_an_unbuilt_subclass_with_stage_scopes_fed_a_generator_is_refused_until_
 
 
 class _WithStateNoStageHolds(keras.Model):
-    """Two stages; the model's own untrainable weight (read by the last stage) and an
-    unused Dropout's seed state belong to no stage's layer."""
+    """Two stages; an unused Dropout (its seed state in no stage), and optionally a weight
+    or seed generator of the model's own, read by the last stage."""
 
-    def __init__(self, staged=True):
+    def __init__(self, staged=True, own=None):
         super().__init__()
-        self.staged = staged
+        self.staged, self.own = staged, own
         self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
         self.spare = keras.layers.Dropout(0.5)
-        self.scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(2.0),
-                                     trainable=False, name="scale")
+        if own == "seed":
+            self.seed = keras.random.SeedGenerator(7)
+        elif own is not None:
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale",
+                                         trainable=own == "trainable")
 
     def call(self, inputs):
         with ipu.keras.PipelineStage(0) if self.staged else contextlib.nullcontext():
             hidden = self.hidden(inputs)
         with ipu.keras.PipelineStage(1) if self.staged else contextlib.nullcontext():
-            return self.out(hidden) * self.scale
+            outputs = self.out(hidden)
+            if self.own == "seed":
+                return outputs + keras.random.normal(keras.ops.shape(outputs), seed=self.seed)
+            return outputs * self.scale if self.own else outputs
 
 
-def test_state_no_stage_holds_stays_on_the_host_and_the_stages_read_it(strategy):
+def test_the_state_of_a_layer_no_stage_calls_stays_on_the_host(strategy):
     # Before: fit and predict failed ("None is not a valid value for jnp.array") after the
     # weights had changed, and the variables were left empty: the model was unusable.
     configure(2)
@@ -1387,25 +1393,30 @@ def test_state_no_stage_holds_stays_on_the_host_and_the_stages_read_it(strategy)
                                   gradient_accumulation_reduction_method="mean")
     for model, spe in ((plain, 1), (on_ipu, 4)):
         model.compile(keras.optimizers.SGD(0.05), "mse", steps_per_execution=spe)
+    seed = on_ipu.spare.seed_generator.state.numpy().copy()
     plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # 4 micro-batches of 4
     on_ipu.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
     np.testing.assert_allclose(on_ipu.predict(x, batch_size=4, verbose=0),
                                plain.predict(x, batch_size=4, verbose=0), atol=1e-6)
-    assert float(on_ipu.scale.numpy()) == 2.0
+    np.testing.assert_array_equal(on_ipu.spare.seed_generator.state.numpy(), seed)
 
 
-def test_a_trainable_weight_no_stage_holds_is_named_in_the_refusal(strategy):
+@pytest.mark.parametrize("own", ["trainable", "untrainable", "seed"])
+def test_variables_of_the_models_own_are_refused_by_name(own, strategy):
+    # A stage would read them as its trace's constants: a seed generator's noise frozen,
+    # a weight not trained (before: an unnamed refusal, or a crash that emptied them).
     configure(2)
     x, _ = data_for("sequential", samples=8)
     with strategy.scope():
-        model = _WithStateNoStageHolds()
-        model(x[:2])
-    model.scale.trainable = True  # the model's own weight, in no stage's layer
+        model = _WithStateNoStageHolds(own=own)
+        model(x[:4])  # the batch of the run: the noise's shape needs it
     model.compile("sgd", "mse", steps_per_execution=2)
-    with pytest.raises(ValueError, match=r"\['.*scale'\] belong to none .* `add_weight`"):
+    before = model.get_weights()
+    name = "seed_generator_state" if own == "seed" else "scale"
+    with pytest.raises(ValueError, match=rf"\['[^]]*{name}'\] belong to none .* `add_weight`"):
         model.predict(x, batch_size=4, verbose=0)
-    assert float(model.scale.numpy()) == 2.0  # nothing lost
+    assert_weights_close(before, model.get_weights(), atol=0)  # nothing lost
 
 
 class _UsesTheBatchSize(keras.Model):
@@ -1423,15 +1434,22 @@ class _UsesTheBatchSize(keras.Model):
             return self.out(keras.ops.reshape(hidden, (-1, 4, 2))[:, 0] + offsets)
 
 
-def test_a_subclassed_pipeline_is_traced_for_any_batch_size_not_its_first_calls(strategy):
+def test_a_subclassed_pipeline_bound_to_its_first_calls_batch_size_runs_only_that(strategy):
     # Built by a call on 1 row, the graph kept that batch size: `arange(rows)` was the
-    # constant [0] and the predictions of 4-row batches were silently wrong. Now the
-    # graph's batch is unknown: what needs it is refused when traced.
+    # constant [0] and the predictions of 4-row batches were silently wrong. A graph that
+    # needs a batch size is traced for the build's, and other batch sizes are refused.
     configure(2)
     x, _ = data_for("sequential", samples=16)
-    with strategy.scope():
-        model = _UsesTheBatchSize()
-        model(x[:1])
-    model.compile(steps_per_execution=4)
-    with pytest.raises(ValueError, match="Could not trace the `call` function.* any batch size"):
-        model.predict(x, batch_size=4, verbose=0)
+    plain = _UsesTheBatchSize(staged=False)
+    plain(x[:4])
+    for rows in (1, 4):
+        with strategy.scope():
+            model = _UsesTheBatchSize()
+            model(x[:rows])
+        model.set_weights(plain.get_weights())
+        model.compile(steps_per_execution=4)
+        if rows == 1:
+            with pytest.raises(ValueError, match="traced for batches of 1 .* have 4 samples"):
+                model.predict(x, batch_size=4, verbose=0)
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
+                               plain.predict(x, batch_size=4, verbose=0), atol=1e-6)

@@ -66,11 +66,15 @@ _FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
 def in_compiled_program() -> bool:
     """Whether a `call_compiled` program (`compile`, `strategy.run`) is being traced here.
 
+    Returns:
+        True inside the trace of its computation (its infeeds taken as inputs
+        or not), False elsewhere.
+
     Example:
 
     >>> strategy.run(lambda: in_compiled_program())   # True while it traces
     """
-    return _FEEDS.get() is not None
+    return program_outfeeds.program_outfeeds() is not None
 
 
 def infeed_inputs() -> Any:

@@ -94,16 +94,27 @@ def install() -> None:
             cls.from_config = classmethod(_restoring(original.__func__))
 
 
-def split_config(config: Any) -> tuple[dict[str, Any] | None, Any]:
+def split_config(cls: type, config: Any) -> tuple[dict[str, Any] | None, Any]:
     """`(the IPU options and assignment a model config carries or None, Keras' config)`.
+
+    Only the configs of Keras' own Functional and Sequential models carry them
+    (see `carries_options`): a subclass's config is its own, whatever its keys.
+
+    Args:
+        cls: The class whose `from_config` takes the config.
+        config: The model config.
+
+    Returns:
+        The saved IPU options and stage assignment (`None` when there are
+        none), and the config without them.
 
     Example:
 
-    >>> saved, keras_config = split_config(model.get_config())
+    >>> saved, keras_config = split_config(keras.Sequential, model.get_config())
     >>> saved["gradient_accumulation_steps_per_replica"]
     4
     """
-    if not isinstance(config, dict):
+    if not isinstance(config, dict) or not _carrying_class(cls, config):
         return None, config
     ipu_keys = {*options.IPUOptions().to_config(), *_STAGE_KEYS, *_LEGACY_KEYS, CONFIG_KEY}
     saved = {key: config[key] for key in ipu_keys & config.keys()}
@@ -114,10 +125,20 @@ def split_config(config: Any) -> tuple[dict[str, Any] | None, Any]:
     return saved, {key: value for key, value in config.items() if key not in ipu_keys}
 
 
+def _carrying_class(cls: type, config: dict) -> bool:
+    from keras.src.models.functional import Functional
+    from keras.src.models.model import Model
+    from keras.src.models.sequential import Sequential
+
+    base = getattr(cls, "_ipu_base_class", cls)
+    # `keras.Model.from_config` of a functional config makes a Functional model.
+    return base in (Functional, Sequential) or (base is Model and "input_layers" in config)
+
+
 def _restoring(from_config: Any) -> Any:
     @functools.wraps(from_config)
     def restoring(cls, config, custom_objects=None):
-        saved, config = split_config(config)
+        saved, config = split_config(cls, config)
         model = from_config(cls, config, custom_objects=custom_objects)
         # Made inside a strategy scope: an IPU model (its class an extension's).
         if saved is not None and hasattr(type(model), "_ipu_base_class"):

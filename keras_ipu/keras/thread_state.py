@@ -53,7 +53,14 @@ class CallersState:
         self._keras = vars(global_state.GLOBAL_STATE_TRACKER)
 
     def run(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Calls `function(*args)` as the caller's thread would; returns its result.
+        """Calls `function(*args)` as the caller's thread would.
+
+        Args:
+            function: What to call (a hook's delivery, a source's `next`).
+            *args: Its arguments.
+
+        Returns:
+            What `function` returned.
 
         Raises:
             Exception: Whatever `function` raised.
@@ -66,16 +73,24 @@ class CallersState:
                 own[key] = self._keras[key]
             else:
                 own.pop(key, None)
+        given = {key: own.get(key) for key in CARRIED_KERAS_STATE}
         try:
             return self._context.run(function, *args)
         finally:
+            # Only what the function set: the caller may have set others meanwhile.
             for key in CARRIED_KERAS_STATE:
-                if key in own and self._keras.get(key) is not own[key]:
-                    self._keras[key] = own[key]
+                if own.get(key) is not given[key]:
+                    self._keras[key] = own.get(key)
 
 
 def read_as_caller(items: Any) -> Iterator[Any]:
     """Iterates `items`, each item read as the thread that calls this would read it.
+
+    Args:
+        items: An iterable (a feed's executions, which run user code).
+
+    Returns:
+        An iterator over the items, for another thread to read.
 
     Example:
 

@@ -192,14 +192,7 @@ class PipelinedModel:
                      for v in variables(layer, "non_trainable_variables")])
             for layers in layers_of
         ]
-        placed = {i for ids in self.trainable_of for i in ids}
-        unplaced = [v.path for i, v in enumerate(model.trainable_variables) if i not in placed]
-        if unplaced:
-            raise ValueError(
-                f"Every trainable variable of a pipelined model must belong to a layer of a "
-                f"pipeline stage; {unplaced} belong to none (a weight the model makes with "
-                f"`add_weight`, or a layer no stage calls). Make it a weight of a layer "
-                f"called inside a `PipelineStage`, or set it untrainable.")
+        _check_placed(model, self.trainable_of, self.non_trainable_of)
         self.last_ipu = self.device_mapping[-1]
         self.optimizers, self.optimizer_of = [], []
         # Per IPU: the flat form of its clone (`None` where it has none),
@@ -236,6 +229,29 @@ class PipelinedModel:
         """
         return bool(self.optimizers) and isinstance(
             self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _check_placed(model, trainable_of: list, non_trainable_of: list) -> None:
+    """Refuses variables no stage's layer holds, but for the untrainable state of layers
+    no stage calls (an unused `Dropout`'s seed), which stays on the host as it is.
+
+    A stage could read the others (a weight the model makes with `add_weight`, a
+    `SeedGenerator` of its own) only as the constants of its trace, and the trained
+    ones would not train.
+    """
+    placed = {i for ids in trainable_of for i in ids}
+    refused = [v.path for i, v in enumerate(model.trainable_variables) if i not in placed]
+    placed = {i for ids in non_trainable_of for i in ids}
+    of_layers = {id(v) for layer in model._flatten_layers(include_self=False)
+                 for v in layer.non_trainable_variables}
+    refused += [v.path for i, v in enumerate(model.non_trainable_variables)
+                if i not in placed and id(v) not in of_layers]
+    if refused:
+        raise ValueError(
+            f"Every variable of a pipelined model must belong to a layer of a pipeline "
+            f"stage; {refused} belong to none (a weight the model makes with `add_weight`, "
+            f"a `SeedGenerator` of the model's own, or a trainable layer no stage calls). "
+            f"Make them variables of a layer called inside a `PipelineStage`.")
 
 
 def _check_built_for(optimizer, trainable: Sequence) -> None:

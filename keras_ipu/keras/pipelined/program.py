@@ -25,7 +25,7 @@ from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
 from keras_ipu.device.report import PipelineReport
-from keras_ipu.keras import context, run, stages
+from keras_ipu.keras import context, host_data, run, stages
 from keras_ipu.keras.layers import RecomputationCheckpoint
 from keras_ipu.keras.options import (
     PIPELINING_KWARGS,
@@ -36,6 +36,7 @@ from keras_ipu.keras.options import (
 from keras_ipu.keras.pipelined import codec, dispatched, optimizer_copies, training
 from keras_ipu.keras.pipelined import model as pipelined_model
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
+from keras_ipu.keras.stages import graph
 from keras_ipu.keras.steps import STATE_PARTS
 
 
@@ -127,6 +128,19 @@ def schedule_of(options: IPUOptions) -> schedules.PipelineSchedule:
     return options.pipelining_kwargs.get("pipeline_schedule", schedules.PipelineSchedule.Grouped)
 
 
+def _check_traced_batch_size(plan, feed) -> None:
+    """Refuses batches of another size than a graph bound to one was traced for (a
+    subclassed model's `call` that needs it: `keras.ops.shape(x)[0]` in a shape, say)."""
+    traced = graph.traced_batch_size(plan)
+    size = host_data.batch_size_of(feed.first_batch())
+    if traced is not None and size is not None and size != traced:
+        raise ValueError(
+            f"The model's graph was traced for batches of {traced} (its `call` needs a "
+            f"batch size: `keras.ops.shape(x)[0]` in a shape, say), and this run's batches "
+            f"have {size} samples: run it with batches of {traced}, build it for {size}, "
+            f"or give its reshapes -1 for the batch.")
+
+
 def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware):
     """The cache key and builder of a pipelined program for a run.
 
@@ -137,6 +151,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     """
     plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
     check_stage_poplar_options(options, plan.num_stages, training=mode == "fit")
+    _check_traced_batch_size(plan, feed)
     if mode == "fit" and getattr(model, "optimizer", None) is not None:
         optimizer_copies.check_pipelined(model.optimizer)
         optimizer_copies.check_overwritten(model.trainable_variables)

@@ -240,9 +240,7 @@ class TraceError(ValueError):
             f"stage assignments need: {error} " + (advice or (
                 "Every tensor operation in `call` must be a Keras layer or a `keras.ops` "
                 "function. If your layers do not support float inputs, pass `keras.Input` "
-                "objects with the required dtype to `model.build()`. The graph is traced for "
-                "any batch size (`None`): a reshape takes `-1` for it, not "
-                "`keras.ops.shape(x)[0]`."))
+                "objects with the required dtype to `model.build()`."))
         )
 
 
@@ -253,10 +251,12 @@ def _training_parameter(call: Callable) -> inspect.Parameter | None:
         return None
 
 
-def _symbolic_inputs(specs: Any, default_dtype: str) -> Any:
-    # The graph must not fix its batch size: a first call's batch (a build config's) would
-    # leave its size in what `call` makes of `ops.shape(x)[0]`, wrong for other batches.
+def _symbolic_inputs(specs: Any, default_dtype: str, keep_batch: bool = False) -> Any:
+    # The graph should not fix its batch size: a first call's batch (a build config's)
+    # stays in what `call` makes of `ops.shape(x)[0]`, wrong for other batches.
     def unbatched(shape: Any) -> tuple:
+        if keep_batch:
+            return tuple(shape)
         return (None, *tuple(shape)[1:]) if len(shape) else ()
 
     def from_spec(spec: Any) -> Any:
@@ -294,13 +294,24 @@ def _trace(model: Any, specs: Any) -> Graph:
     """
     parameter = _training_parameter(model.call)
     required = parameter is not None and parameter.default is inspect.Parameter.empty
-    graph, staged = _traced(model, specs, {"training": False} if required else {})
+    # For any batch size; else (`call` needs one: `keras.random.normal(ops.shape(x))`, say)
+    # for the build's, which every run must then use (`traced_batch_size`).
+    try:
+        keep_batch = False
+        graph, staged = _traced(model, specs, {"training": False} if required else {})
+    except TraceError as error:
+        keep_batch = True
+        try:
+            graph, staged = _traced(model, specs, {"training": False} if required else {},
+                                    keep_batch)
+        except TraceError:
+            raise error from None
     if parameter is None or not staged:
         # Only a model that enters stage scopes is pipelined by its trace; another's
         # layers are not built by a training trace plain Keras would not make.
         return graph
     try:
-        training_graph, _ = _traced(model, specs, {"training": True})
+        training_graph, _ = _traced(model, specs, {"training": True}, keep_batch)
     except TraceError:
         return graph  # not traceable in training: nothing to compare (as before)
     inference, training = _layer_calls(graph), _layer_calls(training_graph)
@@ -345,9 +356,10 @@ def _advice_for(error: BaseException) -> str | None:
     return None
 
 
-def _traced(model: Any, specs: Any, kwargs: dict) -> tuple[Graph, bool]:
+def _traced(model: Any, specs: Any, kwargs: dict,
+            keep_batch: bool = False) -> tuple[Graph, bool]:
     """`call`'s graph with these keyword arguments, and whether it entered stage scopes."""
-    inputs = _symbolic_inputs(specs, model.input_dtype)
+    inputs = _symbolic_inputs(specs, model.input_dtype, keep_batch)
     # PipelineStage scopes in `call` need an active strategy scope.
     strategy_scope = context.model_scope(model) if context.current_strategy() is None else (
         contextlib.nullcontext())
@@ -421,6 +433,24 @@ def traced_graph(model: Any, inputs: Any = None, action: str | None = None) -> G
     graph = _trace(model, specs)
     context.state_of(model).traced_graph = GraphTrace(key, graph)
     return graph
+
+
+def traced_batch_size(graph: Graph) -> int | None:
+    """The batch size a graph was traced for, or `None` when it runs any.
+
+    Args:
+        graph: A model graph (its inputs carry the traced shapes).
+
+    Returns:
+        The batch size of the graph's first input, when fixed.
+
+    Example:
+
+    >>> traced_batch_size(traced_graph(model))   # built by `model(x[:4])`, batch-bound
+    4
+    """
+    shape = graph.inputs[0].shape if graph.inputs else ()
+    return shape[0] if len(shape) else None
 
 
 def model_graph(
