@@ -42,8 +42,7 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
     >>> with ipu.scopes.ipu_scope("/device:IPU:0"):
     ...     [total] = ipu.ipu_compiler.compile(lambda x: x.sum(), inputs=[np.ones(4)])
     """
-    held = assignments.variables_held(inputs)  # a Keras variable is handed over as itself
-    return assignments.call_assigning(lambda fn: feeds.compile(fn, held)[0], computation,
+    return assignments.call_assigning(lambda fn: feeds.compile(fn, inputs)[0], computation,
                                       outputs=feeds.output_list)
 
 

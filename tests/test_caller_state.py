@@ -129,3 +129,32 @@ def test_steps_on_one_batch_run_in_the_models_scope_outside_it(strategy):
     expected_loss = float(np.mean((np.asarray(expected_outputs) - y) ** 2))
     assert model.test_on_batch(x, y) == pytest.approx(expected_loss, rel=1e-5)
     assert model.train_on_batch(x, y) == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_a_run_thread_writes_back_only_what_its_function_set():
+    # The caller set a seed while the infeed thread read a batch: the thread's write-back
+    # put the caller's old seed back.
+    from keras_ipu.keras.thread_state import CallersState
+
+    keras.utils.set_random_seed(1)
+    state = CallersState()
+    reading, changed = threading.Event(), threading.Event()
+
+    def read():
+        reading.set()
+        changed.wait(10)
+        keras.config.set_dtype_policy("mixed_bfloat16")  # the function's own change
+
+    worker = threading.Thread(target=state.run, args=(read,))
+    worker.start()
+    reading.wait(10)
+    keras.utils.set_random_seed(123)  # the caller's, while the function runs
+    changed.set()
+    worker.join()
+    try:
+        from keras.src.backend.common import global_state
+
+        assert global_state.get_global_attribute("global_random_seed") == 123
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    finally:
+        keras.config.set_dtype_policy("float32")

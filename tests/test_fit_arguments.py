@@ -370,6 +370,23 @@ def test_a_callback_compiling_the_model_mid_fit_stops_it_with_the_weights_kept(
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
+def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(strategy):
+    # Set through the callback's closure (the model not synced), the run went on with its
+    # old program to the end of the epoch.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    calls = []
+
+    def set_option(batch, logs):
+        calls.append(batch)
+        on_ipu.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=2)
+
+    with pytest.raises(RuntimeError, match="compiled again \\(or an IPU option of it set\\)"):
+        on_ipu.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=set_option)])
+    assert calls == [1]  # the first execution's hook, then the next execution refused
+
+
 class _Forwarding:
     """A callback wrapper (as tracking libraries make) forwarding every attribute."""
 

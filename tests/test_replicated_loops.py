@@ -495,3 +495,10 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
     assert float(strategy.run(lambda: strategy.reduce("SUM", index() + 1.0))) == 3.0
     assert float(strategy.run(lambda: strategy.reduce("MEAN", index() + 1.0))) == 1.5
     assert float(strategy.reduce("SUM", np.float32(2.0))) == 2.0  # outside: one replica
+    # Also in a program traced for one call (its function makes its own infeed).
+    def made_infeed():
+        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(4)])
+        ipu.loops.repeat(1, lambda t, e: t + e, [jnp.float32(0)], infeed)
+        return strategy.reduce("SUM", index() + 1.0)
+
+    assert float(strategy.run(made_infeed)) == 3.0

@@ -181,6 +181,37 @@ def test_a_subclass_config_stays_its_own(strategy, tmp_path):
         assert kind.from_config(config).units == instance.units
 
 
+@keras.saving.register_keras_serializable("keras_ipu_tests")
+class KeyedLikeOptions(keras.Model):
+    """A subclass whose own config has keys named as IPU options."""
+
+    def __init__(self, gradient_accumulation_steps_per_replica=1, asynchronous_callbacks=False,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.steps = gradient_accumulation_steps_per_replica
+        self.asynchronous = asynchronous_callbacks
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def get_config(self):
+        return {**super().get_config(), "gradient_accumulation_steps_per_replica": self.steps,
+                "asynchronous_callbacks": self.asynchronous}
+
+
+def test_a_subclass_config_keeps_its_keys_named_as_options(strategy):
+    # Only Keras' own Functional and Sequential configs carry IPU options: these keys were
+    # taken out of the subclass's config (and applied as options inside a scope).
+    config = KeyedLikeOptions(8, True).get_config()
+    with strategy.scope():
+        inside = KeyedLikeOptions.from_config(config)
+    outside = KeyedLikeOptions.from_config(config)
+    for model in (inside, outside):
+        assert (model.steps, model.asynchronous) == (8, True)
+    assert options.options_of(inside).asynchronous_callbacks is False
+
+
 def test_feed_options_given_as_numpy_integers_are_saved(strategy, tmp_path):
     with strategy.scope():
         model = _functional()

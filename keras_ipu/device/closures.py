@@ -86,6 +86,14 @@ def host_values(fn: Callable, depth: int = 4) -> tuple:
     queue made again (a notebook cell run again) is another program's; the
     kept one would take from, and fill, the old queue.
 
+    Args:
+        fn: The traced function.
+        depth: How many calls deep to follow the functions it reads.
+
+    Returns:
+        `(type, value)` per host value (a queue by identity, a 0-d array by
+        its dtype and bytes), in the order read.
+
     Example:
 
     >>> scale = 2.0

@@ -62,37 +62,6 @@ class _Held:
         self.variable = variable
 
 
-class _VariableArgument:
-    """A Keras variable given to a computation: fixed in its program (by identity) and
-    handed to the function as the variable itself, as IPU TensorFlow hands it over (the
-    function may assign it)."""
-
-    def __init__(self, variable: keras.Variable):
-        self.variable = variable
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _VariableArgument) and other.variable is self.variable
-
-    def __hash__(self) -> int:
-        return id(self.variable)
-
-
-def variables_held(arguments: Any) -> Any:
-    """`arguments` with each Keras variable held as itself, not taken as an array input.
-
-    Example:
-
-    >>> call_compiled(traced, ipus, variables_held(args), kwargs)
-    """
-    return jax.tree_util.tree_map(
-        lambda leaf: _VariableArgument(leaf) if isinstance(leaf, keras.Variable) else leaf,
-        arguments)
-
-
-def _released(leaf: Any) -> Any:
-    return leaf.variable if isinstance(leaf, _VariableArgument) else leaf
-
-
 def _values_of_variables(leaf: Any) -> Any:
     # A variable returned by the computation is returned as its value (the scope's).
     return leaf.value if isinstance(leaf, keras.Variable) else leaf
@@ -202,7 +171,6 @@ class _KeepingAssignments:
                               if isinstance(value, _STATEFUL))
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Assigned:
-        args, kwargs = jax.tree_util.tree_map(_released, (args, kwargs))
         if isinstance(stateless_scope.get_stateless_scope(), _Recording):
             # Part of an enclosing computation's trace: its scope takes the assignments.
             return _Assigned(self._result(*args, **kwargs), [], ())

@@ -104,13 +104,17 @@ RECOMPILED = (
     "The model was compiled again (or an IPU option of it set) while it runs, by a "
     "callback say: the run's program is the one compiled for the model at its start "
     "(its optimizer, loss and metrics), so the run stops here. As in Keras, call "
-    "compile() between calls of fit(); the weights are those the model had when it was "
-    "compiled.")
+    "compile() between calls of fit(); the weights are those of the last execution the "
+    "run kept (with compile(), those the model had when compiled).")
 
 
 def check_current(model, mode: str) -> None:
     """Refuses to go on with a run whose programs the model forgot: `compile()` (or an
     option setter) ran since the run was prepared. Cheap: one lookup.
+
+    Args:
+        model: The running model.
+        mode: The run's mode (`"fit"`, `"evaluate"` or `"predict"`).
 
     Raises:
         RuntimeError: `RECOMPILED`.

@@ -20,8 +20,8 @@ import jax
 
 from keras_ipu.device import collectives, compiled_calls
 
-# Set while an optimizer applies reduced gradients: an optimizer it applies through
-# (LossScaleOptimizer's inner one) gets them as they are.
+# Set while an optimizer applies summed gradients: an optimizer whose `apply` calls
+# another's (a wrapper's inner optimizer) does not sum them again.
 _REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar("keras_ipu_reduced",
                                                                 default=False)
 
@@ -60,6 +60,13 @@ def reduce_over_replicas(reduce_op: str, value: Any) -> Any:
     """`value` summed (`"SUM"`) or averaged (`"MEAN"`) over the replicas of the program
     being traced, as IPU TensorFlow's strategy reduces on the device; unchanged outside
     a replicated program.
+
+    Args:
+        reduce_op: `"SUM"` or `"MEAN"`.
+        value: An array, or a tree of arrays.
+
+    Returns:
+        The reduced value (the same on every replica).
 
     Example:
 

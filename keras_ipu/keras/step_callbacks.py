@@ -229,6 +229,17 @@ def step_delivery(model: Any, run: Any, mode: str, on_begin: Callable[..., Any],
                   on_end: Callable[..., Any]) -> StepDelivery | None:
     """The per-step delivery of a run with asynchronous callbacks, else `None`.
 
+    Args:
+        model: The running model (its options say whether hooks are asynchronous).
+        run: The run (its program streams its steps, or returns them).
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        on_begin: The mode's `on_*_batch_begin`.
+        on_end: The mode's `on_*_batch_end`.
+
+    Returns:
+        A `StepDelivery`, or `None` (synchronous hooks, or a pipeline that
+        accumulates its outfeed).
+
     Example:
 
     >>> step_delivery(model, run, "fit", cbs.on_train_batch_begin, cbs.on_train_batch_end)
@@ -246,6 +257,12 @@ def submit_streamed(hooks: CallbackThread | None, stream: Any, begin: int,
                     batches: Any) -> list:
     """Hands the steps an execution will stream to the hooks' thread, before it runs.
 
+    Args:
+        hooks: The hooks' thread, or `None`.
+        stream: The program's step stream, or `None`.
+        begin: The index of the execution's first step.
+        batches: The execution's batches (their leading axis counts its steps).
+
     Returns:
         A list that receives the execution's outfeed once dispatched: the
         stream is broken if that is ready and steps are missing.
@@ -259,7 +276,15 @@ def submit_streamed(hooks: CallbackThread | None, stream: Any, begin: int,
 
 
 def split_steps(run: Any, outfeed: Any) -> tuple[Any, Any]:
-    """`(outfeed, per-step outputs or None)`: programs that return every step split them."""
+    """`(outfeed, per-step outputs or None)`: programs that return every step split them.
+
+    Args:
+        run: The run.
+        outfeed: What its execution returned.
+
+    Returns:
+        The outfeed as without asynchronous hooks, and the per-step outputs.
+    """
     if run.split_steps is None:
         return outfeed, None
     return run.split_steps(outfeed)
@@ -267,7 +292,19 @@ def split_steps(run: Any, outfeed: Any) -> tuple[Any, Any]:
 
 def await_hooks(hooks: CallbackThread, ended: list, outfeed: Any, returned: Any,
                 begin: int, replicas: int) -> None:
-    """Waits for an execution's hooks (its steps streamed, or returned with it)."""
+    """Waits for an execution's hooks (its steps streamed, or returned with it).
+
+    Args:
+        hooks: The hooks' thread.
+        ended: What `submit_streamed` returned.
+        outfeed: The execution's outfeed.
+        returned: Its per-step outputs, for a program that does not stream.
+        begin: The index of its first step.
+        replicas: The replication factor.
+
+    Raises:
+        BaseException: What a hook raised.
+    """
     if returned is None:
         ended.append(jax.tree_util.tree_leaves(outfeed)[0])
     else:
@@ -283,6 +320,13 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     is applied once that execution ends, as an assignment the reference queues
     behind the running program. A variable counts as assigned when its value
     is no longer the one the sync gave it.
+
+    Args:
+        model: The running model.
+        parts: The state parts of the run's mode.
+
+    Returns:
+        The assigned variables and their values, in state order.
 
     Example:
 

@@ -129,9 +129,8 @@ class IPUStrategy:
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
         with device_scopes.ipu_scope(self.ipu_device):  # `ipu_shard(i)` is of its IPUs
             return assignments.call_assigning(
-                lambda traced: compiled_calls.call_compiled(
-                    traced, ipus, assignments.variables_held(args),
-                    assignments.variables_held(kwargs), name="strategy.run"), fn)
+                lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,
+                                                            name="strategy.run"), fn)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces `value` over the replicas, and over `axis`.

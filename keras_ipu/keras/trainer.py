@@ -385,6 +385,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
             infeed = infeeds.open_infeed(model, run, feed)
         with infeed:
             for begin, end, batches in infeed:
+                programs.check_current(model, mode)  # an option set by a callback?
                 if hooks is None:
                     on_begin(begin)
                 if model._jax_state_synced:
