@@ -660,3 +660,21 @@ def test_the_active_stateless_scope_is_kerases_global_attribute():
         assert global_state.get_global_attribute("stateless_scope") is scope
         assert stateless_scope.get_stateless_scope() is scope
     assert stateless_scope.get_stateless_scope() is None
+
+
+def test_optimizers_keep_the_variables_they_were_built_for_and_loss_scaling_its_apply():
+    # keras_ipu.keras.replica_gradients applies through `stateless_apply` the variables
+    # `_trainable_variables` lists, and wraps the `apply` of BaseOptimizer and of
+    # LossScaleOptimizer (which has its own).
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    variables = [keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))]
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(variables)
+    assert [id(v) for v in optimizer._trainable_variables] == [id(v) for v in variables]
+    assert "apply" in BaseOptimizer.__dict__ and "apply" in LossScaleOptimizer.__dict__
+    new_weights, _ = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables], [np.ones(2, "float32"), np.ones(3, "float32")],
+        [v.value for v in variables])
+    np.testing.assert_allclose(new_weights[0], [0.9, 0.9])

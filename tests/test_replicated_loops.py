@@ -466,8 +466,12 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
     ys = rng.normal(size=(2, 4, 1)).astype("float32")
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    # Loss scaling branches on its state: traced, its stateful `apply` failed ("compiled
+    # for 13 inputs but called with 2"); it applies through `stateless_apply` now.
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
     for name, optimizer in {"apply": keras.optimizers.SGD(0.1),
-                            "apply_gradients": keras.optimizers.SGD(0.1)}.items():
+                            "apply_gradients": keras.optimizers.SGD(0.1),
+                            "loss scaled": scaled}.items():
         before = model.get_weights()[0]
 
         def step(x, y, optimizer=optimizer, name=name):
@@ -482,14 +486,18 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
             else:
                 optimizer.apply_gradients(zip(grads, variables))
 
-        infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(list(zip(xs, ys)))
-        strategy.run(lambda infeed=infeed: ipu.loops.repeat(1, step, [], infeed))
-
         def grad(x, y, w=before):
             return 2 * x.T @ (x @ w - y) / len(x)
 
-        expected = before - 0.1 * (grad(xs[0], ys[0]) + grad(xs[1], ys[1]))
+        if name == "loss scaled":  # directly in the program: both replicas get xs[0]
+            strategy.run(step, args=(xs[0], ys[0]))
+            expected = before - 0.1 * 2 * grad(xs[0], ys[0]) / 4.0  # unscaled by 4
+        else:  # in a loop over an infeed: each replica its own element
+            infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(list(zip(xs, ys)))
+            strategy.run(lambda infeed=infeed: ipu.loops.repeat(1, step, [], infeed))
+            expected = before - 0.1 * (grad(xs[0], ys[0]) + grad(xs[1], ys[1]))
         np.testing.assert_allclose(model.get_weights()[0], expected, atol=1e-6, err_msg=name)
+    assert int(scaled.iterations.numpy()) == 1 and float(scaled.dynamic_scale.numpy()) == 4.0
     # strategy.reduce inside the program reduces over the replicas too.
     index = replication_ops.replication_index
     assert float(strategy.run(lambda: strategy.reduce("SUM", index() + 1.0))) == 3.0
@@ -502,3 +510,48 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
         return strategy.reduce("SUM", index() + 1.0)
 
     assert float(strategy.run(made_infeed)) == 3.0
+
+
+_LOSS_SCALED_STEP = """
+import numpy as np, jax, jax.numpy as jnp, keras
+import keras_ipu as ipu
+config = ipu.config.IPUConfig()
+config.auto_select_ipus = 2
+config.configure_ipu_system()
+strategy = ipu.ipu_strategy.IPUStrategy()
+x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+model.set_weights([np.ones((3, 1), "float32")])
+optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
+
+def step(a, b):
+    def loss(weights):
+        out, _ = model.stateless_call(weights, [], a)
+        return optimizer.scale_loss(jnp.mean((out - b) ** 2))
+    variables = model.trainable_variables
+    optimizer.apply(jax.grad(loss)([v.value for v in variables]), variables)
+
+strategy.run(step, args=(x, y))
+print(repr((model.get_weights()[0].ravel().tolist(), int(optimizer.iterations.numpy()))))
+"""
+
+
+def test_a_loss_scaled_optimizer_applies_in_a_fresh_process(tmp_path):
+    # Its stateful `apply` branches on its state: traced in a user's process it failed
+    # ("Computation compiled for 11 inputs but called with 2"); it applies through its
+    # `stateless_apply` now. (The suite's process hides the failure: a fresh one.)
+    import subprocess
+    import sys
+
+    from conftest import fresh_process_env
+
+    env = {**fresh_process_env(), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run([sys.executable, "-c", _LOSS_SCALED_STEP], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # 2 replicas of the same batch: the summed gradient 2 * 2 * 3 = 12 per weight.
+    weights, iterations = eval(result.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(weights, [1 - 0.1 * 12] * 3, rtol=1e-5)
+    assert iterations == 1

@@ -1,4 +1,5 @@
-"""Keras optimizers applied in a replicated graph-style program sum the replicas' gradients.
+"""Keras optimizers applied in a graph-style program: over every replica's gradients, as
+in a Keras training step.
 
 In IPU TensorFlow a Keras optimizer applied inside `strategy.run` all-reduces
 its gradients through the strategy before the update, and the IPU strategy
@@ -6,10 +7,12 @@ lowers that reduction to a `cross_replica_sum`: a custom training loop on R
 replicas trains on every replica's data, and the replicas' weights stay equal.
 `install` gives Keras' optimizers that rule inside the programs of
 `strategy.run` and `ipu_compiler.compile` (`optimizer.apply`,
-`apply_gradients` and `stateless_apply` all apply through `apply`). `fit`'s
-programs reduce their gradients themselves and are not such programs.
+`apply_gradients` and `stateless_apply` all apply through `apply`), and applies
+them there through their `stateless_apply`, as Keras' JAX training step does:
+a stateful `apply` that branches on its state (`LossScaleOptimizer`'s) cannot
+be traced. `fit`'s programs reduce their gradients themselves and are not such
+programs.
 """
-
 from __future__ import annotations
 
 import contextvars
@@ -27,8 +30,8 @@ _REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar("keras_ipu_reduc
 
 
 def install() -> None:
-    """Makes Keras' `BaseOptimizer.apply` sum the gradients over the replicas first when
-    it runs in a replicated program of `strategy.run` or `compile` (idempotent).
+    """Makes Keras' optimizers' `apply` sum the gradients over the replicas and apply them
+    statelessly when it runs in a program of `strategy.run` or `compile` (idempotent).
 
     Example:
 
@@ -36,11 +39,15 @@ def install() -> None:
     >>> strategy.run(train_step)   # its optimizer.apply trains on every replica's data
     """
     from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    original = BaseOptimizer.__dict__["apply"]
-    if getattr(original, "_keras_ipu_reducing", False):
-        return
+    for cls in (BaseOptimizer, LossScaleOptimizer):  # those with an `apply` of their own
+        original = cls.__dict__["apply"]
+        if not getattr(original, "_keras_ipu_reducing", False):
+            cls.apply = _in_programs(original)
 
+
+def _in_programs(original: Any) -> Any:
     @functools.wraps(original)
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if _REDUCED.get() or not compiled_calls.in_compiled_program():
@@ -48,12 +55,31 @@ def install() -> None:
         token = _REDUCED.set(True)
         try:
             summed = [None if g is None else collectives.cross_replica_sum(g) for g in grads]
-            return original(self, summed, trainable_variables)
+            if not _applied_statelessly(self, summed, trainable_variables):
+                original(self, summed, trainable_variables)
         finally:
             _REDUCED.reset(token)
 
     apply._keras_ipu_reducing = True
-    BaseOptimizer.apply = apply
+    return apply
+
+
+def _applied_statelessly(optimizer: Any, grads: list, trainable_variables: Any) -> bool:
+    """Applies `grads` through `stateless_apply` and assigns the results (the program's
+    stateless scope records them); False, doing nothing, for a subset of the variables
+    the optimizer was built for (`stateless_apply` takes them all)."""
+    if not optimizer.built:
+        optimizer.build(trainable_variables)
+    built_for = optimizer._trainable_variables
+    if trainable_variables is not None and (
+            [id(v) for v in trainable_variables] != [id(v) for v in built_for]):
+        return False
+    new_weights, new_state = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables], grads, [v.value for v in built_for])
+    for variable, value in (*zip(built_for, new_weights),
+                            *zip(optimizer.variables, new_state)):
+        variable.assign(value)
+    return True
 
 
 def reduce_over_replicas(reduce_op: str, value: Any) -> Any:
