@@ -192,3 +192,24 @@ def test_expressions_allow_numpy_constructors_only():
                 "np.ones((2, 4)) + 'x'", "np.ones((100000, 100000, 100000))"):
         with pytest.raises(ValueError):
             expressions.evaluate(bad)
+
+
+def test_run_takes_integer_literals_for_an_integer_input_they_fit(tmp_path, capsys):
+    # `np.array([[1, 2, 3]])` is int64: refused for a uint8 input ("has dtype int64, expected
+    # uint8"), though the REST server takes the same integers. Out of range, refused.
+    import keras_ipu as ipu
+    from keras_ipu import cli
+
+    from conftest import configure
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((3,), batch_size=1, dtype="uint8", name="x")
+        model = keras.Model(x, keras.layers.Rescaling(2.0)(x))
+    model.export_for_ipu_serving(tmp_path / "u8")
+    assert cli.main(["run", "--dir", str(tmp_path / "u8"), "--input_exprs",
+                     "x=np.array([[1, 2, 255]])"]) == 0
+    assert capsys.readouterr().out.strip() == "output_0: [[  2.   4. 510.]]"
+    assert cli.main(["run", "--dir", str(tmp_path / "u8"), "--input_exprs",
+                     "x=np.array([[1, 2, 256]])"]) == 2
+    assert "values 1 to 256 are outside uint8's [0, 255]" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
+from keras_ipu.keras import convert as keras_convert
 
 from conftest import configure, fresh_process_env
 
@@ -292,3 +293,34 @@ def test_the_ipus_convert_is_asked_for_are_the_ones_run_checks(saved_mlp, tmp_pa
     np.testing.assert_allclose(np.load(tmp_path / "out2" / "output_0.npy"), expected[:BATCH],
                                atol=1e-5)
     assert refused.returncode == 2 and "the export runs on 2 IPU(s)" in refused.stderr
+
+
+def test_half_precision_keeps_an_adapted_normalization(strategy):
+    # Cloned in float16, its adapted mean and variance were not finalized: the export
+    # computed (x - 0) / 1.
+    rng = np.random.default_rng(0)
+    with strategy.scope():
+        inputs = keras.Input((3,), name="num")
+        norm = keras.layers.Normalization(name="norm")
+        norm.adapt(rng.normal(3, 2, size=(100, 3)).astype("float32"))
+        model = keras.Model(inputs, norm(inputs))
+        half = keras_convert._half_precision(model, [])
+    x = np.ones((2, 3), "float32")
+    np.testing.assert_allclose(np.asarray(half(x.astype("float16")), "float32"),
+                               np.asarray(model(x)), atol=5e-3)
+
+
+def test_a_model_with_a_python_lambda_converts_when_the_user_trusts_it(tmp_path):
+    # Keras' advice (`safe_mode=False`) had no way through the command.
+    inputs = keras.Input((3,))
+    scaled = keras.layers.Lambda(lambda t: t / 127.5 - 1)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(scaled))
+    model.save(tmp_path / "m.keras")
+    refused = _cli("--model", str(tmp_path / "m.keras"), "--dir", str(tmp_path / "refused"))
+    assert refused.returncode == 2 and "--unsafe_deserialization" in refused.stderr
+    done = _cli("--model", str(tmp_path / "m.keras"), "--dir", str(tmp_path / "out"),
+                "--unsafe_deserialization")
+    assert done.returncode == 0, done.stderr
+    x = np.full((1, 3), 127.5, "float32")
+    np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "out"))(x),
+                               model.predict(x, verbose=0), atol=1e-6)

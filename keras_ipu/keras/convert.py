@@ -429,6 +429,12 @@ def _half_precision(model, excluded: Sequence[str]):
     half = keras.models.clone_model(model, clone_function=clone)
     half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in
                       zip(model.get_weights(), half.weights)])
+    # An adapted layer (Normalization, Discretization) computes from what its adapted
+    # weights give once finalized, as Keras' loading finalizes it; `set_weights` does not.
+    for layer in half._flatten_layers(include_self=False):
+        finalize = getattr(layer, "finalize_state", None)
+        if callable(finalize):
+            finalize()
     return half
 
 

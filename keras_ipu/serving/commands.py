@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -151,6 +152,9 @@ def convert_main(argv: Sequence[str]) -> int:
     parser.add_argument("--pipeline_cfg", help="the pipeline configuration, JSON "
                                                "(converter auto, manual or load)")
     parser.add_argument("--config_file", help="a JSON file with any of these options")
+    parser.add_argument("--unsafe_deserialization", action="store_true",
+                        help="load a model with Python lambdas (Keras' safe_mode=False): "
+                             "only a file you trust")
     for name in ("excluded_nodes", "matmul_amp", "conv_amp", "matmul_partial_type",
                  "conv_partial_type", "gelu_replacement", "embedded_runtime_save_config"):
         parser.add_argument(f"--{name}", nargs="*", help="accepted; no effect on the device model")
@@ -168,8 +172,12 @@ def _convert(args: argparse.Namespace) -> None:
 
     try:
         values = convert.read_config_file(args.config_file) if args.config_file else {}
-        given = {k: v for k, v in vars(args).items()
-                 if v is not None and k not in ("model", "dir", "config_file")}
+        given = {k: v for k, v in vars(args).items() if v is not None and k not in (
+            "model", "dir", "config_file", "unsafe_deserialization")}
+        if args.unsafe_deserialization:
+            import keras
+
+            keras.config.enable_unsafe_deserialization()
         if "pipeline_cfg" in given:
             given["pipeline_cfg"] = _json_option("--pipeline_cfg", given["pipeline_cfg"])
         if "manual_sharding" in given:  # one regex per IPU on the command line
@@ -179,7 +187,10 @@ def _convert(args: argparse.Namespace) -> None:
             raise CommandError(f"--model: no file {args.model!r}")
         summary = convert.convert(args.model, args.dir, options)
     except (ValueError, RuntimeError, TypeError) as error:
-        raise CommandError(str(error).splitlines()[0]) from None
+        message = str(error).splitlines()[0]
+        if "safe_mode" in str(error):  # Keras' advice is for Python; this is the command's
+            message += " (keras-ipu convert: --unsafe_deserialization, for a file you trust)"
+        raise CommandError(message) from None
     print(f"export written to {args.dir}")
     for key, value in summary.items():
         if value:
@@ -201,7 +212,7 @@ def _json_option(name: str, text: str) -> dict:
 def _run(args: argparse.Namespace) -> None:
     runtime = _load(args.dir)
     _check_saved_model_run_options(args, runtime.metadata)
-    inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs)}
+    inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs, runtime)}
     if not inputs:
         raise CommandError("give the inputs with --inputs or --input_exprs")
     try:
@@ -287,16 +298,31 @@ def _file_inputs(spec: str) -> dict:
     return inputs
 
 
-def _expression_inputs(spec: str) -> dict:
+def _expression_inputs(spec: str, runtime: Any) -> dict:
     from keras_ipu.serving import expressions
 
     inputs = {}
     for name, expression in _pairs(spec, ";", "--input_exprs"):
         try:
-            inputs[name] = expressions.evaluate(expression)
+            inputs[name] = _as_declared(name, expressions.evaluate(expression), runtime)
         except ValueError as error:
             raise CommandError(f"--input_exprs {name}: {error}") from None
     return inputs
+
+
+def _as_declared(name: str, value: Any, runtime: Any) -> Any:
+    """An expression's integers in the input's integer dtype when they fit in it: a literal
+    has no width (`np.array([[1, 2]])` is int64), as the REST server reads JSON's."""
+    declared = next((np.dtype(entry["dtype"]) for entry in runtime.inputs
+                     if entry["name"] == name), None)
+    array = np.asarray(value)
+    if declared is None or declared.kind not in "iu" or array.dtype.kind not in "iu":
+        return value
+    limits = np.iinfo(declared)
+    if array.size and (array.min() < limits.min or array.max() > limits.max):
+        raise ValueError(f"its values {array.min()} to {array.max()} are outside {declared}'s "
+                         f"[{limits.min}, {limits.max}]")
+    return array.astype(declared)
 
 
 def _pairs(spec: str, separator: str, option: str) -> list[tuple[str, str]]:
