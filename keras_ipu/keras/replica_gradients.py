@@ -53,6 +53,8 @@ def _in_programs(original: Any) -> Any:
         if _REDUCED.get() or not compiled_calls.in_compiled_program():
             return original(self, grads, trainable_variables)
         token = _REDUCED.set(True)
+        if trainable_variables is not None:  # read twice below: not an iterator
+            trainable_variables = list(trainable_variables)
         try:
             summed = [None if g is None else collectives.cross_replica_sum(g) for g in grads]
             if not _applied_statelessly(self, summed, trainable_variables):
