@@ -346,8 +346,8 @@ class PipelineState:
         packed = {}
         for part, values in zip(self.parts, keras_state):
             values = [np.asarray(v) for v in values]
-            # No stage's layer holds them (an unused layer's seed state, a model's own
-            # untrainable weight): the host keeps them, and the stages read them as traced.
+            # No stage's layer holds them (an unused layer's seed state: `_check_placed`
+            # refused the others): the host keeps them as they are.
             held = set(range(len(values))).difference(
                 *(self.indices(part, d) for d in range(self.ipus)))
             self.held[part] = {i: values[i] for i in held}
