@@ -420,9 +420,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 if collect is not None:
                     collect(outfeed)
                 if hooks is None:
-                    # Fetched here, not in Keras' log conversion: see `_python_logs`
-                    # (leaf by leaf: cheaper than `jax.device_get` at every execution).
-                    on_end(end, jax.tree_util.tree_map(np.asarray, as_logs(outfeed)))
+                    if hooked:  # a fetch waits for the device: only for a hook
+                        on_end(end, _batch_logs(as_logs(outfeed)))
                 else:
                     step_callbacks.await_hooks(hooks, ended, outfeed, returned, begin,
                                                run.replica_count)
@@ -526,6 +525,12 @@ def _epoch_logs(model, run: Run, logs) -> dict:
     # Keras' metric variables hold one replica's state, and a pipeline that
     # accumulates its outfeed reports its passes' means: the last logs are the epoch's.
     return _python_logs(logs)
+
+
+def _batch_logs(logs):
+    # Fetched before Keras' log conversion, as `_python_logs` says; leaf by leaf:
+    # cheaper than `jax.device_get` at every execution.
+    return jax.tree_util.tree_map(np.asarray, logs)
 
 
 def _python_logs(logs) -> dict:
