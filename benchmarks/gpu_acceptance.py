@@ -18,6 +18,9 @@ whatever finished comes back even if a later step runs out of time. Steps (budge
                  rounds (150)
     table        bench_accelerator.py on 4 x Dense(4096) and ResNet50: warm throughput and the
                  first fit against plain Keras (240)
+    phases       first_fit_phases.py: ResNet50's first fit by phase, two rounds (110)
+    step_program bench_step_program.py: XLA's compile time for keras_ipu's ResNet50 step
+                 against plain Keras', four rounds (90)
 
 Then the verdicts against the thresholds below are printed and written to
 `DIR/acceptance.json`. The script exits 0 whatever they say; with `--check` it exits 1 when a
@@ -63,6 +66,12 @@ STEPS = (
     Step("table", "bench_accelerator.py",
          ("--models", "dense4096,resnet50", "--rounds", "3", "--first-rounds", "2"),
          ("--quick", "--models", "dense64"), 240, "--json"),
+    # Where ResNet50's first fit goes (2026-11-27: 1.25-1.32x on an H200): phase by phase,
+    # then XLA's compile time for keras_ipu's step against plain Keras'. Figures of their own.
+    Step("phases", "first_fit_phases.py", ("--rounds", "2"),
+         ("--model", "dense64", "--rounds", "1"), 110, "--json"),
+    Step("step_program", "bench_step_program.py", ("--rounds", "4"),
+         ("--model", "dense64", "--rounds", "2"), 90, "--json"),
 )
 
 

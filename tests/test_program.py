@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +108,32 @@ def test_one_replicas_state_keeps_arrays_on_its_device_and_moves_the_rest():
     for name in "cd":
         assert state[name].committed and state[name].devices() == {device}
     np.testing.assert_array_equal(state["d"], np.ones(4))
+
+
+def _operations(text: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"stablehlo\.[a-z_]+", text))
+
+
+def test_a_one_step_program_is_plain_kerases_step_for_xla(strategy, monkeypatch):
+    # What XLA compiles for one step is what plain Keras gives it, and no more: no loop of
+    # one, no gradient combined with zeros (ResNet50's first fit on a GPU, BENCHMARKS.md).
+    from keras_ipu.device import compiler
+
+    plain, model = twin("sequential", strategy, steps_per_execution=1)
+    x, y = data_for("sequential", samples=8)
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    state = tuple([v.value for v in variables] for variables in (
+        plain.trainable_variables, plain.non_trainable_variables,
+        plain.optimizer.variables, plain.metrics_variables))
+    expected = _operations(jax.jit(plain.train_step).lower(state, (x, y)).as_text())
+    lowered = []
+    compile_lowered = compiler.compile_lowered
+    monkeypatch.setattr(compiler, "compile_lowered",
+                        lambda low, options: lowered.append(low) or compile_lowered(low, options))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    (program_text,) = [low.as_text() for low in lowered]
+    operations = _operations(program_text)
+    assert operations["stablehlo.while"] == 0
+    for name in ("add", "multiply", "divide", "dot_general"):
+        name = f"stablehlo.{name}"
+        assert operations[name] == expected[name], name

@@ -91,8 +91,7 @@ def train_step(
     def step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
 
-        def micro_step(carry, batch):
-            non_trainable, metrics_vars, acc, n = carry
+        def gradients(non_trainable, metrics_vars, batch):
             x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
             (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
                 trainable,
@@ -108,18 +107,29 @@ def train_step(
             logs, metrics_vars = model._update_metrics_variables(
                 metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
             )
-            acc = [combined(a, g, n, over) for a, g, over in zip(acc, grads, overwritten)]
-            return (non_trainable, metrics_vars, acc, n + 1), (
+            return grads, non_trainable, metrics_vars, (
                 logs if every_micro_batch_logs else None)
 
-        zeros = [jnp.zeros(v.shape, dtype) for v, dtype in zip(trainable, accumulator_dtypes)]
-        carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
+        def micro_step(carry, batch):
+            non_trainable, metrics_vars, acc, n = carry
+            grads, non_trainable, metrics_vars, logs = gradients(
+                non_trainable, metrics_vars, batch)
+            acc = [combined(a, g, n, over) for a, g, over in zip(acc, grads, overwritten)]
+            return (non_trainable, metrics_vars, acc, n + 1), logs
+
         if micro_batches == 1:
             # No loop of one: a loop costs compile time, and on XLA:CPU keeps
-            # convolutions off their fast path (see device/loops.py).
-            carry, logs = micro_step(carry, jax.tree_util.tree_map(lambda a: a[0], data))
-            logs = _stacked_one(logs)
+            # convolutions off their fast path (see device/loops.py). Every
+            # reduction of one gradient is that gradient: none is combined
+            # with zeros (ResNet50: 650 operations fewer for XLA to compile).
+            grads, non_trainable, metrics_vars, logs = gradients(
+                non_trainable, metrics_vars, jax.tree_util.tree_map(lambda a: a[0], data))
+            acc = [g.astype(dtype) for g, dtype in zip(grads, accumulator_dtypes)]
+            carry, logs = (non_trainable, metrics_vars, acc, None), _stacked_one(logs)
         else:
+            zeros = [jnp.zeros(v.shape, dtype)
+                     for v, dtype in zip(trainable, accumulator_dtypes)]
+            carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
             carry, logs = jax.lax.scan(micro_step, carry, data)
         non_trainable, metrics_vars, acc, _ = carry
         if logs is None:
