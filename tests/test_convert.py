@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
-from keras_ipu.keras import convert as keras_convert
+from keras_ipu.keras import fp16_conversion
 
 from conftest import configure, fresh_process_env
 
@@ -304,7 +304,7 @@ def test_half_precision_keeps_an_adapted_normalization(strategy):
         norm = keras.layers.Normalization(name="norm")
         norm.adapt(rng.normal(3, 2, size=(100, 3)).astype("float32"))
         model = keras.Model(inputs, norm(inputs))
-        half = keras_convert._half_precision(model, [])
+        half = fp16_conversion.to_float16(model, [])
     x = np.ones((2, 3), "float32")
     np.testing.assert_allclose(np.asarray(half(x.astype("float16")), "float32"),
                                np.asarray(model(x)), atol=5e-3)
@@ -324,3 +324,44 @@ def test_a_model_with_a_python_lambda_converts_when_the_user_trusts_it(tmp_path)
     x = np.full((1, 3), 127.5, "float32")
     np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "out"))(x),
                                model.predict(x, verbose=0), atol=1e-6)
+
+
+def _dtypes(model) -> dict:
+    return {layer.name: sorted({str(w.dtype) for w in layer.weights})
+            for layer in model._flatten_layers(include_self=False) if layer.weights}
+
+
+def test_fp16_recasts_nested_models_and_wrapped_layers_but_the_excluded(strategy):
+    # A nested model's layers and a wrapper's inner layers stayed float32; an LSTM could
+    # not be recast at all (its Orthogonal initializer has no float16 form).
+    import re
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner_dense")],
+                                 name="inner")
+        inputs = keras.Input((4, 6))
+        h = keras.layers.Bidirectional(keras.layers.LSTM(4, name="lstm"), name="bi")(inputs)
+        outputs = keras.layers.Dense(3, name="d2")(inner(keras.layers.Dense(8, name="d1")(h)))
+        model = keras.Model(inputs, outputs)
+        half = fp16_conversion.to_float16(model, [])
+        kept = fp16_conversion.to_float16(model, [re.compile("inner_dense"), re.compile("^bi$")])
+    assert set(map(tuple, _dtypes(half).values())) == {("float16",)}
+    assert _dtypes(kept)["inner_dense"] == ["float32"] and _dtypes(kept)["bi"] == ["float32"]
+    assert _dtypes(kept)["d1"] == ["float16"]
+    x = np.random.default_rng(0).normal(size=(2, 4, 6)).astype("float32")
+    for converted in (half, kept):
+        np.testing.assert_allclose(np.asarray(converted(x), "float32"), np.asarray(model(x)),
+                                   atol=2e-3)
+    # The layers keep their own initializers (their weights came from the model).
+    assert "FP16ConversionZeros" not in json.dumps(half.get_config())
+    cells = [m.get_layer("bi").forward_layer.cell for m in (model, half)]
+    assert [type(c.recurrent_initializer).__name__ for c in cells] == ["Orthogonal"] * 2
+
+
+def test_fp16_refuses_a_quantized_model_by_its_layers(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, name="qd")])
+    model.quantize("int8")
+    with pytest.raises(ValueError, match=r"the layers \['qd'\] are quantized .*FP32"):
+        fp16_conversion.to_float16(model, [])

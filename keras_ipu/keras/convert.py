@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_ipu.keras import fp16_conversion
+
 # Options of the SavedModel tool that keras_ipu accepts without effect.
 NO_EFFECT = ("excluded_nodes", "remove_excluded_nodes", "matmul_amp", "conv_amp",
              "matmul_partial_type", "conv_partial_type", "gelu_replacement",
@@ -160,7 +162,8 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.models.load_model(model_path, compile=False)
         if options.precision_mode.upper() == "FP16":
-            model = _half_precision(model, options.precision_conversion_excluded_nodes)
+            model = fp16_conversion.to_float16(
+                model, _patterns(list(options.precision_conversion_excluded_nodes)))
     summary = {"ignored": dict(options.ignored)}
     plan = _stage_plan(model, options, summary)
     num_ipus = options.num_ipus
@@ -412,30 +415,6 @@ def _check_solution(path, stage_of: Mapping[str, int], mapping: Sequence[int],
     if len(mapping) != stages:
         raise ValueError(f"`device_mapping` {list(mapping)} of {path} has {len(mapping)} "
                          f"entries for {stages} pipeline stages: it needs one IPU per stage.")
-
-
-def _half_precision(model, excluded: Sequence[str]):
-    """The model with its layers in float16, but those whose names match `excluded`."""
-    import keras
-
-    patterns = _patterns(list(excluded))
-
-    def clone(layer):
-        config = layer.get_config()
-        if not any(p.search(layer.name) for p in patterns) and "dtype" in config:
-            config["dtype"] = "float16"
-        return layer.__class__.from_config(config)
-
-    half = keras.models.clone_model(model, clone_function=clone)
-    half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in
-                      zip(model.get_weights(), half.weights)])
-    # An adapted layer (Normalization, Discretization) computes from what its adapted
-    # weights give once finalized, as Keras' loading finalizes it; `set_weights` does not.
-    for layer in half._flatten_layers(include_self=False):
-        finalize = getattr(layer, "finalize_state", None)
-        if callable(finalize):
-            finalize()
-    return half
 
 
 def read_config_file(path: str) -> dict:

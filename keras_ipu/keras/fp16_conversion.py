@@ -1,0 +1,98 @@
+"""A model's copy in float16: the `FP16` precision mode of `keras-ipu convert`.
+
+Every float layer is recast to float16 (nested models' and wrappers' inner
+layers too), but those whose names match the excluded patterns, as the
+reference's converter recasts every float32 node but the excluded ones. The
+copy takes the model's weights, cast: its own initial values are never used,
+so its variables are made as zeros (an initializer such as `Orthogonal` has
+no float16 form on CPUs or GPUs) and its layers keep their initializers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+
+def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
+    """The model cloned in float16, with its weights, but the layers `excluded` names.
+
+    Args:
+        model: A Functional or Sequential Keras model.
+        excluded: Patterns of the layer names that stay as they are.
+
+    Returns:
+        The float16 model.
+
+    Raises:
+        ValueError: When a layer is quantized (Keras' `quantize()`): it has
+            no float16 form.
+
+    Example:
+
+    >>> half = to_float16(model, [re.compile("^logits$")])
+    >>> half.get_layer("dense").dtype_policy.name
+    'float16'
+    """
+    quantized = [layer.name for layer in model._flatten_layers(include_self=False)
+                 if getattr(layer.dtype_policy, "quantization_mode", None)]
+    if quantized:
+        raise ValueError(f"FP16 conversion recasts float layers, and the layers {quantized} "
+                         f"are quantized (Keras' `quantize()`): convert this model with "
+                         f"--precision_mode FP32, or convert the float model to FP16 and "
+                         f"quantize it after.")
+
+    def clone(layer):
+        return layer.__class__.from_config(_half_config(layer.get_config(), excluded))
+
+    # Recursive: a nested Functional or Sequential model's layers are recast too.
+    half = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for layer in half._flatten_layers(include_self=True):
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, _Zeros):
+                setattr(layer, name, value.initializer)
+    half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in
+                      zip(model.get_weights(), half.weights)])
+    # An adapted layer (Normalization, Discretization) computes from what its adapted
+    # weights give once finalized, as Keras' loading finalizes it; `set_weights` does not.
+    for layer in half._flatten_layers(include_self=False):
+        finalize = getattr(layer, "finalize_state", None)
+        if callable(finalize):
+            finalize()
+    return half
+
+
+def _half_config(config: dict, excluded: Sequence[re.Pattern]) -> dict:
+    """A layer's config in float16, and a wrapper's inner layers' (a `Bidirectional`'s,
+    say), but where the layer's name matches `excluded`."""
+    if any(p.search(config.get("name", "")) for p in excluded):
+        return config
+    config = dict(config)
+    if "dtype" in config:
+        config["dtype"] = "float16"
+    for key, value in config.items():
+        if key.endswith("_initializer") and value is not None:
+            # Serialized: an inner layer's config is deserialized as a whole.
+            config[key] = keras.saving.serialize_keras_object(_Zeros(value))
+        elif (isinstance(value, dict) and isinstance(value.get("config"), dict)
+              and "class_name" in value):  # a serialized inner layer
+            config[key] = {**value, "config": _half_config(value["config"], excluded)}
+    return config
+
+
+@keras.saving.register_keras_serializable(package="keras_ipu", name="FP16ConversionZeros")
+class _Zeros(keras.initializers.Initializer):
+    """Zeros in place of `initializer` while the copy is made (its weights come after)."""
+
+    def __init__(self, initializer: Any):
+        self.initializer = keras.initializers.get(initializer)
+
+    def __call__(self, shape, dtype=None):
+        return keras.ops.zeros(shape, dtype=dtype)
+
+    def get_config(self) -> dict:
+        return {"initializer": keras.initializers.serialize(self.initializer)}
