@@ -437,6 +437,31 @@ def test_a_pipeline_stage_forwarding_integers_exports_their_type(tmp_path):
     np.testing.assert_array_equal(runtime(x), model.predict(x, batch_size=2, verbose=0))
 
 
+def test_a_mask_from_a_nested_model_crosses_the_exported_stages(tmp_path):
+    # The mask rides on the nested model's output only: the export's second stage ran the
+    # LSTM over the padding (served outputs as plain Keras without the mask).
+    configure(2)
+    keras.utils.set_random_seed(5)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        ids = keras.Input((6,), dtype="int32")
+        backbone = keras.Model(ids, keras.layers.Embedding(10, 8, mask_zero=True)(ids))
+        inputs = keras.Input((6,), dtype="int32")
+        with ipu.keras.PipelineStage(0):
+            embedded = backbone(inputs)
+        with ipu.keras.PipelineStage(1):
+            outputs = keras.layers.Dense(1)(keras.layers.LSTM(8)(embedded))
+        model = keras.Model(inputs, outputs)
+        model.compile(steps_per_execution=2)
+    x = np.random.default_rng(0).integers(1, 10, size=(4, 6)).astype("int32")
+    x[0, 2:] = x[1, 4:] = x[3, 1:] = 0
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    served = np.concatenate([runtime(x[:2]), runtime(x[2:])])
+    np.testing.assert_allclose(served, model.predict(x, batch_size=2, verbose=0), atol=1e-6)
+    embedded = backbone.layers[-1].embeddings.numpy()[x]  # without the mask
+    unmasked = np.asarray(model.layers[-1](model.layers[-2](embedded)))
+    assert np.abs(served - unmasked).max() > 1e-3
+
+
 class _KeywordsCall(keras.Model):
     """A `call(x, **kwargs)` passing its keywords on: Keras gives it no `training`."""
 

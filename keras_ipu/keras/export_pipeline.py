@@ -2,7 +2,8 @@
 
 Stage `s`'s program takes its weights, the values the stages before it
 forward (`plan.live_after[s - 1]`) and the model inputs, and returns what it
-forwards (`plan.live_after[s]`; the model outputs for the last stage). The
+forwards (`plan.live_after[s]`, then the Keras masks those carry in the
+graph; the model outputs for the last stage). The
 runtime runs stage `s` on the device of IPU `device_mapping[s]` and moves the
 forwarded values between devices; batches dispatched one after another
 overlap across the IPUs, as a pipeline does.
@@ -58,11 +59,14 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
                     preprocessing_step, postprocessing_step):
     last = stage == plan.num_stages - 1
     forwarded = plan.output_keys if last else plan.live_after[stage]
+    masks_in, masks_out = _masked(plan, carried), [] if last else _masked(plan, forwarded)
 
     def run(weights, carried_values, inputs):
         if preprocessing_step is not None:
             inputs = _as_list(preprocessing_step(*inputs))
         values = dict(zip(carried, carried_values))
+        for key, mask in zip(masks_in, carried_values[len(carried):]):
+            boundary.masking.set_keras_mask(values[key], mask)
         values.update(zip(plan.input_keys, inputs))
         with keras.StatelessScope(state_mapping=list(zip(variables, weights))):
             for call in plan.stages[stage]:
@@ -72,9 +76,25 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
         if last and postprocessing_step is not None:
             result = tree.flatten(postprocessing_step(
                 tree.pack_sequence_as(plan.outputs_struct, result)))
-        return tuple(result)
+        # The masks Keras layers find on the forwarded tensors cross with them, after them.
+        return tuple(result) + tuple(_mask_of(values[key], plan.tensors[key])
+                                     for key in masks_out)
 
     return run
+
+
+def _masked(plan, keys: Sequence[Any]) -> list:
+    """Of `keys`, those whose graph tensor carries a Keras mask (an `Embedding`'s, say)."""
+    return [key for key in keys if boundary.symbolic_mask(plan.tensors[key]) is not None]
+
+
+def _mask_of(value, tensor):
+    """The value's mask, or all True where nothing was masked."""
+    mask = boundary.masking.get_keras_mask(value)
+    if mask is None:
+        shape = boundary.symbolic_mask(tensor).shape
+        mask = jax.numpy.ones((value.shape[0], *shape[1:]), bool)
+    return mask
 
 
 def _stage_variables(plan, stage: int) -> list:
