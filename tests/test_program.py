@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 
 from keras_ipu.device import hardware, program, system
@@ -137,3 +138,34 @@ def test_a_one_step_program_is_plain_kerases_step_for_xla(strategy, monkeypatch)
     for name in ("add", "multiply", "divide", "dot_general"):
         name = f"stablehlo.{name}"
         assert operations[name] == expected[name], name
+
+
+class _ConstantInLogs(keras.Model):
+    """A `compute_metrics` whose logs hold a Python number."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {**super().compute_metrics(x, y, y_pred, sample_weight), "constant": 3.0}
+
+
+def test_a_one_step_program_returns_a_python_number_in_its_logs(strategy):
+    # Without a loop of one, nothing made the step's Python numbers arrays: evaluate raised.
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 2)).astype("float32")
+    plain = _ConstantInLogs()
+    with strategy.scope():
+        model = _ConstantInLogs()
+    for each in (plain, model):
+        each.compile(optimizer="sgd", loss="mse")
+        each(x[:1])  # built
+    model.set_weights(plain.get_weights())
+    expected = plain.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert logs["constant"] == expected["constant"] == 3.0
+    np.testing.assert_allclose(logs["loss"], expected["loss"], rtol=1e-6)

@@ -255,7 +255,8 @@ class ExecutionProgram:
             return self._streamed_loop(body, state, batches)
         if _leading(batches) == 1:  # the step alone: a loop of one costs XLA compile time
             state, outputs = body(state, jax.tree_util.tree_map(lambda a: a[0], batches))
-            return state, jax.tree_util.tree_map(lambda a: a[None], outputs)
+            # As a loop's outputs, arrays (a step may give a Python number in its logs).
+            return state, jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a)[None], outputs)
         if self.last_outputs_only:
             return _last_outputs_loop(body, state, batches)
         return jax.lax.scan(body, state, batches)
