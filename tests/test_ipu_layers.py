@@ -475,3 +475,48 @@ def test_a_group_count_that_is_not_a_positive_integer_is_refused_at_once(groups)
     with pytest.raises(ValueError, match=f"groups must be a positive integer, got {groups!r}"):
         ipu.keras.layers.GroupNormalization(groups=groups)
     assert ipu.keras.layers.GroupNormalization(groups=np.int64(2)).groups == 2
+
+
+@pytest.mark.parametrize("make, x", [
+    (lambda: ipu_layers.Dropout(0.5, seed=[1, 2]), np.ones((4, 6), "float32")),
+    (lambda: ipu_layers.Embedding(5, 3), np.array([[0, 4, 2]], "int32")),
+    (lambda: ipu_layers.LayerNormalization(), np.arange(12, dtype="float32").reshape(2, 6)),
+    (lambda: ipu_layers.GroupNormalization(groups=2), np.arange(12, dtype="float32").reshape(2, 6)),
+    (lambda: ipu_layers.InstanceNormalization(), np.arange(12, dtype="float32").reshape(2, 6)),
+])
+def test_a_layer_takes_training_by_position_as_ported_calls_pass_it(make, x):
+    # `self.drop(h, training)` in a ported model raised: Keras takes tensors only by position.
+    for training in (True, False):
+        keras.utils.set_random_seed(0)
+        by_name = make()
+        expected = np.asarray(by_name(x, training=training))
+        keras.utils.set_random_seed(0)
+        layer = make()
+        np.testing.assert_array_equal(np.asarray(layer(x, training)), expected)
+    with pytest.raises(TypeError, match=r"takes \(inputs, training\), the rest by name"):
+        layer(x, True, None)
+
+
+def test_the_ipu_embedding_quantizes_as_kerases(strategy):
+    # Keras' Embedding refuses to quantize a subclass: the IPU layer stayed float32.
+    ids = np.array([[0, 4, 2], [1, 3, 3]], "int32")
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(5, 8)])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,), dtype="int32"), ipu_layers.Embedding(5, 8)])
+    model.set_weights(plain.get_weights())
+    for each in (plain, model):
+        each.quantize("int8")
+    assert model.layers[0].quantization_mode == "int8"
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(plain(ids)))
+
+
+def test_a_normalisation_op_refuses_the_batch_axis_as_channels():
+    # Its statistics would mix the samples of the batch.
+    from keras_ipu import normalization_ops
+
+    x = np.arange(24, dtype="float32").reshape(4, 6)
+    for op in (lambda: normalization_ops.group_norm(x, 2, channels_axis=0),
+               lambda: normalization_ops.layer_norm(x, channels_axis=-2)):
+        with pytest.raises(ValueError, match=r"other than the batch: valid are \[1, -1\]"):
+            op()

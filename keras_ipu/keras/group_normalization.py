@@ -23,6 +23,7 @@ import keras
 from keras import ops
 
 from keras_ipu import layer_registration
+from keras_ipu.keras.positional_call import PositionalArguments
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
@@ -79,7 +80,7 @@ def normalize_groups(inputs: Any, groups: int, channels_axis: int, epsilon: floa
 
 
 @_register
-class GroupNormalization(keras.layers.Layer):
+class GroupNormalization(PositionalArguments, keras.layers.Layer):
     """Group normalisation with IPU TensorFlow's arguments, Poplar's grouping included.
 
     Each sample's channels are split into `groups`; each group is normalised

@@ -61,6 +61,7 @@ from keras_ipu.keras.group_normalization import (  # noqa: F401 (ipu.keras.layer
     InstanceNormalization,
     normalize_groups,
 )
+from keras_ipu.keras.positional_call import PositionalArguments
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
@@ -116,7 +117,7 @@ def _traced_pair_seed(seed: Any) -> jax.Array:
 
 
 @_register
-class Dropout(keras.layers.Dropout):
+class Dropout(PositionalArguments, keras.layers.Dropout):
     """Dropout with IPU TensorFlow's arguments (`seed` may be a pair of integers).
 
     Randomly sets a fraction `rate` of the inputs to 0 in training, scaling
@@ -142,7 +143,7 @@ class Dropout(keras.layers.Dropout):
 
 
 @_register
-class Embedding(keras.layers.Embedding):
+class Embedding(PositionalArguments, keras.layers.Embedding):
     """An embedding lookup, as IPU TensorFlow's `Embedding`.
 
     Args:
@@ -160,9 +161,14 @@ class Embedding(keras.layers.Embedding):
         super().__init__(input_dim, output_dim,
                          embeddings_initializer=embeddings_initializer, **kwargs)
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        # Keras' `Embedding.quantize` refuses subclasses (their weights may differ): this
+        # one's are Keras' own, so `model.quantize()` quantizes it as a Keras Embedding.
+        super().quantize(mode, type_check=False, config=config)
+
 
 @_register
-class LayerNormalization(keras.layers.LayerNormalization):
+class LayerNormalization(PositionalArguments, keras.layers.LayerNormalization):
     """Layer normalisation with IPU TensorFlow's arguments (`dtype` first).
 
     Args:
@@ -190,24 +196,15 @@ class LayerNormalization(keras.layers.LayerNormalization):
                          trainable=trainable, name=name, dtype=dtype, **kwargs)
 
 
-class _IPURecurrent:
+class _IPURecurrent(PositionalArguments):
     """The IPU recurrent layers' own arguments over Keras' layer.
 
     With `time_major=True` sequences come and go as `[time, batch, ...]`.
     """
 
-    def __call__(self, inputs, *args, **kwargs):
-        # The IPU layers' `call(inputs, training=None, initial_state=None)`: ported
-        # calls pass those positionally, where Keras' order is (initial_state, mask, ...).
-        if len(args) > 2:
-            raise TypeError(f"{self.name}: called with {1 + len(args)} positional arguments; "
-                            f"the IPU layer takes (inputs, training, initial_state), and "
-                            f"the mask by name.")
-        named = dict(zip(("training", "initial_state"), args))
-        clash = sorted(named.keys() & kwargs.keys())
-        if clash:
-            raise TypeError(f"{self.name}: {clash[0]!r} given positionally and by name.")
-        return super().__call__(inputs, **named, **kwargs)
+    # The IPU layers' `call(inputs, training=None, initial_state=None)`: ported
+    # calls pass those positionally, where Keras' order is (initial_state, mask, ...).
+    _POSITIONAL = ("training", "initial_state")
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
         self._check_initial_state(initial_state, sequences)

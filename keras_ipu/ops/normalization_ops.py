@@ -157,8 +157,12 @@ def _channels(inputs: Any, channels_axis: int) -> tuple[int, int]:
     if len(shape) < 2:
         raise ValueError(f"The normalisation needs an input of at least 2 dimensions (batch "
                          f"and channels), got shape {shape}.")
-    if not -len(shape) <= channels_axis < len(shape):
-        raise ValueError(f"channels_axis {channels_axis} is not an axis of shape {shape}.")
+    rank = len(shape)
+    # Axis 0 is the batch: statistics over it would mix the samples.
+    if not (1 <= channels_axis < rank or -rank < channels_axis <= -1):
+        valid = [*range(1, rank), *range(-(rank - 1), 0)]
+        raise ValueError(f"channels_axis {channels_axis} is not an axis of shape {shape} "
+                         f"other than the batch: valid are {valid}.")
     axis = channels_axis % len(shape)
     if shape[axis] is None:
         raise ValueError(f"The channels' axis {channels_axis} of shape {shape} needs a static "
