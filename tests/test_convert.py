@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -334,8 +335,6 @@ def _dtypes(model) -> dict:
 def test_fp16_recasts_nested_models_and_wrapped_layers_but_the_excluded(strategy):
     # A nested model's layers and a wrapper's inner layers stayed float32; an LSTM could
     # not be recast at all (its Orthogonal initializer has no float16 form).
-    import re
-
     keras.utils.set_random_seed(0)
     with strategy.scope():
         inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner_dense")],
@@ -349,6 +348,10 @@ def test_fp16_recasts_nested_models_and_wrapped_layers_but_the_excluded(strategy
     assert set(map(tuple, _dtypes(half).values())) == {("float16",)}
     assert _dtypes(kept)["inner_dense"] == ["float32"] and _dtypes(kept)["bi"] == ["float32"]
     assert _dtypes(kept)["d1"] == ["float16"]
+    # A nested model excluded by its own name stays as it is, as a wrapper does.
+    with strategy.scope():
+        whole = fp16_conversion.to_float16(model, [re.compile("^inner$")])
+    assert _dtypes(whole)["inner_dense"] == ["float32"] and _dtypes(whole)["d1"] == ["float16"]
     x = np.random.default_rng(0).normal(size=(2, 4, 6)).astype("float32")
     for converted in (half, kept):
         np.testing.assert_allclose(np.asarray(converted(x), "float32"), np.asarray(model(x)),
@@ -365,3 +368,6 @@ def test_fp16_refuses_a_quantized_model_by_its_layers(strategy):
     model.quantize("int8")
     with pytest.raises(ValueError, match=r"the layers \['qd'\] are quantized .*FP32"):
         fp16_conversion.to_float16(model, [])
+    # Excluded, it stays quantized in a float16 model.
+    half = fp16_conversion.to_float16(model, [re.compile("^qd$")])
+    assert half.layers[0].dtype_policy.name == "int8_from_float32"

@@ -16,6 +16,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras.src.models.functional import Functional
 
 
 def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
@@ -38,7 +39,7 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
     >>> half.get_layer("dense").dtype_policy.name
     'float16'
     """
-    quantized = [layer.name for layer in model._flatten_layers(include_self=False)
+    quantized = [layer.name for layer in _converted_layers(model, excluded)
                  if getattr(layer.dtype_policy, "quantization_mode", None)]
     if quantized:
         raise ValueError(f"FP16 conversion recasts float layers, and the layers {quantized} "
@@ -47,10 +48,13 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
                          f"quantize it after.")
 
     def clone(layer):
+        if _matches(layer.name, excluded):  # a nested model or a wrapper: all of it
+            return layer.__class__.from_config(layer.get_config())
+        if _is_graph_model(layer):  # its own layers are recast, each matched by its name
+            return keras.models.clone_model(layer, clone_function=clone)
         return layer.__class__.from_config(_half_config(layer.get_config(), excluded))
 
-    # Recursive: a nested Functional or Sequential model's layers are recast too.
-    half = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    half = keras.models.clone_model(model, clone_function=clone)
     for layer in half._flatten_layers(include_self=True):
         for name, value in list(vars(layer).items()):
             if isinstance(value, _Zeros):
@@ -66,10 +70,27 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
     return half
 
 
+def _matches(name: str, excluded: Sequence[re.Pattern]) -> bool:
+    return any(p.search(name) for p in excluded)
+
+
+def _is_graph_model(layer: Any) -> bool:
+    """A nested Functional or Sequential model (which `clone_model` can clone)."""
+    return isinstance(layer, (keras.Sequential, Functional))
+
+
+def _converted_layers(layer: Any, excluded: Sequence[re.Pattern]):
+    """The layers inside `layer` the conversion recasts (not under an excluded name)."""
+    for inner in layer._layers if hasattr(layer, "_layers") else ():
+        if not _matches(inner.name, excluded):
+            yield inner
+            yield from _converted_layers(inner, excluded)
+
+
 def _half_config(config: dict, excluded: Sequence[re.Pattern]) -> dict:
-    """A layer's config in float16, and a wrapper's inner layers' (a `Bidirectional`'s,
-    say), but where the layer's name matches `excluded`."""
-    if any(p.search(config.get("name", "")) for p in excluded):
+    """A layer's config in float16, and a wrapper's inner layers' (a `Bidirectional`'s
+    `forward_lstm`, say), but where a layer's name matches `excluded`."""
+    if _matches(config.get("name", ""), excluded):
         return config
     config = dict(config)
     if "dtype" in config:
