@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
+import pytest
 
 from keras_ipu.device import hardware, program, system
 from keras_ipu.device.replicate import Replicas
@@ -169,3 +170,20 @@ def test_a_one_step_program_returns_a_python_number_in_its_logs(strategy):
     logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     assert logs["constant"] == expected["constant"] == 3.0
     np.testing.assert_allclose(logs["loss"], expected["loss"], rtol=1e-6)
+
+
+def test_a_one_step_program_refuses_a_state_of_other_types_as_a_loop_does():
+    def halving(w, x):  # gives its state back in float16
+        return jnp.sum(x), (w * 0.5).astype(jnp.float16)
+
+    configured = system.current()
+    w = jnp.ones(3)
+    for steps in (1, 2):
+        run = program.ExecutionProgram(halving, mode="fit", replicas=Replicas(
+            configured.ipus[:1]), hardware=configured.hardware)
+        with pytest.raises(TypeError, match=r"float16|float32"):
+            run(w, jnp.ones((steps, 4, 3)))
+    with pytest.raises(TypeError, match=r"returns its state as float16\[3\], and takes it as "
+                                        r"float32\[3\]"):
+        program.ExecutionProgram(halving, mode="fit", replicas=Replicas(configured.ipus[:1]),
+                                 hardware=configured.hardware)(w, jnp.ones((1, 4, 3)))

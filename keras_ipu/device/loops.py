@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from keras_ipu.device import conv_geometry, jaxprs
@@ -164,6 +166,37 @@ def choose_pipeline_loop(jaxprs: Any, platform: str, request: str = AUTO) -> Loo
             f"{convolutions} convolution(s) compile much faster so than in a schedule program",
         )
     return LoopChoice(SCHEDULE, "the schedule runs on the device: no per-op dispatch")
+
+
+def check_carried(state: Any, new_state: Any) -> None:
+    """Checks that a step gives back its state as it took it, as a loop's carry must.
+
+    A program of one step runs the step without a loop: this keeps its rule
+    the rule of the programs of several steps.
+
+    Args:
+        state: The state the step took (arrays or shape structs).
+        new_state: The state it returned.
+
+    Raises:
+        TypeError: When the structure, a shape or a dtype differs, naming it.
+
+    Example:
+
+    >>> check_carried([jnp.zeros(2)], [jnp.zeros(2, jnp.float16)])
+    Traceback (most recent call last):
+    TypeError: ...
+    """
+    before, after = (jax.tree_util.tree_flatten_with_path(s) for s in (state, new_state))
+    if before[1] != after[1]:
+        raise TypeError(f"The step returns its state in another structure than it takes it: "
+                        f"{after[1]} for {before[1]}. It must return it as it takes it.")
+    for (path, old), (_, new) in zip(before[0], after[0]):
+        was, now = (f"{jnp.result_type(a).name}{list(jnp.shape(a))}" for a in (old, new))
+        if was != now:
+            raise TypeError(f"The step returns its state{jax.tree_util.keystr(path)} as {now}, "
+                            f"and takes it as {was}: it must return its state with the types "
+                            f"and shapes it takes.")
 
 
 def slow_in_loops(jaxpr: Any) -> int:

@@ -254,7 +254,9 @@ class ExecutionProgram:
         if self.stream is not None:
             return self._streamed_loop(body, state, batches)
         if _leading(batches) == 1:  # the step alone: a loop of one costs XLA compile time
-            state, outputs = body(state, jax.tree_util.tree_map(lambda a: a[0], batches))
+            new_state, outputs = body(state, jax.tree_util.tree_map(lambda a: a[0], batches))
+            loops.check_carried(state, new_state)
+            state = new_state
             # As a loop's outputs, arrays (a step may give a Python number in its logs).
             return state, jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a)[None], outputs)
         if self.last_outputs_only:
