@@ -3,7 +3,7 @@
 
 Run from the repository root, on the machine to measure (JAX's default platform):
 
-    python benchmarks/gpu_acceptance.py --out DIR                 # about 9 minutes on an H100
+    python benchmarks/gpu_acceptance.py --out DIR                 # 5-9 minutes on an H100/H200
     python benchmarks/gpu_acceptance.py --out DIR --quick         # a smoke run (CPU: ~1 minute)
     python benchmarks/gpu_acceptance.py --summarize DIR           # the verdicts of a finished run
 

@@ -49,7 +49,7 @@ case "$part" in
     acceptance)
         # A warm fit's host setup by part first (20 s): what GA 8's short fits pay.
         timeout 60 python3 benchmarks/profile_fit_setup.py 2>&1 | tee "$out/fit_setup.log" || true
-        python3 benchmarks/gpu_acceptance.py --out "$out" --budget 480
+        python3 benchmarks/gpu_acceptance.py --out "$out" --budget 520
         # At most 8 files come back from a call: one archive, and the verdicts beside it.
         (cd "$out" && tar czf results.tgz -- *.json *.log device.txt \
             && find . -maxdepth 1 -type f ! -name results.tgz ! -name acceptance.json -delete)
