@@ -213,3 +213,44 @@ def test_run_takes_integer_literals_for_an_integer_input_they_fit(tmp_path, caps
     assert cli.main(["run", "--dir", str(tmp_path / "u8"), "--input_exprs",
                      "x=np.array([[1, 2, 256]])"]) == 2
     assert "values 1 to 256 are outside uint8's [0, 255]" in capsys.readouterr().err
+
+
+def test_a_damaged_export_is_one_line_and_status_2(export_dir, tmp_path, capsys):
+    # A truncated weights archive or a junk program gave a traceback (BadZipFile, struct.error).
+    import shutil
+
+    from keras_ipu import cli
+
+    for damaged, damage in (("weights.npz", b"PK\x03\x04"), ("step.jaxexport", b"junk")):
+        copy = tmp_path / damaged
+        shutil.copytree(export_dir, copy)
+        (copy / damaged).write_bytes(damage)
+        assert cli.main(["show", "--dir", str(copy)]) == 2
+        error = capsys.readouterr().err
+        assert "holds a damaged keras_ipu export" in error and len(error.splitlines()) == 1
+
+
+def test_run_takes_a_dict_inputs_key_as_its_name(tmp_path, capsys):
+    # Integer literals given by the input's key were refused (int64 for uint8), not by its name.
+    import keras_ipu as ipu
+    from keras_ipu import cli
+
+    from conftest import configure
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        pixels = keras.Input((3,), batch_size=1, dtype="uint8", name="pix")
+        model = keras.Model({"u": pixels}, keras.layers.Rescaling(2.0)(pixels))
+    model.export_for_ipu_serving(tmp_path / "keyed")
+    for name in ("pix", "u"):
+        assert cli.main(["run", "--dir", str(tmp_path / "keyed"), "--input_exprs",
+                         f"{name}=np.array([[1, 2, 255]])"]) == 0
+        assert capsys.readouterr().out.strip() == "output_0: [[  2.   4. 510.]]"
+
+
+def test_serve_refuses_a_model_name_its_paths_cannot_hold(export_dir, capsys):
+    # The server started, and every request got a plain-text 404.
+    from keras_ipu import cli
+
+    assert cli.main(["serve", "--dir", str(export_dir), "--model_name", "resnet:v1"]) == 2
+    assert "no '/' or ':'" in capsys.readouterr().err

@@ -191,6 +191,9 @@ def test_the_balanced_split_is_the_best_contiguous_one():
     assert len(partition.fewest_stages([1] * 6, [10] * 6, 25).stage_costs) == 3
     with pytest.raises(ValueError, match="largest stage needs 20 bytes"):
         partition.fewest_stages([1] * 6, [10] * 6, 15, minimum=2, maximum=3)
+    # Fewer layers than stages: the count is the reason, not the IPUs' memory.
+    with pytest.raises(ValueError, match=r"has 1 layer\(s\): too few for 2 pipeline stages"):
+        partition.fewest_stages([1], [10], 1000)
     with pytest.raises(ValueError, match="Cannot split 2 layers into 3"):
         partition.balanced_split([1, 1], [1, 1], 3)
 

@@ -113,6 +113,10 @@ def fewest_stages(costs: Sequence[float], memory: Sequence[int], capacity_bytes:
     """
     if minimum < 1 or maximum < minimum:
         raise ValueError(f"Invalid IPU range: min {minimum}, max {maximum}.")
+    if minimum > len(costs):
+        raise ValueError(f"The model has {len(costs)} layer(s): too few for {minimum} pipeline "
+                         f"stages (each holds a layer or more); ask for at most {len(costs)} "
+                         f"IPU(s).")
     split = None
     for stages in range(minimum, min(maximum, len(costs)) + 1):
         split = balanced_split(costs, memory, stages)

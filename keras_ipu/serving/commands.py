@@ -119,8 +119,11 @@ def _serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535 or args.max_batch_delay_ms < 0:
         raise CommandError("--port must be 0-65535 and --max_batch_delay_ms >= 0")
-    runtime = _load(args.dir)
     name = args.model_name or os.path.basename(os.path.normpath(args.dir))
+    if not name or set(name) & set("/:"):  # the REST paths' separators
+        raise CommandError(f"--model_name {name!r}: a model name needs a character and no '/' "
+                           f"or ':' (the REST paths' separators); give --model_name")
+    runtime = _load(args.dir)
     try:
         asyncio.run(server.serve(runtime, name, args.host, args.port, args.max_batch_delay_ms,
                                  announce=lambda line: print(line, flush=True)))
@@ -186,8 +189,10 @@ def _convert(args: argparse.Namespace) -> None:
         if not os.path.isfile(args.model):
             raise CommandError(f"--model: no file {args.model!r}")
         summary = convert.convert(args.model, args.dir, options)
-    except (ValueError, RuntimeError, TypeError) as error:
+    except (ValueError, RuntimeError, TypeError, OSError) as error:
         message = str(error).splitlines()[0]
+        if isinstance(error, OSError):  # h5py's, for a file that is no HDF5 file
+            message = f"--model {args.model}: {message}"
         if "safe_mode" in str(error):  # Keras' advice is for Python; this is the command's
             message += " (keras-ipu convert: --unsafe_deserialization, for a file you trust)"
         raise CommandError(message) from None
@@ -314,7 +319,7 @@ def _as_declared(name: str, value: Any, runtime: Any) -> Any:
     """An expression's integers in the input's integer dtype when they fit in it: a literal
     has no width (`np.array([[1, 2]])` is int64), as the REST server reads JSON's."""
     declared = next((np.dtype(entry["dtype"]) for entry in runtime.inputs
-                     if entry["name"] == name), None)
+                     if name in (entry["name"], entry.get("key"))), None)
     array = np.asarray(value)
     if declared is None or declared.kind not in "iu" or array.dtype.kind not in "iu":
         return value

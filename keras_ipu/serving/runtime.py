@@ -42,6 +42,15 @@ class ServingRuntime:
     """
 
     def __init__(self, export_dir: str):
+        try:
+            self._open(export_dir)
+        except (FileNotFoundError, ValueError):
+            raise
+        except Exception as error:  # noqa: BLE001 - a truncated archive, a junk program, ...
+            raise ValueError(f"{export_dir!r} holds a damaged keras_ipu export "
+                             f"({type(error).__name__}: {error}); export it again.") from error
+
+    def _open(self, export_dir: str) -> None:
         self.export_dir = export_dir
         self.metadata = _read_metadata(export_dir)
         self.inputs = self.metadata["inputs"]
@@ -324,7 +333,10 @@ def _read_metadata(export_dir: str) -> dict:
         raise FileNotFoundError(
             f"{export_dir!r} is not a keras_ipu export: it has no {METADATA_FILE}.")
     with open(path) as f:
-        metadata = json.load(f)
+        try:
+            metadata = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path!r} is not JSON: {error}.") from None
     if metadata.get("format") != FORMAT:
         raise ValueError(
             f"{export_dir!r} holds an export of format {metadata.get('format')!r}; this "
