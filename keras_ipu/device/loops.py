@@ -158,12 +158,11 @@ def choose_pipeline_loop(jaxprs: Any, platform: str, request: str = AUTO) -> Loo
                                     "device")
     if platform != "cpu":
         return LoopChoice(SCHEDULE, f"the schedule runs on the device ({platform})")
-    convolutions = sum(convolution_count(jaxpr) for jaxpr in jaxprs)
-    if convolutions:
+    if any(convolution_count(jaxpr) for jaxpr in jaxprs):
         return LoopChoice(
             HOST,
-            f"the host walks the schedule, one program per stage op: on CPUs the stages' "
-            f"{convolutions} convolution(s) compile much faster so than in a schedule program",
+            "the host walks the schedule, one program per stage op: on CPUs the stages' "
+            "convolutions compile much faster so than in one schedule program",
         )
     return LoopChoice(SCHEDULE, "the schedule runs on the device: no per-op dispatch")
 
