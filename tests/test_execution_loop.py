@@ -118,7 +118,7 @@ def test_the_pipeline_rule_dispatches_convolutional_stages_on_cpu_only():
     conv = _conv_grad_jaxpr()
     mlp = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 4)), jnp.ones((2, 4)))
     choice = loops.choose_pipeline_loop([mlp, conv], "cpu")
-    assert choice.form == loops.HOST and "2 convolution(s)" in choice.reason
+    assert choice.form == loops.HOST and "convolutions compile much faster" in choice.reason
     assert loops.choose_pipeline_loop([mlp, mlp], "cpu").form == loops.SCHEDULE
     assert loops.choose_pipeline_loop([conv], "gpu").form == loops.SCHEDULE
     assert loops.choose_pipeline_loop([mlp], "cpu", "host").form == loops.HOST
