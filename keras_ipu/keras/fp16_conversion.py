@@ -11,7 +11,7 @@ no float16 form on CPUs or GPUs) and its layers keep their initializers.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -30,8 +30,8 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
         The float16 model.
 
     Raises:
-        ValueError: When a layer is quantized (Keras' `quantize()`): it has
-            no float16 form.
+        ValueError: When a layer not excluded is quantized (Keras'
+            `quantize()`): it has no float16 form.
 
     Example:
 
@@ -79,7 +79,7 @@ def _is_graph_model(layer: Any) -> bool:
     return isinstance(layer, (keras.Sequential, Functional))
 
 
-def _converted_layers(layer: Any, excluded: Sequence[re.Pattern]):
+def _converted_layers(layer: Any, excluded: Sequence[re.Pattern]) -> Iterator[Any]:
     """The layers inside `layer` the conversion recasts (not under an excluded name)."""
     for inner in layer._layers if hasattr(layer, "_layers") else ():
         if not _matches(inner.name, excluded):
