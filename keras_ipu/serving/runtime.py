@@ -44,11 +44,12 @@ class ServingRuntime:
     def __init__(self, export_dir: str):
         try:
             self._open(export_dir)
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, MemoryError):
             raise
         except Exception as error:  # noqa: BLE001 - a truncated archive, a junk program, ...
-            raise ValueError(f"{export_dir!r} holds a damaged keras_ipu export "
-                             f"({type(error).__name__}: {error}); export it again.") from error
+            raise ValueError(f"{export_dir!r} holds a damaged keras_ipu export, or one this "
+                             f"runtime cannot load ({type(error).__name__}: {error}); export "
+                             f"it again.") from error
 
     def _open(self, export_dir: str) -> None:
         self.export_dir = export_dir
