@@ -18,6 +18,7 @@ import jax
 import keras
 import numpy as np
 from keras import tree
+from keras.src.backend.common import masking
 
 from keras_ipu.keras import stages
 from keras_ipu.keras.pipelined import boundary
@@ -66,7 +67,7 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
             inputs = _as_list(preprocessing_step(*inputs))
         values = dict(zip(carried, carried_values))
         for key, mask in zip(masks_in, carried_values[len(carried):]):
-            boundary.masking.set_keras_mask(values[key], mask)
+            masking.set_keras_mask(values[key], mask)
         values.update(zip(plan.input_keys, inputs))
         with keras.StatelessScope(state_mapping=list(zip(variables, weights))):
             for call in plan.stages[stage]:
@@ -90,11 +91,7 @@ def _masked(plan, keys: Sequence[Any]) -> list:
 
 def _mask_of(value, tensor):
     """The value's mask, or all True where nothing was masked."""
-    mask = boundary.masking.get_keras_mask(value)
-    if mask is None:
-        shape = boundary.symbolic_mask(tensor).shape
-        mask = jax.numpy.ones((value.shape[0], *shape[1:]), bool)
-    return mask
+    return boundary.carried_mask(value, value.shape[0], boundary.symbolic_mask(tensor).shape[1:])
 
 
 def _stage_variables(plan, stage: int) -> list:

@@ -28,6 +28,12 @@ from keras_ipu.keras.positional_call import PositionalArguments
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
 
 
+def channel_axes(rank: int) -> list[int]:
+    """The axes of a rank-`rank` input a normalisation may take as its channels: any but
+    the batch (axis 0), whose statistics would mix the samples."""
+    return [*range(1, rank), *range(-(rank - 1), 0)]
+
+
 def normalize_groups(inputs: Any, groups: int, channels_axis: int, epsilon: float,
                      strided: bool, gamma: Any = None, beta: Any = None,
                      dtype: Any = None) -> Any:
@@ -133,9 +139,8 @@ class GroupNormalization(PositionalArguments, keras.layers.Layer):
 
     def build(self, input_shape):
         rank = len(input_shape)
-        if not (isinstance(self.channels_axis, int) and 1 <= abs(self.channels_axis) < rank
-                and self.channels_axis != -rank):
-            valid = [*range(1, rank), *range(-(rank - 1), 0)]
+        valid = channel_axes(rank)
+        if not (isinstance(self.channels_axis, int) and self.channels_axis in valid):
             raise ValueError(f"{type(self).__name__}: channels_axis {self.channels_axis!r} is "
                              f"not an axis of the rank-{rank} input {tuple(input_shape)} "
                              f"other than the batch: valid are {valid}.")

@@ -125,13 +125,12 @@ def train_step(
             grads, non_trainable, metrics_vars, logs = gradients(
                 non_trainable, metrics_vars, jax.tree_util.tree_map(lambda a: a[0], data))
             acc = [g.astype(dtype) for g, dtype in zip(grads, accumulator_dtypes)]
-            carry, logs = (non_trainable, metrics_vars, acc, None), _stacked_one(logs)
+            logs = _stacked_one(logs)
         else:
             zeros = [jnp.zeros(v.shape, dtype)
                      for v, dtype in zip(trainable, accumulator_dtypes)]
             carry = (non_trainable, metrics_vars, zeros, jnp.float32(0))
-            carry, logs = jax.lax.scan(micro_step, carry, data)
-        non_trainable, metrics_vars, acc, _ = carry
+            (non_trainable, metrics_vars, acc, _), logs = jax.lax.scan(micro_step, carry, data)
         if logs is None:
             logs = _stacked_one(metrics_logs(model, metrics_vars))
         grads = [g.astype(v.dtype) for g, v in zip(_over_replicas(replicas, acc, overwritten),

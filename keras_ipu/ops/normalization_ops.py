@@ -153,14 +153,14 @@ def layer_norm(inputs: Any, channels_axis: int = -1, center: bool = True, scale:
 
 def _channels(inputs: Any, channels_axis: int) -> tuple[int, int]:
     """The channels' axis (non-negative) and size, checked."""
+    from keras_ipu.keras.group_normalization import channel_axes
+
     shape = tuple(inputs.shape)
     if len(shape) < 2:
         raise ValueError(f"The normalisation needs an input of at least 2 dimensions (batch "
                          f"and channels), got shape {shape}.")
-    rank = len(shape)
-    # Axis 0 is the batch: statistics over it would mix the samples.
-    if not (1 <= channels_axis < rank or -rank < channels_axis <= -1):
-        valid = [*range(1, rank), *range(-(rank - 1), 0)]
+    valid = channel_axes(len(shape))
+    if channels_axis not in valid:
         raise ValueError(f"channels_axis {channels_axis} is not an axis of shape {shape} "
                          f"other than the batch: valid are {valid}.")
     axis = channels_axis % len(shape)

@@ -20,6 +20,7 @@ value, offset = receive(bundle[:-1], offset, tensor, sample)  # the receiver's t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,11 +120,21 @@ def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
     """
     parts = [to_bundle(value, batch, tensor, stage, sample.dtype or tensor.dtype)]
     if symbolic_mask(tensor) is not None:
-        sent = masking.get_keras_mask(value)
-        if sent is None:  # nothing masked
-            sent = jnp.ones((batch, *sample.mask), jnp.float32)
+        sent = carried_mask(value, batch, sample.mask)
         parts.append(jnp.reshape(sent, (batch, -1)).astype(jnp.float32))
     return parts
+
+
+def carried_mask(value, batch: int, shape) -> Any:
+    """The Keras mask on `value`, or all True (`[batch, *shape]`) where nothing was masked.
+
+    Example:
+
+    >>> carried_mask(keras.ops.ones((2, 6, 4)), 2, (6,)).shape
+    (2, 6)
+    """
+    mask = masking.get_keras_mask(value)
+    return jnp.ones((batch, *shape), bool) if mask is None else mask
 
 
 def to_bundle(value, batch: int, tensor, stage: int, dtype=None):
