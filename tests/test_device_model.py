@@ -291,3 +291,51 @@ def test_a_pipeline_out_of_memory_names_the_ipu_that_needs_most(strategy):
     model.fit(x, y, batch_size=16, verbose=0)
     needs = [i.memory_bytes for i in ipu.utils.execution_report(model, "fit").ipus]
     assert needs[1] > needs[0] and info.value.required_bytes == pytest.approx(needs[1], rel=0.05)
+
+
+def test_the_on_batch_methods_check_their_program_fits_before_anything_changes(strategy):
+    # Keras' own methods run Keras' step on one batch: a program like fit's executions.
+    configure(1, tiles_per_ipu=4)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((128, 64), "float32")  # each of the three needs 5 tiles or more for 128
+    y = np.ones((128, 4096), "float32")
+    small_x, small_y = x[:4], y[:4]
+    model.train_on_batch(small_x, small_y)  # a batch of 4 fits 4 tiles
+    kernel = model.layers[0].kernel
+    kernel.assign(np.full(kernel.shape, 0.5, "float32"))  # the user's, after that step
+    expected = model.get_weights()
+    for run, name in ((lambda: model.train_on_batch(x, y), "train_on_batch"),
+                      (lambda: model.test_on_batch(x, y), "test_on_batch"),
+                      (lambda: model.predict_on_batch(x), "predict_on_batch")):
+        with pytest.raises(ipu.errors.IPUOutOfMemoryError, match=f"the {name} program needs"):
+            run()
+    # Nothing ran, and nothing stale comes back: the assigned kernel is the model's.
+    model.jax_state_sync()
+    assert_weights_close(expected, model.get_weights(), atol=0)
+    np.testing.assert_allclose(model.predict_on_batch(small_x), small_x @ expected[0]
+                               + expected[1], rtol=1e-5)
+
+
+def test_strategy_run_and_compile_check_their_program_fits_before_running(strategy):
+    configure(2, tiles_per_ipu=1)  # 624 KiB
+    matrix = np.ones((256, 256), np.float32)  # 256 KiB: it, its product and the sum do not fit
+    with strategy.scope():
+        with pytest.raises(ipu.errors.IPUOutOfMemoryError,
+                           match=r"IPU 0: the strategy.run program needs"):
+            strategy.run(lambda a: a @ a + 1, args=(matrix,))
+        variable = keras.Variable(np.ones(3, np.float32))
+        # What fits runs, on every replica.
+        np.testing.assert_array_equal(strategy.run(lambda a: a @ a, args=(matrix[:64, :64],)),
+                                      np.full((64, 64), 64.0))
+
+    def assigning(a):
+        variable.assign(a[0, :3])
+        return a @ a + 1
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        with pytest.raises(ipu.errors.IPUOutOfMemoryError,
+                           match=r"the ipu_compiler.compile program needs"):
+            ipu.ipu_compiler.compile(assigning, inputs=[matrix * 5])
+    np.testing.assert_array_equal(variable.numpy(), np.ones(3))  # nothing assigned

@@ -678,3 +678,30 @@ def test_optimizers_keep_the_variables_they_were_built_for_and_loss_scaling_its_
         [v.value for v in optimizer.variables], [np.ones(2, "float32"), np.ones(3, "float32")],
         [v.value for v in variables])
     np.testing.assert_allclose(new_weights[0], [0.9, 0.9])
+
+
+def test_the_on_batch_methods_call_the_step_function_set_on_the_model():
+    # keras_ipu.keras.batch_steps sets `train_function` (and its kin) to a checked program:
+    # Keras' method keeps a function that is set, and calls it with (state, an iterator of
+    # the one batch); it marks the state unsynced before the call.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+    calls = []
+
+    def step(function_state, iterator, kind):
+        calls.append((kind, model._jax_state_synced, next(iterator)))
+        outputs = np.zeros((4, 1), "float32") if kind == "predict" else {"loss": 0.0}
+        return outputs, function_state
+
+    for kind in ("train", "test", "predict"):
+        setattr(model, f"{kind}_function", lambda s, i, kind=kind: step(s, i, kind))
+    model.train_on_batch(x, y)
+    model.test_on_batch(x, y)
+    model.predict_on_batch(x)
+    assert [(kind, synced) for kind, synced, _ in calls] == [
+        ("train", False), ("test", False), ("predict", False)]
+    np.testing.assert_array_equal(calls[0][2][0], x)  # (x, y, sample_weight)
+    np.testing.assert_array_equal(calls[2][2][0], x)  # (x,)
+    for name in ("make_train_function", "make_test_function", "make_predict_function"):
+        assert _params(getattr(JAXTrainer, name)) == ["self", "force"]

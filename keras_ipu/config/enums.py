@@ -26,9 +26,10 @@ class DeviceConnectionType(enum.Enum):
     On the device model `ALWAYS` and `ON_DEMAND` both run programs on the JAX
     devices; with `PRE_COMPILE` and `NEVER` programs are compiled and measured
     (memory checked, execution reports made, the executable cache filled) but
-    not executed. With `PRE_COMPILE`, `fit`, `evaluate` and `predict` return
-    zeros for everything the device would return and the weights stay as they
-    were; with `NEVER` they raise `keras_ipu.errors.IPUNotAttachedError`.
+    not executed. With `PRE_COMPILE`, `fit`, `evaluate` and `predict` (and
+    the `*_on_batch` methods, `strategy.run` and `ipu_compiler.compile`)
+    return zeros for everything the device would return and the weights stay
+    as they were; with `NEVER` they raise `keras_ipu.errors.IPUNotAttachedError`.
 
     Example:
 

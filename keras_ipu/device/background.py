@@ -29,13 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from keras_ipu.device import system
+from keras_ipu.device import attachment, system
 
 AUTO = "auto"
 CHOICES = (AUTO, "true", "false")
 THREAD_NAME = "keras_ipu-compile"
-# Device connections on which no execution runs (`DeviceConnectionType` names).
-_NEVER_RUNS = frozenset({"PRE_COMPILE", "NEVER"})
 
 
 def enabled(platform: str) -> bool:
@@ -57,7 +55,7 @@ def enabled(platform: str) -> bool:
     True
     """
     configured = system.current()
-    if configured and configured.option("device_connection_type") in _NEVER_RUNS:
+    if not attachment.runs_programs():
         return False  # nothing runs to overlap: the loop is compiled, checked and reported
     choice = configured.option("background_loop_compile", AUTO) if configured else AUTO
     if choice == AUTO:

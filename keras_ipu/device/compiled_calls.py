@@ -47,6 +47,7 @@ from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 from keras_ipu.device import (
+    attachment,
     closures,
     collectives,
     elements,
@@ -483,8 +484,9 @@ class _Program:
             try:
                 feed_data = _placed([_dealt(elements.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
-                executable, outfeeds, streams = self._executable(arrays, feed_data)
-                (result, outfed), error = executable(arrays, feed_data)
+                executable, outfeeds, streams = self._executable(arrays, feed_data, replicas)
+                (result, outfed), error = attachment.run_checked(executable, self.name,
+                                                                 arrays, feed_data)
                 if streams:
                     # Its while loops take infeed elements on the host as they run: the
                     # queue, and a loop's failure, are the call's when it returns.
@@ -553,10 +555,15 @@ class _Program:
                               for r in range(count // shards)))
 
     def _run_once(self, arrays: list, replicas: Replicas, checked: bool = True) -> Any:
-        """Traced for this call only, its loops' infeed data constants of the trace."""
+        """Traced for this call only, its loops' infeed data constants of the trace; inside
+        another JAX trace (`checked` False) part of that program."""
         self.reusable = self.feeds_as_inputs = False
         function = jax.jit(self._function(replicas, checked), static_argnums=2)
-        (result, outfed), error = function(arrays, [], ())
+        if not checked:
+            return self._delivered(replicas, *function(arrays, [], ())[0], self.outfeeds)
+        executable = _checked(function.trace(arrays, [], ()).lower().compile(), replicas,
+                              self.name)
+        (result, outfed), error = attachment.run_checked(executable, self.name, arrays, [])
         self._raise_trapped(error)
         return self._delivered(replicas, result, outfed, self.outfeeds)
 
@@ -566,9 +573,10 @@ class _Program:
             queue.receive(values)
         return replicas.unreplicate(result)  # replica 0's, on its device
 
-    def _executable(self, arrays: list, feed_data: list) -> tuple[Any, list, bool]:
-        """The compiled program for these inputs, the queues its outfed values go to, and
-        whether its while loops stream infeeds.
+    def _executable(self, arrays: list, feed_data: list,
+                    replicas: Replicas) -> tuple[Any, list, bool]:
+        """The compiled program for these inputs (its memory checked on the replicas' IPUs),
+        the queues its outfed values go to, and whether its while loops stream infeeds.
 
         The queues are its trace's: a function traced for other shapes may
         enqueue elsewhere.
@@ -580,9 +588,18 @@ class _Program:
         if executable is None:
             traced = self.jitted.trace(arrays, feed_data, plan)
             self.reusable = self.reusable and not traced.jaxpr.consts
-            executable = self.executables[signature] = (traced.lower().compile(),
-                                                        list(self.outfeeds), self.streams)
+            compiled = _checked(traced.lower().compile(), replicas, self.name)
+            executable = self.executables[signature] = (compiled, list(self.outfeeds),
+                                                        self.streams)
         return executable
+
+
+def _checked(compiled: Any, replicas: Replicas, name: str) -> Any:
+    """`compiled`, once it is known to fit each replica's IPU (IPUs sharing a device each
+    take their share of its memory)."""
+    use = attachment.program_memory(compiled, replicas.ipus_per_device)
+    attachment.check_fits([(ipu.index, use) for ipu in replicas.ipus], name)
+    return compiled
 
 
 def _placed(tree: Any, replicas: Replicas, spec: P) -> Any:

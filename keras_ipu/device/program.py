@@ -24,6 +24,7 @@ import numpy as np
 
 from keras_ipu.device import (
     accounting,
+    attachment,
     background,
     compiler,
     convolutions,
@@ -38,7 +39,6 @@ from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.replicate import Replicas, all_reduce_cycles
 from keras_ipu.device.report import ExecutionReport, IPUReport
 from keras_ipu.device.system import VirtualIPU
-from keras_ipu.errors import IPUOutOfMemoryError
 
 State = Any
 Batch = Any
@@ -576,13 +576,9 @@ class ExecutionProgram:
                  options: str = "", dispatched: bool = False) -> _Executable:
         """The executable, once each IPU's memory is checked; its report comes when read."""
         seconds = time.perf_counter() - started
-        capacity = self.hardware.memory_capacity_bytes
-        over = [(use.total_bytes, -ipu.index) for ipu, use in zip(self.replicas.ipus, memory)
-                if use.total_bytes > capacity]
-        if over:  # the IPU that needs most, the first of equals
-            needed, ipu = max(over)
-            raise IPUOutOfMemoryError(-ipu, needed, capacity, self.mode,
-                                      pipelined=self._pipeline is not None)
+        attachment.check_fits([(ipu.index, use) for ipu, use in zip(self.replicas.ipus, memory)],
+                              self.mode, pipelined=self._pipeline is not None,
+                              capacity=self.hardware.memory_capacity_bytes)
         report = functools.partial(self._report, batches, memory, cost, loop, seconds, options)
         executable = _Executable(compiled, report, loop, dispatched)
         executable.memory = tuple(memory)

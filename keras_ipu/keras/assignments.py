@@ -25,7 +25,7 @@ import jax
 import keras
 from keras.src.backend.common import global_state, stateless_scope, variables
 
-from keras_ipu.device import closures, collectives, compiled_calls, loop_state
+from keras_ipu.device import attachment, closures, collectives, compiled_calls, loop_state
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import steps
 
@@ -222,7 +222,10 @@ def call_assigning(run: Callable[[Callable], Any], fn: Callable,
     ...                lambda a: model(a, training=True))
     """
     assigned = run(_KeepingAssignments(fn, outputs))
-    _assign([held.variable for held in assigned.held], assigned.values)
+    if attachment.runs_programs():
+        _assign([held.variable for held in assigned.held], assigned.values)
+    else:  # nothing ran (`PRE_COMPILE`): the variables keep their values
+        _assign([], [])
     return assigned.result
 
 

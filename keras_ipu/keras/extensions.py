@@ -30,9 +30,9 @@ from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
 from keras_ipu.device import interrupts
-from keras_ipu.distributed import runtime
 from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
 from keras_ipu.keras.assignments import outside_traces
+from keras_ipu.keras.batch_steps import on_this_instance
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod
 from keras_ipu.keras.stages import (
     FunctionalLayerPipelineStageAssignment,
@@ -597,17 +597,8 @@ def _predict_on_ipus(model, x, batch_size=None, verbose="auto", steps=None, call
 _original_trainer_methods: dict = {}
 
 
-def _on_this_instance(name: str):
-    def on_ipus(model, *args, **kwargs):  # Keras' own step on a batch, in the model's scope
-        if name != "predict_on_batch":  # a step of the job's weights: one instance's only
-            runtime.check_one_instance(f"`{name}`")
-        with context.model_scope(model):
-            return _original_trainer_methods[name](model, *args, **kwargs)
-    return on_ipus
-
-
 _ON_IPUS = {"fit": _fit_on_ipus, "evaluate": _evaluate_on_ipus, "predict": _predict_on_ipus,
-            **{name: _on_this_instance(name)
+            **{name: on_this_instance(name, _original_trainer_methods)
                for name in ("train_on_batch", "test_on_batch", "predict_on_batch")}}
 
 

@@ -27,10 +27,9 @@ from keras.src import optimizers as optimizers_module
 from keras.src import tree
 from keras.src.utils.python_utils import pythonify_logs
 
-from keras_ipu.device import interrupts
+from keras_ipu.device import attachment, interrupts
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.errors import IPUNotAttachedError
 from keras_ipu.keras import (
     batch_norm_groups,
     context,
@@ -129,7 +128,7 @@ def fit(
         run = programs.prepare(model, "fit", placement, feed, options)
         val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                    if val_feed else None)
-        _check_attached("fit")
+        attachment.check_attached("fit")
         # On an accelerator the first execution's data moves while the callbacks are set up.
         ahead = infeeds.open_ahead(model, run, feed)
         with _closed_on_error(ahead):
@@ -255,7 +254,7 @@ def evaluate(
         model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `evaluate`, after the build
         run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
-        _check_attached("evaluate")
+        attachment.check_attached("evaluate")
         callbacks = _callback_list(model, callbacks, verbose, 1, feed)
     try:
         logs = _evaluate_feed(model, run, feed, callbacks)
@@ -317,7 +316,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         replication.check_instance_steps(replicas, "predict", {"predict": feed.plan})
         _build_for_predict(model, feed.first_batch())
         run = programs.prepare(model, "predict", placement, feed, options_of(model))
-        _check_attached("predict")
+        attachment.check_attached("predict")
         callbacks = _callback_list(model, callbacks, verbose, 1, feed)
         model.stop_predicting = False
         callbacks.on_predict_begin()
@@ -365,7 +364,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
     # PRE_COMPILE: programs compile but never run; their outfeed is zeros,
     # handed to the hooks as they return (nothing streams from a device).
-    attached = _connection() != "PRE_COMPILE"
+    attached = attachment.runs_programs()
     execute = run.program if attached else run.program.unattached
     delivery = (step_callbacks.step_delivery(model, run, mode, on_begin, on_end)
                 if hooked and attached else None)
@@ -462,21 +461,6 @@ def _capped_epochs(epochs: int) -> int:
         warnings.warn(f"Limiting epochs to {max_epochs}", stacklevel=4)
         return max_epochs
     return epochs
-
-
-def _connection() -> str:
-    """The configured `DeviceConnectionType`'s name."""
-    return ipu_system.require().option("device_connection_type", "ALWAYS")
-
-
-def _check_attached(mode: str) -> None:
-    """Raises `IPUNotAttachedError` on a system that never attaches (`NEVER`).
-
-    Called once a run's program is compiled (its memory checked, its report
-    made), before anything runs.
-    """
-    if _connection() == "NEVER":
-        raise IPUNotAttachedError(mode)
 
 
 def _callback_list(model, callbacks, verbose, epochs, feed, add_history=False):
