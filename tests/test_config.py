@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from keras_ipu import config as ipu_config
@@ -1003,3 +1004,38 @@ def test_get_ipu_config_after_the_device_layer_was_reset(device):
     device.reset()
     with pytest.raises(RuntimeError, match="No IPU system is configured"):
         ipu_config.get_ipu_config()
+
+
+def test_numpy_numbers_are_kept_as_python_numbers():
+    # A NumPy integer passed validation, then broke the config's repr (np.int64(2) != []).
+    config = IPUConfig()
+    config.auto_select_ipus = np.int64(2)
+    config.ipu_model.tiles_per_ipu = np.int32(8)
+    assert repr(config) == "IPUConfig(auto_select_ipus=2, ipu_model.tiles_per_ipu=8)"
+    assert type(config.auto_select_ipus) is int and type(config.ipu_model.tiles_per_ipu) is int
+    other = IPUConfig()
+    other.auto_select_ipus = [np.int64(1), np.int64(2)]
+    assert other.auto_select_ipus == [1, 2] and all(type(n) is int for n in other.auto_select_ipus)
+    assert IPUConfig.from_json(other.to_json()) == other
+
+
+def test_from_dict_and_from_json_on_a_config_change_nothing_when_a_value_is_refused():
+    config = IPUConfig()
+    config.auto_select_ipus = 2
+    before = config.to_dict()
+    with pytest.raises(ValueError, match="tiles_per_ipu must be >= 0"):
+        config.from_dict({"auto_select_ipus": 4,
+                          "ipu_model": {"version": "ipu1", "tiles_per_ipu": -1}})
+    with pytest.raises(TypeError, match="tiles_per_ipu must be of type int"):
+        config.from_json('{"auto_select_ipus": 4, "ipu_model.tiles_per_ipu": "8"}')
+    assert config.to_dict() == before
+    assert config.from_dict({"auto_select_ipus": 4}) is config and config.auto_select_ipus == 4
+
+
+def test_poplar_options_are_keyed_by_option_name():
+    config = IPUConfig()
+    for name in ("matmuls.poplar_options", "compilation_poplar_options", "gcl_poplar_options"):
+        with pytest.raises(ValueError, match=r"poplar_options must have option names \(strings\)"):
+            config.from_dict({name: {1: "2"}})
+    config.matmuls.poplar_options = {"availableMemoryProportion": "0.2"}
+    assert IPUConfig.from_json(config.to_json()) == config

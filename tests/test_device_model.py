@@ -339,3 +339,18 @@ def test_strategy_run_and_compile_check_their_program_fits_before_running(strate
                            match=r"the ipu_compiler.compile program needs"):
             ipu.ipu_compiler.compile(assigning, inputs=[matrix * 5])
     np.testing.assert_array_equal(variable.numpy(), np.ones(3))  # nothing assigned
+
+
+def test_the_batch_methods_are_checked_against_the_system_configured_now(strategy):
+    # Their programs were kept per model: one checked on a big IPU ran on a small one.
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 256), np.float32), np.ones((8, 1024), np.float32)
+    model.train_on_batch(x, y)
+    model.predict_on_batch(x)
+    configure(1, tiles_per_ipu=1)  # 624 KiB: the kernel alone is 1 MiB
+    for run, name in ((lambda: model.train_on_batch(x, y), "train_on_batch"),
+                      (lambda: model.predict_on_batch(x), "predict_on_batch")):
+        with pytest.raises(ipu.errors.IPUOutOfMemoryError, match=f"the {name} program"):
+            run()

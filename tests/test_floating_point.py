@@ -146,6 +146,28 @@ def test_evaluate_and_predict_raise_too(call):
     assert np.isfinite(model.predict(clean, batch_size=BATCH, verbose=0)).all()
 
 
+def test_the_batch_methods_trap_too_and_keep_the_weights():
+    x, y = _data()
+    bad = slice(BAD_BATCH * BATCH, (BAD_BATCH + 1) * BATCH)
+    _configure(1, "div0")
+    model = _model("div0", "one_ipu")
+    model.train_on_batch(x[:BATCH], y[:BATCH])  # a clean batch trains
+    weights = model.get_weights()
+    for name, run in (("train_on_batch", lambda: model.train_on_batch(x[bad], y[bad])),
+                      ("test_on_batch", lambda: model.test_on_batch(x[bad], y[bad])),
+                      ("predict_on_batch", lambda: model.predict_on_batch(x[bad]))):
+        with pytest.raises(IPUFloatingPointError, match=f"in the {name} program: division"):
+            run()
+    # Nothing was kept, and the model trains on as it would have without the bad batch.
+    assert_weights_close(weights, model.get_weights(), atol=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    expected = _model("div0", "one_ipu")  # the reference: the two clean batches alone
+    expected.train_on_batch(x[:BATCH], y[:BATCH])
+    for each in (model, expected):
+        each.train_on_batch(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH])
+    assert_weights_close(expected.get_weights(), model.get_weights())
+
+
 def test_the_legacy_options_function_traps_them_too():
     x, y = _data()
     with pytest.warns(DeprecationWarning):

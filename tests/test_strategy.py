@@ -248,6 +248,20 @@ def test_synthetic_data_flag_moves_no_data(strategy, monkeypatch):
     assert history.history["loss"] == [0.0, 0.0]
     assert model.evaluate(x, y, batch_size=8, verbose=0) == 0.0
     assert not model.predict(x, batch_size=8, verbose=0).any()
+    # Keras' batch methods too: they train on zeros, and give zeros.
+    trained = model.get_weights()
+    assert model.train_on_batch(x[:8], y[:8]) == 0.0
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert not np.allclose(trained[1], model.get_weights()[1])
+    assert model.test_on_batch(x[:8], y[:8]) == 0.0
+    assert not model.predict_on_batch(x[:8]).any()
+    # Configured again without the flag, the same model's batch methods read the data.
+    monkeypatch.delenv("KERAS_IPU_FLAGS")
+    config.configure_ipu_system()
+    x[:] = 0.0
+    expected = model.predict(x[:8], batch_size=8, verbose=0)
+    assert expected.any()
+    np.testing.assert_array_equal(model.predict_on_batch(x[:8]), expected)
 
 
 def test_run_compiles_a_function_for_the_ipu_device_and_reduce_sums_or_averages():

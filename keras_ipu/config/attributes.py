@@ -29,6 +29,8 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, Union
 
+import numpy as np
+
 _LOG = logging.getLogger("keras_ipu.config")
 
 _DOC_WIDTH = 79
@@ -570,8 +572,9 @@ class _Scope:
         validate(metadata._shown_name, member, value)
         metadata.warn_if_deprecated()
         # A copy, so later changes to the caller's list or dict cannot slip
-        # past validation.
-        config._values[path] = copy.deepcopy(value)
+        # past validation; NumPy numbers as Python's, which compare and print
+        # as the config's own values do.
+        config._values[path] = _python_numbers(copy.deepcopy(value))
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"Config attributes cannot be deleted; assign a value to {name!r}.")
@@ -655,6 +658,30 @@ class _Scope:
                 shown = _join(type(config).__name__, _join(prefix, name))
                 value = _from_name(shown, member.type, value)
             setattr(self, name, value)
+
+
+def _updated(cls: type, config: Config | None, update: Callable[[Config], None]) -> Config:
+    """A new config updated, or `config` updated all at once: a value refused leaves it
+    as it was."""
+    if config is None:
+        target = cls()
+        update(target)
+        return target
+    trial = copy.deepcopy(config)
+    update(trial)
+    config._values.update(trial._values)
+    return config
+
+
+def _python_numbers(value: Any) -> Any:
+    """`value` with NumPy scalars (in lists, tuples and dicts too) as Python numbers."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (list, tuple):
+        return type(value)(_python_numbers(item) for item in value)
+    if type(value) is dict:
+        return {key: _python_numbers(item) for key, item in value.items()}
+    return value
 
 
 def _nested(config: Config, node: Category, prefix: str) -> dict[str, Any]:
@@ -832,9 +859,7 @@ class Config(_Scope):
         config.from_dict({"ipu_model.tiles_per_ipu": 16})   # in place
         ```
         """
-        target = cls() if config is None else config
-        target._update(values)
-        return target
+        return _updated(cls, config, lambda target: target._update(values))
 
     @_class_or_instance_method
     def from_json(cls, config: Config | None, text: str) -> Config:
@@ -855,9 +880,8 @@ class Config(_Scope):
         assert IPUConfig.from_json(config.to_json()) == config
         ```
         """
-        target = cls() if config is None else config
-        target._update(json.loads(text))
-        return target
+        values = json.loads(text)
+        return _updated(cls, config, lambda target: target._update(values))
 
     def to_json(self) -> str:
         """`to_dict()` as a JSON string (when the option values allow it).

@@ -60,8 +60,13 @@ def _ignored(name, type_, default, doc, checks=()) -> Option:
     return Option(name, type_, default, doc, effect=NO_EFFECT, checks=checks)
 
 
+# Poplar takes its options by name: a key that is not a string could not be one.
+_NAMED = attributes.Check("must have option names (strings) as keys",
+                          lambda options: all(isinstance(key, str) for key in options))
+
+
 def _poplar_options(doc: str, checks=()) -> Option:
-    return _ignored("poplar_options", dict, {}, doc, checks)
+    return _ignored("poplar_options", dict, {}, doc, (_NAMED, *checks))
 
 
 _CONVOLUTIONS = Category(
@@ -536,6 +541,7 @@ IPU_CONFIG_SCHEMA = Category(
             {},
             "Set the Poplar compilation options for the session. Must be a dictionary of valid "
             "Poplar compilation flags (see the Engine class in the Poplar API reference).",
+            checks=(_NAMED,),
         ),
         _ignored(
             "gcl_poplar_options",
@@ -544,6 +550,7 @@ IPU_CONFIG_SCHEMA = Category(
             "Set the IPU options for the Graphcore Communication Library. Must be a dictionary "
             "of valid GCL options (see allReduce in the GCL API reference); they are applied "
             "to all applicable GCL collective operations.",
+            checks=(_NAMED,),
         ),
         Option(
             "auto_select_ipus",

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_ipu.device import accounting, precision, system
+from keras_ipu.device import accounting, floating_point, precision, queues, system
 from keras_ipu.errors import IPUNotAttachedError, IPUOutOfMemoryError
 
 # Device connections on which no program runs (`DeviceConnectionType` names).
@@ -169,10 +169,18 @@ def run_checked(executable: Any, program: str, *args: Any,
 class CheckedFunction:
     """A jitted `fn(state, data) -> (outputs, state)` run as a program on one IPU.
 
-    Compiled once per input signature, its memory checked against the IPU
-    before its first run (the state counted whole, the data and outputs as
-    its I/O); then run as the device connection allows: with `PRE_COMPILE`
-    the outputs are zeros and the state comes back as it was given.
+    Made for the configured system, and run as it would run there:
+
+    - compiled once per input signature, its memory checked against the
+      IPU before its first run (the state counted whole, the data and the
+      outputs as its I/O);
+    - with floating point exceptions trapped (`floating_point_behaviour`),
+      the first one raises `IPUFloatingPointError` and nothing is kept (the
+      state it was given is then not consumed);
+    - with `--use_synthetic_data` it gets zeros for the data and gives zeros
+      for the outputs (the state still changes, as on the device);
+    - with `PRE_COMPILE` the outputs are zeros and the state comes back as it
+      was given; with `NEVER` it raises `IPUNotAttachedError`.
 
     Args:
         fn: The step, `(state, data) -> (outputs, new state)`, the new state of
@@ -181,6 +189,9 @@ class CheckedFunction:
         program: Its name, for the errors (`"train_on_batch"`).
         donate_state: Whether the run may consume the state's buffers.
 
+    Raises:
+        RuntimeError: When no IPU system is configured.
+
     Example:
 
     >>> step = CheckedFunction(model.train_step, 0, "train_on_batch", donate_state=True)
@@ -188,7 +199,17 @@ class CheckedFunction:
     """
 
     def __init__(self, fn: Callable, ipu: int, program: str, donate_state: bool = False):
-        self._jitted = jax.jit(fn, donate_argnums=(0,) if donate_state else ())
+        self.system = system.require()  # the system it runs as
+        checks = floating_point.system_checks()
+        self._checked = bool(checks)
+        self._synthetic = queues.synthetic_data()
+
+        def execution(state, data):  # (state, data) -> (state, outputs), as an execution's
+            outputs, state = fn(state, data)
+            return state, outputs
+
+        self._jitted = jax.jit(floating_point.checked(execution, checks) if checks else execution,
+                               donate_argnums=(0,) if donate_state and not checks else ())
         self._ipu, self._program = ipu, program
         self._executables: dict = {}
 
@@ -198,10 +219,20 @@ class CheckedFunction:
         Raises:
             IPUOutOfMemoryError: When the program does not fit the IPU.
             IPUNotAttachedError: With `NEVER`, once compiled and checked.
+            IPUFloatingPointError: When an operation raised an exception the
+                system traps.
         """
+        if self._synthetic:  # no host data reaches the device
+            data = zeros_like(data)
         compiled = self._compiled(state, data)
-        return run_checked(compiled, self._program, state, data,
-                           unrun=lambda zeros: (zeros[0], state))
+        state_out, outputs = run_checked(compiled, self._program, state, data,
+                                         unrun=lambda zeros: (state, zeros[1]))
+        if self._checked:
+            outputs, error = outputs
+            floating_point.raise_first(error, self._program)
+        if self._synthetic:  # nothing comes back to the host
+            outputs = zeros_like(outputs)
+        return outputs, state_out
 
     def _compiled(self, state: Any, data: Any) -> Any:
         leaves, structure = jax.tree_util.tree_flatten((state, data))
@@ -214,7 +245,7 @@ class CheckedFunction:
             compiled = traced.lower().compile()
             memory = accounting.memory_use(
                 compiled, state_bytes=accounting.tree_bytes(state),
-                io_bytes=accounting.tree_bytes((data, compiled.out_info[0])))
+                io_bytes=accounting.tree_bytes((data, compiled.out_info[1])))
             memory = precision.held_in_16_bits(memory, traced.jaxpr, _platform(compiled))
             check_fits([(self._ipu, memory)], self._program)
             self._executables[signature] = compiled

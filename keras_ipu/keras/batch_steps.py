@@ -5,7 +5,10 @@ its kin, made by `make_train_function` when unset). For an IPU model that
 step is a program like `fit`'s executions: compiled for the batch, its memory
 checked against the IPU it runs on, and run as the device connection allows
 (`PRE_COMPILE`: zeros come back and the weights stay; `NEVER`:
-`IPUNotAttachedError`), all before any weight changes.
+`IPUNotAttachedError`), all before any weight changes; the floating point
+exceptions the system traps stop it as they stop `fit`, and
+`--use_synthetic_data` feeds it zeros. A model keeps its step for the system it
+was made for: once the system is configured again, the next call makes it anew.
 
 The step is the model's own (`train_step`, `test_step`, `predict_step`, an
 override included), on one batch and on the model's first IPU, as Keras
@@ -17,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from keras_ipu.device import system as ipu_system
 from keras_ipu.device.attachment import CheckedFunction
 from keras_ipu.distributed import runtime
-from keras_ipu.errors import IPUNotAttachedError, IPUOutOfMemoryError
+from keras_ipu.errors import IPUFloatingPointError, IPUNotAttachedError, IPUOutOfMemoryError
 from keras_ipu.keras import context
 
 
@@ -58,9 +62,9 @@ def on_this_instance(method: str, originals: dict[str, Callable]) -> Callable:
             install(model, method)
             try:
                 return originals[method](model, *args, **kwargs)
-            except (IPUOutOfMemoryError, IPUNotAttachedError):
-                # Refused before it ran: the variables are still the model's state, not
-                # the state Keras kept from its last step.
+            except (IPUOutOfMemoryError, IPUNotAttachedError, IPUFloatingPointError):
+                # Refused, or its results dropped: the variables are still the model's
+                # state, not the state Keras kept from its last step.
                 model._jax_state_synced = synced
                 raise
 
@@ -87,8 +91,9 @@ def install(model: Any, method: str) -> None:
     spec = _STEPS[method]
     if programs.overrides(model, spec.maker):
         return
-    if isinstance(getattr(model, spec.function, None), _OneBatch):
-        return
+    current = getattr(model, spec.function, None)
+    if isinstance(current, _OneBatch) and current.checked.system is ipu_system.current():
+        return  # made for this system (its IPUs' memory, traps, synthetic data)
     ipu = context.device_ipus(model)[0].index
     step = _predict_step(model) if spec.step == "predict_step" else getattr(model, spec.step)
     # As Keras' jit does, the step consumes the state it is given.
