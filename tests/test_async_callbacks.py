@@ -400,27 +400,34 @@ def test_a_cancelled_callback_thread_calls_no_more_hooks():
 
 
 class _Assigns(keras.callbacks.Callback):
-    """At batch `at`, sets the learning rate to 0 and the first kernel to zeros."""
+    """At batch `at`, sets the learning rate to 0 and the first kernel to zeros (then
+    calls `then(model)`, a batch method, say)."""
 
-    def __init__(self, at):
+    def __init__(self, at, then=lambda model: None):
         super().__init__()
-        self.at = at
+        self.at, self.then = at, then
 
     def on_train_batch_end(self, batch, logs=None):
         if batch == self.at:
             self.model.optimizer.learning_rate = 0.0
             kernel = self.model.layers[0].kernel
             kernel.assign(np.zeros(kernel.shape, kernel.dtype))
+            self.then(self.model)
 
 
-def test_what_a_hook_assigns_lands_when_its_execution_ends(strategy):
+@pytest.mark.parametrize("then", ["nothing", "predict_on_batch", "test_on_batch"])
+def test_what_a_hook_assigns_lands_when_its_execution_ends(then, strategy):
     # Before: the device's state was kept over it: the learning rate and the kernel a
     # hook set were lost for good. Now as a hook at the execution's end in plain Keras.
+    # A batch method called after the assignments (to log a prediction) lost them too.
     x, y = data_for("sequential", samples=BATCHES * BATCH)
     plain, on_ipu = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
     on_ipu.set_asynchronous_callbacks(True)
+    calls = {"nothing": lambda model: None,
+             "predict_on_batch": lambda model: model.predict_on_batch(x[:BATCH]),
+             "test_on_batch": lambda model: model.test_on_batch(x[:BATCH], y[:BATCH])}
     for model, at in ((plain, SPE - 1), (on_ipu, 1)):
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[_Assigns(at)])
+                  callbacks=[_Assigns(at, calls[then])])
     assert float(on_ipu.optimizer.learning_rate) == 0.0
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

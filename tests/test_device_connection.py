@@ -190,6 +190,8 @@ def test_strategy_run_and_compile_give_zeros_and_change_nothing_on_a_pre_compile
     assert enqueued.shape == ((4,) if num_ipus == 1 else (4, num_ipus))
     assert not enqueued.any()
     np.testing.assert_array_equal(variable.numpy(), np.ones(3))
+    # Nothing ran, so nothing was taken: the infeed still holds its elements.
+    _loop_program(infeed, outfeed, variable)
 
 
 def test_strategy_run_and_compile_refuse_to_run_on_a_system_that_never_attaches():

@@ -187,18 +187,17 @@ class CheckedFunction:
             the given state's structure.
         ipu: The index of the IPU it runs on (for the memory error).
         program: Its name, for the errors (`"train_on_batch"`).
-        donate_state: Whether the run may consume the state's buffers.
 
     Raises:
         RuntimeError: When no IPU system is configured.
 
     Example:
 
-    >>> step = CheckedFunction(model.train_step, 0, "train_on_batch", donate_state=True)
-    >>> logs, state = step(state, batch)
+    >>> step = CheckedFunction(model.train_step, 0, "train_on_batch")
+    >>> logs, state = step(state, batch, donate=True)
     """
 
-    def __init__(self, fn: Callable, ipu: int, program: str, donate_state: bool = False):
+    def __init__(self, fn: Callable, ipu: int, program: str):
         self.system = system.require()  # the system it runs as
         checks = floating_point.system_checks()
         self._checked = bool(checks)
@@ -208,13 +207,23 @@ class CheckedFunction:
             outputs, state = fn(state, data)
             return state, outputs
 
-        self._jitted = jax.jit(floating_point.checked(execution, checks) if checks else execution,
-                               donate_argnums=(0,) if donate_state and not checks else ())
+        execution = floating_point.checked(execution, checks) if checks else execution
+        # Keeping the state, or consuming its buffers.
+        self._jitted = {False: jax.jit(execution), True: jax.jit(execution, donate_argnums=0)}
         self._ipu, self._program = ipu, program
         self._executables: dict = {}
 
-    def __call__(self, state: Any, data: Any) -> tuple[Any, Any]:
+    def __call__(self, state: Any, data: Any, donate: bool = False) -> tuple[Any, Any]:
         """Runs the step (see the class docstring).
+
+        Args:
+            state: The state it takes.
+            data: The batch.
+            donate: Whether the run may consume the state's buffers (not
+                while traps are on: a run that raises must leave the state).
+
+        Returns:
+            `(outputs, new state)`.
 
         Raises:
             IPUOutOfMemoryError: When the program does not fit the IPU.
@@ -224,7 +233,7 @@ class CheckedFunction:
         """
         if self._synthetic:  # no host data reaches the device
             data = zeros_like(data)
-        compiled = self._compiled(state, data)
+        compiled = self._compiled(state, data, donate and not self._checked)
         state_out, outputs = run_checked(compiled, self._program, state, data,
                                          unrun=lambda zeros: (state, zeros[1]))
         if self._checked:
@@ -234,14 +243,14 @@ class CheckedFunction:
             outputs = zeros_like(outputs)
         return outputs, state_out
 
-    def _compiled(self, state: Any, data: Any) -> Any:
+    def _compiled(self, state: Any, data: Any, donate: bool) -> Any:
         leaves, structure = jax.tree_util.tree_flatten((state, data))
-        signature = (structure, tuple(
+        signature = (donate, structure, tuple(
             (np.shape(leaf), getattr(leaf, "dtype", type(leaf)), getattr(leaf, "sharding", None))
             for leaf in leaves))
         compiled = self._executables.get(signature)
         if compiled is None:
-            traced = self._jitted.trace(state, data)
+            traced = self._jitted[donate].trace(state, data)
             compiled = traced.lower().compile()
             memory = accounting.memory_use(
                 compiled, state_bytes=accounting.tree_bytes(state),

@@ -487,6 +487,8 @@ class _Program:
                 executable, outfeeds, streams = self._executable(arrays, feed_data, replicas)
                 (result, outfed), error = attachment.run_checked(executable, self.name,
                                                                  arrays, feed_data)
+                if not attachment.runs_programs():  # nothing ran: nothing was taken
+                    _put_back(self.plan, taken)
                 if streams:
                     # Its while loops take infeed elements on the host as they run: the
                     # queue, and a loop's failure, are the call's when it returns.

@@ -96,19 +96,20 @@ def install(model: Any, method: str) -> None:
         return  # made for this system (its IPUs' memory, traps, synthetic data)
     ipu = context.device_ipus(model)[0].index
     step = _predict_step(model) if spec.step == "predict_step" else getattr(model, spec.step)
-    # As Keras' jit does, the step consumes the state it is given.
-    setattr(model, spec.function,
-            _OneBatch(CheckedFunction(step, ipu, method, donate_state=True)))
+    setattr(model, spec.function, _OneBatch(CheckedFunction(step, ipu, method), model))
 
 
 class _OneBatch:
     """Keras' step function of `_make_function` for one batch: `(state, iterator)`."""
 
-    def __init__(self, checked: CheckedFunction):
-        self.checked = checked
+    def __init__(self, checked: CheckedFunction, model: Any):
+        self.checked, self._model_state = checked, context.state_of(model)
 
     def __call__(self, state: Any, iterator: Any) -> tuple[Any, Any]:
-        return self.checked(state, next(iterator))
+        # As Keras' jit does, the step consumes the state it is given; not in an
+        # asynchronous hook, whose writes are told from the state it was synced to.
+        donate = not self._model_state.asynchronous_hooks
+        return self.checked(state, next(iterator), donate=donate)
 
 
 def _predict_step(model: Any):

@@ -77,6 +77,10 @@ class IPUModelState:
         programs: Per mode, `(cache key, Run)` of the last compiled run.
         pending_state: `(device state, codec)` of the latest execution that
             Keras' variables have not received yet (`jax_state_sync`).
+        asynchronous_hooks: Whether a run's batch hooks run beside its
+            executions (`set_asynchronous_callbacks(True)`) now.
+        synced_state: While they do, Keras' state dict the variables last
+            received from an execution: what the hooks' writes are told from.
         assignment: The pipeline stage assignment (a `stages` assignment
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,
@@ -98,6 +102,8 @@ class IPUModelState:
     options: Any = None
     programs: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     pending_state: Any = None
+    asynchronous_hooks: bool = False
+    synced_state: Any = None
     assignment: Any = None
     traced_graph: Any = None
     called_dtypes: tuple[str, ...] | None = None

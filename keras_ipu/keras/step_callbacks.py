@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_ipu.keras import context
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 from keras_ipu.keras.options import options_of
 from keras_ipu.keras.thread_state import CallersState
@@ -333,7 +334,9 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     >>> hook_writes(model, ("trainable_variables", "optimizer_variables"))
     [(<Variable path=SGD/learning_rate>, Array(0., dtype=float32))]
     """
-    synced = getattr(model, "_jax_state", None)
+    # The execution's state as the sync gave it (a hook's `train_on_batch` replaces
+    # Keras' `_jax_state` with its own step's).
+    synced = context.state_of(model).synced_state
     if not model._jax_state_synced or not synced:
         return []  # no hook read the model: none wrote it through Keras
     written = []

@@ -373,6 +373,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
         # Nobody reads a stream without hooks: the device drops its steps.
         stream.unmute() if delivery is not None else stream.mute()
     hooks = CallbackThread(delivery, stream.mute if stream else _ignore) if delivery else None
+    context.state_of(model).asynchronous_hooks = hooks is not None
     parts = STATE_PARTS[mode]
     codec = run.codec
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
@@ -447,6 +448,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     finally:
         if hooks is not None:
             hooks.close()
+        model_state = context.state_of(model)
+        model_state.asynchronous_hooks, model_state.synced_state = False, None
     if mode == "fit":
         replication.keep_first_replica_state(model, run.replica_count)
     if mode != "predict":
@@ -537,6 +540,8 @@ def sync_pending_state(model) -> None:
         return
     state, codec = model_state.pending_state
     model._jax_state = codec.to_keras(state)
+    if model_state.asynchronous_hooks:
+        model_state.synced_state = model._jax_state
     model_state.pending_state = None  # only now: the state is Keras' to sync
 
 
