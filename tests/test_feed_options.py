@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -38,6 +39,24 @@ def test_refused_and_unknown_keys_raise(setter, key, message, strategy):
         getattr(model, setter)(**{key: 1})
     assert options.options_of(model).infeed_kwargs == {}
     assert options.options_of(model).outfeed_kwargs == {}
+
+
+@pytest.mark.parametrize("setter, key, value, kind", [
+    ("set_infeed_queue_options", "device_ordinal", jnp.int32(0), "an integer"),
+    ("set_infeed_queue_options", "feed_name", b"x", "a string"),
+    ("set_infeed_queue_options", "optimise_latency", "no", "a bool"),
+    ("set_outfeed_queue_options", "io_batch_size", True, "an integer"),
+])
+def test_keys_without_effect_take_the_references_types(setter, key, value, kind, strategy):
+    # They are saved with the model: a value JSON cannot hold failed the save at the end
+    # of a fit (ModelCheckpoint), naming no option.
+    model = _model(strategy)
+    with pytest.raises(ValueError, match=f"`{key}` must be {kind} or None"):
+        getattr(model, setter)(**{key: value})
+    assert options.options_of(model).infeed_kwargs == {}
+    assert options.options_of(model).outfeed_kwargs == {}
+    model.set_infeed_queue_options(device_ordinal=np.int64(0), feed_name=None)
+    assert options.options_of(model).infeed_kwargs == {"device_ordinal": 0, "feed_name": None}
 
 
 @pytest.mark.parametrize("value", [0, -1, 256, 1.5, True, "2"])

@@ -112,6 +112,20 @@ def test_accumulator_dtype_follows_the_kwargs(strategy):
     np.testing.assert_array_equal(bias, bias16)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_micro_batch_is_no_accumulation_whatever_the_dtype(dtype, strategy):
+    # As in the reference, which accumulates only over more than one: the gradients
+    # were rounded to the accumulator's dtype (2e-4 off plain Keras with bfloat16).
+    plain, on_ipu = pair("sequential", strategy)
+    plain.compile(**compile_args("sequential", 1, "adam", 0.01))
+    on_ipu.compile(**compile_args("sequential", 4, "adam", 0.01))
+    on_ipu.set_gradient_accumulation_options(1, dtype=dtype)
+    x, y = data_for("sequential", samples=64)
+    for model in (plain, on_ipu):
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-7)
+
+
 def test_an_accumulator_function_giving_no_float_type_raises_before_training(strategy):
     with strategy.scope():
         model = sequential()

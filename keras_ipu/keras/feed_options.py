@@ -43,6 +43,13 @@ OUTFEED_KWARGS = {
 _INFEED_AUTOMATIC = ("dataset", "infeed_spec", "element_spec")
 _OUTFEED_INCOMPATIBLE = ("outfeed_mode", "device_ordinal")
 _DEPTHS = {"prefetch_depth", "buffer_depth"}
+# The reference's types of the keys without effect (each may be None): checked when set,
+# as the options are saved with the model (as JSON).
+_NO_EFFECT_TYPES: dict[str, type] = {
+    "data_to_prefetch": numbers.Integral, "feed_name": str, "device_ordinal": numbers.Integral,
+    "replication_factor": numbers.Integral, "optimise_latency": bool,
+    "io_batch_size": numbers.Integral,
+}
 
 
 def infeed_options(kwargs: Any) -> dict[str, Any]:
@@ -57,8 +64,9 @@ def infeed_options(kwargs: Any) -> dict[str, Any]:
     Raises:
         TypeError: When `kwargs` is not a mapping.
         ValueError: For the keys Keras sets (`dataset`, `infeed_spec`,
-            `element_spec`), an unknown key (naming the closest valid one)
-            or a `prefetch_depth` that is not an integer in [1, 255].
+            `element_spec`), an unknown key (naming the closest valid one),
+            a `prefetch_depth` that is not an integer in [1, 255], or a key
+            without effect given a value not of the reference's type.
 
     Example:
 
@@ -80,8 +88,9 @@ def outfeed_options(kwargs: Any) -> dict[str, Any]:
     Raises:
         TypeError: When `kwargs` is not a mapping.
         ValueError: For `outfeed_mode` and `device_ordinal` (set by
-            Keras), an unknown key (naming the closest valid one) or a
-            `buffer_depth` that is not an integer in [1, 255].
+            Keras), an unknown key (naming the closest valid one), a
+            `buffer_depth` that is not an integer in [1, 255], or a key
+            without effect given a value not of the reference's type.
 
     Example:
 
@@ -125,6 +134,14 @@ def _checked(kind: str, kwargs: Any, valid: Mapping[str, str], automatic: tuple[
     # NumPy scalars as Python values: the options are saved with the model as JSON.
     checked = {key: value.item() if isinstance(value, np.generic) else value
                for key, value in kwargs.items()}
+    for key in _NO_EFFECT_TYPES.keys() & set(checked):
+        value, kind_of_value = checked[key], _NO_EFFECT_TYPES[key]
+        if value is not None and (not isinstance(value, kind_of_value)
+                                  or (kind_of_value is not bool and isinstance(value, bool))):
+            name = {numbers.Integral: "an integer", str: "a string", bool: "a bool"}
+            raise ValueError(
+                f"The {kind} queue option `{key}` must be {name[kind_of_value]} or None "
+                f"(it has no effect, and is saved with the model), got {value!r}.")
     for key in _DEPTHS & set(kwargs):
         value = kwargs[key]
         if value is None:
