@@ -34,8 +34,15 @@ def test_prefetches_ahead_of_the_consumer():
         deadline = time.monotonic() + 5
         while len(produced) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        # One handed out, two waiting in the queue, the producer blocked on the next.
-        assert len(produced) >= 3
+        time.sleep(0.3)  # time to read one too many
+        # One handed out and two prepared ahead of it: `depth` ahead, not one more.
+        assert produced == [0, 1, 2]
+        assert next(infeed) == 1
+        deadline = time.monotonic() + 5
+        while len(produced) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert produced == [0, 1, 2, 3]
 
 
 def test_errors_reach_the_consumer_at_their_item():

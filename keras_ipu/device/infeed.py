@@ -60,7 +60,10 @@ class Infeed:
         first_inline: bool = False,
         stop: threading.Event | None = None,
     ):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue()
+        # An item is prepared only with a slot, which the consumer frees when it takes
+        # one: at most `depth` items wait or are being prepared, not one more held back.
+        self._slots = threading.Semaphore(depth)
         self._stop = stop if stop is not None else threading.Event()
         self._inline = None if threaded else map(place, source)
         self._first: tuple[bool, Any] | None = None
@@ -92,22 +95,28 @@ class Infeed:
 
     def _produce(self, source: Iterable[Any], place: Callable[[Any], Any]) -> None:
         try:
-            for item in source:
+            items = iter(source)
+            while self._slot():
+                try:
+                    item = next(items)
+                except StopIteration:
+                    break
                 if self._stop.is_set():
                     return
-                self._put((True, place(item)))
+                self._queue.put((True, place(item)))
+            else:
+                return  # stopped
         except BaseException as error:  # handed to the consumer
-            self._put((False, error))
+            self._queue.put((False, error))
             return
-        self._put((True, _DONE))
+        self._queue.put((True, _DONE))
 
-    def _put(self, entry: tuple[bool, Any]) -> None:
+    def _slot(self) -> bool:
+        """Waits for a free slot; False once the infeed is closed."""
         while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return False
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -125,6 +134,7 @@ class Infeed:
                 self._start_later = False
                 self._thread.start()
             ok, item = self._queue.get()
+            self._slots.release()
         if not ok:
             raise item
         if item is _DONE:
