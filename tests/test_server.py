@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import aiohttp
+import jax
 import keras
 import numpy as np
 import pytest
@@ -378,3 +379,18 @@ def test_a_single_value_is_refused_as_not_a_list_of_rows(pixels):
         assert str(refused.value).startswith(
             f"Input {name!r} is {given}, not a list of rows: it needs a list of rows of shape "
             f"{shape}, one row as [row] (inputs (img: uint8[2, 2], gain: float32[2])")
+
+
+def test_an_export_with_an_input_without_the_batch_dimension_is_not_served(tmp_path):
+    # Requests are batched by rows: before, every request for it failed (400 or 500).
+    from keras_ipu.serving import server
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    runtime = model.export_for_ipu_serving(
+        tmp_path / "e", batch_size=2, preprocessing_step=lambda x, scale: x * scale,
+        preprocessing_step_signature=[keras.Input((3,)), jax.ShapeDtypeStruct((), "float32")])
+    assert server.unbatched_inputs(runtime) == ["input_1"]
+    with pytest.raises(ValueError, match=r"inputs \['input_1'\] have no batch dimension"):
+        asyncio.run(server.serve(runtime, "e", "127.0.0.1", 0, 2.0))

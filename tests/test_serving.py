@@ -127,6 +127,12 @@ def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
                         postprocessing_step=lambda v: jnp.sum(v))
         assert signed.inputs == [{"name": "tokens", "shape": [1, 3], "dtype": "int32"}], directory
         assert float(signed(tokens=np.array([[-1, 2, -3]], "int32"))) == 60
+    # A signature whose first input has no batch axis (a scale): the batch is the model's.
+    scaled = model.export_for_ipu_serving(
+        tmp_path / "s", preprocessing_step=lambda scale, v: v * scale,
+        preprocessing_step_signature=[jax.ShapeDtypeStruct((), "float32"),
+                                      keras.Input((3, 1), batch_size=None)])
+    assert scaled.batch_size == 1 and scaled(2.0, x).tolist() == [[[6, 6], [0, 0]]]
     with pytest.raises(TypeError, match=r"preprocessing_step_signature\[0\] must have a shape "
                                         r"and a dtype"):
         model.export_for_ipu_serving(tmp_path / "g", preprocessing_step=to_model,
@@ -175,7 +181,7 @@ def test_the_runtime_checks_its_inputs(strategy, tmp_path):
     assert runtime(ones, y=ones.astype("float16")).dtype == np.float32  # safe cast
     with pytest.raises(ValueError, match=r"has shape \(3, 4\), expected \(2, 4\).*inputs \(x"):
         runtime(np.ones((3, 4), "float32"), ones)
-    with pytest.raises(TypeError, match="dtype complex64"):
+    with pytest.raises(TypeError, match="values are complex64, which does not cast to float32"):
         runtime(ones.astype("complex64"), ones)
     with pytest.raises(TypeError, match=r"Missing inputs \['y'\]"):
         runtime(ones)
@@ -290,6 +296,42 @@ def test_a_model_taking_a_dict_is_served_by_its_keys(kind, strategy, tmp_path):
     np.testing.assert_allclose(runtime(**dict(zip(names, (u, v)))), expected, atol=1e-6)
     with pytest.raises(TypeError, match=f"Input '{names[0]}' given twice"):
         runtime(**{"u": u, names[0]: u, "v": v})
+    # Over REST too, in both formats (before: 400, "unknown ['u', 'v']").
+    from keras_ipu.serving.server import parse_predict
+
+    for body in ({"inputs": {"u": u.tolist(), "v": v.tolist()}},
+                 {"instances": [{"u": u[i].tolist(), "v": v[i].tolist()} for i in range(2)]}):
+        rows, _ = parse_predict(json.dumps(body).encode(), runtime)
+        np.testing.assert_allclose(runtime(**rows), expected, atol=1e-6)
+
+
+def test_the_models_own_dict_binds_by_key_when_its_keys_are_other_inputs_names(strategy,
+                                                                                tmp_path):
+    # Keys that are the other inputs' names: the inputs were silently swapped.
+    with strategy.scope():
+        query, doc = keras.Input((2,), name="doc"), keras.Input((2,), name="query")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model = keras.Model({"query": query, "doc": doc}, query - doc)
+    given = {"query": np.full((2, 2), 3.0, "float32"), "doc": np.ones((2, 2), "float32")}
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
+    np.testing.assert_array_equal(runtime(given), np.full((2, 2), 2.0))
+    np.testing.assert_array_equal(runtime(given), model.predict(given, batch_size=2, verbose=0))
+
+
+def test_integer_inputs_take_the_values_their_dtype_holds(strategy, tmp_path):
+    # The runtime refused int64 literals for a uint8 input and wrapped 300 into an int8 one.
+    with strategy.scope():
+        u, i = keras.Input((3,), dtype="uint8", name="u"), keras.Input((3,), dtype="int8", name="i")
+        model = keras.Model([u, i], keras.ops.cast(u, "float32") + keras.ops.cast(i, "float32"))
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=1)
+    np.testing.assert_array_equal(runtime([[0, 128, 255]], np.array([[1, 2, 3]])),
+                                  [[1.0, 130.0, 258.0]])
+    with pytest.raises(ValueError, match=r"Input 'i' is not int8 data: its values 2 to 300 are "
+                                         r"outside int8's \[-128, 127\]"):
+        runtime([[0, 1, 2]], [[2, 3, 300]])
+    with pytest.raises(TypeError, match="Input 'u' is not uint8 data: its values are float64"):
+        runtime([[0.5, 1, 2]], [[1, 2, 3]])
 
 
 def _pipelined_sequential(stages, device_mapping):
@@ -330,6 +372,18 @@ def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
         with pytest.raises(error, match=message):
             model.export_for_ipu_serving(tmp_path / model.name, batch_size=2)
         assert not (tmp_path / model.name).exists()
+    # The default mapping (stage i on IPU i) too, on a device of fewer IPUs than stages.
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        two_stages = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                                       keras.layers.Dense(2)])
+        two_stages.set_pipeline_stage_assignment([0, 1])
+    for run in (lambda: two_stages.predict(x, batch_size=2, verbose=0),
+                lambda: two_stages.export_for_ipu_serving(tmp_path / "two", batch_size=2)):
+        with pytest.raises(ValueError, match="has 1 IPUs attached, however the current model "
+                                             "requires a multiple of 2 IPUs"):
+            run()
+    assert not (tmp_path / "two").exists()
 
 
 def test_a_numpy_batch_size_is_an_int_and_a_bad_one_leaves_the_export_alone(strategy, tmp_path):

@@ -86,8 +86,9 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         )
     structure, specs, names = _input_signature(model, _checked_batch_size(batch_size))
     keys = _dict_keys(structure, len(specs))
+    batch = specs[0].shape[0]  # the model's: a step's first input may have no batch axis
     if preprocessing_step is not None and preprocessing_step_signature is not None:
-        specs, names = _step_inputs(preprocessing_step_signature, specs[0].shape[0])
+        specs, names = _step_inputs(preprocessing_step_signature, batch)
         keys = [None] * len(specs)
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
@@ -107,7 +108,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         "format": runtime.FORMAT,
         "keras_ipu_version": _version(),
         "model_name": model.name,
-        "batch_size": specs[0].shape[0],
+        "batch_size": batch,
         "iterations": iterations,
         "inputs": [{**_signature_entry(n, s), **({"key": k} if k else {})}
                    for n, s, k in zip(names, specs, keys)],
@@ -394,10 +395,13 @@ def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
         ValueError: When `device_mapping` does not name one IPU per stage, or
             names an IPU the model's device does not have.
     """
-    from keras_ipu.keras import pipelined
+    from keras_ipu.keras import pipelined, replication
 
-    return pipelined.device_mapping(plan, options.options_of(model),
-                                    len(context.device_ipus(model)))
+    mapping = pipelined.device_mapping(plan, options.options_of(model),
+                                       len(context.device_ipus(model)))
+    # As predict: the model's device holds whole pipelines (the default mapping too).
+    replication.replicas_for(model, ipus_per_replica=max(mapping) + 1)
+    return mapping
 
 
 def _pipeline_metadata(model: Any, plan: Any, num_ipus: int | None) -> dict:

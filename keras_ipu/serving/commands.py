@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -129,7 +128,7 @@ def _serve(args: argparse.Namespace) -> None:
                                  announce=lambda line: print(line, flush=True)))
     except KeyboardInterrupt:
         print("keras-ipu serve: stopped", flush=True)
-    except (ImportError, OSError) as error:
+    except (ImportError, OSError, ValueError) as error:
         raise CommandError(str(error)) from None
 
 
@@ -217,7 +216,7 @@ def _json_option(name: str, text: str) -> dict:
 def _run(args: argparse.Namespace) -> None:
     runtime = _load(args.dir)
     _check_saved_model_run_options(args, runtime.metadata)
-    inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs, runtime)}
+    inputs = {**_file_inputs(args.inputs), **_expression_inputs(args.input_exprs)}
     if not inputs:
         raise CommandError("give the inputs with --inputs or --input_exprs")
     try:
@@ -303,31 +302,18 @@ def _file_inputs(spec: str) -> dict:
     return inputs
 
 
-def _expression_inputs(spec: str, runtime: Any) -> dict:
+def _expression_inputs(spec: str) -> dict:
     from keras_ipu.serving import expressions
 
     inputs = {}
     for name, expression in _pairs(spec, ";", "--input_exprs"):
         try:
-            inputs[name] = _as_declared(name, expressions.evaluate(expression), runtime)
+            # Integer literals have no width (`np.array([[1, 2]])` is int64): the runtime
+            # casts them to the input's integer dtype when they fit it.
+            inputs[name] = expressions.evaluate(expression)
         except ValueError as error:
             raise CommandError(f"--input_exprs {name}: {error}") from None
     return inputs
-
-
-def _as_declared(name: str, value: Any, runtime: Any) -> Any:
-    """An expression's integers in the input's integer dtype when they fit in it: a literal
-    has no width (`np.array([[1, 2]])` is int64), as the REST server reads JSON's."""
-    declared = next((np.dtype(entry["dtype"]) for entry in runtime.inputs
-                     if name in (entry["name"], entry.get("key"))), None)
-    array = np.asarray(value)
-    if declared is None or declared.kind not in "iu" or array.dtype.kind not in "iu":
-        return value
-    limits = np.iinfo(declared)
-    if array.size and (array.min() < limits.min or array.max() > limits.max):
-        raise ValueError(f"its values {array.min()} to {array.max()} are outside {declared}'s "
-                         f"[{limits.min}, {limits.max}]")
-    return array.astype(declared)
 
 
 def _pairs(spec: str, separator: str, option: str) -> list[tuple[str, str]]:

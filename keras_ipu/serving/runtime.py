@@ -172,7 +172,7 @@ class ServingRuntime:
             args, kwargs = (), args[0]
         if len(args) == 1 and len(names) > 1 and isinstance(args[0], (list, tuple)):
             args = tuple(args[0])
-        kwargs = self._by_name(kwargs)
+        kwargs = self.by_name(kwargs)
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"Unknown inputs {unknown}; the export expects {self.signature()}.")
@@ -189,10 +189,29 @@ class ServingRuntime:
             raise TypeError(f"Missing inputs {missing}; the export expects {self.signature()}.")
         return [bound[n] for n in names]
 
-    def _by_name(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Inputs by name: a model taking a dict of inputs is also called by its keys."""
+    def by_name(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Inputs by name: a model taking a dict of inputs is also called by its keys.
+
+        Args:
+            given: Inputs by name, or by the model's dict keys.
+
+        Returns:
+            The inputs by name (names the export does not have are kept, for
+            the caller to refuse).
+
+        Raises:
+            TypeError: When an input is given twice (by its name and its key).
+
+        Example:
+
+        >>> load(path).by_name({"u": u})   # a model called with {"u": ...}
+        {'input_u': u}
+        """
         names = self.input_names
-        aliases = {e["key"]: e["name"] for e in self.inputs if e.get("key") not in (None, *names)}
+        keys = {e["key"]: e["name"] for e in self.inputs if e.get("key") is not None}
+        if keys and set(given) == set(keys):  # the model's own dict: by key, whatever the names
+            return {keys[key]: value for key, value in given.items()}
+        aliases = {key: name for key, name in keys.items() if key not in names}
         named: dict[str, Any] = {}
         for key, value in given.items():
             name = aliases.get(key, key)
@@ -220,16 +239,55 @@ class ServingRuntime:
             raise ValueError(
                 f"Input {entry['name']!r} has shape {tuple(array.shape)}, expected "
                 f"{expected}; the export expects {self.signature()}.")
-        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
-            raise TypeError(
-                f"Input {entry['name']!r} has dtype {array.dtype}, expected "
-                f"{entry['dtype']}; the export expects {self.signature()}.")
-        return np.asarray(array, dtype)
+        try:
+            return cast_input(entry["name"], array, dtype)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{error} The export expects {self.signature()}.") from None
 
     def _named(self, outputs: Sequence[Any]) -> Any:
         if len(outputs) == 1:
             return np.asarray(outputs[0])
         return dict(zip(self.output_names, (np.asarray(o) for o in outputs)))
+
+
+def cast_input(name: str, array: Any, dtype: Any) -> np.ndarray:
+    """An input as `dtype`, when its values are `dtype` data (the runtime's and the server's rule).
+
+    NumPy's `same_kind` rule, except between integer dtypes, where the values
+    decide: a literal `[0, 128, 255]` (int64) is uint8 data, and `300` is not
+    int8 data (it would wrap). A float never becomes an integer, text never a
+    number.
+
+    Args:
+        name: The input's name, for the messages.
+        array: Its values (a NumPy or JAX array).
+        dtype: The export's dtype for it.
+
+    Returns:
+        The values as a NumPy array of `dtype`.
+
+    Raises:
+        TypeError: When the values' dtype does not cast to `dtype`.
+        ValueError: When integer values are outside `dtype`'s range.
+
+    Example:
+
+    >>> cast_input("u", np.array([0, 255]), np.uint8)
+    array([  0, 255], dtype=uint8)
+    """
+    array, dtype = np.asarray(array), np.dtype(dtype)
+    integers = array.dtype.kind in "iu" and dtype.kind in "iu"
+    if not integers and not np.can_cast(array.dtype, dtype, casting="same_kind"):
+        kind = {"U": "text", "O": "mixed or null"}.get(array.dtype.kind, str(array.dtype))
+        raise TypeError(f"Input {name!r} is not {dtype} data: its values are {kind}, which "
+                        f"does not cast to {dtype} (NumPy's same_kind rule).")
+    if integers and array.size:
+        limits = np.iinfo(dtype)
+        low, high = array.min(), array.max()
+        if low < limits.min or high > limits.max:
+            raise ValueError(f"Input {name!r} is not {dtype} data: its values {low} to {high} "
+                             f"are outside {dtype}'s [{limits.min}, {limits.max}].")
+    return array.astype(dtype, copy=False)
 
 
 class _Weights:
@@ -369,5 +427,5 @@ def _key_note(entry: Mapping[str, Any]) -> str:
     return f" (key {key!r})" if key not in (None, entry["name"]) else ""
 
 
-__all__ = ["ServingRuntime", "load", "run_inline_on_cpu"]
+__all__ = ["ServingRuntime", "cast_input", "load", "run_inline_on_cpu"]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_ipu.serving.runtime import ServingRuntime
+from keras_ipu.serving.runtime import ServingRuntime, cast_input
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _TF_DTYPES = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "float16": "DT_HALF",
@@ -144,6 +144,21 @@ class DynamicBatcher:
             _deliver(pending, start, stop - start, part)
 
 
+def unbatched_inputs(runtime: ServingRuntime) -> list[str]:
+    """The inputs without the batch dimension (a `preprocessing_step_signature` scalar).
+
+    Requests are batched by rows, and such an input has none: an export that
+    has one runs in the runtime, not in the server.
+
+    Example:
+
+    >>> unbatched_inputs(load("scaled"))   # signature [(None, 3), ()]
+    ['input_1']
+    """
+    return [e["name"] for e in runtime.inputs
+            if not e["shape"] or e["shape"][0] != runtime.batch_size]
+
+
 def unbatched_outputs(runtime: ServingRuntime) -> list[str]:
     """The outputs without the batch dimension (e.g. a postprocessing step's sum over the batch).
 
@@ -217,11 +232,19 @@ def parse_predict(body: bytes, runtime: ServingRuntime) -> tuple[dict[str, np.nd
         return _arrays(_instance_columns(request["instances"], runtime), runtime), True
     names = runtime.input_names
     inputs = request["inputs"]
-    columns = inputs if isinstance(inputs, dict) else {names[0]: inputs}
+    columns = _by_name(inputs, runtime) if isinstance(inputs, dict) else {names[0]: inputs}
     if len(names) > 1 and not isinstance(inputs, dict):
         raise RequestError(f"'inputs' must be an object with the inputs {names}.")
     _check_names(columns, runtime, "Inputs")
     return _arrays(columns, runtime), False
+
+
+def _by_name(given: dict[str, Any], runtime: ServingRuntime) -> dict[str, Any]:
+    """Inputs by name, as the runtime takes them (a dict-input model's by its keys too)."""
+    try:
+        return runtime.by_name(given)
+    except TypeError as error:
+        raise RequestError(str(error)) from None
 
 
 def _json_body(body: bytes) -> Any:
@@ -263,6 +286,7 @@ def _instance_columns(instances: Any, runtime: ServingRuntime) -> dict[str, list
         return {names[0]: instances}
     if not all(objects):
         raise RequestError(f"Each instance must be an object with the inputs {names}.")
+    instances = [_by_name(instance, runtime) for instance in instances]
     for index, instance in enumerate(instances):
         _check_names(instance, runtime, f"Instance {index}'s inputs")
     return {n: [i[n] for i in instances] for n in names}
@@ -311,11 +335,7 @@ def _check_rows(name: str, array: np.ndarray, row_shape: tuple, runtime: Serving
 
 
 def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
-    """A JSON input as an array of `dtype`, cast by the runtime's rule (NumPy's `same_kind`).
-
-    A float never becomes an integer (`1.9` is not truncated to `1`), text
-    never a number, and an integer only one its dtype can hold (any integer
-    dtype, unsigned ones included: a JSON integer has no width).
+    """A JSON input as an array of `dtype`, cast by the runtime's rule (`runtime.cast_input`).
 
     Raises:
         RequestError: When the values are not `dtype` data.
@@ -324,30 +344,10 @@ def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
         array = np.asarray(values)
     except (TypeError, ValueError) as error:
         raise RequestError(f"Input {name!r} is not {dtype} data: {error}") from None
-    if not _casts(array.dtype, dtype):
-        kind = {"U": "text", "O": "mixed or null"}.get(array.dtype.kind, str(array.dtype))
-        raise RequestError(
-            f"Input {name!r} is not {dtype} data: its JSON values are {kind}, which does not "
-            f"cast to {dtype} (NumPy's same_kind rule, as the runtime casts).")
-    if dtype.kind in "iu" and array.size:
-        limits = np.iinfo(dtype)
-        if array.min() < limits.min or array.max() > limits.max:
-            raise RequestError(
-                f"Input {name!r} is not {dtype} data: its values {array.min()} to "
-                f"{array.max()} are outside {dtype}'s [{limits.min}, {limits.max}].")
-    return array.astype(dtype, copy=False)
-
-
-def _casts(json_dtype: np.dtype, dtype: np.dtype) -> bool:
-    """Whether values NumPy read from JSON as `json_dtype` may become `dtype`.
-
-    NumPy reads JSON integers as int64, which `same_kind` never casts to an
-    unsigned dtype, though `[0, 255]` is uint8 data: between integer dtypes
-    the values' range decides (`_cast` checks it), not the int64 NumPy chose.
-    """
-    if json_dtype.kind in "iu" and dtype.kind in "iu":
-        return True
-    return np.can_cast(json_dtype, dtype, casting="same_kind")
+    try:
+        return cast_input(name, array, dtype)
+    except (TypeError, ValueError) as error:
+        raise RequestError(str(error)) from None
 
 
 def predict_response(outputs: dict[str, np.ndarray], rows: bool) -> str:
@@ -509,7 +509,17 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
 
 async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
                 max_batch_delay_ms: float, announce=print) -> None:
-    """Serves until cancelled (Ctrl-C); announces the address it listens on."""
+    """Serves until cancelled (Ctrl-C); announces the address it listens on.
+
+    Raises:
+        ValueError: For an export with an input that has no batch dimension.
+    """
+    unbatched = unbatched_inputs(runtime)
+    if unbatched:
+        raise ValueError(
+            f"The export's inputs {unbatched} have no batch dimension: the server batches "
+            f"requests by rows, so it cannot serve this export. Run it with the serving "
+            f"runtime (keras_ipu.serving.load) or `keras-ipu run`.")
     web = _aiohttp_web()
     warm_up(runtime)
     # No access log: formatting a line per request costs more than a small model's call.
@@ -546,4 +556,4 @@ def _aiohttp_web():
     return web
 
 
-__all__ = ["DynamicBatcher", "make_app", "serve", "unbatched_outputs"]
+__all__ = ["DynamicBatcher", "make_app", "serve", "unbatched_inputs", "unbatched_outputs"]
