@@ -134,6 +134,9 @@ def test_concurrent_clients_get_their_own_rows(served):
     (b'{"instances": [{"a": [1, 2, 3, 4], "b": [1, 2]}, {"A": [1, 2, 3, 4], "b": [1, 2]}]}',
      400, "Instance 1's inputs do not match the signature inputs (a: float32[8, 4], "
      "b: float32[8, 2]) -> outputs (output_0: float32[8, 3]): unknown ['A'], missing ['a']."),
+    # Before: "is an array of shape (0,), not a list of rows" (and, for rows of shape (),
+    # 200 with no outputs, after a device call).
+    (b'{"inputs": {"a": [], "b": []}}', 400, "Input 'a' has no rows"),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
     model, url, _ = served

@@ -307,6 +307,8 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
     for entry in runtime.inputs:
         name = entry["name"]
         array = _cast(name, columns[name], np.dtype(entry["dtype"]))
+        if array.ndim and not len(array):  # as `instances` must be a non-empty list
+            raise RequestError(f"Input {name!r} has no rows: a request needs at least one.")
         _check_rows(name, array, tuple(entry["shape"][1:]), runtime)
         if count is not None and len(array) != count:
             raise RequestError("Inputs have different numbers of rows.")
