@@ -329,6 +329,7 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
         # BackupAndRestore: written and removed once, by instance 0.
         assert "backup 1 ['latest.weights.h5', 'training_metadata.json']" in out
         assert "backup 3 None" in out
+        assert "backup by batch ['latest.weights.h5', 'training_metadata.json']" in out
     # Instance 0 alone saving (Horovod's idiom) neither hangs nor breaks the fit's collectives.
     assert "first only ['first_only.weights.h5', 'saved_by_first.weights.h5']" in lines_of(
         done.stdout, 0)
@@ -342,7 +343,8 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
     listed = next(line for line in own.splitlines() if line.startswith("own files"))
     assert "'own_1.keras'" in listed and "own_1.weights.h5" not in listed
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "first_only.weights.h5", "model.keras",
+        "backup_by_batch", "ckpt_1.weights.h5", "ckpt_2.weights.h5", "first_only.weights.h5",
+        "model.keras",
         "own_0.keras", "own_0.weights.h5", "own_1.keras", "saved_by_first.weights.h5"]
 
 

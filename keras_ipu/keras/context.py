@@ -79,8 +79,8 @@ class IPUModelState:
             Keras' variables have not received yet (`jax_state_sync`).
         asynchronous_hooks: Whether a run's batch hooks run beside its
             executions (`set_asynchronous_callbacks(True)`) now.
-        synced_state: While they do, Keras' state dict the variables last
-            received from an execution: what the hooks' writes are told from.
+        synced_state: During a run, Keras' state dict the variables last
+            received from an execution: what callbacks' writes are told from.
         assignment: The pipeline stage assignment (a `stages` assignment
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,

@@ -388,6 +388,14 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 programs.check_current(model, mode)  # an option set by a callback?
                 if hooks is None:
                     on_begin(begin)
+                if model._jax_state_synced and state is not None and not (
+                        step_callbacks.hook_writes(model, parts)):
+                    # A callback read the model and wrote nothing (a checkpoint): the
+                    # device's state goes on, as on an IPU. Taking it back would also be
+                    # a collective that the instances of a job which did not read skip.
+                    programs.check_unchanged(model, mode)
+                    model._jax_state_synced = False
+                    _keep_state(model, state, codec)
                 if model._jax_state_synced:
                     # First execution, or a callback synced the variables (and froze a
                     # layer? checked before the purge). A Ctrl-C between the purge and
@@ -539,9 +547,7 @@ def sync_pending_state(model) -> None:
     if model_state.pending_state is None:
         return
     state, codec = model_state.pending_state
-    model._jax_state = codec.to_keras(state)
-    if model_state.asynchronous_hooks:
-        model_state.synced_state = model._jax_state
+    model._jax_state = model_state.synced_state = codec.to_keras(state)
     model_state.pending_state = None  # only now: the state is Keras' to sync
 
 

@@ -63,9 +63,18 @@ with strategy.scope():
         model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[
             keras.callbacks.BackupAndRestore(backup, delete_checkpoint=epochs == 3)])
         say("backup", epochs, sorted(os.listdir(backup)) if os.path.exists(backup) else None)
-# Horovod's idiom: instance 0 alone saves, and gives a ModelCheckpoint to its own fit only.
+    # Saved mid-epoch (by instance 0 alone, which reads the model): before, the job hung.
+    by_batch = build("sequential")
+    by_batch.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    by_batch.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(os.path.join(out, "backup_by_batch"), save_freq=1,
+                                         delete_checkpoint=False)])
+    say("backup by batch", sorted(os.listdir(os.path.join(out, "backup_by_batch"))))
+# Horovod's idiom: instance 0 alone saves, and gives a ModelCheckpoint to its own fit only
+# (saving mid-epoch: before, the other instance hung in the next execution's collectives).
 only_first = ([keras.callbacks.ModelCheckpoint(os.path.join(out, "first_only.weights.h5"),
-                                               save_weights_only=True)] if index == 0 else [])
+                                               save_weights_only=True, save_freq=1)]
+              if index == 0 else [])
 with strategy.scope():
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=only_first)
     if index == 0:
