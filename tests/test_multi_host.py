@@ -285,6 +285,8 @@ def test_fit_on_two_instances_equals_four_replicas_in_one_process(tmp_path):
             for index, results in enumerate(instances):
                 np.testing.assert_allclose(results[f"{name}/{key}"], value, rtol=1e-5,
                                            atol=1e-6, err_msg=f"instance {index}: {name}/{key}")
+    for results in instances:  # the predict batch hooks saw what predict returned
+        np.testing.assert_array_equal(results["hooks/seen"], results["hooks/predict"])
 
 
 def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp_path):

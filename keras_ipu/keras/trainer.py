@@ -321,10 +321,12 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         model.stop_predicting = False
         callbacks.on_predict_begin()
     outputs: list = []  # per execution, in input order; never reduced over replicas
-    collect = outputs.append
-    if replicas.spans_processes:
-        def collect(outfeed):
-            outputs.append(replication.local_predictions(replicas, outfeed))
+
+    def collect(outfeed):  # this instance's predictions, kept and handed to the hooks
+        if replicas.spans_processes:
+            outfeed = replication.local_predictions(replicas, outfeed)
+        outputs.append(outfeed)
+        return outfeed
     try:
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
@@ -425,8 +427,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
                     outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
                 logs = outfeed  # the program returns the last step's logs (or predictions)
-                if collect is not None:
-                    collect(outfeed)
+                if collect is not None:  # the outputs as the hooks see them too
+                    outfeed = collect(outfeed)
                 if hooks is None:
                     if hooked:  # a fetch waits for the device: only for a hook
                         on_end(end, _batch_logs(as_logs(outfeed)))

@@ -7,6 +7,7 @@ raise, which each instance prints, and then the job fails with the last error.
 
 import sys
 
+import keras
 import numpy as np
 from fit_cases import BATCH, CASES, build, data, instance_data, run_case
 from job import say, start
@@ -39,5 +40,15 @@ results = {}
 for name, kind, accumulation in CASES:
     case = run_case(strategy, name, kind, accumulation, x, y)
     results.update({f"{name}/{key}": value for key, value in case.items()})
+# The predict batch hook gets this instance's predictions, as predict returns them (before:
+# the program's rows of every instance, [steps, replicas, batch, ...]).
+seen = []
+with strategy.scope():
+    model = build("sequential")
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    hook = keras.callbacks.LambdaCallback(
+        on_predict_batch_end=lambda batch, logs: seen.append(np.asarray(logs["outputs"])))
+    results["hooks/predict"] = model.predict(x, batch_size=BATCH, verbose=0, callbacks=[hook])
+results["hooks/seen"] = np.concatenate(seen)
 np.savez(f"{out}/instance{index}.npz", **results)
 say("done", index)
