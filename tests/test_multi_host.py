@@ -103,6 +103,19 @@ def test_steps_of_a_job_count_every_replicas_batches():
             replication.instance_steps(steps, two_by_two, "steps_per_epoch")
 
 
+def test_shard_for_instance_shards_every_array_of_nested_data():
+    # Before: (x, (y1, y2)) gave y as one empty array, a dict of labels an IndexError.
+    x = np.arange(16).reshape(16, 1)
+    data = (x, (x * 10, [x * 100]), {"a": x * 1000})
+    mine = ipu.distributed.shard_for_instance(data, 2, 1, instance=1, instances=2)
+    rows = np.array([2, 3, 6, 7, 10, 11, 14, 15])  # batch i of 2 rows to replica i % 2
+    np.testing.assert_array_equal(mine[0][:, 0], rows)
+    np.testing.assert_array_equal(mine[1][0][:, 0], rows * 10)
+    np.testing.assert_array_equal(mine[1][1][0][:, 0], rows * 100)
+    np.testing.assert_array_equal(mine[2]["a"][:, 0], rows * 1000)
+    assert isinstance(mine[1], tuple) and isinstance(mine[1][1], list)
+
+
 def test_the_helpers_refuse_what_has_no_answer():
     with pytest.raises(ValueError, match="an instance index in 0..1, got 2"):
         ipu.distributed.shard_for_instance(np.ones((8, 1)), 2, 1, instance=2, instances=2)

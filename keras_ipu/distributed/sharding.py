@@ -22,8 +22,8 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
     fill a step of all replicas are dropped.
 
     Args:
-        data: An array, or a tree (tuple, dict) of arrays with the same
-            first dimension.
+        data: An array, or a tree (tuples, lists, dicts, nested) of arrays
+            with the same first dimension.
         batch_size: The batch size given to `fit`.
         local_replicas: Replicas per instance (default: the configured
             IPUs, the launcher's `--ipus-per-replica` (else 1) per replica:
@@ -60,8 +60,13 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
         mine = batches[:, instance * local : (instance + 1) * local]
         return mine.reshape(-1, *array.shape[1:])
 
+    return _each_array(shard, data)
+
+
+def _each_array(function, data: Any) -> Any:
+    """`function` of each array of a tree of dicts, tuples and lists (nested too)."""
     if isinstance(data, dict):
-        return {key: shard(value) for key, value in data.items()}
+        return {key: _each_array(function, value) for key, value in data.items()}
     if isinstance(data, (tuple, list)):
-        return type(data)(shard(value) for value in data)
-    return shard(data)
+        return type(data)(_each_array(function, value) for value in data)
+    return function(data)
