@@ -321,6 +321,10 @@ def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp
         assert out.count(counts) == 3, out
         assert "ipu.distributed.shard_for_instance" in out
         assert "pass `steps_per_epoch`" in out and "pass `steps`" in out
+        assert ("epochs raised: `fit` across 2 instances: the instances run different epochs, "
+                "so the job would hang waiting for the instance that finished first: instance "
+                "0 has epochs=1, initial_epoch=0, instance 1 has epochs=2, initial_epoch=0."
+                ) in out, out
         assert "without an error" not in out
     assert elapsed < 60, elapsed
 

@@ -183,7 +183,8 @@ def instance_steps(steps: int | None, replicas: Replicas, argument: str = "steps
     return steps // instances if steps > 0 else steps
 
 
-def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPlan | None]) -> None:
+def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPlan | None],
+                         epochs: tuple[int, int] = (1, 0)) -> None:
     """Across instances: raises in every instance when they would run different numbers of steps.
 
     Each instance feeds its own data; one with fewer batches would finish its
@@ -196,6 +197,7 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
         mode: `"fit"`, `"evaluate"` or `"predict"`, for the message.
         plans: Per data role (`"fit"`, `"validation"`, `"evaluate"`, `"predict"`),
             this instance's feed plan, or `None` when it has no such data.
+        epochs: `fit`'s `(epochs, initial_epoch)`: the passes over the data.
 
     Raises:
         ValueError: The same in every instance, naming each instance's batches and
@@ -210,9 +212,17 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
     from jax.experimental import multihost_utils
 
     mine = np.array([[p.steps * p.replicas, p.steps // p.steps_per_execution,
-                      p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()],
-                    np.int64)
+                      p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()]
+                    + [[*epochs, 0]], np.int64)
     every = np.asarray(multihost_utils.process_allgather(mine, tiled=False))
+    passes = every[:, -1, :2]
+    if not (passes == passes[0]).all():
+        each = ", ".join(f"instance {i} has epochs={e}, initial_epoch={first}"
+                         for i, (e, first) in enumerate(passes.tolist()))
+        raise ValueError(
+            f"`{mode}` across {len(every)} instances: the instances run different epochs, so "
+            f"the job would hang waiting for the instance that finished first: {each}. Give "
+            f"every instance the same `epochs` and `initial_epoch`.")
     for k, role in enumerate(plans):
         counts = every[:, k]
         if (counts == counts[0]).all():

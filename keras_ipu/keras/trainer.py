@@ -121,7 +121,8 @@ def fit(
             )
     with _closed_on_error(feed, val_feed):
         replication.check_instance_steps(replicas, "fit", {
-            "fit": feed.plan, "validation": val_feed.plan if val_feed else None})
+            "fit": feed.plan, "validation": val_feed.plan if val_feed else None},
+            epochs=(epochs, initial_epoch))
         model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `fit`, after the build
         _log_plan(model, feed, accumulation)  # its batch size is read inside the first epoch

@@ -2,7 +2,8 @@
 
 `fit_job.py OUT uneven`: instance 0 feeds 64 samples and instance 1 feeds 32 (not
 dealt with `shard_for_instance`); each of `fit`, `evaluate` and `predict` must
-raise, which each instance prints, and then the job fails with the last error.
+raise, and so must a `fit` of 32 samples each whose `epochs` differ; each instance
+prints what it got, and then the job fails with the last error.
 """
 
 import sys
@@ -24,7 +25,10 @@ if sys.argv[2:] == ["uneven"]:
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
         calls = {"fit": lambda: model.fit(x, y, batch_size=BATCH, verbose=0),
                  "evaluate": lambda: model.evaluate(x, y, batch_size=BATCH, verbose=0),
-                 "predict": lambda: model.predict(x, batch_size=BATCH, verbose=0)}
+                 "predict": lambda: model.predict(x, batch_size=BATCH, verbose=0),
+                 # The same batches, but epochs differ: it hung (until the shutdown timeout).
+                 "epochs": lambda: model.fit(x[:32], y[:32], batch_size=BATCH,
+                                             epochs=1 + index, verbose=0)}
         for mode, call in calls.items():
             try:
                 call()
