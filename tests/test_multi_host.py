@@ -361,10 +361,15 @@ def test_checkpoints_of_a_two_instance_fit_are_written_once_and_reload(tmp_path)
             "within 3 seconds") in own
     listed = next(line for line in own.splitlines() if line.startswith("own files"))
     assert "'own_1.keras'" in listed and "own_1.weights.h5" not in listed
+    for index in (0, 1):
+        out = lines_of(done.stdout, index)
+        assert ("export ['loop.jaxexport', 'metadata.json', 'step.jaxexport', "
+                "'weights.npz'] True") in out, out
+        assert "event files 1" in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "backup_by_batch", "ckpt_1.weights.h5", "ckpt_2.weights.h5", "first_only.weights.h5",
-        "model.keras",
-        "own_0.keras", "own_0.weights.h5", "own_1.keras", "saved_by_first.weights.h5"]
+        "backup_by_batch", "ckpt_1.weights.h5", "ckpt_2.weights.h5", "export",
+        "first_only.weights.h5", "model.keras",
+        "own_0.keras", "own_0.weights.h5", "own_1.keras", "saved_by_first.weights.h5", "tb"]
 
 
 def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(tmp_path):

@@ -88,6 +88,10 @@ class TensorBoard(Callback):
         self._epoch_batches = 0
 
     def _writer(self, run: str) -> Any:
+        if run not in self._writers and _another_instance():
+            # Instance 0 alone writes the job's logs, as TensorFlow keeps the chief's: each
+            # instance's event files would repeat every step.
+            self._writers[run] = _Unwritten()
         if run not in self._writers:
             # A name of its own: event files are named by the second they are made in, and a
             # second fit's writer would overwrite the first's (as TensorFlow's, pid and id).
@@ -204,6 +208,23 @@ def _writer_class() -> type:
             "`pip install keras_ipu[tensorboard]` (or `pip install tensorboardX`)."
         ) from error
     return SummaryWriter
+
+
+
+
+class _Unwritten:
+    """A writer that writes nothing (another instance's than instance 0's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _another_instance() -> bool:
+    """Whether this process is an instance of a job other than instance 0."""
+    import jax
+
+    return (jax.distributed.is_initialized() and jax.process_count() > 1
+            and jax.process_index() != 0)
 
 
 __all__ = ["TensorBoard"]

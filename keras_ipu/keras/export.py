@@ -27,7 +27,7 @@ import keras
 import numpy as np
 from keras import KerasTensor, tree
 
-from keras_ipu.keras import context, options
+from keras_ipu.keras import context, options, saving
 from keras_ipu.serving import runtime
 
 _SIGNATURE_ERROR = (
@@ -124,13 +124,19 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
     # directory left half-written is no export, never a corrupt one).
     serialized = {name: exported.serialize() for name, exported in programs.items()}
     metadata_text = json.dumps(metadata, indent=2)
-    _prepare_directory(export_dir, purge_export_dir)
-    for name, data in serialized.items():
-        with open(os.path.join(export_dir, name), "wb") as f:
-            f.write(data)
-    np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE), **weights)
-    with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
-        f.write(metadata_text)
+
+    def write() -> None:
+        _prepare_directory(export_dir, purge_export_dir)
+        for name, data in serialized.items():
+            with open(os.path.join(export_dir, name), "wb") as f:
+                f.write(data)
+        np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE), **weights)
+        with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
+            f.write(metadata_text)
+
+    # In a job of several instances, instance 0 writes it and the others wait, as for
+    # `save` (each writing it, one found the directory full, or both purged it).
+    saving.on_first_instance(write, export_dir)
     return runtime.load(export_dir)
 
 

@@ -101,3 +101,18 @@ for step in (model.train_on_batch, model.test_on_batch):
         say("on batch", "ran")
     except NotImplementedError as error:
         say("on batch", str(error).split(",")[0])
+# An export made in every instance: instance 0 writes it, the others wait and load it
+# (before, the second found the directory full, or both purged it).
+import keras_ipu as ipu  # noqa: E402
+
+with strategy.scope():
+    exported = model.export_for_ipu_serving(os.path.join(out, "export"), batch_size=BATCH)
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    same = np.allclose(exported(x[:BATCH]), predicted[:BATCH], atol=1e-5)
+say("export", sorted(os.listdir(os.path.join(out, "export"))), same)
+# TensorBoard in every instance: instance 0 alone writes the logs (each wrote every step).
+with strategy.scope():
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[ipu.keras.callbacks.TensorBoard(os.path.join(out, "tb"))])
+ipu.distributed.barrier("instance 0 closed its event files")
+say("event files", len(os.listdir(os.path.join(out, "tb", "train"))))
