@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,23 @@ def test_update_ipu_config_sets_the_multi_replica_distribution_options(monkeypat
     assert config.auto_select_ipus == 2  # 4 replicas over 2 instances
     # A replica of 3 pipeline stages takes 4 IPUs, as the pipeline needs.
     assert ipu.distributed.update_ipu_config(ipu.config.IPUConfig(), 3).auto_select_ipus == 8
+    # Set by hand, the job's shape is checked (3 replicas over 2 instances gave 1 IPU each,
+    # 0 IPUs per replica 2, and -3 gave 8).
+    for name, value, message in (
+            (runtime.NUM_REPLICAS_ENV, "3", "KERAS_IPU_NUM_REPLICAS=3 must be a multiple of "
+                                            "the job's 2 instances"),
+            (runtime.NUM_REPLICAS_ENV, "1.5", "KERAS_IPU_NUM_REPLICAS must be a positive "
+                                              "integer, got '1.5'"),
+            (runtime.IPUS_PER_REPLICA_ENV, "0", "KERAS_IPU_IPUS_PER_REPLICA must be a "
+                                                "positive integer, got '0'"),
+            (runtime.IPUS_PER_REPLICA_ENV, "-3", "got '-3'")):
+        with monkeypatch.context() as patched:
+            patched.setenv(name, value)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                ipu.distributed.update_ipu_config(ipu.config.IPUConfig())
+    monkeypatch.setenv(runtime.HEARTBEAT_ENV, "abc")
+    with pytest.raises(ValueError, match="KERAS_IPU_HEARTBEAT_TIMEOUT must be a positive"):
+        runtime.positive_int_env(runtime.HEARTBEAT_ENV, 100)
     monkeypatch.delenv(runtime.NUM_REPLICAS_ENV)
     config = ipu.distributed.update_ipu_config(ipu.config.IPUConfig())
     assert config.experimental.multi_replica_distribution.process_count == 2

@@ -26,6 +26,11 @@ def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
     Returns:
         `config`.
 
+    Raises:
+        ValueError: When `KERAS_IPU_NUM_REPLICAS` or `KERAS_IPU_IPUS_PER_REPLICA`
+            is not a positive integer, or the replicas are not a multiple of
+            the instances.
+
     Example:
 
     >>> config = keras_ipu.config.IPUConfig()
@@ -40,11 +45,15 @@ def update_ipu_config(config: Any, ipus_per_replica: int | None = None) -> Any:
     distribution = config.experimental.multi_replica_distribution
     distribution.process_count = shape["num_instances"]
     distribution.process_index = shape["instance_index"]
-    replicas = os.environ.get(runtime.NUM_REPLICAS_ENV)
-    if replicas is None:
+    if os.environ.get(runtime.NUM_REPLICAS_ENV) is None:
         return config
-    per_replica = ipus_per_replica or int(os.environ.get(runtime.IPUS_PER_REPLICA_ENV, "1"))
+    replicas = runtime.positive_int_env(runtime.NUM_REPLICAS_ENV, 1)
+    if replicas % shape["num_instances"]:
+        raise ValueError(
+            f"{runtime.NUM_REPLICAS_ENV}={replicas} must be a multiple of the job's "
+            f"{shape['num_instances']} instances: each instance runs as many replicas.")
+    per_replica = ipus_per_replica or runtime.positive_int_env(runtime.IPUS_PER_REPLICA_ENV, 1)
     # A replica takes a power of two of IPUs: a 3-stage pipeline's replica takes 4.
     per_replica = 1 << (per_replica - 1).bit_length()
-    config.auto_select_ipus = int(replicas) // shape["num_instances"] * per_replica
+    config.auto_select_ipus = replicas // shape["num_instances"] * per_replica
     return config

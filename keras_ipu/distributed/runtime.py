@@ -48,6 +48,36 @@ _CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 _LOG = logging.getLogger("keras_ipu.distributed")
 
 
+def positive_int_env(name: str, default: int) -> int:
+    """An environment variable of the job's shape that holds a positive integer.
+
+    Args:
+        name: The variable (`KERAS_IPU_HEARTBEAT_TIMEOUT`, say).
+        default: Its value when it is not set.
+
+    Returns:
+        Its value.
+
+    Raises:
+        ValueError: Naming the variable, when it holds anything else.
+
+    Example:
+
+    >>> positive_int_env(IPUS_PER_REPLICA_ENV, 1)   # not set
+    1
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1 or str(number) != value.strip():
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return number
+
+
 def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """The job's shape as the launcher gives it, or `None` outside a launched job.
 
@@ -134,7 +164,7 @@ def initialize() -> bool:
     # On CPU the cross-process collectives need gloo; the setting does not
     # affect accelerators.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    heartbeat = int(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_SECONDS))
+    heartbeat = positive_int_env(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_SECONDS)
     kwargs: dict[str, Any] = {
         "heartbeat_timeout_seconds": heartbeat,
         "initialization_timeout": DEFAULT_INITIALIZATION_TIMEOUT_SECONDS,
