@@ -288,6 +288,9 @@ def _ctrl_c_on_entering(function_name: str):
 @pytest.mark.parametrize("where, call", [
     ("to_device", "fit"), ("to_keras", "fit"), ("to_device", "evaluate"),
     ("to_keras", "predict"),
+    # As the state is handed back, before the sync holds Ctrl-C back: the variables
+    # stayed purged, and the next evaluate threw the held state away.
+    ("jax_state_sync", "evaluate"), ("jax_state_sync", "predict"),
 ])
 def test_a_ctrl_c_while_the_state_moves_keeps_the_weights(setup, where, call):
     # The state moves to the device from purged Keras variables, and back at the
@@ -378,3 +381,34 @@ def test_a_ctrl_c_stops_the_reading_of_a_slow_data_source_at_its_batch():
     assert reads[-1] == 2 * SPE + 1  # the batch being read when the Ctrl-C came, no more
     history = model.fit(source, steps_per_epoch=SPE, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.parametrize("mode", ["ALL", "LAST"])
+def test_a_ctrl_c_as_a_graph_programs_values_come_back_loses_none(mode):
+    # The run took its infeed elements: its outfed values must reach the queue and stay
+    # there until a dequeue returns them (a Ctrl-C lost a run's 50 values, or the last).
+    import sys
+
+    import jax.numpy as jnp
+
+    import keras_ipu as ipu
+
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(np.arange(8, dtype=np.float32).reshape(8, 1))
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue(
+        outfeed_mode=ipu.ipu_outfeed_queue.IPUOutfeedMode[mode])
+
+    def body(total, x):
+        total = total + jnp.sum(x)
+        return total, outfeed.enqueue(total)
+
+    totals = np.cumsum(np.arange(8, dtype=np.float32))
+    where = "receive" if mode == "LAST" else "_runs_that_stack"
+    sys.setprofile(_ctrl_c_on_entering(where))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ipu.scopes.ipu_scope("/device:IPU:0"):
+                ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(8, body, [0.0], infeed))
+            outfeed.dequeue()
+    finally:
+        sys.setprofile(None)
+    np.testing.assert_array_equal(outfeed.dequeue(), totals[-1] if mode == "LAST" else totals)

@@ -52,6 +52,7 @@ from keras_ipu.device import (
     collectives,
     elements,
     floating_point,
+    interrupts,
     program_outfeeds,
     queues,
     scopes,
@@ -571,9 +572,11 @@ class _Program:
 
     @staticmethod
     def _delivered(replicas: Replicas, result: Any, outfed: list, outfeeds: list) -> Any:
-        for queue, values in zip(outfeeds, outfed, strict=True):
-            queue.receive(values)
-        return replicas.unreplicate(result)  # replica 0's, on its device
+        # A Ctrl-C waits: the run took its infeed elements, its values reach their queues.
+        with interrupts.deferred():
+            for queue, values in zip(outfeeds, outfed, strict=True):
+                queue.receive(values)
+            return replicas.unreplicate(result)  # replica 0's, on its device
 
     def _executable(self, arrays: list, feed_data: list,
                     replicas: Replicas) -> tuple[Any, list, bool]:

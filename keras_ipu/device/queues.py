@@ -574,20 +574,29 @@ class IPUOutfeedQueue:
 
         >>> outfeed.dequeue()
         """
-        received, self._received = self._received, []
+        # The values leave the queue once they are the host's: a Ctrl-C while they
+        # are fetched from the device leaves them for the next dequeue.
+        received = self._received
         if self.outfeed_mode == IPUOutfeedMode.LAST:
+            self._received = []
             if synthetic_data():
                 raise ValueError("The outfeed has no last element: --use_synthetic_data "
                                  "returns no data to the host.")
             if not received:
                 raise ValueError("The outfeed has no last element: nothing was enqueued.")
-            return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
+            try:
+                return jax.tree_util.tree_map(lambda a: np.asarray(a[-1]), received[-1])
+            except BaseException:
+                self._received = received
+                raise
         if not received:
             return []
         stacking = _runs_that_stack(received)
+        values = jax.tree_util.tree_map(lambda *parts: np.concatenate(parts),
+                                        *received[:stacking])
+        # Nothing is lost: the values of another shape wait for the next dequeue.
+        self._received = received[stacking:]
         if stacking < len(received):
-            # Nothing is lost: the values of another shape wait for the next dequeue.
-            self._received = received[stacking:]
             warnings.warn(
                 f"The outfeed holds values of {len(received) - stacking} more run(s) whose "
                 f"shapes differ from those before them ({_shapes(received[0])} per "
@@ -595,8 +604,7 @@ class IPUOutfeedQueue:
                 f"replication, or another enqueued structure). This dequeue returns the "
                 f"first {stacking} run(s)' values; the next dequeue() returns the rest.",
                 stacklevel=2)
-            received = received[:stacking]
-        return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *received)
+        return values
 
     def __iter__(self) -> Iterator[Any]:
         """Takes the values enqueued since the last `dequeue` and yields them one by one,

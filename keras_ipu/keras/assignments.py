@@ -25,7 +25,14 @@ import jax
 import keras
 from keras.src.backend.common import global_state, stateless_scope, variables
 
-from keras_ipu.device import attachment, closures, collectives, compiled_calls, loop_state
+from keras_ipu.device import (
+    attachment,
+    closures,
+    collectives,
+    compiled_calls,
+    interrupts,
+    loop_state,
+)
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import steps
 
@@ -222,10 +229,11 @@ def call_assigning(run: Callable[[Callable], Any], fn: Callable,
     ...                lambda a: model(a, training=True))
     """
     assigned = run(_KeepingAssignments(fn, outputs))
-    if attachment.runs_programs():
-        _assign([held.variable for held in assigned.held], assigned.values)
-    else:  # nothing ran (`PRE_COMPILE`): the variables keep their values
-        _assign([], [])
+    with interrupts.deferred():  # a Ctrl-C waits: the run took its infeed elements
+        if attachment.runs_programs():
+            _assign([held.variable for held in assigned.held], assigned.values)
+        else:  # nothing ran (`PRE_COMPILE`): the variables keep their values
+            _assign([], [])
     return assigned.result
 
 

@@ -313,6 +313,36 @@ def await_hooks(hooks: CallbackThread, ended: list, outfeed: Any, returned: Any,
     hooks.wait()
 
 
+def has_batch_hooks(callbacks: Any, *hooks: str) -> bool:
+    """Whether a callback has one of `hooks` (or a generic batch hook) of its own.
+
+    A hook is its own when its class overrides `keras.callbacks.Callback`'s
+    or when the instance holds it (`keras.callbacks.LambdaCallback` sets the
+    hooks it is given on the instance).
+
+    Args:
+        callbacks: Keras' `CallbackList` of the run.
+        *hooks: The mode's batch hooks (`"on_train_batch_end"`, ...).
+
+    Returns:
+        True when calling the hooks could do anything.
+
+    Example:
+
+    >>> has_batch_hooks(CallbackList([keras.callbacks.History()]), "on_train_batch_end")
+    False
+    """
+    from keras.src.callbacks.callback import Callback
+
+    generic = ("on_batch_begin", "on_batch_end")
+    return any(
+        hook in vars(callback)
+        or getattr(type(callback), hook, None) is not getattr(Callback, hook)
+        for callback in callbacks.callbacks
+        for hook in (*hooks, *generic)
+    )
+
+
 def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     """The `(variable, value)`s the hooks of an execution assigned, to land after it.
 
@@ -357,5 +387,5 @@ def _same_value(now: Any, synced: Any) -> bool:
             and np.array_equal(np.asarray(now), np.asarray(synced), equal_nan=True))
 
 
-__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "hook_writes", "returned_chunk",
-           "split_steps", "step_delivery", "submit_streamed"]
+__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "has_batch_hooks", "hook_writes",
+           "returned_chunk", "split_steps", "step_delivery", "submit_streamed"]

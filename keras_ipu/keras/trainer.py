@@ -165,7 +165,7 @@ def fit(
         # The weights first (the sync holds Ctrl-C back itself): whatever stops the
         # rest, a Ctrl-C in a close that waits for a data source, say, they are the model's.
         try:
-            model.jax_state_sync()
+            _sync(model)
             _forget_state(model)
         finally:  # a Ctrl-C held back by the sync is raised after the feeds closed
             _close_all(ahead, feed, val_feed)
@@ -293,7 +293,7 @@ def _evaluate_feed(model, run: Run, feed, callbacks, restart: bool = False) -> d
     try:
         logs = _run_epoch(model, run, feed, "evaluate", callbacks)
     finally:
-        model.jax_state_sync()
+        _sync(model)
     logs = _epoch_logs(model, run, logs)
     callbacks.on_test_end(logs)
     _forget_state(model)
@@ -332,7 +332,7 @@ def predict(model, x, *, batch_size, verbose, steps, callbacks):
         _run_epoch(model, run, feed, "predict", callbacks, collect=collect)
     finally:
         try:
-            model.jax_state_sync()  # first, as in fit
+            _sync(model)  # first, as in fit
         finally:
             feed.close()
     callbacks.on_predict_end()
@@ -362,7 +362,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     begin_hook, end_hook, as_logs, stop_flag = _BATCH_HOOKS[mode]
     # Batch hooks cost a host sync per execution (Keras converts the logs):
     # call them only when some callback has one.
-    hooked = _has_batch_hooks(callbacks, begin_hook, end_hook)
+    hooked = step_callbacks.has_batch_hooks(callbacks, begin_hook, end_hook)
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
     # PRE_COMPILE: programs compile but never run; their outfeed is zeros,
@@ -497,24 +497,6 @@ def _ignore(*args) -> None:
     return None
 
 
-def _has_batch_hooks(callbacks, *hooks: str) -> bool:
-    """Whether a callback has one of `hooks` (or a generic batch hook) of its own.
-
-    A hook is its own when its class overrides `keras.callbacks.Callback`'s
-    or when the instance holds it (`keras.callbacks.LambdaCallback` sets the
-    hooks it is given on the instance).
-    """
-    from keras.src.callbacks.callback import Callback
-
-    generic = ("on_batch_begin", "on_batch_end")
-    return any(
-        hook in vars(callback)
-        or getattr(type(callback), hook, None) is not getattr(Callback, hook)
-        for callback in callbacks.callbacks
-        for hook in (*hooks, *generic)
-    )
-
-
 def _epoch_logs(model, run: Run, logs) -> dict:
     # --use_synthetic_data: nothing comes back to the host, the metrics' state neither.
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
@@ -552,6 +534,16 @@ def sync_pending_state(model) -> None:
     state, codec = model_state.pending_state
     model._jax_state = model_state.synced_state = codec.to_keras(state)
     model_state.pending_state = None  # only now: the state is Keras' to sync
+
+
+def _sync(model) -> None:
+    """The device's state to the variables, even when a Ctrl-C comes as the sync begins
+    (before the sync holds it back): the variables would stay purged."""
+    try:
+        model.jax_state_sync()
+    except KeyboardInterrupt:
+        model.jax_state_sync()
+        raise
 
 
 def _land(model, written: list) -> None:
