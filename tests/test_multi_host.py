@@ -347,6 +347,16 @@ def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp
     assert elapsed < 60, elapsed
 
 
+def test_instances_configured_with_different_ipus_are_told_so():
+    # Before: "give each instance the same number of batches", which they had.
+    done = launch("--num-instances", "2", "--", "fit_job.py", "unused", "ipus", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (0, 1):
+        assert ("fit raised: `fit` across 2 instances: the instances configured different "
+                "numbers of IPUs (instance 0 counts 4 replicas, instance 1 counts 2 replicas)"
+                ) in lines_of(done.stdout, index)
+
+
 def keras_predict(strategy, predictions, x, mine):
     """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
     rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}

@@ -213,8 +213,16 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
 
     mine = np.array([[p.steps * p.replicas, p.steps // p.steps_per_execution,
                       p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()]
-                    + [[*epochs, 0]], np.int64)
+                    + [[*epochs, replicas.count]], np.int64)
     every = np.asarray(multihost_utils.process_allgather(mine, tiled=False))
+    counts = every[:, -1, 2]
+    if not (counts == counts[0]).all():
+        each = ", ".join(f"instance {i} counts {count} replicas"
+                         for i, count in enumerate(counts.tolist()))
+        raise ValueError(
+            f"`{mode}` across {len(every)} instances: the instances configured different "
+            f"numbers of IPUs ({each}): configure each instance's system alike "
+            f"(`ipu.distributed.update_ipu_config`, or the same `auto_select_ipus`).")
     passes = every[:, -1, :2]
     if not (passes == passes[0]).all():
         each = ", ".join(f"instance {i} has epochs={e}, initial_epoch={first}"

@@ -16,6 +16,19 @@ from job import say, start
 import keras_ipu as ipu
 
 out = sys.argv[1]
+if sys.argv[2:] == ["ipus"]:  # instance 1 configures 1 IPU, instance 0 two
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1 if ipu.distributed.instance_index() == 1 else 2
+    config.configure_ipu_system()
+    with ipu.distributed.IPUMultiReplicaStrategy().scope():
+        model = build("sequential")
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = instance_data(ipu.distributed.instance_index())
+    try:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    except ValueError as error:
+        say("fit raised:", error)
+    sys.exit()
 strategy, index = start()
 if sys.argv[2:] == ["uneven"]:
     x, y = data()
