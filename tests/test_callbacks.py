@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 
 from conftest import assert_weights_close, configure
 from models import data_for, twin
@@ -107,3 +108,40 @@ def test_batch_logs_are_fetched_only_for_a_batch_hook(strategy, monkeypatch):
     assert fetched == []
     assert _batch_ends(model, x, y) == [1, 3, 5, 7]
     assert len(fetched) == 4
+
+
+class _RunsAtBatch1(keras.callbacks.Callback):
+    """At batch 1, runs `call(model, x, y)` on the model (another program of it)."""
+
+    def __init__(self, call, x, y):
+        super().__init__()
+        self.call, self.x, self.y = call, x, y
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            self.call(self.model, self.x, self.y)
+
+
+_NESTED_CALLS = {
+    "read": lambda m, x, y: m.get_weights(),
+    "predict": lambda m, x, y: m.predict(x[:16], batch_size=8, verbose=0),
+    "evaluate": lambda m, x, y: m.evaluate(x[:16], y[:16] * 10, batch_size=8, verbose=0),
+    "fit": lambda m, x, y: m.fit(x[:16], y[:16], batch_size=8, epochs=3, verbose=0,
+                                 shuffle=False),
+    "predict_on_batch": lambda m, x, y: m.predict_on_batch(x[:8]),
+    "train_on_batch": lambda m, x, y: m.train_on_batch(x[:8], y[:8]),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_NESTED_CALLS))
+def test_a_batch_hook_that_runs_the_model_trains_on_as_plain_keras(call, strategy):
+    # A hook that only reads lets the device's state go on; one that runs another of the
+    # model's programs (which consumed and replaced that state) must not: the fit crashed
+    # on donated buffers, or went on from stale weights.
+    x, y = data_for("sequential", samples=64)
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=1, optimizer="sgd")
+    histories = [model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                           callbacks=[_RunsAtBatch1(_NESTED_CALLS[call], x, y)]).history
+                 for model in (plain, on_ipu)]
+    np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], rtol=1e-5)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

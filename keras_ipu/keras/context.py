@@ -81,6 +81,7 @@ class IPUModelState:
             executions (`set_asynchronous_callbacks(True)`) now.
         synced_state: During a run, Keras' state dict the variables last
             received from an execution: what callbacks' writes are told from.
+        synced_from: The device state that dict was made from.
         assignment: The pipeline stage assignment (a `stages` assignment
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,
@@ -104,6 +105,7 @@ class IPUModelState:
     pending_state: Any = None
     asynchronous_hooks: bool = False
     synced_state: Any = None
+    synced_from: Any = None
     assignment: Any = None
     traced_graph: Any = None
     called_dtypes: tuple[str, ...] | None = None

@@ -343,6 +343,41 @@ def has_batch_hooks(callbacks: Any, *hooks: str) -> bool:
     )
 
 
+def only_read(model: Any, state: Any, parts: tuple[str, ...]) -> bool:
+    """Whether the callbacks that synced the run's `state` to the model only read it.
+
+    True when the last sync was of `state` itself (no nested run or batch
+    method synced or replaced it since) and every variable still holds the
+    very array that sync gave it (an assignment, or a batch method's step,
+    replaces it).
+
+    Args:
+        model: The running model.
+        state: The device state of the run's last execution.
+        parts: The state parts of the run's mode.
+
+    Returns:
+        Whether the device's state may go on as it is.
+
+    Example:
+
+    >>> only_read(model, state, ("trainable_variables", "optimizer_variables"))
+    True
+    """
+    model_state = context.state_of(model)
+    synced = model_state.synced_state
+    if state is None or synced is None or model_state.synced_from is not state:
+        return False
+    for part in parts:
+        variables = (model.optimizer.variables if part == "optimizer_variables"
+                     else getattr(model, part))
+        values = synced.get(part) or ()
+        if len(values) != len(variables) or any(
+                variable.value is not value for variable, value in zip(variables, values)):
+            return False
+    return True
+
+
 def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     """The `(variable, value)`s the hooks of an execution assigned, to land after it.
 
@@ -388,4 +423,4 @@ def _same_value(now: Any, synced: Any) -> bool:
 
 
 __all__ = ["CallbackThread", "StepDelivery", "await_hooks", "has_batch_hooks", "hook_writes",
-           "returned_chunk", "split_steps", "step_delivery", "submit_streamed"]
+           "only_read", "returned_chunk", "split_steps", "step_delivery", "submit_streamed"]

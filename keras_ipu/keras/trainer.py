@@ -391,14 +391,14 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 programs.check_current(model, mode)  # an option set by a callback?
                 if hooks is None:
                     on_begin(begin)
-                if model._jax_state_synced and state is not None and not (
-                        step_callbacks.hook_writes(model, parts)):
+                if model._jax_state_synced and step_callbacks.only_read(model, state, parts):
                     # A callback read the model and wrote nothing (a checkpoint): the
                     # device's state goes on, as on an IPU. Taking it back would also be
                     # a collective that the instances of a job which did not read skip.
                     programs.check_unchanged(model, mode)
-                    model._jax_state_synced = False
                     _keep_state(model, state, codec)
+                    model._get_jax_state(**dict.fromkeys(parts, True), purge_model_variables=True)
+                    model._jax_state_synced = False
                 if model._jax_state_synced:
                     # First execution, or a callback synced the variables (and froze a
                     # layer? checked before the purge). A Ctrl-C between the purge and
@@ -460,7 +460,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
         if hooks is not None:
             hooks.close()
         model_state = context.state_of(model)
-        model_state.asynchronous_hooks, model_state.synced_state = False, None
+        model_state.asynchronous_hooks = False
+        model_state.synced_state = model_state.synced_from = None
     if mode == "fit":
         replication.keep_first_replica_state(model, run.replica_count)
     if mode != "predict":
@@ -533,6 +534,7 @@ def sync_pending_state(model) -> None:
         return
     state, codec = model_state.pending_state
     model._jax_state = model_state.synced_state = codec.to_keras(state)
+    model_state.synced_from = state
     model_state.pending_state = None  # only now: the state is Keras' to sync
 
 
