@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
 from keras_ipu.device import (
     accounting,
@@ -348,8 +347,7 @@ class ExecutionProgram:
         if self.stream is not None and self._own_execution:
             outfeed = outfeed[0]  # dispatched a slice at a time: (outfeed, streamed)
         # As a run's would be, the state that comes back is committed to its devices.
-        return _committed(state), jax.tree_util.tree_map(
-            lambda s: np.zeros(s.shape, s.dtype), outfeed)
+        return _committed(state), attachment.zeros_like(outfeed)
 
     def _streamed_slices(self, state: State, batches: Batch) -> tuple[State, Outputs]:
         """An own execution, one leading slice per dispatch, each slice's outputs streamed."""

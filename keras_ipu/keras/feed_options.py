@@ -50,6 +50,7 @@ _NO_EFFECT_TYPES: dict[str, type] = {
     "replication_factor": numbers.Integral, "optimise_latency": bool,
     "io_batch_size": numbers.Integral,
 }
+_TYPE_NAMES = {numbers.Integral: "an integer", str: "a string", bool: "a bool"}
 
 
 def infeed_options(kwargs: Any) -> dict[str, Any]:
@@ -138,9 +139,8 @@ def _checked(kind: str, kwargs: Any, valid: Mapping[str, str], automatic: tuple[
         value, kind_of_value = checked[key], _NO_EFFECT_TYPES[key]
         if value is not None and (not isinstance(value, kind_of_value)
                                   or (kind_of_value is not bool and isinstance(value, bool))):
-            name = {numbers.Integral: "an integer", str: "a string", bool: "a bool"}
             raise ValueError(
-                f"The {kind} queue option `{key}` must be {name[kind_of_value]} or None "
+                f"The {kind} queue option `{key}` must be {_TYPE_NAMES[kind_of_value]} or None "
                 f"(it has no effect, and is saved with the model), got {value!r}.")
     for key in _DEPTHS & set(kwargs):
         value = kwargs[key]

@@ -369,8 +369,7 @@ def only_read(model: Any, state: Any, parts: tuple[str, ...]) -> bool:
     if state is None or synced is None or model_state.synced_from is not state:
         return False
     for part in parts:
-        variables = (model.optimizer.variables if part == "optimizer_variables"
-                     else getattr(model, part))
+        variables = _variables(model, part)
         values = synced.get(part) or ()
         if len(values) != len(variables) or any(
                 variable.value is not value for variable, value in zip(variables, values)):
@@ -406,12 +405,15 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
         return []  # no hook read the model: none wrote it through Keras
     written = []
     for part in parts:
-        variables = (model.optimizer.variables if part == "optimizer_variables"
-                     else getattr(model, part))
-        for variable, value in zip(variables, synced.get(part) or ()):
+        for variable, value in zip(_variables(model, part), synced.get(part) or ()):
             if not _same_value(variable.value, value):
                 written.append((variable, variable.value))
     return written
+
+
+def _variables(model: Any, part: str) -> list:
+    """The model's variables of a state part (`"trainable_variables"`, ...), in state order."""
+    return model.optimizer.variables if part == "optimizer_variables" else getattr(model, part)
 
 
 def _same_value(now: Any, synced: Any) -> bool:

@@ -30,6 +30,7 @@ from jax.sharding import SingleDeviceSharding
 
 from keras_ipu.device import (
     accounting,
+    attachment,
     compiler,
     convolutions,
     loops,
@@ -388,8 +389,7 @@ class _Runner:
         A program making them would be compiled on the first fit: over a
         slot per variable shape, about half a second per IPU for MobileNetV2.
         """
-        return [jax.device_put(jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype),
-                                                      self._acc_spec), device)
+        return [jax.device_put(attachment.zeros_like(self._acc_spec), device)
                 for device in self.devices]
 
     def run(self, state, batches):
