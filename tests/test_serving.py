@@ -551,3 +551,36 @@ def test_a_call_taking_keywords_gets_no_training_argument(strategy, tmp_path):
     x = np.ones((2, 2), "float32")
     runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2)
     np.testing.assert_allclose(runtime(x), np.full((2, 2), 3.0))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_dict_outputs_are_served_under_their_keys_and_renamed_in_their_order(strategy, tmp_path,
+                                                                             stages):
+    configure(stages)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((4,))
+        with ipu.keras.PipelineStage(0):
+            h = keras.layers.Dense(6, activation="tanh")(inputs)
+        with ipu.keras.PipelineStage(stages - 1):
+            # Keys not in sorted order: Keras flattens a dict by sorted keys.
+            outputs = {"zeta": keras.layers.Dense(1)(h), "alpha": keras.layers.Dense(3)(h)}
+        model = keras.Model(inputs, outputs)
+        if stages > 1:
+            model.set_pipelining_options()
+        model.compile(steps_per_execution=2)
+    expected = model.predict(x, batch_size=2, verbose=0)
+    served = model.export_for_ipu_serving(str(tmp_path / "keys"), batch_size=2)
+    assert served.output_names == ["alpha", "zeta"]
+    got = served(x[:2])
+    np.testing.assert_allclose(got["zeta"], expected["zeta"][:2], atol=1e-6)
+    np.testing.assert_allclose(got["alpha"], expected["alpha"][:2], atol=1e-6)
+    # `output_names` follow the dict's own order, as the model returns it.
+    renamed = model.export_for_ipu_serving(str(tmp_path / "renamed"), batch_size=2,
+                                           output_names=["z", "a"])
+    got = renamed(x[:2])
+    assert got["z"].shape == (2, 1) and got["a"].shape == (2, 3)
+    np.testing.assert_allclose(got["a"], expected["alpha"][:2], atol=1e-6)
+    with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\], in that order"):
+        model.export_for_ipu_serving(str(tmp_path / "bad"), batch_size=2, output_names=["z"])

@@ -96,14 +96,16 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
     iterations = int(getattr(model, "steps_per_execution", 1) or 1)
     platforms = _checked_platforms(platforms)
     plan = _plan(model)
+    returned = _ReturnedStructure()
     with context.model_scope(model):
         if plan is None:
             programs, weights, outputs, layout = _single_programs(
                 model, structure, specs, iterations, preprocessing_step, postprocessing_step,
-                platforms)
+                platforms, returned.flatten)
         else:
             programs, weights, outputs, layout = _pipeline_programs(
-                model, plan, specs, preprocessing_step, postprocessing_step, platforms)
+                model, plan, specs, preprocessing_step, postprocessing_step, platforms,
+                returned.flatten)
     metadata = {
         "format": runtime.FORMAT,
         "keras_ipu_version": _version(),
@@ -113,7 +115,7 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
         "inputs": [{**_signature_entry(n, s), **({"key": k} if k else {})}
                    for n, s, k in zip(names, specs, keys)],
         "outputs": [_signature_entry(n, s) for n, s in
-                    zip(_output_names(output_names, len(outputs)), outputs)],
+                    zip(returned.names(output_names), outputs)],
         "platforms": list(platforms),
         "weight_dtypes": _archive_dtypes(weights),
         **layout,
@@ -156,7 +158,7 @@ def _checked_batch_size(batch_size: Any) -> int | None:
 
 
 def _single_programs(model, structure, specs, iterations: int, preprocessing_step,
-                     postprocessing_step, platforms):
+                     postprocessing_step, platforms, flatten_outputs):
     """The one-device programs (one batch; the loop of `iterations`), weights, outputs, layout."""
     trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
     non_trainable = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
@@ -172,7 +174,7 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
                                           **flags)
         if postprocessing_step is not None:
             outputs = postprocessing_step(outputs)
-        return tuple(tree.flatten(outputs))
+        return flatten_outputs(outputs)
 
     def loop(trainable, non_trainable, *stacked):
         return jax.lax.map(lambda xs: step(trainable, non_trainable, *xs), stacked)
@@ -189,13 +191,14 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
     return programs, weights, list(exported_step.out_avals), layout
 
 
-def _pipeline_programs(model, plan, specs, preprocessing_step, postprocessing_step, platforms):
+def _pipeline_programs(model, plan, specs, preprocessing_step, postprocessing_step, platforms,
+                       flatten_outputs):
     """One program per stage, run on its IPU by the runtime; weights, outputs, layout."""
     from keras_ipu.keras import export_pipeline
 
     mapping = _device_mapping(model, plan)
     built = export_pipeline.stage_programs(model, plan, specs, preprocessing_step,
-                                           postprocessing_step, platforms)
+                                           postprocessing_step, platforms, flatten_outputs)
     programs, weights, stages_meta = {}, {}, []
     for stage, (exported, stage_weights) in enumerate(built):
         name = runtime.STAGE_FILE.format(stage=stage)
@@ -370,14 +373,53 @@ def _prepare_directory(export_dir: str, purge: bool) -> None:
     os.makedirs(export_dir, exist_ok=True)
 
 
-def _output_names(names: str | Sequence[str] | None, count: int) -> list[str]:
-    if names is None:
-        return [f"output_{i}" for i in range(count)]
-    names = [names] if isinstance(names, str) else list(names)
-    if len(names) != count or len(set(names)) != count:
-        raise ValueError(
-            f"`output_names` must name each of the model's {count} outputs once, got {names}.")
-    return names
+class _ReturnedStructure:
+    """What the exported program returns, seen as it is traced: its outputs' names.
+
+    A dict of tensors (a functional model with dict outputs, or a
+    `postprocessing_step` returning one) is served under its keys, and
+    `output_names` rename its entries in the dict's own order, as Keras
+    returns it. Anything else is flattened as Keras flattens it and named
+    `output_0`, ... unless `output_names` names each flat output.
+    """
+
+    def __init__(self):
+        self._keys: list[str] | None = None  # the dict's keys, in its own order
+        self._flat_order: list[int] = []  # of those keys, in the flat outputs' order
+        self._count = 0
+
+    def flatten(self, outputs: Any) -> tuple:
+        """The flat outputs, in `keras.tree.flatten`'s order (a dict's sorted keys)."""
+        flat = tuple(tree.flatten(outputs))
+        self._count = len(flat)
+        self._keys = None
+        if isinstance(outputs, Mapping) and len(outputs) == len(flat) and not any(
+                value is None or isinstance(value, (Mapping, list, tuple))
+                for value in outputs.values()):
+            self._keys = [str(key) for key in outputs]
+            self._flat_order = tree.flatten({key: i for i, key in enumerate(outputs)})
+        return flat
+
+    def names(self, given: str | Sequence[str] | None) -> list[str]:
+        """One name per flat output.
+
+        Raises:
+            ValueError: `given` does not name each output once.
+        """
+        count = self._count
+        if given is not None:
+            given = [given] if isinstance(given, str) else list(given)
+            if len(given) != count or len(set(given)) != count:
+                raise ValueError(
+                    f"`output_names` must name each of the model's {count} outputs once"
+                    f"{self._keys_hint()}, got {given}.")
+        if self._keys is None:
+            return given if given is not None else [f"output_{i}" for i in range(count)]
+        names = given if given is not None else self._keys
+        return [names[i] for i in self._flat_order]
+
+    def _keys_hint(self) -> str:
+        return f" (its dict's keys {self._keys}, in that order)" if self._keys else ""
 
 
 def _plan(model: Any):

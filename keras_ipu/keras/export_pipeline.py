@@ -26,8 +26,13 @@ from keras_ipu.keras.pipelined import boundary
 
 def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeStruct],
                    preprocessing_step: Callable | None, postprocessing_step: Callable | None,
-                   platforms: Sequence[str]) -> list[tuple[Any, list[np.ndarray]]]:
+                   platforms: Sequence[str],
+                   flatten_outputs: Callable[[Any], tuple] = lambda o: tuple(tree.flatten(o)),
+                   ) -> list[tuple[Any, list[np.ndarray]]]:
     """`(jax.export.Exported, weights)` for each stage, in order.
+
+    `flatten_outputs` turns the model's (or the `postprocessing_step`'s)
+    outputs into the last stage's flat results.
 
     Example:
 
@@ -41,7 +46,7 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
         weights = [np.asarray(v.numpy()) for v in variables]
         carried = plan.live_after[stage - 1] if stage else ()
         run = _stage_function(plan, stage, variables, carried, preprocessing_step,
-                              postprocessing_step)
+                              postprocessing_step, flatten_outputs)
         exported = jax.export.export(jax.jit(run), platforms=tuple(platforms))(
             [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights],
             forwarded, list(input_specs))
@@ -57,7 +62,7 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
 
 
 def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
-                    preprocessing_step, postprocessing_step):
+                    preprocessing_step, postprocessing_step, flatten_outputs):
     last = stage == plan.num_stages - 1
     forwarded = plan.output_keys if last else plan.live_after[stage]
     masks_in, masks_out = _masked(plan, carried), [] if last else _masked(plan, forwarded)
@@ -74,9 +79,10 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
                 args, kwargs = stages.call_arguments(call, values, training=False)
                 values.update(zip(call.output_keys, tree.flatten(call.operation(*args, **kwargs))))
         result = [values[key] for key in forwarded]
-        if last and postprocessing_step is not None:
-            result = tree.flatten(postprocessing_step(
-                tree.pack_sequence_as(plan.outputs_struct, result)))
+        if last:
+            outputs = tree.pack_sequence_as(plan.outputs_struct, result)
+            result = flatten_outputs(outputs if postprocessing_step is None
+                                     else postprocessing_step(outputs))
         # The masks Keras layers find on the forwarded tensors cross with them, after them.
         return tuple(result) + tuple(_mask_of(values[key], plan.tensors[key])
                                      for key in masks_out)

@@ -294,7 +294,8 @@ class ExtensionBase:
         Args:
             export_dir: An empty (or missing) directory.
             batch_size: The batch size (needed when the inputs do not fix it).
-            output_names: A name, or one per output (default `output_0`, ...).
+            output_names: A name, or one per output (default `output_0`, ...;
+                a dict of outputs is served under its keys, renamed in its order).
             preprocessing_step: A JAX-traceable function of the inputs, run
                 before the model inside the exported program.
             preprocessing_step_signature: The inputs of

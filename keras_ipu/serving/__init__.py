@@ -35,7 +35,8 @@ def export_keras(model: Any, export_dir: str, batch_size: int | None = None,
         export_dir: An empty (or missing) directory.
         batch_size: The batch size of the exported program (needed when the
             model's inputs do not fix it).
-        output_names: A name, or one per output (default `output_0`, ...).
+        output_names: A name, or one per output (default `output_0`, ...;
+            a dict of outputs is served under its keys, renamed in its order).
         preprocessing_step: A JAX-traceable function of the inputs, run
             before the model.
         preprocessing_step_signature: The inputs of
