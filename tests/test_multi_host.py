@@ -357,6 +357,25 @@ def test_instances_configured_with_different_ipus_are_told_so():
                 ) in lines_of(done.stdout, index)
 
 
+def test_instances_with_different_programs_are_told_what_differs():
+    # Before: the job aborted in gloo ("collective mismatch", status 134), naming nothing.
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py", "unused",
+                  "programs", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = {
+        "width": "instance 0 has 'trainable_variables[0]: float32[6, 8]' where instance 1 "
+                 "has 'trainable_variables[0]: float32[6, 16]'",
+        "options": "instance 0 has 'option gradient_accumulation_steps_per_replica: 1' "
+                   "where instance 1 has 'option gradient_accumulation_steps_per_replica: 2'",
+        "dtype": "instance 0 has 'batch input 0: int32[4, 6]' where instance 1 has "
+                 "'batch input 0: float32[4, 6]'"}
+    for index in (0, 1):
+        out = lines_of(done.stdout, index)
+        for case, difference in expected.items():
+            assert (f"{case} raised: `" in out and difference in out
+                    and "their collectives would not match" in out), out
+
+
 def keras_predict(strategy, predictions, x, mine):
     """The rows of `predictions` (of all of `x`) for the samples `mine`, in its order."""
     rows = {sample.tobytes(): row for sample, row in zip(x, predictions)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -398,6 +398,52 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def check_described_alike(lines: Sequence[str], what: str, advice: str) -> None:
+    """Raises in every instance when the instances' descriptions of one thing differ.
+
+    Every instance must call it at the same point. The instances exchange a
+    digest of their lines; only when the digests differ do they exchange the
+    lines, to name the first that differs in each instance.
+
+    Args:
+        lines: This instance's description, one fact per line.
+        what: The thing described, for the message (``"`fit`'s program"``).
+        advice: What makes the instances agree, for the message.
+
+    Raises:
+        ValueError: The same in every instance, naming each instance's first
+            line that is not instance 0's.
+
+    Example:
+
+    >>> check_described_alike(["batch 0: float32[8, 4]"], "`fit`'s program", "Feed alike.")
+    """
+    if num_instances() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = "\n".join(lines)
+    digests = np.asarray(multihost_utils.process_allgather(np.uint32(zlib.crc32(text.encode()))))
+    if len(set(digests.ravel().tolist())) == 1:
+        return
+    encoded = np.frombuffer(text.encode(), np.uint8)
+    lengths = allgather(np.array([encoded.size], np.int64))
+    every = np.split(allgather(encoded), np.cumsum(lengths)[:-1])
+    described = [bytes(e).decode().split("\n") for e in every]
+    first = described[0]
+    differences = []
+    for index, theirs in enumerate(described[1:], start=1):
+        at = next((j for j, (a, b) in enumerate(zip(first, theirs)) if a != b),
+                  min(len(first), len(theirs)))
+        mine = first[at] if at < len(first) else "nothing more"
+        other = theirs[at] if at < len(theirs) else "nothing more"
+        if mine != other:
+            differences.append(f"instance 0 has {mine!r} where instance {index} has {other!r}")
+    raise ValueError(
+        f"{what} differs between the {len(described)} instances, so their collectives would "
+        f"not match and the job would abort: {'; '.join(differences)}. {advice}")
 
 
 def _check_alike(value: Any, operation: str, first_axis_free: bool = False) -> None:

@@ -20,7 +20,15 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.outfeed import StepStream
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import batch_norm_groups, data, feed_options, pipelined, stages, steps
+from keras_ipu.keras import (
+    batch_norm_groups,
+    data,
+    feed_options,
+    pipelined,
+    replication,
+    stages,
+    steps,
+)
 from keras_ipu.keras import run as run_module
 from keras_ipu.keras.options import IPUOptions, accumulator_dtypes
 from keras_ipu.keras.replication import VARIABLES_CHANGED, Layout, ReplicaCodec
@@ -54,6 +62,8 @@ def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     parts = STATE_PARTS[mode]
     if placement.plan is None:
         _check_not_pipelined(model, feed)
+    replication.check_instance_programs(model, mode, parts, feed.first_batch(), options,
+                                        placement)
     if placement.plan is not None:
         key, build = pipelined.program_for(model, mode, placement, feed, options, hardware)
     else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -247,6 +249,67 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
             f"of steps: give each instance the same number of batches (cut the data with "
             f"`ipu.distributed.shard_for_instance`), or pass `{argument}` (the batches of all "
             f"instances together).")
+
+
+def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch: Any,
+                            options: Any, placement: Any) -> None:
+    """Across instances: raises in every instance when they would run different programs.
+
+    Instances whose models, batches or IPU options differ compile programs
+    whose collectives do not match, and the job aborts in the collective
+    library without naming why. Every instance must call it, after the model
+    is built and before its state is broadcast (nothing when the replicas are
+    in one process). Variables are described by position, dtype and shape:
+    their names (`dense_3`) count the layers a process made before.
+
+    Args:
+        model: The built Keras model.
+        mode: `"fit"`, `"evaluate"` or `"predict"`.
+        parts: The state parts the mode's program takes (`steps.STATE_PARTS`).
+        batch: One batch as this instance feeds it (arrays).
+        options: The model's `IPUOptions`.
+        placement: The run's `Placement`.
+
+    Raises:
+        ValueError: The same in every instance, naming the first difference.
+
+    Example:
+
+    >>> check_instance_programs(model, "fit", STATE_PARTS["fit"], feed.first_batch(),
+    ...                         options_of(model), placement)
+    """
+    if not placement.replicas.spans_processes:
+        return
+    from keras_ipu.distributed import runtime
+
+    leaves, structure = jax.tree_util.tree_flatten(batch)
+    lines = [f"batch structure {structure}"]
+    lines += [f"batch input {i}: {np.asarray(a).dtype}{list(np.shape(a))}"
+              for i, a in enumerate(leaves)]
+    for part in parts:
+        variables = (model.optimizer.variables if part == "optimizer_variables"
+                     else getattr(model, part))
+        lines += [f"{part}[{i}]: {v.dtype}{list(v.shape)}" for i, v in enumerate(variables)]
+    lines += [f"option {field.name}: {_described(getattr(options, field.name))}"
+              for field in dataclasses.fields(options)]
+    if placement.plan is not None:
+        lines.append(f"pipeline stages of {[len(s) for s in placement.plan.stages]} layers")
+    runtime.check_described_alike(
+        lines, f"`{mode}`'s program",
+        "Every instance must build the same model, compile it alike and set the same IPU "
+        "options, and feed batches of the same shapes and dtypes.")
+
+
+def _described(value: Any) -> str:
+    """An option's value as every process writes it (objects by type, not address)."""
+    if isinstance(value, (bool, int, float, str, type(None), enum.Enum)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_described(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_described(v)}" for k, v in sorted(
+            value.items(), key=lambda item: str(item[0]))) + "}"
+    return type(value).__name__
 
 
 def keep_last_replica_metrics(model: Any, replica_count: int) -> None:

@@ -4,6 +4,8 @@
 dealt with `shard_for_instance`); each of `fit`, `evaluate` and `predict` must
 raise, and so must a `fit` of 32 samples each whose `epochs` differ; each instance
 prints what it got, and then the job fails with the last error.
+`fit_job.py OUT programs`: the instances' models, options or batches differ; each
+`fit` must raise the same error in both (it aborted in the collective library).
 """
 
 import sys
@@ -52,6 +54,32 @@ if sys.argv[2:] == ["uneven"]:
                 say(mode, "ran without an error")
     ipu.distributed.barrier("every instance said what it got")
     raise failure
+if sys.argv[2:] == ["programs"]:
+    x, y = instance_data(index)
+
+    def model_of(width=8, accumulation=None):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(width),
+                                      keras.layers.Dense(3)])
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+            if accumulation:
+                model.set_gradient_accumulation_options(
+                    gradient_accumulation_steps_per_replica=accumulation)
+        return model
+
+    cases = {"width": lambda: model_of(8 + 8 * index).fit(x, y, batch_size=BATCH, verbose=0),
+             "options": lambda: model_of(accumulation=1 + index).fit(x, y, batch_size=BATCH,
+                                                                    verbose=0),
+             "dtype": lambda: model_of().predict(x.astype("float32" if index else "int32"),
+                                                 batch_size=BATCH, verbose=0)}
+    for case, call in cases.items():
+        try:
+            call()
+        except ValueError as error:
+            say(case, "raised:", error)
+        else:
+            say(case, "ran without an error")
+    sys.exit()
 x, y = instance_data(index)
 results = {}
 for name, kind, accumulation in CASES:
