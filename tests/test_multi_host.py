@@ -10,6 +10,7 @@ import contextlib
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -192,6 +193,15 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
         failed = launch(*args)
         assert failed.returncode == 2 and message in failed.stderr, failed.stderr
         assert "Traceback" not in failed.stderr
+    # A busy coordinator port: instance 0 died of SIGSEGV starting its coordination service.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        failed = launch("--num-instances", "2", "--coordinator", f"127.0.0.1:{port}",
+                        "-m", "module_job")
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert f"--coordinator 127.0.0.1:{port}: its port is in use on this machine" in failed.stderr
 
 
 def test_the_seed_names_are_the_strategies_and_run_as_one_instance():

@@ -21,6 +21,7 @@ set the three variables in each process yourself (see docs/multi_host.md).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import queue
 import signal
@@ -46,6 +47,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a socket on this machine already holds TCP `port` (instance 0's
+    coordination service listens on it on every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # A port only in TIME_WAIT from an earlier job is free to listen on.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
 
 
 def instance_environment(index: int, num_instances: int, coordinator: str,
@@ -176,6 +190,12 @@ def main(argv: Sequence[str]) -> int:
     if args.coordinator is not None and not _is_host_and_port(args.coordinator):
         print(f"error: --coordinator must be HOST:PORT (a port from 1 to 65535), got "
               f"{args.coordinator!r}", file=sys.stderr)
+        return 2
+    if args.coordinator is not None and port_in_use(int(args.coordinator.rpartition(":")[2])):
+        # Instance 0 would fail to start its coordination service (a crash, SIGSEGV).
+        print(f"error: --coordinator {args.coordinator}: its port is in use on this machine; "
+              f"give a free port, or leave --coordinator out to have one picked",
+              file=sys.stderr)
         return 2
     command = instance_command(command)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
