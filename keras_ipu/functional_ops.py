@@ -30,6 +30,7 @@ y = block(block(x, w1), w2)   # one copy of `block` in the program
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
+
+from keras_ipu.device import program_outfeeds, queues
 
 # The compiled functions an outlined function keeps, one per distinct trace.
 _KEPT_TRACES = 32
@@ -116,22 +119,45 @@ def _pure_trace(function: Callable, args: tuple) -> tuple[Any, Any] | None:
         return function(*a)
 
     outer = stateless_scope.get_stateless_scope()
-    if outer is None:
-        with stateless_scope.StatelessScope(initialize_variables=False) as own:
-            closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
-        stateful = bool(own.state_mapping) or bool(own.losses)
-    else:
-        records, losses = dict(outer.state_mapping), len(outer.losses)
-        try:
-            closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
-        finally:
-            changed = outer.state_mapping.keys() != records.keys() or any(
-                outer.state_mapping[k] is not v for k, v in records.items())
-            stateful = changed or len(outer.losses) != losses
-            outer.state_mapping.clear()
-            outer.state_mapping.update(records)
-            del outer.losses[losses:]
+    with _enqueues_set_aside() as enqueued:
+        if outer is None:
+            with stateless_scope.StatelessScope(initialize_variables=False) as own:
+                closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
+            stateful = bool(own.state_mapping) or bool(own.losses)
+        else:
+            closed, shapes, stateful = _traced_in_scope(fresh, args, outer)
+    stateful = stateful or enqueued()
     return None if stateful else (closed, jax.tree_util.tree_structure(shapes))
+
+
+def _traced_in_scope(fresh: Callable, args: tuple, outer: Any) -> tuple[Any, Any, bool]:
+    """`fresh` traced in the step's stateless scope, which is put back as it was."""
+    records, losses = dict(outer.state_mapping), len(outer.losses)
+    try:
+        closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
+    finally:
+        changed = outer.state_mapping.keys() != records.keys() or any(
+            outer.state_mapping[k] is not v for k, v in records.items())
+        stateful = changed or len(outer.losses) != losses
+        outer.state_mapping.clear()
+        outer.state_mapping.update(records)
+        del outer.losses[losses:]
+    return closed, shapes, stateful
+
+
+@contextlib.contextmanager
+def _enqueues_set_aside() -> Iterator[Callable[[], bool]]:
+    """Keeps what a trace enqueues to outfeeds from the loop or program being traced;
+    yields whether it enqueued.
+
+    An enqueue records the traced value with the loop or program being
+    traced: one from the outlined trace would be a value of another trace.
+    """
+    body = queues.current_enqueues()
+    with contextlib.ExitStack() as stack:
+        probe = stack.enter_context(queues.collect_enqueues(body.refusal)) if body else None
+        program = stack.enter_context(program_outfeeds.set_aside())
+        yield lambda: bool(probe and probe.records) or bool(program)
 
 
 def _called(jaxpr: Any) -> Iterator[int]:

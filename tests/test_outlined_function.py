@@ -10,6 +10,8 @@ import pytest
 import keras_ipu as ipu
 from keras_ipu.device import accounting
 
+from conftest import configure
+
 
 def _block(x, w):
     return jnp.tanh(x @ w)
@@ -209,3 +211,24 @@ def test_functions_called_inside_key_the_kept_calls_too():
     np.testing.assert_array_equal(jax.grad(summed)(x), [5.0, 5.0, 5.0])
     with pytest.raises(jax.errors.TracerBoolConversionError, match="tracing the function <lambda>"):
         ipu.outlined_function(lambda a, s: a if s else -a)(x, False)  # the user's name
+
+
+def test_a_function_that_enqueues_to_an_outfeed_is_inlined_and_its_values_arrive():
+    # Before: the outlined trace's enqueue was kept, a value of another trace, and the
+    # program failed ("Computation compiled for 2 inputs but called with 1").
+    configure(1)
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    @ipu.outlined_function
+    def body(x):
+        outfeed.enqueue(x * 2)
+        return x + 1
+
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        looped = strategy.run(lambda x: ipu.loops.repeat(3, body, [x]), args=(jnp.ones(2),))
+        np.testing.assert_array_equal(looped, [4.0, 4.0])
+        np.testing.assert_array_equal(outfeed.dequeue(), [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]])
+        once = strategy.run(body, args=(jnp.ones(2),))  # one element per run of a program
+        np.testing.assert_array_equal(once, [2.0, 2.0])
+        np.testing.assert_array_equal(outfeed.dequeue(), [[2.0, 2.0]])

@@ -41,6 +41,29 @@ def collect_program_outfeeds() -> Iterator[list]:
         _PROGRAM_OUTFED.reset(token)
 
 
+@contextlib.contextmanager
+def set_aside() -> Iterator[list | None]:
+    """While the block traces something other than the program, its enqueues go to a list
+    of their own, not to the program's.
+
+    Yields:
+        That list, or `None` outside a compiled program's trace (where
+        `enqueue` raises, as without it).
+
+    Example:
+
+    >>> with set_aside() as probed:
+    ...     jax.make_jaxpr(fn)(x)
+    >>> bool(probed)   # whether `fn` enqueues
+    """
+    probed = [] if _PROGRAM_OUTFED.get() is not None else None
+    token = _PROGRAM_OUTFED.set(probed)
+    try:
+        yield probed
+    finally:
+        _PROGRAM_OUTFED.reset(token)
+
+
 class _ProgramOutfeeds(list):
     """A traced program's outfeed values: only those of its own trace, as a value made
     inside a transformation of the computation (`jax.grad`, an inner `jax.jit`) exists
