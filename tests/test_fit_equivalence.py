@@ -244,3 +244,32 @@ def test_a_models_own_fit_evaluate_and_predict_run_and_reach_the_ipus(strategy):
 
     assert all(run.program_for(on_ipu, mode) is not None for mode in ("fit", "evaluate",
                                                                       "predict"))
+
+
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_random_crop_which_keras_runs_eagerly_trains_as_plain_keras(strategy, data_format):
+    # RandomCrop (supports_jit=False) sliced at traced offsets: fit raised "Slice entries
+    # must be static integers". It crops at the offsets Keras draws, as Keras' eager step.
+    rng = np.random.default_rng(0)
+    shape = (8, 8, 3) if data_format == "channels_last" else (3, 8, 8)
+    x = rng.uniform(size=(32, *shape)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([
+            keras.Input(shape), keras.layers.RandomCrop(6, 5, seed=7, data_format=data_format),
+            keras.layers.Conv2D(2, 3, data_format=data_format),
+            keras.layers.GlobalAveragePooling2D(data_format=data_format), keras.layers.Dense(1)])
+
+    plain = make()
+    plain.compile(optimizer="sgd", loss="mse")
+    with strategy.scope():
+        on_ipu = make()
+        on_ipu.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    args = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_history_close(plain.fit(x, y, **args).history, on_ipu.fit(x, y, **args).history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+    # Inference crops the centre, as in Keras.
+    assert_trees_close(plain.predict(x, batch_size=4, verbose=0),
+                       on_ipu.predict(x, batch_size=4, verbose=0))

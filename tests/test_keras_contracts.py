@@ -705,3 +705,20 @@ def test_the_on_batch_methods_call_the_step_function_set_on_the_model():
     np.testing.assert_array_equal(calls[2][2][0], x)  # (x,)
     for name in ("make_train_function", "make_test_function", "make_predict_function"):
         assert _params(getattr(JAXTrainer, name)) == ["self", "force"]
+
+
+def test_random_crop_draws_offsets_and_crops_in_transform_images():
+    # keras_ipu.keras.traceable_layers wraps RandomCrop.transform_images: it takes the
+    # `(top, left)` offsets get_random_transformation draws, and Keras runs it eagerly.
+    from keras_ipu.keras import traceable_layers
+
+    traceable_layers.install()
+    crop = keras.layers.RandomCrop(2, 3, seed=1)
+    assert crop.supports_jit is False
+    assert _params(keras.layers.RandomCrop.transform_images) == [
+        "self", "images", "transformation", "training"]
+    images = np.arange(2 * 4 * 5 * 1, dtype="float32").reshape(2, 4, 5, 1)
+    top, left = crop.get_random_transformation(images, training=True)
+    assert int(top) in range(3) and int(left) in range(3)
+    np.testing.assert_array_equal(crop.transform_images(images, (top, left)),
+                                  images[:, int(top):int(top) + 2, int(left):int(left) + 3])

@@ -6,12 +6,11 @@ executions of `steps_per_execution` steps on the IPU system. They are not
 instantiated directly: creating a model inside `strategy.scope()` makes it an
 instance of the right one.
 
-Every Keras model, whatever its kind, is created through `Model.__new__`.
-While a strategy scope is active, the hook (`install`) swaps the new
-instance's class for a subclass that puts the matching extension first in
-the MRO, so the extension's `fit`, `evaluate` and `predict` win. The dynamic
-class hides behind a `__class__` property so that Keras serialization records
-the user's class, and pickling goes through the base class.
+Every Keras model is created through `Model.__new__`. In a strategy scope the
+hook (`install`) swaps the new instance's class for a subclass that puts the
+matching extension first in the MRO, so its `fit`, `evaluate` and `predict`
+win. The dynamic class hides behind a `__class__` property so that Keras
+serialization records the user's class; pickling goes through the base class.
 """
 
 from __future__ import annotations
@@ -30,7 +29,16 @@ from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
 
 from keras_ipu.device import interrupts
-from keras_ipu.keras import context, model_config, options, run, saving, stages, trainer
+from keras_ipu.keras import (
+    context,
+    model_config,
+    options,
+    run,
+    saving,
+    stages,
+    traceable_layers,
+    trainer,
+)
 from keras_ipu.keras.assignments import outside_traces
 from keras_ipu.keras.batch_steps import on_this_instance
 from keras_ipu.keras.options import ReplicatedMetricReductionMethod
@@ -560,6 +568,8 @@ def install() -> None:
     saving.install(lambda model: isinstance(model, ExtensionBase))
     # Configs (JSON, from_config, .h5) carry the IPU options too.
     model_config.install()
+    # Layers Keras runs eagerly compile in an IPU program, as in IPU TensorFlow.
+    traceable_layers.install()
 
 
 def _fit_on_ipus(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
