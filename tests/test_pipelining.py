@@ -371,6 +371,40 @@ def test_mapping_must_cover_the_stages_and_shared_layers_one_ipu(strategy):
     reused.fit(x, y, batch_size=4, verbose=0)  # one IPU holds the shared layer
 
 
+def test_a_layer_without_state_may_be_called_by_stages_on_different_ipus(strategy):
+    # The reference's rule is for shared weights: a ReLU called in two stages on two
+    # IPUs was refused. A Dropout holds its seed generator's state: refused, saying so.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+
+    def build(middle, stage=ipu.keras.PipelineStage):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((6,))
+        with stage(0):
+            h = middle(keras.layers.Dense(8)(inputs))
+        with stage(1):
+            out = keras.layers.Dense(3)(middle(keras.layers.Dense(8)(h)))
+        return keras.Model(inputs, out)
+
+    plain = build(keras.layers.ReLU(), stage=lambda _: contextlib.nullcontext())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with strategy.scope():
+        shared = build(keras.layers.ReLU())
+        stateful = build(keras.layers.Dropout(0.5))
+    shared.set_weights(plain.get_weights())
+    for model in (shared, stateful):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     gradient_accumulation_reduction_method="mean")
+    args = dict(batch_size=4, shuffle=False, verbose=0)
+    plain.fit(x, y, **{**args, "batch_size": 16})  # 4 micro-batches of 4
+    shared.fit(x, y, **args)
+    assert_weights_close(plain.get_weights(), shared.get_weights())
+    with pytest.raises(ValueError, match=r"used by pipeline stages 0 and 1, on IPUs 0 and 1, "
+                                         r"and holds state \(seed_generator"):
+        stateful.fit(x, y, **args)
+
+
 class _TiedOutput(keras.layers.Layer):
     """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
 

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 
 def layers_per_ipu(plan, device_mapping: Sequence[int]) -> list[list]:
-    """Per IPU, the layers its stages call (each once, in first-call order).
+    """Per IPU, the layers its stages call (each once, in first-call order; a layer
+    without variables is listed for every IPU that calls it).
 
     Args:
         plan: The model's `PipelinePlan`.
@@ -28,7 +29,8 @@ def layers_per_ipu(plan, device_mapping: Sequence[int]) -> list[list]:
         For IPUs `0 .. max(device_mapping)`, their layers.
 
     Raises:
-        ValueError: When stages on different IPUs call one layer, or use one
+        ValueError: When stages on different IPUs call one layer that holds
+            variables (weights, a seed generator's state), or use one
             trainable variable (a layer holding another's: a tied embedding),
             naming the layer or variable, its stages and their IPUs.
     """
@@ -36,15 +38,17 @@ def layers_per_ipu(plan, device_mapping: Sequence[int]) -> list[list]:
     owner: dict[int, tuple[int, int]] = {}  # layer -> (its first stage, that stage's IPU)
     for s, ipu in enumerate(device_mapping):
         for layer in plan.stage_layers(s):
-            if id(layer) not in owner:
-                owner[id(layer)] = (s, ipu)
+            first, first_ipu = owner.setdefault(id(layer), (s, ipu))
+            if all(known is not layer for known in layers_of[ipu]):
                 layers_of[ipu].append(layer)
-            first, first_ipu = owner[id(layer)]
-            if first_ipu != ipu:
+            # A layer without state (`ReLU`) is the same function on every IPU.
+            if first_ipu != ipu and getattr(layer, "variables", None):
+                held = ", ".join(v.path for v in layer.variables)
                 raise ValueError(
                     f"Layer {layer.name} is used by pipeline stages {first} and {s}, on IPUs "
-                    f"{first_ipu} and {ipu}: stages that share a layer must be mapped to the "
-                    f"same IPU (set `device_mapping` accordingly)."
+                    f"{first_ipu} and {ipu}, and holds state ({held}): stages that share a "
+                    f"layer with state must be mapped to the same IPU (set `device_mapping` "
+                    f"accordingly), or each stage must call a layer of its own."
                 )
     _check_variables_on_one_ipu(plan, device_mapping)
     return layers_of
