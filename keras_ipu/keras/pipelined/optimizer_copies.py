@@ -68,8 +68,9 @@ def check_pipelined(optimizer) -> None:
     Raises:
         ValueError: For `global_clipnorm` with the optimizer's own
             `gradient_accumulation_steps`.
-        NotImplementedError: For a `MultiOptimizer`: its optimizers' slots
-            cannot be split between the IPUs.
+        NotImplementedError: For a `MultiOptimizer`, or a custom optimizer
+            keeping state over all its weights: its slots cannot be split
+            between the IPUs.
 
     Example:
 
@@ -78,6 +79,7 @@ def check_pipelined(optimizer) -> None:
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if isinstance(inner, keras.optimizers.MultiOptimizer):
         raise NotImplementedError(_NOT_SPLIT.format(name=type(inner).__name__))
+    _check_no_state_over_all_weights(inner)
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if global_clipnorm(optimizer) and steps and steps > 1:
         raise ValueError(
@@ -86,6 +88,43 @@ def check_pipelined(optimizer) -> None:
             f"the pipeline clips each call's gradients over every IPU, Keras their average. "
             f"Accumulate with `model.set_pipelining_options("
             f"gradient_accumulation_steps_per_replica=...)` instead, or clip with clipnorm.")
+
+
+def _check_no_state_over_all_weights(optimizer) -> None:
+    """Refuses a custom optimizer class that keeps variables over all the weights it
+    updates (a running sum of every gradient), beyond those of the Keras class it
+    derives from (`iterations`; Nadam's `u_product`): each IPU's copy would keep
+    its own, over that IPU's weights only.
+
+    Counted on clones over one and two stand-in weights: a variable per weight
+    adds one per weight, a variable over all of them does not.
+    """
+    kind = type(optimizer)
+    if kind.__module__.startswith("keras."):
+        return
+    base = next(c for c in kind.__mro__ if c.__module__.startswith("keras."))
+    try:
+        reference = base(learning_rate=0.01)
+    except (TypeError, ValueError):  # a Keras class that needs more to be made
+        return
+    (count, names), (keras_count, keras_names) = (
+        _shared_variables(optimizer), _shared_variables(reference))
+    if count > keras_count:
+        extra = [name for name in names if name not in keras_names] or names
+        raise NotImplementedError(
+            f"{kind.__name__} keeps variables over all the weights it updates "
+            f"({', '.join(extra)}): a pipeline steps each IPU's weights with its own copy "
+            f"of the optimizer, which would keep its own over that IPU's weights only. Keep "
+            f"state per weight (made in `build` for each variable), or train without "
+            f"pipelining.")
+
+
+def _shared_variables(optimizer) -> tuple[int, list[str]]:
+    """How many of the optimizer's variables are not per weight, and the names of
+    those not named after a weight."""
+    one = _named_clone(optimizer, [("w0", (2,), "float32")]).variables
+    two = _named_clone(optimizer, [("w0", (2,), "float32"), ("w1", (2,), "float32")]).variables
+    return 2 * len(one) - len(two), [v.name for v in one if "w0" not in v.name]
 
 
 def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:

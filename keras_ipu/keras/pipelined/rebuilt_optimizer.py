@@ -17,9 +17,11 @@ makes one when it loads a model. Plain Keras never needs that round trip, so
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 # The values `rebuilt` carries from an optimizer to its copy: its settings.
 _SCALARS = (bool, int, float, str, type(None))
@@ -52,12 +54,32 @@ def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
     custom = {type(each).__name__: type(each) for each in chain[1:]}
     copy = (type(optimizer).from_config(config, custom_objects=custom) if custom
             else type(optimizer).from_config(config))
-    for original, copied in zip(chain, _nested(copy)):
-        if not isinstance(original._learning_rate, keras.Variable):
-            copied.learning_rate = original._learning_rate  # the schedule itself
+    copies = _nested(copy)
+    for original, copied in zip(chain, copies):
+        rate = original._learning_rate
+        if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+            copied.learning_rate = rate  # the schedule itself, given the copy's step
+        elif callable(rate):
+            copied.learning_rate = _reading_copy_steps(rate, chain, copies)
     _carry_settings(chain, _nested(copy),
                     {"global_clipnorm"} if without_global_clipnorm else set())
     return copy
+
+
+def _reading_copy_steps(rate: Any, chain: list, copies: list) -> Any:
+    """The callable learning rate `rate`, reading the copy's `iterations` where it reads
+    the original's (`lambda: 0.1 * 0.5 ** opt.iterations`).
+
+    The copy's update maps only the copy's variables: the original's counter
+    would be read as the constant it held when the program was traced.
+    """
+    def rate_of_copy():
+        steps = [(original.iterations, made.iterations.value)
+                 for original, made in zip(chain, copies)]
+        with keras.StatelessScope(state_mapping=steps):
+            return rate()
+
+    return rate_of_copy
 
 
 def _nested(optimizer: Any) -> list:
@@ -114,17 +136,28 @@ def _carry_settings(chain: list, copies: list, changed: set) -> None:
     for original, made in zip(chain, copies):
         ours, theirs = vars(original), vars(made)
         for name in ours.keys() & theirs.keys() - _BUILD_STATE - changed:
-            if _is_setting(ours[name]) and not _same(ours[name], theirs[name]):
+            if _is_setting(ours[name], name) and not _same(ours[name], theirs[name]):
                 setattr(made, name, ours[name])
 
 
-def _is_setting(value: Any) -> bool:
+def _is_setting(value: Any, name: str = "") -> bool:
+    """Numbers, strings, and lists and tuples of them; under a public name (a
+    subclass's own setting, not Keras' bookkeeping such as its variables'
+    indices) also dicts and NumPy arrays of them."""
     if isinstance(value, (tuple, list)):
-        return all(isinstance(each, _SCALARS) for each in value)
+        return all(_is_setting(each, name) for each in value)
+    if name.startswith("_"):
+        return isinstance(value, _SCALARS)
+    if isinstance(value, np.ndarray):
+        return value.dtype != object
+    if isinstance(value, Mapping):
+        return all(isinstance(k, _SCALARS) and _is_setting(v, name) for k, v in value.items())
     return isinstance(value, _SCALARS)
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
     return type(a) is type(b) and (a == b or a != a and b != b)  # NaN is NaN
 
 

@@ -77,7 +77,9 @@ def all_finite(tree: Any) -> Any:
     Array(False, dtype=bool)
     """
     leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+    # No gradient at all (every weight frozen) is finite, as Keras' check of none.
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]
+                             or [jnp.bool_(True)]))
 
 
 def squared_norm(tree: Any) -> Any:
