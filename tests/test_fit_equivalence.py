@@ -273,3 +273,28 @@ def test_random_crop_which_keras_runs_eagerly_trains_as_plain_keras(strategy, da
     # Inference crops the centre, as in Keras.
     assert_trees_close(plain.predict(x, batch_size=4, verbose=0),
                        on_ipu.predict(x, batch_size=4, verbose=0))
+
+
+def test_one_metric_object_compiled_twice_trains_as_plain_keras(strategy):
+    # One Metric in two places: its variables are in the state twice, and the program
+    # donated one buffer twice ("Attempt to donate the same buffer twice").
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 2)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+
+    plain = make()
+    with strategy.scope():
+        on_ipu = make()
+    for model, spe in ((plain, 1), (on_ipu, 4)):
+        mae = keras.metrics.MeanAbsoluteError()
+        model.compile(optimizer="sgd", loss="mse", metrics=[mae, mae], steps_per_execution=spe)
+    args = dict(batch_size=4, shuffle=False, verbose=0)
+    assert_history_close(plain.fit(x, y, **args).history, on_ipu.fit(x, y, **args).history)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+    np.testing.assert_allclose(on_ipu.evaluate(x, y, batch_size=4, verbose=0),
+                               plain.evaluate(x, y, batch_size=4, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(on_ipu.train_on_batch(x[:4], y[:4]),
+                               plain.train_on_batch(x[:4], y[:4]), rtol=1e-6)

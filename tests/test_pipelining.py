@@ -405,6 +405,44 @@ def test_a_layer_without_state_may_be_called_by_stages_on_different_ipus(strateg
         stateful.fit(x, y, **args)
 
 
+def test_a_dict_for_list_inputs_binds_by_name_and_one_output_lists_unwrap(strategy):
+    # Keras binds a dict to a list of named inputs by name and returns a one-output list
+    # as the output; pipelined, the dict went in sorted-key order (z got a's values,
+    # silently) and predict returned [array].
+    configure(2)
+    rng = np.random.default_rng(2)
+    xz, xa = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+
+    def build(stage):
+        keras.utils.set_random_seed(1)
+        z, a = keras.Input((3,), name="z"), keras.Input((5,), name="a")
+        with stage(0):
+            h = keras.layers.Dense(4)(keras.layers.Concatenate()([z, a]))
+        with stage(1):
+            out = keras.layers.Dense(1)(h)
+        return keras.Model([z, a], [out])
+
+    plain = build(lambda _: contextlib.nullcontext())
+    plain.compile(optimizer="sgd", loss="mse")
+    with strategy.scope():
+        model = build(ipu.keras.PipelineStage)
+    model.set_weights(plain.get_weights())
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="mean")
+    x = {"z": xz, "a": xa}
+    expected = plain.predict(x, batch_size=4, verbose=0)
+    predicted = model.predict(x, batch_size=4, verbose=0)
+    assert isinstance(predicted, np.ndarray) and predicted.shape == (16, 1)
+    np.testing.assert_allclose(predicted, expected, atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=4, verbose=0),
+                               plain.evaluate(x, y, batch_size=4, verbose=0), rtol=1e-6)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
 class _TiedOutput(keras.layers.Layer):
     """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -263,6 +264,13 @@ def _on_device(tree: Any, device: jax.Device) -> Any:
         moved = jax.device_put([leaves[i] for i in moving], device)
         for i, leaf in zip(moving, moved):
             leaves[i] = leaf
+    # A program donates its state: an array in two places (a metric listed twice) would
+    # be donated twice, which XLA refuses. The second place gets a copy.
+    seen: set[int] = set()
+    for i, leaf in enumerate(leaves):
+        if id(leaf) in seen:
+            leaves[i] = jnp.array(leaf, copy=True)
+        seen.add(id(leaves[i]))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -146,7 +146,7 @@ class PipelinedModel:
             The shapes and types the layers give `x` (worked out once per
             input shape).
         """
-        signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
+        signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in self.plan.flat_inputs(x))
         if signature not in self._traced_samples:
             variables = self.model.trainable_variables + self.model.non_trainable_variables
             self._traced_samples[signature] = samples.samples_for(self.plan, variables, x)
@@ -510,7 +510,7 @@ class StageRunner:
         seeds = [i for i in self.seeds if i in ntv]
         mask = replica_seed_mask(self.state.mesh.axis_index(REPLICA_AXIS)) if seeds else None
         ntv = xor_seed_words(dict(ntv), seeds, mask)
-        env = dict(zip(plan.input_keys, tree.flatten(x)))
+        env = dict(zip(plan.input_keys, plan.flat_inputs(x)))
         found = p.samples(x)
         offset = 0
         for key in p.bundle_in[s]:

@@ -120,9 +120,11 @@ def nested_kind(operation: Any) -> str | None:
 
 
 def _functional_graph(functional: Any) -> Graph:
-    return Graph(
-        tuple(functional.inputs), tuple(functional.outputs), functional.input, functional.output
-    )
+    # A Functional model returns a one-output list or tuple as the output itself.
+    output = functional.output
+    if isinstance(output, (list, tuple)) and len(output) == 1:
+        output = output[0]
+    return Graph(tuple(functional.inputs), tuple(functional.outputs), functional.input, output)
 
 
 def static_graph(model: Any, kind: str) -> Graph | None:

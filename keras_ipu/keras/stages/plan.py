@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from keras import tree as keras_tree
 from keras.src.ops.node import Node
 from keras.src.ops.operation import Operation
 
@@ -106,6 +107,24 @@ class PipelinePlan:
     stage_inputs: tuple[tuple[TensorKey, ...], ...]
     stage_outputs: tuple[tuple[TensorKey, ...], ...]
     live_after: tuple[tuple[TensorKey, ...], ...]
+
+    def flat_inputs(self, x: Any) -> list:
+        """The values of the model inputs in `input_keys` order.
+
+        A dict given to a model whose inputs are not a dict binds by the
+        inputs' names, as Keras' Functional model binds it (flattening would
+        order it by key).
+
+        Example:
+
+        >>> plan.flat_inputs({"z": z, "a": a})   # keras.Model([z_input, a_input], ...)
+        [z, a]
+        """
+        if isinstance(x, Mapping) and not isinstance(self.inputs_struct, Mapping):
+            names = [tensor.name for tensor in self.inputs]
+            if set(names) <= set(x):
+                return [x[name] for name in names]
+        return keras_tree.flatten(x)
 
     def stage_layers(self, stage: int) -> list[Operation]:
         """The distinct layers and ops a stage calls, in first-call order.
