@@ -722,3 +722,20 @@ def test_random_crop_draws_offsets_and_crops_in_transform_images():
     assert int(top) in range(3) and int(left) in range(3)
     np.testing.assert_array_equal(crop.transform_images(images, (top, left)),
                                   images[:, int(top):int(top) + 2, int(left):int(left) + 3])
+
+
+def test_a_layers_default_build_is_marked_and_name_scopes_take_a_caller():
+    # keras_ipu.keras.stages.graph builds a subclassed model before tracing its `call`
+    # only when its class overrides `build` (Keras marks its own with `_is_default`), and
+    # traces under `keras.name_scope(model.name, caller=model)`, as `Layer.__call__`.
+    from keras.src.utils import python_utils
+
+    assert python_utils.is_default(keras.Model.build)
+
+    class Built(keras.Model):
+        def build(self, input_shape):
+            super().build(input_shape)
+
+    assert not python_utils.is_default(Built.build)
+    with keras.name_scope("outer", caller=object()):
+        assert keras.Variable(1.0, name="v").path == "outer/v"

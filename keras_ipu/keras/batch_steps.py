@@ -81,6 +81,9 @@ def install(model: Any, method: str) -> None:
         model: An IPU model (created in an `IPUStrategy`).
         method: `"train_on_batch"`, `"test_on_batch"` or `"predict_on_batch"`.
 
+    Raises:
+        RuntimeError: For a model compiled with `run_eagerly=True`, as `fit`.
+
     Example:
 
     >>> install(model, "train_on_batch")
@@ -88,6 +91,7 @@ def install(model: Any, method: str) -> None:
     """
     from keras_ipu.keras import programs  # programs imports the layers this one serves
 
+    programs.check_not_eager(model)  # as `fit`: the step would run compiled regardless
     spec = _STEPS[method]
     if programs.overrides(model, spec.maker):
         return

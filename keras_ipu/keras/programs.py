@@ -36,6 +36,23 @@ from keras_ipu.keras.run import Run, cached_run
 from keras_ipu.keras.steps import STATE_PARTS
 
 
+def check_not_eager(model) -> None:
+    """Refuses a model compiled with `run_eagerly=True`: an IPU runs compiled programs only.
+
+    Raises:
+        RuntimeError: When the model runs eagerly.
+
+    Example:
+
+    >>> check_not_eager(model)   # compiled with run_eagerly=False: nothing
+    """
+    if getattr(model, "_run_eagerly", False) or getattr(model, "run_eagerly", False):
+        raise RuntimeError(
+            "Keras models cannot run eagerly when using `IPUStrategy`. Set "
+            "`run_eagerly=False` when calling `compile`."
+        )
+
+
 def prepare(model, mode: str, placement, feed, options: IPUOptions) -> Run:
     """Compiles and measures the mode's program before any state changes.
 

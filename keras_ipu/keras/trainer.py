@@ -85,6 +85,7 @@ def fit(
     replicas = placement.replicas
     _check_train_step(model, options, replicas, placement.plan)
     if validation_data is not None or validation_split:  # its validation runs test_step
+        _check_function_not_overridden(model, "evaluate")
         programs.check_pipelined_overrides(model, "evaluate", placement.plan)
         _check_validation_freq(validation_freq)
     batch_norm_groups.check(model, replicas, placement.plan is not None)
@@ -562,6 +563,19 @@ def _forget_state(model) -> None:
     model._jax_state = None
 
 
+def _check_function_not_overridden(model, mode: str) -> None:
+    """Refuses an override of the Keras function `mode` runs through, which keras_ipu
+    does not call."""
+    name = _FUNCTIONS_USED_BY_KERAS_ONLY[mode]
+    if programs.overrides(model, name):
+        raise RuntimeError(
+            f"The function `{name}` for the model {model.name} has been overridden. "
+            f"This is not supported when using Keras within an IPUStrategy. Either "
+            f"remove the override from your model definition or set "
+            f"`enable_keras_extensions=False` when creating the IPUStrategy."
+        )
+
+
 def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     """The checks every mode shares, then the model's replicas (and stages).
 
@@ -571,19 +585,8 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
         ValueError: A device mapping that does not fit the stages or IPUs.
     """
     ipu_system.require()
-    if getattr(model, "_run_eagerly", False) or getattr(model, "run_eagerly", False):
-        raise RuntimeError(
-            "Keras models cannot run eagerly when using `IPUStrategy`. Set "
-            "`run_eagerly=False` when calling `compile`."
-        )
-    name = _FUNCTIONS_USED_BY_KERAS_ONLY[mode]
-    if programs.overrides(model, name):
-        raise RuntimeError(
-            f"The function `{name}` for the model {model.name} has been overridden. "
-            f"This is not supported when using Keras within an IPUStrategy. Either "
-            f"remove the override from your model definition or set "
-            f"`enable_keras_extensions=False` when creating the IPUStrategy."
-        )
+    programs.check_not_eager(model)
+    _check_function_not_overridden(model, mode)
     plan = pipelined.plan_of(model, x)
     if plan is None:
         placement = Placement(replication.replicas_for(model))

@@ -20,6 +20,7 @@ import keras
 from keras.src.models.functional import Functional
 from keras.src.models.sequential import Sequential
 from keras.src.ops.node import Node
+from keras.src.utils import python_utils
 
 from keras_ipu.keras import context
 from keras_ipu.keras.stages import assignments, scope
@@ -367,8 +368,14 @@ def _traced(model: Any, specs: Any, kwargs: dict,
         contextlib.nullcontext())
     # Stateless: what `call` assigns while traced (a seed generator's draw, a counter) is
     # the analysis', not the model's; plain Keras never runs this trace.
-    with strategy_scope, scope.recording() as seen, keras.StatelessScope():
+    # Under the model's name, as Keras' `__call__` runs `call`: layers first built here
+    # get the variable paths plain Keras gives them (`net/dense/kernel`).
+    with strategy_scope, keras.name_scope(model.name, caller=model), \
+            scope.recording() as seen, keras.StatelessScope():
         try:
+            if not model.built and not python_utils.is_default(type(model).build):
+                # As Keras' first call: a model making its layers in `build` builds first.
+                model.build(keras.tree.map_structure(lambda t: tuple(t.shape), inputs))
             outputs = model.call(inputs, **kwargs)
         except Exception as error:
             raise TraceError(model, bool(seen), error, _advice_for(error)) from error
