@@ -443,6 +443,83 @@ def test_a_dict_for_list_inputs_binds_by_name_and_one_output_lists_unwrap(strate
     assert_weights_close(plain.get_weights(), model.get_weights())
 
 
+class _Block(keras.layers.Layer):
+    """A layer whose `call` takes no `training`: it reaches its BatchNormalization through
+    Keras' call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense, self.norm = keras.layers.Dense(4), keras.layers.BatchNormalization()
+
+    def call(self, x):
+        return self.norm(self.dense(x))
+
+
+def test_layers_without_a_training_argument_train_their_inner_layers(strategy):
+    # The pipeline passed `training` only to layers whose `call` takes it: the block's
+    # BatchNormalization ran in inference (its statistics never moved; loss 2118 for 2.5).
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+
+    def build(stage):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        with stage(0):
+            h = _Block()(inputs)
+        with stage(1):
+            out = keras.layers.Dense(3)(h)
+        return keras.Model(inputs, out)
+
+    plain = build(lambda _: contextlib.nullcontext())
+    plain.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=4),
+                  loss="mse")
+    with strategy.scope():
+        model = build(ipu.keras.PipelineStage)
+    model.set_weights(plain.get_weights())
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="mean")
+    args = dict(batch_size=4, shuffle=False, verbose=0)
+    assert_history_close_to(plain.fit(x, y, **args).history, model.fit(x, y, **args).history)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
+
+
+def assert_history_close_to(expected, actual):
+    for key in expected:
+        np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5)
+
+
+def test_pipelined_inputs_are_standardized_as_keras_functional_does(strategy):
+    # A nested model's dict went in sorted-key order; inputs kept the data's dtype and
+    # rank (an int32 Input fed floats computed in floats; (N,) data for Input((1,))
+    # raised); a dict Keras cannot bind was bound by sorted key instead of refused.
+    configure(2)
+    rng = np.random.default_rng(4)
+    data = {"n": rng.uniform(0, 4, size=(16,)).astype("float32"),
+            "v": rng.normal(size=(16, 3)).astype("float32")}
+
+    def build(stage):
+        keras.utils.set_random_seed(2)
+        n, v = keras.Input((1,), name="n", dtype="int32"), keras.Input((3,), name="v")
+        q, p = keras.Input((3,), name="q"), keras.Input((3,), name="p")
+        inner = keras.Model([q, p], keras.layers.Subtract()([q, p]), name="inner")
+        with stage(0):
+            h = keras.layers.Dense(3)(keras.ops.cast(n * 3, "float32"))
+        with stage(1):
+            out = keras.layers.Dense(2)(inner({"p": h, "q": v}))
+        return keras.Model([n, v], out)
+
+    plain = build(lambda _: contextlib.nullcontext())
+    with strategy.scope():
+        model = build(ipu.keras.PipelineStage)
+    model.set_weights(plain.get_weights())
+    model.compile(steps_per_execution=4)
+    np.testing.assert_allclose(model.predict(data, batch_size=4, verbose=0),
+                               plain.predict(data, batch_size=4, verbose=0), atol=1e-5)
+    with pytest.raises(ValueError, match="doesn't match the expected structure"):
+        model.predict({"n": data["n"], "w": data["v"]}, batch_size=4, verbose=0)
+
+
 class _TiedOutput(keras.layers.Layer):
     """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
 

@@ -146,7 +146,7 @@ class PipelinedModel:
             The shapes and types the layers give `x` (worked out once per
             input shape).
         """
-        signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in self.plan.flat_inputs(x))
+        signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
         if signature not in self._traced_samples:
             variables = self.model.trainable_variables + self.model.non_trainable_variables
             self._traced_samples[signature] = samples.samples_for(self.plan, variables, x)

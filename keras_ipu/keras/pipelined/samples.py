@@ -57,7 +57,8 @@ def samples_for(plan, variables: Sequence[Any], x) -> dict[Any, Sample]:
     (7, 8)
     """
     specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
-    inputs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in plan.flat_inputs(x)]
+    inputs = jax.eval_shape(plan.flat_inputs, jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), x))
     traced = jax.eval_shape(lambda values, flat: _every_tensor(plan, variables, values, flat),
                             specs, inputs)
     return {key: _sample(plan.tensors[key], value, mask)

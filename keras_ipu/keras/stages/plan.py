@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras import tree as keras_tree
+from keras.src.models.functional import Functional
 from keras.src.ops.node import Node
 from keras.src.ops.operation import Operation
 
@@ -86,6 +87,9 @@ class PipelinePlan:
             that stages `> s` read or that are model outputs, sorted: the
             bundle stage `s` forwards to stage `s + 1` (model inputs are not
             in it; every stage can read them from the infeed).
+        standardize_inputs: A Functional model's own standardization of the
+            data it is given (`None` for a subclassed model, which takes it
+            as it comes).
 
     Example:
 
@@ -107,23 +111,26 @@ class PipelinePlan:
     stage_inputs: tuple[tuple[TensorKey, ...], ...]
     stage_outputs: tuple[tuple[TensorKey, ...], ...]
     live_after: tuple[tuple[TensorKey, ...], ...]
+    standardize_inputs: Any = None
 
     def flat_inputs(self, x: Any) -> list:
-        """The values of the model inputs in `input_keys` order.
+        """The values of the model inputs in `input_keys` order, as the model takes them.
 
-        A dict given to a model whose inputs are not a dict binds by the
-        inputs' names, as Keras' Functional model binds it (flattening would
-        order it by key).
+        A Functional model standardizes what it is given as Keras does: a
+        dict binds to a list of named inputs by name, a structure it cannot
+        bind is refused, each value becomes its input's dtype, and a rank off
+        by a trailing axis of 1 is adjusted.
+
+        Raises:
+            ValueError: For a structure the model's inputs cannot take.
 
         Example:
 
         >>> plan.flat_inputs({"z": z, "a": a})   # keras.Model([z_input, a_input], ...)
         [z, a]
         """
-        if isinstance(x, Mapping) and not isinstance(self.inputs_struct, Mapping):
-            names = [tensor.name for tensor in self.inputs]
-            if set(names) <= set(x):
-                return [x[name] for name in names]
+        if self.standardize_inputs is not None:
+            return list(self.standardize_inputs(x))
         return keras_tree.flatten(x)
 
     def stage_layers(self, stage: int) -> list[Operation]:
@@ -174,7 +181,9 @@ def call_arguments(
     node = call.node
     by_id = {id(t): values[k] for t, k in zip(node.arguments.keras_tensors, call.input_keys)}
     args, kwargs = node.arguments.fill_in(by_id)
-    if training is not None and getattr(call.operation, "_call_has_training_arg", False):
+    # Every Keras layer takes `training` in `__call__`, whether or not its `call` does: it
+    # reaches the layers inside through the call context (a BatchNormalization in a block).
+    if training is not None and "training" in getattr(call.operation, "_call_context_args", ()):
         kwargs = {**kwargs, "training": training}
     return args, kwargs
 
@@ -242,7 +251,14 @@ def make_plan(
         stage_inputs=tuple(map(tuple, stage_inputs)),
         stage_outputs=tuple(map(tuple, stage_outputs)),
         live_after=tuple(map(tuple, live_after)),
+        standardize_inputs=_standardization_of(model),
     )
+
+
+def _standardization_of(model: Any) -> Any:
+    """The Functional model's `_standardize_inputs` (a Sequential's inner one's), or None."""
+    functional = model if isinstance(model, Functional) else getattr(model, "_functional", None)
+    return functional._standardize_inputs if isinstance(functional, Functional) else None
 
 
 __all__ = ["PipelinePlan", "StageCall", "TensorKey", "call_arguments", "make_plan"]

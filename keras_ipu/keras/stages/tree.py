@@ -493,6 +493,11 @@ def _nested_input_keys(entry: Entry, env: dict[int, int]) -> list[int]:
     node = entry.node
     arguments = node.arguments
     first = arguments.args[0] if arguments.args else arguments.kwargs.get("inputs")
+    graph = entry.child.graph
+    if (isinstance(first, dict) and graph is not None and not isinstance(graph.inputs_struct, dict)
+            and {t.name for t in graph.inputs} <= set(first)):
+        # As Keras' Functional binds a dict to a list of named inputs: by name.
+        first = [first[t.name] for t in graph.inputs]
     flat = [t for t in keras.tree.flatten(first) if isinstance(t, keras.KerasTensor)]
     if len(flat) != len(arguments.keras_tensors):
         raise ValueError(
@@ -500,7 +505,7 @@ def _nested_input_keys(entry: Entry, env: dict[int, int]) -> list[int]:
             f"argument (for example a mask); pipelining runs nested models as their layer "
             f"calls and supports only their inputs."
         )
-    wanted = len(entry.child.graph.inputs) if entry.child.graph is not None else len(flat)
+    wanted = len(graph.inputs) if graph is not None else len(flat)
     if len(flat) != wanted:
         raise ValueError(
             f"Nested model {name_of(entry.op)} has {wanted} input(s) but is called with "
