@@ -584,3 +584,31 @@ def test_dict_outputs_are_served_under_their_keys_and_renamed_in_their_order(str
     np.testing.assert_allclose(got["a"], expected["alpha"][:2], atol=1e-6)
     with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\], in that order"):
         model.export_for_ipu_serving(str(tmp_path / "bad"), batch_size=2, output_names=["z"])
+
+
+def test_several_outputs_come_back_as_the_reference_returns_them(strategy, tmp_path):
+    # The reference calls `postprocessing_step(*outputs)` and returns a list unless the
+    # outputs are named; keras_ipu passed one list and returned a dict keyed output_0...
+    # (so `sum_out, prod_out = runtime(x1, x2)` unpacked the key strings, silently).
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+        model = keras.Model([a, b], [keras.layers.Add()([a, b]), keras.layers.Multiply()([a, b])])
+        model.compile(steps_per_execution=1)
+    x1, x2 = np.ones((1, 4), "float32"), np.full((1, 4), 2.0, "float32")
+    sum_out, prod_out = model.export_for_ipu_serving(str(tmp_path / "plain"), batch_size=1)(x1, x2)
+    np.testing.assert_array_equal(sum_out, 3.0)
+    np.testing.assert_array_equal(prod_out, 2.0)
+
+    def post(sum_out, prod_out):  # the reference's form: one argument per output
+        return sum_out + prod_out, prod_out * 10
+
+    runtime = model.export_for_ipu_serving(str(tmp_path / "post"), batch_size=1,
+                                           postprocessing_step=post)
+    added, scaled = runtime(x1, x2)
+    np.testing.assert_array_equal(added, 5.0)
+    np.testing.assert_array_equal(scaled, 20.0)
+    assert set(runtime.by_output_name(runtime(x1, x2))) == {"output_0", "output_1"}
+    named = model.export_for_ipu_serving(str(tmp_path / "named"), batch_size=1,
+                                         output_names=["s", "p"])
+    np.testing.assert_array_equal(named(x1, x2)["p"], 2.0)

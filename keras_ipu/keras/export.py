@@ -116,6 +116,8 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
                    for n, s, k in zip(names, specs, keys)],
         "outputs": [_signature_entry(n, s) for n, s in
                     zip(returned.names(output_names), outputs)],
+        # The runtime returns several outputs by name only when they were named.
+        "named_outputs": output_names is not None or returned.keyed,
         "platforms": list(platforms),
         "weight_dtypes": _archive_dtypes(weights),
         **layout,
@@ -160,6 +162,8 @@ def _checked_batch_size(batch_size: Any) -> int | None:
 def _single_programs(model, structure, specs, iterations: int, preprocessing_step,
                      postprocessing_step, platforms, flatten_outputs):
     """The one-device programs (one batch; the loop of `iterations`), weights, outputs, layout."""
+    from keras_ipu.keras import export_pipeline
+
     trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
     non_trainable = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
     # Inference behaviour (Dropout off, BatchNormalization's moving statistics), for
@@ -173,7 +177,7 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
                                           tree.pack_sequence_as(structure, list(inputs)),
                                           **flags)
         if postprocessing_step is not None:
-            outputs = postprocessing_step(outputs)
+            outputs = export_pipeline.postprocessed(postprocessing_step, outputs)
         return flatten_outputs(outputs)
 
     def loop(trainable, non_trainable, *stacked):
@@ -417,6 +421,11 @@ class _ReturnedStructure:
             return given if given is not None else [f"output_{i}" for i in range(count)]
         names = given if given is not None else self._keys
         return [names[i] for i in self._flat_order]
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the outputs are a dict's, served under its keys."""
+        return self._keys is not None
 
     def _keys_hint(self) -> str:
         return f" (its dict's keys {self._keys}, in that order)" if self._keys else ""

@@ -61,6 +61,20 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
     return programs
 
 
+def postprocessed(postprocessing_step: Callable, outputs: Any) -> Any:
+    """The step applied to the model's outputs, as the reference applies it: one argument
+    per output of a list or tuple of outputs (`post(sum_out, prod_out)`), else the
+    outputs (one tensor, or a dict) as one argument.
+
+    Example:
+
+    >>> postprocessed(lambda a, b: a + b, [a, b])
+    """
+    if isinstance(outputs, (list, tuple)):
+        return postprocessing_step(*outputs)
+    return postprocessing_step(outputs)
+
+
 def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
                     preprocessing_step, postprocessing_step, flatten_outputs):
     last = stage == plan.num_stages - 1
@@ -82,7 +96,7 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
         if last:
             outputs = tree.pack_sequence_as(plan.outputs_struct, result)
             result = flatten_outputs(outputs if postprocessing_step is None
-                                     else postprocessing_step(outputs))
+                                     else postprocessed(postprocessing_step, outputs))
         # The masks Keras layers find on the forwarded tensors cross with them, after them.
         return tuple(result) + tuple(_mask_of(values[key], plan.tensors[key])
                                      for key in masks_out)

@@ -223,7 +223,7 @@ def _run(args: argparse.Namespace) -> None:
         outputs = runtime(**inputs)
     except (TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
-    outputs = outputs if isinstance(outputs, dict) else {runtime.output_names[0]: outputs}
+    outputs = runtime.by_output_name(outputs)
     if args.outdir is None:
         for name, value in outputs.items():
             print(f"{name}: {np.array2string(value, threshold=64)}")

@@ -244,10 +244,28 @@ class ServingRuntime:
         except (TypeError, ValueError) as error:
             raise type(error)(f"{error} The export expects {self.signature()}.") from None
 
+    def by_output_name(self, result: Any) -> dict[str, np.ndarray]:
+        """A call's result (an array, a list, or a dict) as a dict by output name.
+
+        Example:
+
+        >>> runtime.by_output_name(runtime(x))
+        {'output_0': array(...), 'output_1': array(...)}
+        """
+        if isinstance(result, Mapping):
+            return dict(result)
+        results = result if isinstance(result, list) else [result]
+        return dict(zip(self.output_names, results))
+
     def _named(self, outputs: Sequence[Any]) -> Any:
-        if len(outputs) == 1:
-            return np.asarray(outputs[0])
-        return dict(zip(self.output_names, (np.asarray(o) for o in outputs)))
+        # As the reference: several outputs are a dict when they were named (output_names, or
+        # a model returning a dict), else a list. Exports older than the flag: a dict.
+        arrays = [np.asarray(o) for o in outputs]
+        if len(arrays) == 1:
+            return arrays[0]
+        if self.metadata.get("named_outputs", True):
+            return dict(zip(self.output_names, arrays))
+        return arrays
 
 
 def cast_input(name: str, array: Any, dtype: Any) -> np.ndarray:

@@ -132,7 +132,7 @@ class DynamicBatcher:
         except Exception as error:  # the device failed: every waiting request hears of it
             _fail(pieces, error)
             return
-        outputs = outputs if isinstance(outputs, dict) else {self.runtime.output_names[0]: outputs}
+        outputs = self.runtime.by_output_name(outputs)
         whole = self._whole
         offset = 0
         for pending, start, stop in pieces:
