@@ -520,6 +520,36 @@ def test_pipelined_inputs_are_standardized_as_keras_functional_does(strategy):
         model.predict({"n": data["n"], "w": data["v"]}, batch_size=4, verbose=0)
 
 
+def test_a_replaced_head_trains_on_without_compile_as_in_plain_keras(strategy):
+    # pop() + add() of a layer of the same shapes: Keras' optimizer goes on by position;
+    # the pipeline refused ("a layer was frozen or unfrozen since").
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+
+    def run(model, batch_size):
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse",
+                      steps_per_execution=8 if batch_size == 4 else 1)
+        if batch_size == 4:
+            model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                         gradient_accumulation_reduction_method="mean")
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        model.pop()
+        keras.utils.set_random_seed(1)
+        model.add(keras.layers.Dense(3))
+        if batch_size == 4:
+            model.set_pipeline_stage_assignment([0, 1])
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model.set_weights(plain.get_weights())
+    model.set_pipeline_stage_assignment([0, 1])
+    assert_weights_close(run(plain, 16), run(model, 4), atol=1e-6)
+
+
 class _TiedOutput(keras.layers.Layer):
     """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
 

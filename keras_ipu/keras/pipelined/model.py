@@ -255,10 +255,14 @@ def _check_placed(model, trainable_of: list, non_trainable_of: list) -> None:
 
 
 def _check_built_for(optimizer, trainable: Sequence) -> None:
-    """Refuses to train weights other than those the optimizer was built for (a layer
-    frozen or unfrozen since): `compile()` again makes an optimizer for them, as in Keras."""
+    """Refuses to train weights other than those the optimizer was built for, by position,
+    shape and dtype (a layer frozen or unfrozen since): `compile()` again makes an
+    optimizer for them, as in Keras."""
     built_for = optimizer._trainable_variables
-    if [id(v) for v in built_for] == [id(v) for v in trainable]:
+    # As Keras' trainer, by position: a layer replaced by one of the same shapes (a
+    # Sequential's `pop()` and `add()`) trains on with the optimizer's state.
+    if [(tuple(v.shape), v.dtype) for v in built_for] == [
+            (tuple(v.shape), v.dtype) for v in trainable]:
         return
     if len(built_for) != len(trainable):  # Keras' own words
         raise ValueError(
@@ -268,7 +272,8 @@ def _check_built_for(optimizer, trainable: Sequence) -> None:
             f"with {len(built_for)} variables.")
     raise ValueError(
         f"The model's trainable variables are not those its optimizer was built with "
-        f"({', '.join(v.path for v in built_for)}): a layer was frozen or unfrozen since. "
+        f"({', '.join(v.path for v in built_for)}): a layer was frozen, unfrozen, added or "
+        f"removed since. "
         f"Call compile() again to train the new set.")
 
 
