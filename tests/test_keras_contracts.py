@@ -725,9 +725,9 @@ def test_random_crop_draws_offsets_and_crops_in_transform_images():
 
 
 def test_a_layers_default_build_is_marked_and_name_scopes_take_a_caller():
-    # keras_ipu.keras.stages.graph builds a subclassed model before tracing its `call`
-    # only when its class overrides `build` (Keras marks its own with `_is_default`), and
-    # traces under `keras.name_scope(model.name, caller=model)`, as `Layer.__call__`.
+    # keras_ipu.keras.stages.graph advises a build when a subclassed model's class
+    # overrides `build` (Keras marks its own with `_is_default`), and traces `call` under
+    # `model._open_name_scope()`, as `Layer.__call__` does.
     from keras.src.utils import python_utils
 
     assert python_utils.is_default(keras.Model.build)
@@ -737,5 +737,8 @@ def test_a_layers_default_build_is_marked_and_name_scopes_take_a_caller():
             super().build(input_shape)
 
     assert not python_utils.is_default(Built.build)
-    with keras.name_scope("outer", caller=object()):
-        assert keras.Variable(1.0, name="v").path == "outer/v"
+    layer = keras.layers.Dense(2, name="inner")
+    with keras.name_scope("outer"):
+        with layer._open_name_scope():
+            assert keras.Variable(1.0, name="v").path == "outer/inner/v"
+    assert layer._parent_path == "outer"

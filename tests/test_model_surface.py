@@ -14,11 +14,26 @@ from conftest import assert_weights_close, configure
 
 
 class _Net(keras.Model):
-    """A subclassed model that makes one layer in `build`, sized from its input."""
+    """A subclassed model whose layers are built by their first call."""
 
     def __init__(self, stage=lambda _: contextlib.nullcontext(), **kwargs):
         super().__init__(name="net", **kwargs)
         self.stage = stage
+        self.body = keras.layers.Dense(4, activation="tanh", name="body")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        with self.stage(0):
+            h = self.body(x)
+        with self.stage(1):
+            return self.head(h)
+
+
+class _BuildsLayers(keras.Model):
+    """A pipelined subclassed model that makes a layer in `build`, sized from its input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="net", **kwargs)
         self.head = keras.layers.Dense(1, name="head")
 
     def build(self, input_shape):
@@ -26,9 +41,9 @@ class _Net(keras.Model):
         super().build(input_shape)
 
     def call(self, x):
-        with self.stage(0):
+        with ipu.keras.PipelineStage(0):
             h = self.body(x)
-        with self.stage(1):
+        with ipu.keras.PipelineStage(1):
             return self.head(h)
 
 
@@ -42,7 +57,7 @@ def _data():
 def test_a_subclassed_model_built_by_fit_has_plain_keras_paths_and_weights(strategy, pipelined):
     # Built by fit's trace of `call`, its layers lost the model's name (`body/kernel`
     # for `net/body/kernel`), and path-keyed APIs (MultiOptimizer, set_state_tree)
-    # matched nothing; pipelined, a model making its layers in `build` could not trace.
+    # matched nothing.
     configure(2 if pipelined else 1)
     x, y = _data()
     keras.utils.set_random_seed(1)
@@ -63,6 +78,21 @@ def test_a_subclassed_model_built_by_fit_has_plain_keras_paths_and_weights(strat
     plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=4 if pipelined else 16, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights())
+
+
+def test_a_pipelined_model_making_layers_in_build_is_told_to_build_first(strategy):
+    # The trace's error told to use Keras layers and ops, which the model did.
+    configure(2)
+    x, y = _data()
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = _BuildsLayers()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    with pytest.raises(Exception, match=r"makes its layers in `build`, which has not run"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    model.build((None, 4))
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert [v.path for v in model.weights][-2:] == ["net/body/kernel", "net/body/bias"]
 
 
 def test_overrides_keras_functions_are_refused_for_fit_validation_too(strategy):

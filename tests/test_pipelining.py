@@ -548,6 +548,19 @@ def test_a_replaced_head_trains_on_without_compile_as_in_plain_keras(strategy):
     model.set_weights(plain.get_weights())
     model.set_pipeline_stage_assignment([0, 1])
     assert_weights_close(run(plain, 16), run(model, 4), atol=1e-6)
+    # Still refused: the same shapes, but a weight the model still holds went out of
+    # training and another came in (a layer frozen and another unfrozen).
+    with strategy.scope():
+        swapped = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
+                                    keras.layers.Dense(6), keras.layers.Dense(3)])
+    swapped.layers[0].trainable = False
+    swapped.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    swapped.set_pipeline_stage_assignment([0, 0, 1])
+    swapped.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    swapped.fit(x, y, batch_size=4, verbose=0)
+    swapped.layers[0].trainable, swapped.layers[1].trainable = True, False
+    with pytest.raises(ValueError, match="a layer was frozen or unfrozen since"):
+        swapped.fit(x, y, batch_size=4, verbose=0)
 
 
 class _TiedOutput(keras.layers.Layer):

@@ -291,13 +291,17 @@ def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch
                      else getattr(model, part))
         lines += [f"{part}[{i}]: {v.dtype}{list(v.shape)}" for i, v in enumerate(variables)]
     lines += [f"option {field.name}: {_described(getattr(options, field.name))}"
-              for field in dataclasses.fields(options)]
+              for field in dataclasses.fields(options) if field.name not in _HOST_ONLY_OPTIONS]
     if placement.plan is not None:
         lines.append(f"pipeline stages of {[len(s) for s in placement.plan.stages]} layers")
     runtime.check_described_alike(
         lines, f"`{mode}`'s program",
         "Every instance must build the same model, compile it alike and set the same IPU "
         "options, and feed batches of the same shapes and dtypes.")
+
+
+# Options that only the host reads (the infeed's prefetching): instances may differ in them.
+_HOST_ONLY_OPTIONS = frozenset({"infeed_kwargs"})
 
 
 def _described(value: Any) -> str:

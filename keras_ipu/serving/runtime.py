@@ -100,7 +100,8 @@ class ServingRuntime:
             *args, **kwargs: The inputs, positionally or by name.
 
         Returns:
-            The output as a NumPy array (one output), else a dict by name.
+            The output as a NumPy array (one output); several as a list, or as a
+            dict by name when they were named (`output_names`, a dict-output model).
 
         Raises:
             ValueError, TypeError: For missing, unknown, misshapen or

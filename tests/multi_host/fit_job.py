@@ -67,11 +67,18 @@ if sys.argv[2:] == ["programs"]:
                     gradient_accumulation_steps_per_replica=accumulation)
         return model
 
+    def prefetching(depth):
+        model = model_of()
+        model.set_infeed_queue_options(prefetch_depth=depth)
+        return model
+
     cases = {"width": lambda: model_of(8 + 8 * index).fit(x, y, batch_size=BATCH, verbose=0),
              "options": lambda: model_of(accumulation=1 + index).fit(x, y, batch_size=BATCH,
                                                                     verbose=0),
              "dtype": lambda: model_of().predict(x.astype("float32" if index else "int32"),
-                                                 batch_size=BATCH, verbose=0)}
+                                                 batch_size=BATCH, verbose=0),
+             # The host's own prefetching may differ: it changes no program.
+             "prefetch": lambda: prefetching(2 + index).fit(x, y, batch_size=BATCH, verbose=0)}
     for case, call in cases.items():
         try:
             call()

@@ -202,7 +202,7 @@ class PipelinedModel:
         optimizer = getattr(model, "optimizer", None)
         if not training or optimizer is None or not optimizer.built:
             return  # inference needs no optimizer
-        _check_built_for(optimizer, model.trainable_variables)
+        _check_built_for(optimizer, model.trainable_variables, model.variables)
         # One optimizer copy per IPU, built on that IPU's variables
         # (`optimizer_copies`). Clipped by the norm over every IPU's gradients
         # before the copies step (`pipelined/update.py`): they do not clip again.
@@ -254,15 +254,20 @@ def _check_placed(model, trainable_of: list, non_trainable_of: list) -> None:
             f"Make them variables of a layer called inside a `PipelineStage`.")
 
 
-def _check_built_for(optimizer, trainable: Sequence) -> None:
-    """Refuses to train weights other than those the optimizer was built for, by position,
-    shape and dtype (a layer frozen or unfrozen since): `compile()` again makes an
-    optimizer for them, as in Keras."""
+def _check_built_for(optimizer, trainable: Sequence, variables: Sequence) -> None:
+    """Refuses to train weights other than those the optimizer was built for (a layer
+    frozen or unfrozen since): `compile()` again makes an optimizer for them, as in Keras.
+
+    A weight that replaced one the model no longer holds, of its shape and dtype
+    (a Sequential's `pop()` and `add()`), trains on with its predecessor's
+    optimizer state, as in Keras' trainer.
+    """
     built_for = optimizer._trainable_variables
-    # As Keras' trainer, by position: a layer replaced by one of the same shapes (a
-    # Sequential's `pop()` and `add()`) trains on with the optimizer's state.
-    if [(tuple(v.shape), v.dtype) for v in built_for] == [
-            (tuple(v.shape), v.dtype) for v in trainable]:
+    held = {id(v) for v in variables}
+    if len(built_for) == len(trainable) and all(
+            old is new or (id(old) not in held and tuple(old.shape) == tuple(new.shape)
+                           and old.dtype == new.dtype)
+            for old, new in zip(built_for, trainable)):
         return
     if len(built_for) != len(trainable):  # Keras' own words
         raise ValueError(
@@ -272,8 +277,7 @@ def _check_built_for(optimizer, trainable: Sequence) -> None:
             f"with {len(built_for)} variables.")
     raise ValueError(
         f"The model's trainable variables are not those its optimizer was built with "
-        f"({', '.join(v.path for v in built_for)}): a layer was frozen, unfrozen, added or "
-        f"removed since. "
+        f"({', '.join(v.path for v in built_for)}): a layer was frozen or unfrozen since. "
         f"Call compile() again to train the new set.")
 
 

@@ -12,7 +12,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import keras
+import numpy as np
 
 from keras_ipu.keras.pipelined import flat_optimizer, rebuilt_optimizer
 
@@ -92,39 +94,40 @@ def check_pipelined(optimizer) -> None:
 
 def _check_no_state_over_all_weights(optimizer) -> None:
     """Refuses a custom optimizer class that keeps variables over all the weights it
-    updates (a running sum of every gradient), beyond those of the Keras class it
-    derives from (`iterations`; Nadam's `u_product`): each IPU's copy would keep
-    its own, over that IPU's weights only.
+    updates whose values follow the gradients (a running sum of every squared
+    gradient): each IPU's copy would keep its own, over that IPU's weights only.
+    One that follows the steps alone (a warmup counter, Nadam's `u_product`) is
+    the same in every copy.
 
-    Counted on clones over one and two stand-in weights: a variable per weight
-    adds one per weight, a variable over all of them does not.
+    Found on a clone over two stand-in weights: its variables that are not per
+    weight, stepped with two sets of gradients from the same state.
     """
     kind = type(optimizer)
     if kind.__module__.startswith("keras."):
         return
-    base = next(c for c in kind.__mro__ if c.__module__.startswith("keras."))
-    try:
-        reference = base(learning_rate=0.01)
-    except (TypeError, ValueError):  # a Keras class that needs more to be made
+    stand_ins = [("w0", (2,), "float32"), ("w1", (2,), "float32")]
+    clone = _named_clone(optimizer, stand_ins)
+    count = 2 * len(_named_clone(optimizer, stand_ins[:1]).variables) - len(clone.variables)
+    shared = [i for i, v in enumerate(clone.variables)
+              if not any(name in v.name for name, _, _ in stand_ins)]
+    if count <= 0 or len(shared) != count:  # none, or not told apart by name
         return
-    (count, names), (keras_count, keras_names) = (
-        _shared_variables(optimizer), _shared_variables(reference))
-    if count > keras_count:
-        extra = [name for name in names if name not in keras_names] or names
+    try:
+        state = [jnp.zeros(v.shape, v.dtype) for v in clone.variables]
+        weights = [jnp.ones(shape, dtype) for _, shape, dtype in stand_ins]
+        _, first = clone.stateless_apply(state, [w * 0.5 for w in weights], weights)
+        _, second = clone.stateless_apply(state, [w * 2.0 for w in weights], weights)
+    except Exception:  # noqa: BLE001 - an optimizer this probe cannot step: not refused
+        return
+    following = [clone.variables[i].name for i in shared
+                 if not np.array_equal(first[i], second[i], equal_nan=True)]
+    if following:
         raise NotImplementedError(
-            f"{kind.__name__} keeps variables over all the weights it updates "
-            f"({', '.join(extra)}): a pipeline steps each IPU's weights with its own copy "
-            f"of the optimizer, which would keep its own over that IPU's weights only. Keep "
-            f"state per weight (made in `build` for each variable), or train without "
-            f"pipelining.")
-
-
-def _shared_variables(optimizer) -> tuple[int, list[str]]:
-    """How many of the optimizer's variables are not per weight, and the names of
-    those not named after a weight."""
-    one = _named_clone(optimizer, [("w0", (2,), "float32")]).variables
-    two = _named_clone(optimizer, [("w0", (2,), "float32"), ("w1", (2,), "float32")]).variables
-    return 2 * len(one) - len(two), [v.name for v in one if "w0" not in v.name]
+            f"{kind.__name__} keeps variables over all the weights it updates that follow "
+            f"their gradients ({', '.join(following)}): a pipeline steps each IPU's weights "
+            f"with its own copy of the optimizer, which would keep its own over that IPU's "
+            f"weights only. Keep state per weight (made in `build` for each variable), or "
+            f"train without pipelining.")
 
 
 def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:

@@ -350,8 +350,13 @@ def _described(calls: list, others: list) -> str:
     return ", ".join(extra) or "none"
 
 
-def _advice_for(error: BaseException) -> str | None:
+def _advice_for(error: BaseException, model: Any = None) -> str | None:
     """What to do about an error of `call`'s trace, where the usual advice does not fit."""
+    if model is not None and not model.built and not python_utils.is_default(
+            type(model).build):
+        # Not built here: a build that fails for some batch would leave half its layers.
+        return ("The model makes its layers in `build`, which has not run: build it first "
+                "(`model.build(input_shape)`, or call it on a batch).")
     if "add_loss()" in str(error):  # the model's own add_loss: no layer call to run it in
         return ("The model's own `self.add_loss(...)` in `call` is not a layer call, so no "
                 "stage can run it: add the loss in a layer of the stage that computes it "
@@ -370,15 +375,12 @@ def _traced(model: Any, specs: Any, kwargs: dict,
     # the analysis', not the model's; plain Keras never runs this trace.
     # Under the model's name, as Keras' `__call__` runs `call`: layers first built here
     # get the variable paths plain Keras gives them (`net/dense/kernel`).
-    with strategy_scope, keras.name_scope(model.name, caller=model), \
-            scope.recording() as seen, keras.StatelessScope():
+    with strategy_scope, model._open_name_scope(), scope.recording() as seen, \
+            keras.StatelessScope():
         try:
-            if not model.built and not python_utils.is_default(type(model).build):
-                # As Keras' first call: a model making its layers in `build` builds first.
-                model.build(keras.tree.map_structure(lambda t: tuple(t.shape), inputs))
             outputs = model.call(inputs, **kwargs)
         except Exception as error:
-            raise TraceError(model, bool(seen), error, _advice_for(error)) from error
+            raise TraceError(model, bool(seen), error, _advice_for(error, model)) from error
     flat_outputs = keras.tree.flatten(outputs)
     if not flat_outputs or not all(
         isinstance(t, keras.KerasTensor) and hasattr(t, "_keras_history") for t in flat_outputs
