@@ -563,6 +563,54 @@ def test_a_replaced_head_trains_on_without_compile_as_in_plain_keras(strategy):
         swapped.fit(x, y, batch_size=4, verbose=0)
 
 
+class _FineTuned(keras.Model):
+    """Keras' fine-tuning pattern: a frozen backbone called with `training=False`, and a
+    Dropout always on (`training=True`, Monte Carlo dropout)."""
+
+    def __init__(self, stage, **kwargs):
+        super().__init__(**kwargs)
+        self.stage = stage
+        inputs = keras.Input((6,))
+        self.backbone = keras.Model(
+            inputs, keras.layers.BatchNormalization()(keras.layers.Dense(6)(inputs)))
+        self.drop = keras.layers.Dropout(0.5, seed=3)
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x, training=None):
+        with self.stage(0):
+            h = self.backbone(x, training=False)
+        with self.stage(1):
+            return self.head(self.drop(h, training=True))
+
+
+def test_a_subclassed_models_explicit_training_values_are_kept(strategy):
+    # The pipeline gave every call the run's `training`: the frozen backbone's
+    # BatchNormalization trained (loss 1.60 for 4.56) and predict dropped nothing.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    keras.utils.set_random_seed(0)
+    plain = _FineTuned(lambda _: contextlib.nullcontext())
+    plain(x[:4])
+    plain.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=4),
+                  loss="mse")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _FineTuned(ipu.keras.PipelineStage)
+        model(x[:4])
+    model.set_weights(plain.get_weights())
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                 gradient_accumulation_reduction_method="mean")
+    args = dict(batch_size=4, shuffle=False, verbose=0)
+    np.testing.assert_allclose(model.fit(x, y, **args).history["loss"],
+                               plain.fit(x, y, **args).history["loss"], rtol=1e-5)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
+    moving_mean = [w for w in model.weights if "moving_mean" in w.path][0]
+    np.testing.assert_array_equal(moving_mean.numpy(), 0.0)  # frozen: never moved
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=4, verbose=0),
+                               plain.evaluate(x, y, batch_size=4, verbose=0), rtol=1e-5)
+
+
 class _TiedOutput(keras.layers.Layer):
     """Logits from an `Embedding`'s matrix, which it holds (a tied embedding)."""
 

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
@@ -41,6 +41,9 @@ class Graph:
         outputs: The flat output `KerasTensor`s.
         inputs_struct: The inputs in the structure `call` takes.
         outputs_struct: The outputs in the structure `call` returns.
+        fixed_training: Of a subclassed model's traced calls, those that keep
+            the `training` they were given (by node id), as plain Keras runs
+            `call` itself; the others (and a Functional model's) take the run's.
 
     Example:
 
@@ -52,6 +55,9 @@ class Graph:
     outputs: tuple
     inputs_struct: Any
     outputs_struct: Any
+    # A traced `call`'s layer calls (by node id) that keep the `training` they were
+    # given (an explicit `training=False`, or none), not the run's: see `_trace`.
+    fixed_training: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,14 +315,19 @@ def _trace(model: Any, specs: Any) -> Graph:
                                     keep_batch)
         except TraceError:
             raise error from None
-    if parameter is None or not staged:
+    given = {id(node): _given_training(node) for node in post_order(graph)}
+    if parameter is None:  # `call` never sees the run's `training`: no call does
+        return dataclasses.replace(graph, fixed_training=given)
+    # Traced with `training=None`, a call given True or False was given a constant.
+    constants = {} if required else {k: v for k, v in given.items() if isinstance(v, bool)}
+    if not staged:
         # Only a model that enters stage scopes is pipelined by its trace; another's
         # layers are not built by a training trace plain Keras would not make.
-        return graph
+        return dataclasses.replace(graph, fixed_training=constants)
     try:
         training_graph, _ = _traced(model, specs, {"training": True}, keep_batch)
     except TraceError:
-        return graph  # not traceable in training: nothing to compare (as before)
+        return dataclasses.replace(graph, fixed_training=constants)
     inference, training = _layer_calls(graph), _layer_calls(training_graph)
     if [kind for kind, _ in inference] != [kind for kind, _ in training]:
         raise TraceError(model, staged, ValueError(
@@ -327,7 +338,16 @@ def _trace(model: Any, specs: Any) -> Graph:
             "each layer getting `training` as it runs: make the same calls whatever "
             "`training` is (Dropout, BatchNormalization and the augmentation layers take "
             "`training` themselves)."))
-    return graph
+    # A call given the same `training` in both traces keeps it (`self.backbone(x,
+    # training=False)`, or none); one given `call`'s own takes the run's.
+    return dataclasses.replace(graph, fixed_training={
+        id(a): _given_training(a) for a, b in zip(post_order(graph), post_order(training_graph))
+        if _given_training(a) == _given_training(b)})
+
+
+def _given_training(node: Any) -> Any:
+    """The `training` a traced call was given (`None` when none)."""
+    return node.arguments.kwargs.get("training")
 
 
 def _layer_calls(graph: Graph) -> list[tuple[str, str]]:

@@ -34,6 +34,9 @@ class StageCall:
         input_keys: Keys of the call's input tensors, one per entry of
             `node.arguments.keras_tensors` (same order).
         output_keys: Keys of the call's outputs, one per `node.outputs`.
+        training: The `training` the call keeps whatever the run's (a
+            subclassed model's `self.backbone(x, training=False)`), or
+            `tree.FOLLOWS_RUN`.
         path: Names of the nested models the call is inside, outermost
             first (`()` for a call of the model itself).
 
@@ -49,6 +52,7 @@ class StageCall:
     input_keys: tuple[TensorKey, ...]
     output_keys: tuple[TensorKey, ...]
     path: tuple[str, ...] = ()
+    training: Any = tree.FOLLOWS_RUN
 
     @property
     def operation(self) -> Operation:
@@ -184,7 +188,8 @@ def call_arguments(
     # Every Keras layer takes `training` in `__call__`, whether or not its `call` does: it
     # reaches the layers inside through the call context (a BatchNormalization in a block).
     if training is not None and "training" in getattr(call.operation, "_call_context_args", ()):
-        kwargs = {**kwargs, "training": training}
+        kwargs = {**kwargs, "training": training if call.training == tree.FOLLOWS_RUN
+                  else call.training}
     return args, kwargs
 
 
@@ -220,7 +225,8 @@ def make_plan(
     for leaf in leaves:
         stage = leaf.entry.stage
         stages[stage].append(
-            StageCall(leaf.entry.node, stage, leaf.input_keys, leaf.output_keys, leaf.path)
+            StageCall(leaf.entry.node, stage, leaf.input_keys, leaf.output_keys, leaf.path,
+                      leaf.training)
         )
         for key in leaf.input_keys:
             last_use[key] = max(last_use.get(key, -1), stage)

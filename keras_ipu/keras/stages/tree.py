@@ -447,6 +447,10 @@ def _check_sequential_order(level: AssignmentTree) -> None:
 # Expansion into leaf calls with tensor keys (dependencies, plans).
 
 
+# A call that takes the run's `training` (`Leaf.training`, `StageCall.training`).
+FOLLOWS_RUN = "follows the run"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Leaf:
     """One layer call of the expanded model, with the keys of its tensors.
@@ -456,6 +460,8 @@ class Leaf:
         path: Names of the nested models it is inside, outermost first.
         input_keys: Keys of its input tensors.
         output_keys: Keys of its outputs.
+        training: The `training` the call keeps whatever the run's
+            (`FOLLOWS_RUN`: it takes the run's).
 
     Example:
 
@@ -467,6 +473,7 @@ class Leaf:
     path: tuple[str, ...]
     input_keys: tuple[int, ...]
     output_keys: tuple[int, ...]
+    training: Any = FOLLOWS_RUN
 
 
 class TensorKeys:
@@ -515,27 +522,36 @@ def _nested_input_keys(entry: Entry, env: dict[int, int]) -> list[int]:
 
 
 def _expand(
-    level: AssignmentTree, input_keys: list[int], keys: TensorKeys, path: tuple, leaves: list[Leaf]
+    level: AssignmentTree, input_keys: list[int], keys: TensorKeys, path: tuple,
+    leaves: list[Leaf], training: Any = FOLLOWS_RUN,
 ) -> list[int]:
-    """Appends `level`'s leaf calls to `leaves`; returns the keys of its outputs."""
+    """Appends `level`'s leaf calls to `leaves`; returns the keys of its outputs.
+
+    `training` is what a nested model's call was given, when it keeps it: its
+    calls keep it too.
+    """
     if level.graph is None:  # a Sequential model that is not built: a chain
         current = list(input_keys)
         for entry in level.entries:
             if entry.child is not None:
                 wanted = len(entry.child.graph.inputs) if entry.child.graph else len(current)
                 bound = current if len(current) == wanted else [current[0]] * wanted
-                current = _expand(entry.child, bound, keys, path + (name_of(entry.op),), leaves)
+                current = _expand(entry.child, bound, keys, path + (name_of(entry.op),), leaves,
+                                  training)
             else:
                 output = keys.new(None)
-                leaves.append(Leaf(entry, path, tuple(current), (output,)))
+                leaves.append(Leaf(entry, path, tuple(current), (output,), training))
                 current = [output]
         return current
     env = {id(t): key for t, key in zip(level.graph.inputs, input_keys)}
+    fixed = level.graph.fixed_training
     for entry in _graph_entries(level):
         node = entry.node
+        kept = fixed.get(id(node), FOLLOWS_RUN) if training == FOLLOWS_RUN else training
         if entry.child is not None:
             inner = _nested_input_keys(entry, env)
-            outputs = _expand(entry.child, inner, keys, path + (name_of(entry.op),), leaves)
+            outputs = _expand(entry.child, inner, keys, path + (name_of(entry.op),), leaves,
+                              kept)
             if len(outputs) != len(node.outputs):
                 raise ValueError(
                     f"Nested model {name_of(entry.op)} returns {len(outputs)} tensor(s) but its "
@@ -546,7 +562,7 @@ def _expand(
             inputs = tuple(env[id(t)] for t in node.arguments.keras_tensors)
             outputs = tuple(keys.new(t) for t in node.outputs)
             env.update({id(t): key for t, key in zip(node.outputs, outputs)})
-            leaves.append(Leaf(entry, path, inputs, outputs))
+            leaves.append(Leaf(entry, path, inputs, outputs, kept))
     return [env[id(t)] for t in level.graph.outputs]
 
 
