@@ -50,32 +50,36 @@ class BiasScaledSGD(keras.optimizers.SGD):
         return super().update_step(gradient * scale, variable, learning_rate)
 
 
-class EnergySGD(keras.optimizers.Optimizer):
-    """One variable over every weight: the sum of all squared gradients."""
+class _ScalarState:
+    """An optimizer mixin: one variable over every weight, named `state_name`."""
+
+    state_name = "state"
 
     def build(self, variables):
         if self.built:
             return
         super().build(variables)
-        self.energy = self.add_variable(shape=(), initializer="zeros", name="energy")
+        self.state = self.add_variable(shape=(), initializer="zeros", name=self.state_name)
+
+
+class EnergySGD(_ScalarState, keras.optimizers.Optimizer):
+    """A state that follows the gradients: the sum of all squared gradients."""
+
+    state_name = "energy"
 
     def update_step(self, gradient, variable, learning_rate):
-        self.assign_add(self.energy, ops.sum(ops.square(gradient)))
-        self.assign_sub(variable, learning_rate * gradient / ops.sqrt(1.0 + self.energy))
+        self.assign_add(self.state, ops.sum(ops.square(gradient)))
+        self.assign_sub(variable, learning_rate * gradient / ops.sqrt(1.0 + self.state))
 
 
-class WarmupSGD(keras.optimizers.SGD):
-    """One variable over every weight that follows the steps alone: the same in every copy."""
+class WarmupSGD(_ScalarState, keras.optimizers.SGD):
+    """A state that follows the steps alone: the same in every copy."""
 
-    def build(self, variables):
-        if self.built:
-            return
-        super().build(variables)
-        self.warm = self.add_variable(shape=(), initializer="zeros", name="warm")
+    state_name = "warm"
 
     def update_step(self, gradient, variable, learning_rate):
-        self.assign(self.warm, ops.cast(self.iterations, "float32"))
-        scale = ops.minimum(1.0, (self.warm + 1.0) / 4.0)
+        self.assign(self.state, ops.cast(self.iterations, "float32"))
+        scale = ops.minimum(1.0, (self.state + 1.0) / 4.0)
         super().update_step(gradient * scale, variable, learning_rate)
 
 
