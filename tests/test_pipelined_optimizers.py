@@ -148,33 +148,26 @@ def test_weight_constraints_hold_on_every_ipu(optimizer):
     assert min(layer.kernel.numpy().min() for layer in model.layers) >= 0.0
 
 
-def test_a_multi_optimizer_is_refused_before_any_step():
-    configure(2)
-    with ipu.ipu_strategy.IPUStrategy().scope():
-        model = _model()
-    before = model.get_weights()
-    model.set_pipeline_stage_assignment([0, 1])
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
+def _multi_optimizer():
     adam, sgd = keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.1)
-    multi = keras.optimizers.MultiOptimizer(lambda v: adam if "bias" in v.path else sgd)
-    model.compile(optimizer=multi, loss="mse", steps_per_execution=GA)
-    with pytest.raises(NotImplementedError, match="MultiOptimizer cannot be split"):
-        model.fit(np.ones((16, 6)), np.ones((16, 3)), batch_size=MICRO, verbose=0)
-    assert_weights_close(before, model.get_weights(), atol=0)
+    return keras.optimizers.MultiOptimizer(lambda v: adam if "bias" in v.path else sgd)
 
 
-def test_a_custom_optimizer_with_state_over_all_weights_is_refused_before_any_step():
+@pytest.mark.parametrize("make, refusal", [
+    (_multi_optimizer, r"MultiOptimizer cannot be split"),
     # Before: each IPU's copy kept its own sum over its own weights (0.019 off plain Keras).
+    (lambda: EnergySGD(0.05), r"EnergySGD keeps variables over all the weights it updates "
+                              r"that follow their gradients \(energy\)"),
+], ids=["multi_optimizer", "state_following_gradients"])
+def test_optimizers_the_copies_cannot_split_are_refused_before_any_step(make, refusal):
     configure(2)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = _model()
     before = model.get_weights()
     model.set_pipeline_stage_assignment([0, 1])
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
-    model.compile(optimizer=EnergySGD(0.05), loss="mse", steps_per_execution=GA)
-    with pytest.raises(NotImplementedError, match=r"EnergySGD keeps variables over all the "
-                                                  r"weights it updates that follow their "
-                                                  r"gradients \(energy\)"):
+    model.compile(optimizer=make(), loss="mse", steps_per_execution=GA)
+    with pytest.raises(NotImplementedError, match=refusal):
         model.fit(np.ones((16, 6)), np.ones((16, 3)), batch_size=MICRO, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
 
