@@ -189,6 +189,28 @@ def test_state_shape_is_the_shape_an_initial_state_takes():
     np.testing.assert_allclose(lstm(x, initial_state=zeros)[0], lstm(x)[0])
 
 
+def test_an_lstm_state_tuple_is_read_by_name_and_a_list_in_keras_order():
+    # The IPU layer documents `initial_state` as an LSTMStateTuple(c, h); Keras' list is [h, c].
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5, 4)).astype("float32")
+    c, h = (rng.normal(size=(3, 6)).astype("float32") for _ in range(2))
+    ours = ipu_layers.PopnnLSTM(6, return_state=True)
+    ours.build(x.shape)
+    keras_own = keras.layers.LSTM(6, return_state=True, recurrent_activation="sigmoid")
+    keras_own.build(x.shape)
+    keras_own.set_weights(ours.get_weights())
+    expected = keras_own(x, initial_state=[h, c])
+    for state in (ipu.rnn_ops.LSTMStateTuple(c=c, h=h), [h, c]):
+        for got, want in zip(ours(x, initial_state=state), expected):
+            np.testing.assert_allclose(got, want, atol=1e-6)
+    inputs = [keras.Input((5, 4)), keras.Input((6,)), keras.Input((6,))]
+    outputs = ipu_layers.PopnnLSTM(6)(inputs[0], initial_state=ipu.rnn_ops.LSTMStateTuple(
+        c=inputs[1], h=inputs[2]))
+    model = keras.Model(inputs, outputs)
+    model.layers[-1].set_weights(ours.get_weights())
+    np.testing.assert_allclose(model([x, c, h]), expected[0], atol=1e-6)
+
+
 @pytest.mark.parametrize("layer_class", [ipu_layers.PopnnLSTM, ipu_layers.PopnnGRU])
 def test_a_float16_layer_builds_with_the_default_orthogonal_weights(layer_class):
     # Keras' Orthogonal has no float16 QR on CPUs (plain Keras' LSTM fails the same

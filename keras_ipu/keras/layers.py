@@ -45,6 +45,7 @@ model = keras.Sequential([
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any
 
@@ -194,6 +195,15 @@ class LayerNormalization(PositionalArguments, keras.layers.LayerNormalization):
         super().__init__(axis=axis, epsilon=epsilon, center=center, scale=scale,
                          beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
                          trainable=trainable, name=name, dtype=dtype, **kwargs)
+
+
+LSTMStateTuple = collections.namedtuple("LSTMStateTuple", ("c", "h"))
+LSTMStateTuple.__doc__ = """An LSTM's state, `(c, h)`, as TensorFlow's `LSTMStateTuple`.
+
+Example:
+
+>>> state = LSTMStateTuple(c=cell_state, h=hidden_state)
+"""
 
 
 class _IPURecurrent(PositionalArguments):
@@ -497,6 +507,14 @@ class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
                  stateful=False, unroll=False, partials_dtype="float32", seed=None,
                  time_major=False, **kwargs):
         self._init_recurrent(keras.layers.LSTM, _arguments(locals()), kwargs)
+
+    def call(self, sequences, initial_state=None, mask=None, training=False):
+        # The IPU layer documents an `LSTMStateTuple(c, h)`: read by name, since
+        # Keras' own order is `[h, c]` (a list keeps Keras' meaning).
+        if isinstance(initial_state, LSTMStateTuple):
+            initial_state = [initial_state.h, initial_state.c]
+        return super().call(sequences, initial_state=initial_state, mask=mask,
+                            training=training)
 
 
 @_register

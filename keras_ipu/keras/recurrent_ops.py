@@ -39,7 +39,6 @@ outputs, (c, h) = lstm(inputs)          # inputs: [time, batch, features]
 
 from __future__ import annotations
 
-import collections
 import inspect
 from typing import Any
 
@@ -47,15 +46,11 @@ import keras
 from keras import ops
 
 from keras_ipu import layer_registration
+from keras_ipu.keras.layers import LSTMStateTuple, float_dtype_choice, poplar_hard_sigmoid
 from keras_ipu.keras.layers import PopnnGRU as _KerasGRU
 from keras_ipu.keras.layers import PopnnLSTM as _KerasLSTM
-from keras_ipu.keras.layers import float_dtype_choice, poplar_hard_sigmoid
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu.rnn_ops")
-
-LSTMStateTuple = collections.namedtuple("LSTMStateTuple", ("c", "h"))
-LSTMStateTuple.__doc__ = """An LSTM's state, `(c, h)`, as TensorFlow's `LSTMStateTuple`."""
-
 
 _ACTIVATIONS = {"tanh": "tanh", "relu": "relu", "softmax": "softmax", "sigmoid": "sigmoid",
                 "hard_sigmoid": poplar_hard_sigmoid}
