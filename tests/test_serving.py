@@ -356,6 +356,9 @@ def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
             keras.layers.Lambda(lambda t: t * 2.0)])
         unbatched.set_pipeline_stage_assignment([0, 0, 1])
         unbatched.compile(steps_per_execution=2)
+        three_options = _pipelined_sequential([0, 1], [0, 1])
+        three_options.set_pipelining_options(forward_propagation_stages_poplar_options=[
+            ipu.pipelining_ops.PipelineStageOptions()] * 3)
     x = np.ones((4, 4), "float32")
     for model, error, message in ((stale, RuntimeError, "no longer valid"),
                                   (three_ipus, ValueError, r"3 mappings != 2 stages"),
@@ -363,7 +366,9 @@ def test_export_refuses_the_pipelines_predict_refuses(tmp_path):
                                   (absent_ipu, ValueError, r"maps a stage to IPU 5, but the "
                                                            r"model's device has 2 IPUs"),
                                   (unbatched, ValueError, r"sends .* of shape \(3,\) to a "
-                                                          r"later stage")):
+                                                          r"later stage"),
+                                  (three_options, ValueError, r"PipelineStageOptions objects "
+                                                              r"of length 2 .* but is 3")):
         with pytest.raises(error, match=message):
             model.predict(x, batch_size=2, verbose=0)
         # Before, export caught the first and served the model unpipelined, wrote the

@@ -438,11 +438,16 @@ def _plan(model: Any):
         RuntimeError, ValueError: For a stage assignment `predict` refuses
             too (a stage without layers, an assignment no longer valid):
             exporting the model unpipelined instead would silently serve
-            another program than the one the model runs.
+            another program than the one the model runs; or, as `predict`,
+            `forward_propagation_stages_poplar_options` without one entry per stage.
     """
     from keras_ipu.keras import pipelined
 
-    return pipelined.plan_of(model)
+    plan = pipelined.plan_of(model)
+    if plan is not None:
+        options.check_stage_poplar_options(options.options_of(model), plan.num_stages,
+                                           training=False)
+    return plan
 
 
 def _device_mapping(model: Any, plan: Any) -> tuple[int, ...]:
