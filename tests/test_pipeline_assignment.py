@@ -255,6 +255,21 @@ def test_scopes_must_assign_every_call(strategy):
         pa.pipeline_plan(model)
 
 
+def test_scopes_using_a_later_stage_fail_at_construction(strategy):
+    # As the reference, which sets the scopes' stages as the model is constructed.
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        with PipelineStage(0):
+            early = keras.layers.Dense(4, name="early")
+            h = early(inputs)
+        with PipelineStage(1):
+            h = keras.layers.Dense(4, name="late")(h)
+        h = early(h)  # the layer's stage, 0, after stage 1
+        with pytest.raises(ValueError, match="Layer early in pipeline stage 0 has a dependency "
+                                             ".* output of layer late in pipeline stage 1"):
+            keras.Model(inputs, h)
+
+
 def test_functional_scopes_as_in_the_seed(strategy):
     with strategy.scope():
         input_layer = keras.layers.Input((28, 28))

@@ -61,6 +61,7 @@ from keras_ipu.keras.stages.tree import (
     apply_assignment,
     check_all_or_none,
     check_assigned,
+    check_dependencies,
     fill_stage,
     graph_signature,
     structure,
@@ -188,13 +189,15 @@ def get_assignment(model: Any) -> list:
 
 
 def check_scope_stages(model: Any) -> None:
-    """Raises when `PipelineStage` scopes gave a stage to some of a graph's calls but not all.
+    """Raises when `PipelineStage` scopes gave a stage to some of a graph's calls but not
+    all, or a call uses the output of a later stage.
 
     The reference checks a Functional model when it is constructed; a
     subclassed model's calls are known only once it is traced.
 
     Raises:
-        ValueError: Naming the first call without a stage.
+        ValueError: Naming the first call without a stage, or the call that
+            uses a later stage's output.
 
     Example:
 
@@ -203,7 +206,11 @@ def check_scope_stages(model: Any) -> None:
     kind = model_kind(model)
     if kind != FUNCTIONAL or not _state(model).use_annotations:
         return
-    check_all_or_none(structure(model, kind, model_graph(model, kind, action="get"), True))
+    level = structure(model, kind, model_graph(model, kind, action="get"), True)
+    # As the reference's `set_pipeline_stage_assignment` from the scopes' stages; an
+    # empty stage is left to the run, since a nested model may use only later stages.
+    if check_all_or_none(level):
+        check_dependencies(level)
 
 
 def set_assignment(model: Any, pipeline_stage_assignment: Any) -> None:

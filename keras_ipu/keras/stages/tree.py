@@ -622,6 +622,22 @@ def _check_dependencies(leaves: list[Leaf]) -> None:
             producer[key] = leaf
 
 
+def check_dependencies(level: AssignmentTree) -> None:
+    """Raises when a layer call uses the output of a later stage.
+
+    Args:
+        level: A tree with every layer call assigned.
+
+    Raises:
+        ValueError: Naming the call and the later stage's layer it uses.
+
+    Example:
+
+    >>> check_dependencies(tree)   # PipelineStage scopes, as the model is constructed
+    """
+    _check_dependencies(_expand_root(level)[0])
+
+
 def check_assigned(
     level: AssignmentTree, runtime: bool = False
 ) -> tuple[list[Leaf], list[int], list[int], TensorKeys]:
