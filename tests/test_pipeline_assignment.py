@@ -371,6 +371,16 @@ def test_subclassed_model_must_be_built(strategy):
         model.set_pipeline_stage_assignment([])
 
 
+@pytest.mark.parametrize("shape", ["28,28", 28, None, [(None, 32), "x"]])
+def test_a_subclassed_model_built_with_no_shape_is_told_what_build_takes(strategy, shape):
+    with strategy.scope():
+        model = with_mixin(Tower(name="badly_built"))
+    model.build(shape)  # Keras marks it built whatever it is given
+    with pytest.raises(ValueError, match=r"Specified input shape is not one of the valid "
+                                         r"types\. .* User provided input type: <class"):
+        model.get_pipeline_stage_assignment()
+
+
 def test_untraceable_subclassed_model_is_not_pipelined(strategy):
     class Opaque(keras.Model):
         def call(self, inputs):

@@ -283,15 +283,41 @@ def _symbolic_inputs(specs: Any, default_dtype: str, keep_batch: bool = False) -
 
 def _build_specs(model: Any, config: dict) -> Any:
     if "input_shape" in config:
-        return config["input_shape"]
+        return _checked_build_shape(config["input_shape"])
     shapes = config.get("shapes_dict") or {}
     if len(shapes) == 1:
-        return next(iter(shapes.values()))
+        return _checked_build_shape(next(iter(shapes.values())))
     raise ValueError(
         f"Model `{assignments.name_of(model)}` was built with several input arguments "
         f"({sorted(shapes)}); pipelining traces `call` with a single `inputs` argument "
         f"(use a list or dict of tensors)."
     )
+
+
+def _checked_build_shape(specs: Any) -> Any:
+    """`specs` when it is what `build` takes: a shape, a list or dict of them, `keras.Input`s.
+
+    Raises:
+        ValueError: The reference's, naming the type given.
+    """
+    def is_shape(value: Any) -> bool:
+        return isinstance(value, (tuple, list)) and all(
+            d is None or (isinstance(d, numbers.Integral) and not isinstance(d, bool))
+            for d in value)
+
+    def valid(value: Any) -> bool:
+        if is_shape(value) or (hasattr(value, "shape") and hasattr(value, "dtype")):
+            return True
+        if isinstance(value, dict):
+            return bool(value) and all(map(valid, value.values()))
+        return isinstance(value, (tuple, list)) and bool(value) and all(map(valid, value))
+
+    if not valid(specs):
+        raise ValueError(
+            f"Specified input shape is not one of the valid types. Please specify a batch "
+            f"input shape of type tuple, a list of input shapes, or a `keras.Input`. User "
+            f"provided input type: {type(specs)}")
+    return specs
 
 
 def _trace(model: Any, specs: Any) -> Graph:
