@@ -139,6 +139,63 @@ def _generator(x, y, batch, forever=False):
             return
 
 
+def _refilled_generator(x, y, batch):
+    """Yields one pair of arrays, refilled for each batch, as many input pipelines do.
+
+    The first two batches are arrays of their own: Keras' generator adapter
+    keeps those it peeks at (two, for their specs) to replay them.
+    """
+    for i in range(0, 2 * batch, batch):
+        yield x[i : i + batch].copy(), y[i : i + batch].copy()
+    x_buffer, y_buffer = np.empty((batch, *x.shape[1:]), x.dtype), np.empty(
+        (batch, *y.shape[1:]), y.dtype)
+    for i in range(2 * batch, len(x), batch):
+        x_buffer[:], y_buffer[:] = x[i : i + batch], y[i : i + batch]
+        yield x_buffer, y_buffer
+
+
+class _RefilledBatches(ArrayBatches):
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        if not hasattr(self, "buffers"):
+            self.buffers = np.empty_like(x), np.empty_like(y)
+        self.buffers[0][:], self.buffers[1][:] = x, y
+        return self.buffers
+
+
+def test_a_refilled_batch_array_is_read_as_it_was_yielded(strategy):
+    # An execution stacks its batches once all are read: each is copied as read. (Plain
+    # Keras stacks the steps of an execution too: it is given a new array per batch.)
+    plain, model = twin("sequential", strategy, steps_per_execution=3)
+    x, y = data_for("sequential", samples=48)
+    expected = plain.fit(_generator(x, y, 4), steps_per_epoch=12, verbose=0)
+    actual = model.fit(_refilled_generator(x, y, 4), steps_per_epoch=12, verbose=0)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+    np.testing.assert_allclose(model.evaluate(_refilled_generator(x, y, 4), steps=12, verbose=0),
+                               plain.evaluate(x, y, batch_size=4, verbose=0), atol=1e-6)
+    expected = plain.predict(x, batch_size=4, verbose=0)
+    np.testing.assert_allclose(model.predict(_RefilledBatches(x, y, 4), verbose=0), expected,
+                               atol=1e-6)
+    np.testing.assert_allclose(model.predict(_refilled_generator(x, y, 4), steps=12,
+                                             verbose=0), expected, atol=1e-6)
+
+
+def test_a_generators_batches_in_equivalent_keras_forms_are_one_form(strategy):
+    # As Keras' unpack_x_y_sample_weight: [x, y] and (x, y, None) are (x, y).
+    plain, model = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+
+    def mixed():
+        for i, (xb, yb) in enumerate(_generator(x, y, 4)):
+            yield ((xb, yb), [xb, yb], (xb, yb, None), [xb, yb, None])[i % 4]
+
+    expected = plain.fit(mixed(), steps_per_epoch=8, verbose=0)
+    actual = model.fit(mixed(), steps_per_epoch=8, verbose=0)
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
 def test_unknown_size_needs_steps(strategy):
     _, model = twin("sequential", strategy, steps_per_execution=2)
     x, y = data_for("sequential", samples=32)

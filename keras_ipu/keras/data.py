@@ -563,7 +563,9 @@ class AdapterFeed:
         if self._iterator is None:
             self._iterator = iter(self._adapter.get_numpy_iterator())
         batch = host_data.as_tuple(next(self._iterator))
-        batch = jax.tree_util.tree_map(host_data.host_array, batch)
+        # Copied: the batches of an execution are stacked once all are read, and a
+        # generator or PyDataset may refill one array for each batch, as Keras copies it.
+        batch = jax.tree_util.tree_map(lambda v: host_data.host_array(v, copy=True), batch)
         self._seen += 1
         self._check_shapes(batch)
         return batch

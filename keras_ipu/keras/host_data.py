@@ -33,8 +33,32 @@ def stack(batches: list[Any]) -> Any:
 
 
 def as_tuple(batch: Any) -> tuple:
-    """A batch as Keras' `(x, y, sample_weight)`-style tuple."""
-    return batch if isinstance(batch, tuple) else (batch,)
+    """A batch as Keras' `(x, y, sample_weight)`-style tuple.
+
+    As Keras' `unpack_x_y_sample_weight`, a list is such a tuple and a
+    trailing `None` (no targets, no weights) is no part: `[x, y]` and
+    `(x, y, None)` are the batch `(x, y)`.
+    """
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple):
+        return (batch,)
+    while len(batch) > 1 and batch[-1] is None:
+        batch = batch[:-1]
+    return batch
+
+
+def host_array(value: Any, copy: bool = False) -> np.ndarray:
+    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers).
+
+    With `copy`, never `value`'s own memory: a generator may refill the array
+    it yielded before the batch is used.
+    """
+    array = np.asarray(value)
+    dtype = _host_dtype(array.dtype, backend.floatx())
+    if dtype is not None:
+        return array.astype(dtype)
+    return array.copy() if copy and isinstance(value, np.ndarray) else array
 
 
 def as_arrays(data: Any) -> Any | None:
@@ -49,11 +73,6 @@ def as_arrays(data: Any) -> Any | None:
     return None
 
 
-def host_array(value: Any) -> np.ndarray:
-    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
-    array = np.asarray(value)
-    dtype = _host_dtype(array.dtype, backend.floatx())
-    return array if dtype is None else array.astype(dtype)
 
 
 @functools.lru_cache(maxsize=64)
