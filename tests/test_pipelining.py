@@ -903,6 +903,29 @@ def test_regularizers_and_added_losses_count_in_every_stage(schedule, strategy):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("penalty, reduction", [(False, "none"), (True, "sum_over_batch_size")])
+def test_evaluate_counts_the_stages_losses_only_when_they_add_one(penalty, reduction, strategy):
+    # Without additional losses `model.losses` is empty, so a per-sample loss
+    # (reduction="none") evaluates, as in plain Keras; an `add_loss` alone still counts.
+    x, y = data_for("sequential", samples=32)
+
+    def build():
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 *([_Penalty()] if penalty else []), keras.layers.Dense(3)])
+
+    keras.utils.set_random_seed(1)
+    plain = build()
+    with strategy.scope():
+        model = build()
+    model.set_weights(plain.get_weights())
+    model.set_pipeline_stage_assignment([0, 1, 1] if penalty else [0, 1])
+    for m in (plain, model):
+        m.compile(loss=keras.losses.MeanSquaredError(reduction=reduction), steps_per_execution=4)
+    configure(2)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=MICRO, verbose=0),
+                               plain.evaluate(x, y, batch_size=MICRO, verbose=0), rtol=1e-5)
+
+
 def test_the_stash_keeps_activations_not_weights():
     import jax
 

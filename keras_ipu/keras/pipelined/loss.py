@@ -30,7 +30,8 @@ def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool,
     Returns:
         `(loss, new metrics values)`; `extra_loss` counts as `model.losses`
         (the stages' regularizers and `add_loss` values, computed where their
-        layers run).
+        layers run); `None` where the stages have none (`model.losses` is
+        then empty, so a loss of `reduction="none"` evaluates as in Keras).
 
     Raises:
         ValueError: When the loss reads a weight of another stage.
@@ -45,7 +46,7 @@ def stage_loss(model, metrics_values, batch, y_pred, extra_loss, training: bool,
     mapping += list(zip(model.metrics_variables, metrics_values))
     elsewhere = {id(v): v for i, v in enumerate(trainable) if i not in weights}
     previous = model._losses_override
-    model._losses_override = [extra_loss]
+    model._losses_override = [] if extra_loss is None else [extra_loss]
     try:
         with _LastStageScope(mapping, elsewhere) as scope:
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,

@@ -132,7 +132,7 @@ class PipelinedModel:
                            for s in range(self.num_stages)]
         # Per input shape: the layers' shapes and types (the graph may leave an axis
         # `None`, and types a layer's output by its compute dtype).
-        self._traced_samples: dict[tuple, dict] = {}
+        self._traced_samples: dict[tuple, samples.TracedSamples] = {}
         self._place_variables(training)
 
     def samples(self, x) -> Mapping[Any, boundary.Sample]:
@@ -146,6 +146,14 @@ class PipelinedModel:
             The shapes and types the layers give `x` (worked out once per
             input shape).
         """
+        return self._traced(x).samples
+
+    def adds_losses(self, x) -> bool:
+        """Whether a layer call adds a loss (`add_loss`, an activity regularizer) in
+        inference, for inputs like `x` (one micro-batch)."""
+        return self._traced(x).adds_losses
+
+    def _traced(self, x) -> samples.TracedSamples:
         signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
         if signature not in self._traced_samples:
             variables = self.model.trainable_variables + self.model.non_trainable_variables
@@ -471,6 +479,7 @@ class StageRunner:
             self.regularized.append([
                 (i, model.trainable_variables[i].regularizer) for i in own
                 if getattr(model.trainable_variables[i], "regularizer", None) is not None])
+        self.adds_losses = any(self.regularized)  # the weights' (the layers': `p.adds_losses`)
 
     def _unpack(self, part: str, ipu: int, flats) -> dict[int, Any]:
         arrays = self.state.layouts[part][ipu].unpack(flats)
@@ -615,6 +624,8 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         if mode == "predict":
             return y_pred, non_trainable, metrics
         last_weights = runner.trainable(p.device_mapping[-1], trainable)
+        if not (runner.adds_losses or p.adds_losses(x)):
+            extra_loss = None  # `model.losses` is empty, as plain Keras' in `evaluate`
         loss, metrics_vars = stage_loss(model, metrics_layout.unpack(metrics), batch, y_pred,
                                         extra_loss, training=False, weights={
                                             i: last_weights[i]

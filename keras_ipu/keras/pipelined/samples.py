@@ -12,15 +12,15 @@ built for, as Keras' own jit traces a step per input shape.
 Example:
 
 ```python
-samples = samples_for(plan, variables, x)   # x: one micro-batch of the model inputs
-samples[key].width                          # values per sample in the bundle
+traced = samples_for(plan, variables, x)    # x: one micro-batch of the model inputs
+traced.samples[key].width                   # values per sample in the bundle
 ```
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import keras
@@ -31,7 +31,20 @@ from keras_ipu.keras import stages
 from keras_ipu.keras.pipelined.boundary import Sample, symbolic_mask
 
 
-def samples_for(plan, variables: Sequence[Any], x) -> dict[Any, Sample]:
+class TracedSamples(NamedTuple):
+    """What tracing the layers on a micro-batch's shapes found.
+
+    Attributes:
+        samples: Per tensor key of the plan, its `Sample`.
+        adds_losses: Whether a layer call added a loss (`add_loss`, an
+            activity regularizer) in inference.
+    """
+
+    samples: dict[Any, Sample]
+    adds_losses: bool
+
+
+def samples_for(plan, variables: Sequence[Any], x) -> TracedSamples:
     """Every tensor's `Sample` for a micro-batch of inputs like `x`.
 
     The graph's layer calls are traced on `x`'s shapes (nothing runs; the
@@ -46,35 +59,40 @@ def samples_for(plan, variables: Sequence[Any], x) -> dict[Any, Sample]:
             structs, the batch first), structured as `plan.inputs_struct`.
 
     Returns:
-        Per tensor key of the plan, its `Sample`.
+        `TracedSamples`: per tensor key of the plan, its `Sample`; whether
+        the calls added losses.
 
     Raises:
         Whatever a layer raises for inputs of these shapes.
 
     Example:
 
-    >>> samples_for(plan, model.variables, np.zeros((4, 7, 3)))[key].shape
+    >>> samples_for(plan, model.variables, np.zeros((4, 7, 3))).samples[key].shape
     (7, 8)
     """
     specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
     inputs = jax.eval_shape(plan.flat_inputs, jax.tree_util.tree_map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), x))
-    traced = jax.eval_shape(lambda values, flat: _every_tensor(plan, variables, values, flat),
-                            specs, inputs)
-    return {key: _sample(plan.tensors[key], value, mask)
-            for key, (value, mask) in traced.items()}
+    losses: list[int] = []  # filled as the trace runs
+    traced = jax.eval_shape(
+        lambda values, flat: _every_tensor(plan, variables, values, flat, losses), specs, inputs)
+    return TracedSamples({key: _sample(plan.tensors[key], value, mask)
+                          for key, (value, mask) in traced.items()}, bool(losses[0]))
 
 
-def _every_tensor(plan, variables, values, flat_inputs) -> Mapping[Any, tuple]:
-    """Each tensor's value and the mask it carries, running every stage's calls in turn."""
+def _every_tensor(plan, variables, values, flat_inputs, losses: list) -> Mapping[Any, tuple]:
+    """Each tensor's value and the mask it carries, running every stage's calls in turn;
+    appends to `losses` how many losses the calls added."""
     env = dict(zip(plan.input_keys, flat_inputs))
     # Within a scope: a layer's state updates and losses stay out of its variables.
-    with keras.StatelessScope(state_mapping=list(zip(variables, values)), collect_losses=True):
+    with keras.StatelessScope(state_mapping=list(zip(variables, values)),
+                              collect_losses=True) as scope:
         for calls in plan.stages:
             for call in calls:
                 args, kwargs = stages.call_arguments(call, env, training=False)
                 outputs = call.operation(*args, **kwargs)
                 env.update(zip(call.output_keys, tree.flatten(outputs)))
+        losses.append(len(scope.losses))
     return {key: (value, masking.get_keras_mask(value)) for key, value in env.items()}
 
 
@@ -92,4 +110,4 @@ def _sample(tensor, value, mask) -> Sample:
     return Sample(tuple(value.shape[1:]), tuple(shape[1:]), dtype)
 
 
-__all__ = ["samples_for"]
+__all__ = ["TracedSamples", "samples_for"]
