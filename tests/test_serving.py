@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import warnings
 
@@ -589,6 +590,13 @@ def test_dict_outputs_are_served_under_their_keys_and_renamed_in_their_order(str
     np.testing.assert_allclose(got["a"], expected["alpha"][:2], atol=1e-6)
     with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\], in that order"):
         model.export_for_ipu_serving(str(tmp_path / "bad"), batch_size=2, output_names=["z"])
+    # An OrderedDict flattens in its own order, not by sorted keys.
+    ordered = model.export_for_ipu_serving(
+        str(tmp_path / "ordered"), batch_size=2, postprocessing_step=lambda out: (
+            collections.OrderedDict([("zeta", out["zeta"]), ("alpha", out["alpha"])])))
+    got = ordered(x[:2])
+    np.testing.assert_allclose(got["zeta"], expected["zeta"][:2], atol=1e-6)
+    np.testing.assert_allclose(got["alpha"], expected["alpha"][:2], atol=1e-6)
 
 
 def test_several_outputs_come_back_as_the_reference_returns_them(strategy, tmp_path):

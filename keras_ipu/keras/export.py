@@ -377,6 +377,19 @@ def _prepare_directory(export_dir: str, purge: bool) -> None:
     os.makedirs(export_dir, exist_ok=True)
 
 
+def _positions_in(flat: Sequence[Any], values: Sequence[Any]) -> list[int]:
+    """For each entry of `flat`, the index of the value it is in `values` (by identity).
+
+    The flat order is the tree's (a dict's sorted keys, an `OrderedDict`'s own
+    order); a value given twice takes two entries.
+    """
+    order: list[int | None] = [None] * len(flat)
+    for index, value in enumerate(values):
+        at = next(i for i, entry in enumerate(flat) if entry is value and order[i] is None)
+        order[at] = index
+    return order
+
+
 class _ReturnedStructure:
     """What the exported program returns, seen as it is traced: its outputs' names.
 
@@ -401,7 +414,7 @@ class _ReturnedStructure:
                 value is None or isinstance(value, (Mapping, list, tuple))
                 for value in outputs.values()):
             self._keys = [str(key) for key in outputs]
-            self._flat_order = tree.flatten({key: i for i, key in enumerate(outputs)})
+            self._flat_order = _positions_in(flat, list(outputs.values()))
         return flat
 
     def names(self, given: str | Sequence[str] | None) -> list[str]:
