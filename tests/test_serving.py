@@ -472,11 +472,38 @@ def test_a_subclassed_model_exports_the_dtype_it_was_called_with(strategy, tmp_p
     assert runtime(tokens).dtype == np.int32
     np.testing.assert_array_equal(runtime(tokens), expected)
     np.testing.assert_array_equal(runtime(tokens), [[16777218, 4]])
-    # Float inputs are cast to the model's input dtype by Keras, so float64 data is float32;
-    # a model never called has float32 inputs.
+    # Float data reaches `call` in Keras' floatx, as predict feeds it, so float64 data is
+    # float32; a model never called has float32 inputs.
     built([np.ones((2, 4)), np.ones((2, 2))])
     exported = built.export_for_ipu_serving(tmp_path / "built", batch_size=2)
     assert [i["dtype"] for i in exported.inputs] == ["float32", "float32"]
+
+
+class _Float32Head(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = keras.layers.Dense(1, dtype="float32")
+
+    def call(self, x):
+        return self.head(x)
+
+
+def test_a_mixed_precision_subclassed_model_serves_its_float32_layers_unrounded_data(
+        strategy, tmp_path):
+    # Keras' predict gives `call` the data uncast; the export took the policy's bfloat16
+    # input, rounding what the float32 head saw (-26.59 where predict gave -26.28).
+    x = (np.random.default_rng(0).normal(size=(4, 3)) * 100).astype("float32")
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        with strategy.scope():
+            model = _Float32Head()
+            model(x)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    runtime = model.export_for_ipu_serving(tmp_path / "mixed", batch_size=4)
+    assert runtime.inputs == [{"name": "input_0", "shape": [4, 3], "dtype": "float32"}]
+    np.testing.assert_allclose(runtime(x), model.predict(x, batch_size=4, verbose=0),
+                               rtol=1e-6, atol=1e-4)
 
 
 def test_a_pipeline_stage_forwarding_integers_exports_their_type(tmp_path):

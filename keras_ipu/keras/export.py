@@ -266,18 +266,20 @@ def _built_inputs(model: Any) -> Any:
     if called is None or len(called) != len(flat):
         return structure
     return tree.pack_sequence_as(structure, [
-        KerasTensor(t.shape, dtype=_received_dtype(model, d)) for t, d in zip(flat, called)])
+        KerasTensor(t.shape, dtype=_received_dtype(d)) for t, d in zip(flat, called)])
 
 
-def _received_dtype(model: Any, dtype: str) -> str:
-    """The dtype a model's `call` receives for an input of `dtype`.
+def _received_dtype(dtype: str) -> str:
+    """The dtype `predict` gives a model's `call` for data of `dtype`.
 
-    Keras casts float inputs to the model's input dtype (`autocast`, as
-    `DTypePolicy.convert_input` does); other dtypes pass unchanged.
+    Float data arrives in Keras' floatx, and `call` gets it uncast (Keras'
+    `predict` runs `stateless_call`: a mixed-precision model's float32 layers
+    see the data unrounded, its other layers cast it themselves); integer
+    data as the infeed keeps it.
     """
     dtype = keras.backend.standardize_dtype(dtype)
-    if getattr(model, "autocast", False) and keras.backend.is_float_dtype(dtype):
-        return keras.backend.standardize_dtype(model.input_dtype)
+    if keras.backend.is_float_dtype(dtype):
+        return keras.backend.floatx()
     return dtype
 
 
