@@ -212,7 +212,11 @@ def test_ctrl_c_stops_the_server_cleanly(served):
     np.array([[1.0, np.nan, np.inf]], "float32"),   # not finite: json.dumps
     np.arange(6, dtype="int32").reshape(2, 3),
     np.array([[True, False]]),
-], ids=["float32", "float32-extremes", "float16", "float64", "non-finite", "int32", "bool"])
+    # All significant digits before the point: "123456792." is no JSON number.
+    np.array([[123456792.0, 1.5], [1e8, 999999936.0]], "float32"),
+    np.array([12344.0, 65504.0], "float16"),
+], ids=["float32", "float32-extremes", "float16", "float64", "non-finite", "int32", "bool",
+        "float32-integral", "float16-integral"])
 def test_json_array_reads_back_exactly(array):
     from keras_ipu.serving.server import json_array
 
@@ -310,6 +314,38 @@ def test_an_output_without_the_batch_dimension_is_served_whole(tmp_path):
     outputs = metadata[1]["metadata"]["signature_def"]["signature_def"]["serving_default"][
         "outputs"]
     assert outputs["output_1"]["tensor_shape"]["dim"] == []
+
+
+def test_the_batcher_gives_a_dict_models_inputs_by_name_not_again_by_key(tmp_path):
+    # Keys that are the other inputs' names: the batcher's call by name was read as the
+    # model's dict keys, swapping the inputs (201 where predict gives 102).
+    import warnings
+
+    from keras_ipu.serving import load
+    from keras_ipu.serving.server import DynamicBatcher, parse_predict
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        first, second = keras.Input((1,), name="b"), keras.Input((1,), name="a")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model = keras.Model({"a": first, "b": second}, 2 * first + second)
+    model.export_for_ipu_serving(tmp_path / "e", batch_size=1)
+    runtime = load(str(tmp_path / "e"))
+    rows, _ = parse_predict(b'{"inputs": {"a": [[1.0]], "b": [[100.0]]}}', runtime)
+
+    async def served():
+        batcher = DynamicBatcher(runtime, max_batch_delay_ms=1)
+        batcher.start()
+        try:
+            return await batcher.predict(rows)
+        finally:
+            await batcher.stop()
+
+    expected = model.predict({"a": np.ones((1, 1)), "b": np.full((1, 1), 100.0)}, batch_size=1,
+                             verbose=0)
+    np.testing.assert_allclose(expected, [[102.0]])
+    np.testing.assert_allclose(asyncio.run(served())["output_0"], expected)
 
 
 def test_json_inputs_cast_by_the_runtimes_same_kind_rule(tmp_path):

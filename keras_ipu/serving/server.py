@@ -127,7 +127,9 @@ class DynamicBatcher:
             inputs[name] = np.concatenate([*rows, pad]) if filled < batch else np.concatenate(rows)
         try:
             outputs = await asyncio.get_running_loop().run_in_executor(
-                self._device, lambda: self.runtime(**inputs))
+                # Positionally, in the export's order: the names are no dict keys to map.
+                self._device, lambda: self.runtime(*(inputs[e["name"]]
+                                                     for e in self.runtime.inputs)))
             self.device_calls += 1
         except Exception as error:  # the device failed: every waiting request hears of it
             _fail(pieces, error)
@@ -399,7 +401,10 @@ def json_array(array: np.ndarray) -> str:
     fmt = _ROUND_TRIP_FORMATS.get(array.dtype)
     if fmt is None or array.ndim == 0 or not np.isfinite(array).all():
         return json.dumps(array.tolist())
-    return _nested_template(array.shape, fmt) % tuple(array.ravel().tolist())
+    text = _nested_template(array.shape, fmt) % tuple(array.ravel().tolist())
+    # A value whose significant digits all precede the point (123456792.) keeps a bare
+    # point, which JSON refuses: it gets a zero.
+    return text.replace(".,", ".0,").replace(".]", ".0]")
 
 
 @functools.lru_cache(maxsize=64)
