@@ -166,6 +166,30 @@ def test_a_missing_array_or_an_unwritable_outdir_is_one_line_and_status_2(export
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_outputs_named_as_paths_are_refused_before_any_file_is_written(tmp_path, capsys):
+    # A dict output's keys are served as names: "../escaped" was written outside --outdir,
+    # and "logits/probs" then failed, with the first output already written.
+    import keras_ipu as ipu
+    from keras_ipu.cli import main
+
+    from conftest import configure
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((2,), batch_size=1, name="x")
+        model = keras.Model(x, {"../escaped": x + 1, "logits/probs": x * 2, "fine": x})
+    model.export_for_ipu_serving(tmp_path / "e")
+    out = tmp_path / "deep" / "out"
+    status = main(["run", "--dir", str(tmp_path / "e"), "--input_exprs", "x=np.ones((1, 2))",
+                   "--outdir", str(out)])
+    assert status == 2
+    assert "output '../escaped' cannot be saved as a file in --outdir" in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
+    # Printed, they are fine.
+    assert main(["run", "--dir", str(tmp_path / "e"), "--input_exprs", "x=np.ones((1, 2))"]) == 0
+    assert "logits/probs: [[2. 2.]]" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["show", "run", "serve", "convert", "demo"])
 def test_every_command_has_help(command):
     result = _cli(command, "--help")

@@ -228,20 +228,40 @@ def _run(args: argparse.Namespace) -> None:
         for name, value in outputs.items():
             print(f"{name}: {np.array2string(value, threshold=64)}")
         return
+    paths = _output_paths(args.outdir, list(outputs), args.overwrite)
     try:
         os.makedirs(args.outdir, exist_ok=True)
     except OSError as error:
         raise CommandError(f"--outdir {args.outdir!r}: cannot make the folder ({error})") from None
-    for name, value in outputs.items():
-        path = os.path.join(args.outdir, f"{name}.npy")
-        if os.path.exists(path) and not args.overwrite:
-            raise CommandError(f"{path} exists; pass --overwrite to replace it")
+    for (name, value), path in zip(outputs.items(), paths):
         value, note = npy_array(np.asarray(value))
         try:
             np.save(path, value)
         except OSError as error:
             raise CommandError(f"--outdir: cannot write {path!r} ({error})") from None
         print(f"{name}: saved to {path}{note}")
+
+
+def _output_paths(outdir: str, names: list[str], overwrite: bool) -> list[str]:
+    """`OUTDIR/<name>.npy` per output, checked before any is written.
+
+    Raises:
+        CommandError: For a name that is no file name (a dict output's key
+            such as `"logits/probs"` or `".."`), or a file that exists
+            without `overwrite`.
+    """
+    for name in names:
+        if not name or name in (".", "..") or any(
+                sep in name for sep in {os.sep, os.altsep or os.sep, "/"}):
+            raise CommandError(
+                f"output {name!r} cannot be saved as a file in --outdir (its name is a "
+                f"path); export the model with `output_names` that are file names, or "
+                f"leave out --outdir to print the outputs")
+    paths = [os.path.join(outdir, f"{name}.npy") for name in names]
+    for path in paths:
+        if os.path.exists(path) and not overwrite:
+            raise CommandError(f"{path} exists; pass --overwrite to replace it")
+    return paths
 
 
 def npy_array(value: np.ndarray) -> tuple[np.ndarray, str]:
