@@ -617,6 +617,16 @@ def test_dict_outputs_are_served_under_their_keys_and_renamed_in_their_order(str
     np.testing.assert_allclose(got["a"], expected["alpha"][:2], atol=1e-6)
     with pytest.raises(ValueError, match=r"keys \['zeta', 'alpha'\], in that order"):
         model.export_for_ipu_serving(str(tmp_path / "bad"), batch_size=2, output_names=["z"])
+    # Keys that are the same text, and a None among the outputs, are refused before
+    # anything is written (the export was written, then refused by its own runtime).
+    with pytest.raises(ValueError, match=r"dict keys give the names \['1', '1'\], some twice"):
+        model.export_for_ipu_serving(str(tmp_path / "same"), batch_size=2,
+                                     postprocessing_step=lambda out: {1: out["zeta"],
+                                                                      "1": out["alpha"]})
+    with pytest.raises(ValueError, match=r"outputs hold None \(at flat position \[1\]\)"):
+        model.export_for_ipu_serving(str(tmp_path / "none"), batch_size=2,
+                                     postprocessing_step=lambda out: (out["zeta"], None))
+    assert not (tmp_path / "same").exists() and not (tmp_path / "none").exists()
     # An OrderedDict flattens in its own order, not by sorted keys.
     ordered = model.export_for_ipu_serving(
         str(tmp_path / "ordered"), batch_size=2, postprocessing_step=lambda out: (

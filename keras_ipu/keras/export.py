@@ -408,8 +408,17 @@ class _ReturnedStructure:
         self._count = 0
 
     def flatten(self, outputs: Any) -> tuple:
-        """The flat outputs, in `keras.tree.flatten`'s order (a dict's sorted keys)."""
+        """The flat outputs, in `keras.tree.flatten`'s order (a dict's sorted keys).
+
+        Raises:
+            ValueError: When an output is `None`.
+        """
         flat = tuple(tree.flatten(outputs))
+        if any(value is None for value in flat):
+            raise ValueError(
+                f"The exported outputs hold None (at flat position "
+                f"{[i for i, v in enumerate(flat) if v is None]}): a served output is a "
+                f"tensor; return only tensors from the model or `postprocessing_step`.")
         self._count = len(flat)
         self._keys = None
         if isinstance(outputs, Mapping) and len(outputs) == len(flat) and not any(
@@ -423,7 +432,8 @@ class _ReturnedStructure:
         """One name per flat output.
 
         Raises:
-            ValueError: `given` does not name each output once.
+            ValueError: `given` does not name each output once, or dict keys
+                that are the same text (`1` and `"1"`) without `given`.
         """
         count = self._count
         if given is not None:
@@ -434,6 +444,10 @@ class _ReturnedStructure:
                     f"{self._keys_hint()}, got {given}.")
         if self._keys is None:
             return given if given is not None else [f"output_{i}" for i in range(count)]
+        if given is None and len(set(self._keys)) != count:
+            raise ValueError(
+                f"The outputs' dict keys give the names {self._keys}, some twice (keys are "
+                f"served as text): rename them with `output_names`.")
         names = given if given is not None else self._keys
         return [names[i] for i in self._flat_order]
 
