@@ -16,6 +16,7 @@ state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Sequence
@@ -191,7 +192,7 @@ def _signature(variables) -> list:
 
 
 def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> Any:
-    """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, allocating nothing.
+    """A clone of `optimizer` built over stand-ins `(path, shape, dtype)`, allocating nothing.
 
     Slots made in a `StatelessScope` wait for values; they are taken off
     Keras' list of variables to initialize, so that none ever is: their
@@ -201,11 +202,26 @@ def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> 
     pending = list(global_state.get_global_attribute("uninitialized_variables") or [])
     try:
         with keras.StatelessScope(initialize_variables=False):
-            clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype,
-                                        name=name) for name, shape, dtype in stand_ins])
+            clone.build([stand_in_variable(*entry) for entry in stand_ins])
     finally:
         global_state.set_global_attribute("uninitialized_variables", pending)
     return clone
+
+
+def stand_in_variable(path: str, shape: Any, dtype: Any) -> keras.Variable:
+    """A zeros variable at `path` (`"model/layer/kernel"`): optimizers that choose by a
+    variable's path (Muon's `exclude_layers`) choose for it as for the variable it stands in for.
+
+    Example:
+
+    >>> stand_in_variable("functional/head/kernel", (8, 3), "float32").path
+    'functional/head/kernel'
+    """
+    *scopes, name = path.split("/")
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(keras.name_scope(scope))
+        return keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
 
 
 def _mapping(per_variable, flat, variables) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

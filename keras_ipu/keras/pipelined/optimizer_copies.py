@@ -177,8 +177,9 @@ def positions(optimizer, copy, trainable: Sequence, ids: Sequence[int]) -> list[
     >>> copy = copy_for(model.optimizer, [model.trainable_variables[i] for i in ids])
     >>> positions(model.optimizer, copy, model.trainable_variables, ids)
     """
-    def stand_ins(indices):
-        return [(f"w{i}", tuple(trainable[i].shape), trainable[i].dtype) for i in indices]
+    def stand_ins(indices):  # at the variables' paths, which slots are named after
+        return [(trainable[i].path, tuple(trainable[i].shape), trainable[i].dtype)
+                for i in indices]
 
     whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
     part = _named_clone(optimizer, stand_ins(ids))
@@ -220,7 +221,7 @@ def check_overwritten(variables: Sequence) -> None:
 
 
 def _named_clone(optimizer, stand_ins: list) -> Any:
-    """A clone of `optimizer` built over stand-ins `(name, shape, dtype)`, for its names.
+    """A clone of `optimizer` built over stand-ins `(path, shape, dtype)`, for its names.
 
     Allocating nothing where it can; an optimizer that makes variables from
     values (Nadam, Adafactor) refuses a stateless scope and gets zeros.
@@ -229,8 +230,7 @@ def _named_clone(optimizer, stand_ins: list) -> Any:
         return flat_optimizer.unallocated_clone(optimizer, stand_ins)
     except ValueError:
         clone = rebuilt_optimizer.rebuilt(optimizer)
-        clone.build([keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
-                     for name, shape, dtype in stand_ins])
+        clone.build([flat_optimizer.stand_in_variable(*entry) for entry in stand_ins])
         return clone
 
 
