@@ -8,6 +8,8 @@ Keras' per-variable rules (constraints) must hold on every IPU.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -139,6 +141,20 @@ def test_optimizers_whose_config_does_not_round_trip_train_as_in_plain_keras(mak
     # (0.11 off), and the dict setting was dropped (the biases moved). Muon, which
     # chooses AdamW by a variable's path, was refused.
     model, plain = _fit_against_plain(make)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adafactor"])  # one vector; per variable
+def test_a_float64_floatx_pipeline_trains_as_plain_keras(optimizer):
+    # Keras' float64 variables are float32 arrays without JAX's x64: the accumulators
+    # were looked up by "float64" in layouts keyed "float32" (KeyError at fit).
+    keras.config.set_floatx("float64")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # JAX: float64 truncated to float32
+            model, plain = _fit_against_plain(lambda: getattr(keras.optimizers, optimizer)(0.05))
+    finally:
+        keras.config.set_floatx("float32")
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
 
 

@@ -22,6 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -99,7 +100,8 @@ class FlatOptimizer:
         >>> [clone.variables[p].name for p in flat.storage_order]
         ['iteration', 'learning_rate', 'kernel_momentum', 'bias_momentum', 'kernel_velocity', ...]
         """
-        dtypes = {str(np.dtype(v.dtype)) for v in variables}
+        # The types JAX holds them in (float64 is float32 without x64), as the layouts.
+        dtypes = {str(jax.dtypes.canonicalize_dtype(v.dtype)) for v in variables}
         if (type(optimizer) not in ELEMENTWISE or len(dtypes) != 1
                 or any(getattr(optimizer, key, None) for key in PER_VARIABLE_SETTINGS)
                 or _decays_some_only(optimizer, variables)

@@ -402,7 +402,9 @@ def _accumulators(model, options: IPUOptions) -> tuple[tuple[str, str], ...]:
     chosen: dict[str, str] = {}
     for variable, dtype in zip(variables, accumulator_dtypes(options.pipelined_accumulator_dtype,
                                                              variables)):
-        kind = getattr(variable.dtype, "name", variable.dtype)
+        # The types JAX holds them in (float64 is float32 without x64), as the layouts.
+        kind = str(jax.dtypes.canonicalize_dtype(variable.dtype))
+        dtype = str(jax.dtypes.canonicalize_dtype(dtype))
         if chosen.setdefault(kind, dtype) != dtype:
             raise ValueError(
                 f"A pipelined model accumulates the gradients of all its {kind} variables in "
