@@ -512,6 +512,35 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
     assert float(strategy.run(made_infeed)) == 3.0
 
 
+def test_a_training_step_under_a_keras_distribution_is_refused_naming_it():
+    # Variables laid out by keras.distribution met the replicas inside the program: JAX
+    # raised "use_abstract_mesh cannot change the size of the mesh" from the gradient.
+    configure(2)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    optimizer = keras.optimizers.SGD(0.1)
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices()[:4]))
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        before = model.get_weights()
+
+        def step(x):
+            def loss(weights):
+                return jnp.mean(model.stateless_call(weights, [], x)[0] ** 2)
+
+            optimizer.apply(jax.grad(loss)([v.value for v in model.trainable_variables]),
+                            model.trainable_variables)
+
+        with pytest.raises(ValueError, match=r"while a Keras distribution \(DataParallel\) "
+                                             r"lays out the variables .*set_distribution\(None\)"):
+            strategy.run(step, args=(np.ones((4, 3), "float32"),))
+    finally:
+        keras.distribution.set_distribution(None)
+    for kept, old in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(kept, old)
+
+
 _LOSS_SCALED_STEP = """
 import numpy as np, jax, jax.numpy as jnp, keras
 import keras_ipu as ipu

@@ -127,7 +127,7 @@ class IPUStrategy:
         """
         _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
-        with device_scopes.ipu_scope(self.ipu_device):  # `ipu_shard(i)` is of its IPUs
+        with device_scopes.ipu_scope(self.ipu_device), _distribution_named(len(ipus)):
             return assignments.call_assigning(
                 lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,
                                                             name="strategy.run"), fn)
@@ -182,6 +182,29 @@ IPUStrategyV1 = IPUStrategy
 def _install_hooks() -> None:
     extensions.install()
     replica_gradients.install()
+
+
+@contextlib.contextmanager
+def _distribution_named(ipus: int) -> Iterator[None]:
+    """Names `keras.distribution` in what JAX raises when its variables meet the replicas.
+
+    A distribution set with `keras.distribution.set_distribution` lays the
+    variables out over its own device mesh; `fn` reads them inside the
+    program replicated over the IPUs, where JAX cannot differentiate through
+    values of that layout (`fit` passes the variables in, and is unaffected).
+    """
+    try:
+        yield
+    except ValueError as error:
+        distribution = keras.distribution.distribution()
+        if distribution is None or ipus < 2 or "mesh" not in str(error):
+            raise
+        raise ValueError(
+            f"strategy.run could not run `fn` over {ipus} IPU replicas while a Keras "
+            f"distribution ({type(distribution).__name__}) lays out the variables it reads "
+            f"over its own devices. Run it without the distribution "
+            f"(`keras.distribution.set_distribution(None)`): the IPUStrategy replicates "
+            f"the program itself. JAX said: {str(error).splitlines()[0]}") from error
 
 
 def _check_built(fn: Callable, args: tuple, kwargs: dict | None) -> None:
