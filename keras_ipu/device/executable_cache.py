@@ -24,6 +24,7 @@ of a `fit`, `evaluate` and `predict` is loaded from the cache.
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from typing import Any
 
@@ -65,7 +66,7 @@ def use(path: str | os.PathLike[str] | None) -> str | None:
 
     Raises:
         ValueError: When the directory cannot be created (e.g. a file is in
-            the way, or no permission), naming the flag.
+            the way, or no permission) or written, naming the flag.
 
     Warns:
         UserWarning: When JAX had a different cache directory of its own,
@@ -91,6 +92,15 @@ def use(path: str | os.PathLike[str] | None) -> str | None:
     except OSError as error:
         raise ValueError(
             f"--executable_cache_path={path}: the cache directory cannot be created "
+            f"({error}). Name a directory this process may write to."
+        ) from None
+    try:  # JAX would only warn at each program it fails to write, and cache nothing
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".keras_ipu_write_check")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(
+            f"--executable_cache_path={path}: the cache directory cannot be written "
             f"({error}). Name a directory this process may write to."
         ) from None
     if _saved is None:
