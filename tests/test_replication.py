@@ -356,6 +356,26 @@ def test_a_replicas_temporaries_do_not_hold_a_copy_of_its_executions_batches():
     assert two.temporary_bytes < one.temporary_bytes + batches_per_replica // 8
 
 
+def _predict_report(replicas, steps_per_execution):
+    configure(replicas)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256)])
+    model.compile(steps_per_execution=steps_per_execution)
+    model.predict(np.zeros((steps_per_execution * replicas * 64, 256), "float32"),
+                  batch_size=64, verbose=0)
+    return ipu.utils.execution_report(model, "predict").ipus[0]
+
+
+def test_a_replicated_predicts_temporaries_do_not_hold_its_executions_predictions():
+    # XLA:CPU builds a replicated program's stacked outputs in a temporary: 2 replicas
+    # counted 2 x steps x 64 KiB of predictions (8 MiB at 64 steps), and small IPUs
+    # refused a predict that one replica ran. An IPU streams them out step by step.
+    one_replica = _predict_report(1, 64).temporary_bytes
+    few, many = _predict_report(2, 4).temporary_bytes, _predict_report(2, 64).temporary_bytes
+    one_batch = 64 * 256 * 4
+    assert many < few + one_batch and many < one_replica + 2 * one_batch
+
+
 def test_list_reduction_gives_batch_hooks_arrays_with_or_without_asynchronous_callbacks(
         strategy):
     # A hook doing logs["loss"].mean() works in both modes (before: a list when asynchronous).

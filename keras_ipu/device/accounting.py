@@ -194,6 +194,42 @@ def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int,
     )
 
 
+def without_streamed_outfeed(use: MemoryUse, compiled: Any, *, steps: int, replicas: int,
+                             platform: str) -> MemoryUse:
+    """`use` without the copy of its execution's outputs that XLA:CPU makes for replicas.
+
+    A replicated program returns its outfeed stacked with a replica axis;
+    XLA:CPU builds its outputs in a temporary before it copies them out, all
+    but one step's (a predict of 64 steps on 2 replicas: 8.3 MB where one
+    replica's program holds 0.13 MB). An IPU streams its outfeed to the host
+    step by step, so that copy is no IPU's.
+
+    Args:
+        use: The memory use measured on `platform`.
+        compiled: The `jax.stages.Compiled` program it was measured from.
+        steps: The steps the execution runs.
+        replicas: The replicas of the program.
+        platform: The JAX platform that compiled it.
+
+    Returns:
+        `use`, its temporaries without that copy (unchanged for one replica,
+        or on other platforms).
+
+    Example:
+
+    >>> without_streamed_outfeed(use, compiled, steps=64, replicas=2,
+    ...                          platform="cpu").temporary_bytes
+    """
+    analysis = compiled.memory_analysis() if replicas > 1 and platform == "cpu" else None
+    if analysis is None:
+        return use
+    # Outputs that do not reuse an argument's buffer: the outfeed (the state is donated).
+    returned = (getattr(analysis, "output_size_in_bytes", 0)
+                - getattr(analysis, "alias_size_in_bytes", 0))
+    copied = returned - returned // max(steps, 1)
+    return dataclasses.replace(use, temporary_bytes=max(use.temporary_bytes - copied, 0))
+
+
 def step_cost(lowered: Any, steps: int = 1) -> StepCost:
     """The cost of one step of a lowered program, the same on every platform.
 

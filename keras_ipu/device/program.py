@@ -551,8 +551,11 @@ class ExecutionProgram:
             io_bytes=execution_io // (compiled_steps * count),
             ipus_per_device=sharing,
         )
-        # An IPU keeps 16-bit values in 16 bits, which XLA:CPU does not.
+        # An IPU keeps 16-bit values in 16 bits, and streams its outfeed out; XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.traced.jaxpr, self.device.platform)
+        memory = accounting.without_streamed_outfeed(
+            memory, compiled, steps=compiled_steps, replicas=count,
+            platform=self.device.platform)
         per_ipu = (memory,) * count
         if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
             per_ipu = tuple(accounting.MemoryUse(0, 0, 0) if b is None
