@@ -322,6 +322,30 @@ def test_flops_per_step_do_not_depend_on_the_steps_per_execution():
                                                               rel=0.01)
 
 
+def _evaluate_and_predict_flops(pipelined: bool) -> tuple[float, float]:
+    configure(2 if pipelined else 1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(512)])
+        if pipelined:
+            model.set_pipeline_stage_assignment([0, 1])
+        model.compile(loss="huber", metrics=["mae", "mse"], steps_per_execution=4)
+    x, y = np.ones((16, 8), np.float32), np.ones((16, 512), np.float32)
+    model.evaluate(x, y, batch_size=4, verbose=0)
+    model.predict(x, batch_size=4, verbose=0)
+    return tuple(ipu.utils.execution_report(model, mode).flops_per_step
+                 for mode in ("evaluate", "predict"))
+
+
+def test_a_pipelines_last_stage_counts_the_loss_and_the_metrics():
+    # Its stages were counted as the model's outputs alone: evaluate reported predict's.
+    evaluate, predict = _evaluate_and_predict_flops(pipelined=True)
+    one_ipu = _evaluate_and_predict_flops(pipelined=False)
+    assert evaluate == pytest.approx(one_ipu[0], rel=0.01)
+    assert predict == pytest.approx(one_ipu[1], rel=0.01)
+    assert evaluate > 1.5 * predict  # the loss and three metrics over 512 values a sample
+
+
 def _pipeline_backward_flops(widths, stages, batch=8):
     """Each stage's backward flops in the fit report of Dense layers without activation."""
     configure(2)

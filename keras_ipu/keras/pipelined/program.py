@@ -35,6 +35,7 @@ from keras_ipu.keras.options import (
 )
 from keras_ipu.keras.pipelined import codec, dispatched, optimizer_copies, training
 from keras_ipu.keras.pipelined import model as pipelined_model
+from keras_ipu.keras.pipelined.loss import stage_loss
 from keras_ipu.keras.replication import REPLICA_REDUCTIONS, next_power_of_two
 from keras_ipu.keras.stages import graph
 from keras_ipu.keras.steps import STATE_PARTS
@@ -308,7 +309,8 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
                 for dtype in state.lengths[part]}
 
     def costs(hardware, batches):
-        x = layout.micro_batch(batches)[0]
+        micro = layout.micro_batch(batches)
+        x = micro[0]
         batch = jax.tree_util.tree_leaves(x)[0].shape[0]
         bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(x), jnp.float32)
         forward, backward, forward_flops, backward_flops = [], [], [], []
@@ -328,7 +330,14 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
                 # losses is bookkeeping, not the stage's work.
                 return out[:-1] if out is not None else outputs
 
-            ahead, behind = _stage_costs(stage, args, s == 0, training, layout.replicas)
+            backward_stage = None
+            if s == pipe.num_stages - 1 and mode != "predict":
+                # The last stage computes the loss and the metrics too; its backward op
+                # starts from the loss.
+                stage, backward_stage = _with_loss(runner, s, ipu, training)
+                args = (*args[:3], (micro, flats("metrics_variables", ipu)))
+            ahead, behind = _stage_costs(stage, args, s == 0, training, layout.replicas,
+                                         backward_stage)
             forward.append(ahead.work_cycles(hardware))
             forward_flops.append(ahead.flops)
             if training:
@@ -462,25 +471,54 @@ def _input_bytes(x) -> int:
                for leaf in jax.tree_util.tree_leaves(x))
 
 
-def _stage_costs(stage, args: tuple, first: bool, training: bool, replicas: int):
+def _with_loss(runner, s: int, ipu: int, training: bool):
+    """The last stage with its loss and metrics: `(forward, backward)` functions of
+    `(weights, non-trainables, bundle, ((x, y, sample_weight), metrics flats))`, as `stage`
+    for the others; `backward` gives the loss alone, which the backward op differentiates."""
+    model = runner.p.model
+    metrics_layout = runner.state.layouts["metrics_variables"][ipu]
+
+    def loss_and_metrics(t, n, b, data):
+        batch, metrics_flats = data
+        x, y, sample_weight = batch
+        _, _, y_pred, extra = runner.run_with(s, t, runner.non_trainable(ipu, n), b, x,
+                                              training)
+        metrics = metrics_layout.unpack(metrics_flats)
+        loss, metrics = stage_loss(
+            model, metrics, batch, y_pred, extra, training=training,
+            weights={i: t[i] for i in runner.own_trainable(s)})
+        _, metrics = model._update_metrics_variables(metrics, loss, x, y,
+                                                     jax.lax.stop_gradient(y_pred),
+                                                     sample_weight)
+        return loss, metrics
+
+    return loss_and_metrics, lambda *args: loss_and_metrics(*args)[0]
+
+
+def _stage_costs(stage, args: tuple, first: bool, training: bool, replicas: int,
+                 backward_stage=None):
     """A stage op's forward cost and its backward op's (`None` for inference), one replica's.
 
     A stage is traced alone, outside the pipeline's replicated program. One
     whose layers use a grouped collective (a group of the replicas, which a
     lone replica cannot form) is traced over all the replicas instead, a
     `vmap` axis over every argument, and its counts are divided by them.
+    `backward_stage` is what the backward op differentiates, when not `stage`.
     """
-    def costs(stage, args):
+    def costs(stage, backward_stage, args):
         ahead = _counted(jax.jit(stage).trace(*args))
-        return ahead, (_counted(_backward_trace(stage, args, first)) if training else None)
+        return ahead, (_counted(_backward_trace(backward_stage, args, first)) if training
+                       else None)
 
+    backward_stage = backward_stage or stage
     try:
-        return costs(stage, args)
+        return costs(stage, backward_stage, args)
     except collectives.ReplicaGroupError:
         if replicas == 1:
             raise
-    every = jax.vmap(stage, axis_name=REPLICA_AXIS, axis_size=replicas)
-    ahead, behind = costs(every, jax.tree_util.tree_map(
+    every, every_backward = (jax.vmap(f, axis_name=REPLICA_AXIS, axis_size=replicas)
+                             for f in (stage, backward_stage))
+    ahead, behind = costs(every, every_backward, jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype), args))
     return (_per_replica(ahead, replicas),
             None if behind is None else _per_replica(behind, replicas))
