@@ -519,6 +519,19 @@ def test_a_layer_takes_training_by_position_as_ported_calls_pass_it(make, x):
         layer(x, True, None)
 
 
+def test_the_embedding_takes_ipu_tensorflows_arguments_in_their_order():
+    # Later IPU TensorFlow releases: Keras' arguments, then serialization_factor (refused before).
+    layer = ipu_layers.Embedding(100, 8, "zeros", None, None, None, True, None, 4)
+    assert layer.mask_zero and layer.serialization_factor == 4
+    again = ipu_layers.Embedding.from_config(layer.get_config())
+    assert again.serialization_factor == 4 and again.mask_zero
+    ids = np.array([[0, 7, 99]])
+    np.testing.assert_array_equal(layer(ids), np.zeros((1, 3, 8)))  # the same lookup
+    with pytest.raises(ValueError, match="serialization_factor must be a positive integer "
+                                         "dividing input_dim 100, got 3"):
+        ipu_layers.Embedding(100, 8, serialization_factor=3)
+
+
 def test_the_ipu_embedding_quantizes_as_kerases(strategy):
     # Keras' Embedding refuses to quantize a subclass: the IPU layer stayed float32.
     ids = np.array([[0, 4, 2], [1, 3, 3]], "int32")

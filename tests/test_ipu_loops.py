@@ -89,6 +89,19 @@ def test_misuse_says_what_to_do():
         ipu.ipu_compiler.compile(lambda: 1)
     with pytest.raises(RuntimeError, match=r"inside a compiled computation \(ipu_compiler"):
         ipu.ipu_outfeed_queue.IPUOutfeedQueue().enqueue(1.0)
+
+    class Inspect(keras.layers.Layer):  # Graphcore's "inspecting tensors" layer
+        def __init__(self):
+            super().__init__()
+            self.queue = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+        def call(self, x):
+            self.queue.enqueue(x)
+            return x
+
+    with pytest.raises(RuntimeError, match="A Keras layer cannot enqueue in fit, evaluate or "
+                                           "predict, nor while its model is built"):
+        keras.Sequential([keras.Input((2,)), Inspect()])
     with pytest.raises(ValueError, match="returned 2 values for 1 loop-carried"):
         ipu.loops.repeat(2, lambda x: (x, x), [0.0])
     with pytest.raises(ValueError, match="The infeed of an ipu.loops.while_loop is empty"):

@@ -522,7 +522,10 @@ class IPUOutfeedQueue:
         else:
             raise RuntimeError("IPUOutfeedQueue.enqueue must be called inside a compiled "
                                "computation (ipu_compiler.compile, strategy.run) or the body "
-                               "of ipu.loops.repeat.")
+                               "of ipu.loops.repeat. A Keras layer cannot enqueue in fit, "
+                               "evaluate or predict, nor while its model is built: return "
+                               "the values as model outputs, or run the model in "
+                               "strategy.run.")
         return _Enqueued()
 
     def receive(self, values: Any) -> None:

@@ -147,20 +147,50 @@ class Dropout(PositionalArguments, keras.layers.Dropout):
 class Embedding(PositionalArguments, keras.layers.Embedding):
     """An embedding lookup, as IPU TensorFlow's `Embedding`.
 
+    Its arguments come in the order of IPU TensorFlow's layer (that of its
+    later releases too, which added Keras' own and `serialization_factor`).
+
     Args:
         input_dim: Size of the vocabulary (the largest index + 1).
         output_dim: Dimension of the embedding.
         embeddings_initializer: Initializer of the embedding matrix.
+        embeddings_regularizer: Regularizer of the embedding matrix.
+        activity_regularizer: Regularizer of the output.
+        embeddings_constraint: Constraint of the embedding matrix.
+        mask_zero: Whether index 0 is padding, masked out.
+        input_length: Accepted for compatibility (Keras 3 warns and drops it).
+        serialization_factor: Poplar looks the ids up in this many slices of
+            the table, to save memory; kept and checked (a positive divisor of
+            `input_dim`). The lookup's values are the same.
         **kwargs: Keras `Embedding` arguments.
+
+    Raises:
+        ValueError: For a `serialization_factor` that does not divide `input_dim`.
 
     Example:
 
     >>> layer = Embedding(1000, 32)  # (batch, length) ids -> (batch, length, 32)
     """
 
-    def __init__(self, input_dim, output_dim, embeddings_initializer="uniform", **kwargs):
-        super().__init__(input_dim, output_dim,
-                         embeddings_initializer=embeddings_initializer, **kwargs)
+    def __init__(self, input_dim, output_dim, embeddings_initializer="uniform",
+                 embeddings_regularizer=None, activity_regularizer=None,
+                 embeddings_constraint=None, mask_zero=False, input_length=None,
+                 serialization_factor=1, **kwargs):
+        if (isinstance(serialization_factor, bool) or not isinstance(serialization_factor, int)
+                or serialization_factor < 1 or input_dim % serialization_factor):
+            raise ValueError(f"serialization_factor must be a positive integer dividing "
+                             f"input_dim {input_dim}, got {serialization_factor!r}.")
+        if input_length is not None:
+            kwargs["input_length"] = input_length  # Keras' own warning
+        super().__init__(input_dim, output_dim, embeddings_initializer=embeddings_initializer,
+                         embeddings_regularizer=embeddings_regularizer,
+                         activity_regularizer=activity_regularizer,
+                         embeddings_constraint=embeddings_constraint, mask_zero=mask_zero,
+                         **kwargs)
+        self.serialization_factor = serialization_factor
+
+    def get_config(self):
+        return {**super().get_config(), "serialization_factor": self.serialization_factor}
 
     def quantize(self, mode=None, type_check=True, config=None):
         # Keras' `Embedding.quantize` refuses subclasses (their weights may differ): this
