@@ -754,9 +754,12 @@ def test_reported_utilisation_matches_the_closed_form(schedule, stages, micro_ba
     assert pipeline.schedule == schedule.name and pipeline.num_stages == stages
     forward = np.mean(pipeline.stage_forward_cycles)
     backward = np.mean(pipeline.stage_backward_cycles[1:])
-    # Equal stages: costs agree to a few percent, but the first stage's backward pass takes
-    # no gradient for the data (its weights' gradient only): it costs less.
-    assert np.ptp(pipeline.stage_forward_cycles) <= 0.05 * forward
+    # Equal stages: costs agree to a few percent, but the last stage computes the loss too
+    # (more), and the first stage's backward pass takes no gradient for the data (its
+    # weights' gradient only): it costs less.
+    forwards = pipeline.stage_forward_cycles
+    assert np.ptp(forwards[:-1]) <= 0.05 * forward
+    assert forwards[-1] > forwards[0] and forwards[-1] <= 1.15 * forwards[0]
     assert np.ptp(pipeline.stage_backward_cycles[1:]) <= 0.05 * backward
     assert 0.3 < pipeline.stage_backward_cycles[0] / backward < 0.9
     table = build_schedule(schedule, stages, micro_batches)

@@ -149,8 +149,7 @@ class PipelinedModel:
         return self._traced(x).samples
 
     def adds_losses(self, x) -> bool:
-        """Whether a layer call adds a loss (`add_loss`, an activity regularizer) in
-        inference, for inputs like `x` (one micro-batch)."""
+        """Whether a layer call adds a loss (`add_loss`, ...) in inference, for inputs like `x`."""
         return self._traced(x).adds_losses
 
     def _traced(self, x) -> samples.TracedSamples:
@@ -479,7 +478,6 @@ class StageRunner:
             self.regularized.append([
                 (i, model.trainable_variables[i].regularizer) for i in own
                 if getattr(model.trainable_variables[i], "regularizer", None) is not None])
-        self.adds_losses = any(self.regularized)  # the weights' (the layers': `p.adds_losses`)
 
     def _unpack(self, part: str, ipu: int, flats) -> dict[int, Any]:
         arrays = self.state.layouts[part][ipu].unpack(flats)
@@ -624,7 +622,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         if mode == "predict":
             return y_pred, non_trainable, metrics
         last_weights = runner.trainable(p.device_mapping[-1], trainable)
-        if not (runner.adds_losses or p.adds_losses(x)):
+        if not (any(runner.regularized) or p.adds_losses(x)):
             extra_loss = None  # `model.losses` is empty, as plain Keras' in `evaluate`
         loss, metrics_vars = stage_loss(model, metrics_layout.unpack(metrics), batch, y_pred,
                                         extra_loss, training=False, weights={

@@ -623,13 +623,7 @@ def _check_dependencies(leaves: list[Leaf]) -> None:
 
 
 def check_dependencies(level: AssignmentTree) -> None:
-    """Raises when a layer call uses the output of a later stage.
-
-    Args:
-        level: A tree with every layer call assigned.
-
-    Raises:
-        ValueError: Naming the call and the later stage's layer it uses.
+    """Raises `ValueError` when a call of `level` (all assigned) uses a later stage's output.
 
     Example:
 
