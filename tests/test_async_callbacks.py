@@ -181,6 +181,39 @@ def test_an_exception_in_a_hook_stops_the_run_and_leaves_the_model_usable(strate
     assert np.isfinite(history.history["loss"][-1])
 
 
+class EvaluateInHook(keras.callbacks.Callback):
+    """Runs the model's own evaluate (or a batch method) from its first batch hook."""
+
+    def __init__(self, x, y, method="evaluate"):
+        super().__init__()
+        self.x, self.y, self.method, self.result = x, y, method, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.result is None:
+            self.result = (self.model.evaluate(self.x, self.y, batch_size=BATCH, verbose=0)
+                           if self.method == "evaluate"
+                           else self.model.test_on_batch(self.x, self.y))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_run_of_the_model_from_its_own_asynchronous_hook_is_refused(replicas, strategy):
+    # With 2 replicas the run waited for the devices the running execution held, for
+    # ever; with one, it started from the device's state and what the hook had
+    # assigned was lost. The batch methods run there.
+    configure(replicas)
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    with pytest.raises(RuntimeError, match=r"model.evaluate\(\) was called from an "
+                                           r"asynchronous batch hook of the model's own run"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[EvaluateInHook(x[:BATCH], y[:BATCH])])
+    assert _callback_threads() == []
+    hook = EvaluateInHook(x[:BATCH], y[:BATCH], method="test_on_batch")
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hook])
+    assert np.all(np.isfinite(hook.result))
+
+
 class ReadWeights(keras.callbacks.Callback):
     """Reads the model's weights in the first batch hook of each mode (a state sync)."""
 

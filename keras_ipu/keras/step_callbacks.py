@@ -36,6 +36,8 @@ from keras_ipu.keras.options import options_of
 from keras_ipu.keras.thread_state import CallersState
 
 # One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
+# The thread the asynchronous batch hooks run on.
+_THREAD_NAME = "keras_ipu-callbacks"
 _HOST_REDUCTIONS = {
     Reduction.SUM: lambda values: np.sum(values, axis=0),
     Reduction.MEAN: lambda values: np.mean(values, axis=0),
@@ -162,7 +164,7 @@ class CallbackThread:
         self._error: BaseException | None = None
         self._cancelled = threading.Event()  # the run failed: no more hooks
         self._callers = CallersState()  # hooks see the scope and Keras state of `fit`'s thread
-        self._thread = threading.Thread(target=self._work, name="keras_ipu-callbacks",
+        self._thread = threading.Thread(target=self._work, name=_THREAD_NAME,
                                         daemon=True)
         try:
             self._thread.start()
@@ -411,6 +413,31 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     return written
 
 
+def check_not_in_own_hooks(model: Any, mode: str) -> None:
+    """Refuses `fit`/`evaluate`/`predict` of a model from its run's asynchronous batch hooks.
+
+    Those hooks run while the device runs the next execution: a run of the
+    same model there would start from the device's state, not from what the
+    hook assigned (which was lost), and a replicated one waits for devices
+    the running execution holds, for ever.
+
+    Raises:
+        RuntimeError: On the hooks' thread of a run of `model` with
+            asynchronous callbacks.
+
+    Example:
+
+    >>> check_not_in_own_hooks(model, "evaluate")   # from the main thread: fine
+    """
+    if (context.state_of(model).asynchronous_hooks
+            and threading.current_thread().name == _THREAD_NAME):
+        raise RuntimeError(
+            f"model.{mode}() was called from an asynchronous batch hook of the model's own "
+            f"run, which runs while the device runs the next execution. Call it from "
+            f"`on_epoch_end`, use `predict_on_batch`/`test_on_batch`, or turn asynchronous "
+            f"callbacks off (`model.set_asynchronous_callbacks(False)`).")
+
+
 def _variables(model: Any, part: str) -> list:
     """The model's variables of a state part (`"trainable_variables"`, ...), in state order."""
     return model.optimizer.variables if part == "optimizer_variables" else getattr(model, part)
@@ -424,5 +451,6 @@ def _same_value(now: Any, synced: Any) -> bool:
             and np.array_equal(np.asarray(now), np.asarray(synced), equal_nan=True))
 
 
-__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "has_batch_hooks", "hook_writes",
-           "only_read", "returned_chunk", "split_steps", "step_delivery", "submit_streamed"]
+__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "check_not_in_own_hooks",
+           "has_batch_hooks", "hook_writes", "only_read", "returned_chunk", "split_steps",
+           "step_delivery", "submit_streamed"]

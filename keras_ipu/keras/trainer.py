@@ -580,12 +580,14 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     """The checks every mode shares, then the model's replicas (and stages).
 
     Raises:
-        RuntimeError: No system configured, eager mode, or an override of a
-            function keras_ipu does not call.
+        RuntimeError: No system configured, eager mode, an override of a
+            function keras_ipu does not call, or a call from the model's own
+            asynchronous batch hooks.
         ValueError: A device mapping that does not fit the stages or IPUs.
     """
     ipu_system.require()
     programs.check_not_eager(model)
+    step_callbacks.check_not_in_own_hooks(model, mode)
     _check_function_not_overridden(model, mode)
     plan = pipelined.plan_of(model, x)
     if plan is None:
