@@ -189,7 +189,7 @@ def test_state_shape_is_the_shape_an_initial_state_takes():
     np.testing.assert_allclose(lstm(x, initial_state=zeros)[0], lstm(x)[0])
 
 
-def test_an_lstm_state_tuple_is_read_by_name_and_a_list_in_keras_order():
+def test_an_lstm_state_tuple_is_read_by_name_and_a_list_in_keras_order(tmp_path):
     # The IPU layer documents `initial_state` as an LSTMStateTuple(c, h); Keras' list is [h, c].
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 5, 4)).astype("float32")
@@ -209,6 +209,13 @@ def test_an_lstm_state_tuple_is_read_by_name_and_a_list_in_keras_order():
     model = keras.Model(inputs, outputs)
     model.layers[-1].set_weights(ours.get_weights())
     np.testing.assert_allclose(model([x, c, h]), expected[0], atol=1e-6)
+    # Saved, the call keeps its meaning (the tuple is recorded as Keras' [h, c]).
+    model.save(tmp_path / "lstm.keras")
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "lstm.keras")([x, c, h]),
+                               expected[0], atol=1e-6)
+    # Positionally, as IPU TensorFlow's call(inputs, training, initial_state).
+    np.testing.assert_allclose(ours(x, False, ipu.rnn_ops.LSTMStateTuple(c=c, h=h))[0],
+                               expected[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("layer_class", [ipu_layers.PopnnLSTM, ipu_layers.PopnnGRU])

@@ -538,13 +538,17 @@ class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
                  time_major=False, **kwargs):
         self._init_recurrent(keras.layers.LSTM, _arguments(locals()), kwargs)
 
-    def call(self, sequences, initial_state=None, mask=None, training=False):
+    def __call__(self, inputs, *args, **kwargs):
         # The IPU layer documents an `LSTMStateTuple(c, h)`: read by name, since
-        # Keras' own order is `[h, c]` (a list keeps Keras' meaning).
-        if isinstance(initial_state, LSTMStateTuple):
-            initial_state = [initial_state.h, initial_state.c]
-        return super().call(sequences, initial_state=initial_state, mask=mask,
-                            training=training)
+        # Keras' own order is `[h, c]` (a list keeps Keras' meaning). Turned into
+        # Keras' list before Keras records the call, so a saved model keeps its meaning.
+        state = kwargs.get("initial_state", args[1] if len(args) > 1 else None)
+        if isinstance(state, LSTMStateTuple):
+            if len(args) > 1:
+                args = (args[0], [state.h, state.c], *args[2:])
+            else:
+                kwargs["initial_state"] = [state.h, state.c]
+        return super().__call__(inputs, *args, **kwargs)
 
 
 @_register
