@@ -376,6 +376,24 @@ def test_a_replicated_predicts_temporaries_do_not_hold_its_executions_prediction
     assert many < few + one_batch and many < one_replica + 2 * one_batch
 
 
+def test_a_replicated_fit_whose_state_is_not_donated_keeps_its_temporaries():
+    # With floating-point traps the state is not donated: its new values were taken off
+    # the temporaries as if they were the outfeed's copy (2 replicas: less than one).
+    def fit_temporaries(replicas):
+        config = ipu.config.IPUConfig()
+        config.auto_select_ipus = replicas
+        config.floating_point_behaviour.inv = True
+        config.configure_ipu_system()
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256)])
+        model.compile("adam", "mse", steps_per_execution=16)
+        x = np.zeros((16 * replicas * 8, 256), "float32")
+        model.fit(x, x, batch_size=8, verbose=0)
+        return ipu.utils.execution_report(model, "fit").ipus[0].temporary_bytes
+
+    assert fit_temporaries(2) >= fit_temporaries(1)
+
+
 def test_list_reduction_gives_batch_hooks_arrays_with_or_without_asynchronous_callbacks(
         strategy):
     # A hook doing logs["loss"].mean() works in both modes (before: a list when asynchronous).

@@ -554,7 +554,8 @@ class ExecutionProgram:
         # An IPU keeps 16-bit values in 16 bits, and streams its outfeed out; XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.traced.jaxpr, self.device.platform)
         memory = accounting.without_streamed_outfeed(
-            memory, compiled, steps=compiled_steps, replicas=count,
+            memory, outfeed_bytes=accounting.tree_bytes(lowered.out_info[1]),
+            steps=compiled_steps, replicas=count, ipus_per_device=sharing,
             platform=self.device.platform)
         per_ipu = (memory,) * count
         if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
