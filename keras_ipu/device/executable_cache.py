@@ -66,11 +66,12 @@ def use(path: str | os.PathLike[str] | None) -> str | None:
 
     Raises:
         ValueError: When the directory cannot be created (e.g. a file is in
-            the way, or no permission) or written, naming the flag.
+            the way, or no permission), naming the flag.
 
     Warns:
         UserWarning: When JAX had a different cache directory of its own,
-            which the flag replaces until the cache is taken away again.
+            which the flag replaces until the cache is taken away again; when
+            the directory cannot be written (it is read, nothing is added).
 
     Example:
 
@@ -94,15 +95,16 @@ def use(path: str | os.PathLike[str] | None) -> str | None:
             f"--executable_cache_path={path}: the cache directory cannot be created "
             f"({error}). Name a directory this process may write to."
         ) from None
-    try:  # JAX would only warn at each program it fails to write, and cache nothing
+    try:  # else JAX warns at each program it fails to write
         handle, probe = tempfile.mkstemp(dir=directory, prefix=".keras_ipu_write_check")
         os.close(handle)
         os.remove(probe)
     except OSError as error:
-        raise ValueError(
+        # A cache built ahead and shipped read-only still serves its programs.
+        warnings.warn(
             f"--executable_cache_path={path}: the cache directory cannot be written "
-            f"({error}). Name a directory this process may write to."
-        ) from None
+            f"({error}): programs already in it are read, new ones are not kept.",
+            stacklevel=3)
     if _saved is None:
         _saved = {name: getattr(jax.config, name) for name in (_DIRECTORY, *_SETTINGS)}
         own = _saved[_DIRECTORY]
