@@ -927,6 +927,7 @@ def test_evaluate_counts_the_stages_losses_only_when_they_add_one(penalty, reduc
     configure(2)
     np.testing.assert_allclose(model.evaluate(x, y, batch_size=MICRO, verbose=0),
                                plain.evaluate(x, y, batch_size=MICRO, verbose=0), rtol=1e-5)
+    assert ipu.utils.execution_report(model, "evaluate").flops_per_step > 0  # counted alike
 
 
 def test_the_stash_keeps_activations_not_weights():
