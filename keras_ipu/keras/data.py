@@ -444,7 +444,8 @@ class AdapterFeed:
         """
         if self._first is None:
             self._begin_pass()
-            self._first = self._next_batch()
+            # A copy: kept while the source goes on, which may refill what it yielded.
+            self._first = jax.tree_util.tree_map(np.copy, self._next_batch())
             self._pending.append(self._first)
             self._check_last_batch()
         return self._first
@@ -487,11 +488,11 @@ class AdapterFeed:
         self._begin_pass()
         for begin in range(0, plan.steps, plan.steps_per_execution):
             try:
-                batches = []
+                batches = host_data.Stacked(plan.batches_per_execution)
                 for _ in range(plan.batches_per_execution):
                     if stopped():
                         return
-                    batches.append(self._next_batch())
+                    batches.add(self._next_batch())
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True
@@ -504,7 +505,7 @@ class AdapterFeed:
                 )
                 return
             stacked = jax.tree_util.tree_map(
-                lambda a: a.reshape(*shape, *a.shape[1:]), host_data.stack(batches)
+                lambda a: a.reshape(*shape, *a.shape[1:]), batches.result
             )
             yield begin, begin + plan.steps_per_execution - 1, stacked
         if plan.num_batches is not None and self._seen + plan.steps * plan.replicas > (
@@ -563,9 +564,7 @@ class AdapterFeed:
         if self._iterator is None:
             self._iterator = iter(self._adapter.get_numpy_iterator())
         batch = host_data.as_tuple(next(self._iterator))
-        # Copied: the batches of an execution are stacked once all are read, and a
-        # generator or PyDataset may refill one array for each batch, as Keras copies it.
-        batch = jax.tree_util.tree_map(lambda v: host_data.host_array(v, copy=True), batch)
+        batch = jax.tree_util.tree_map(host_data.host_array, batch)
         self._seen += 1
         self._check_shapes(batch)
         return batch

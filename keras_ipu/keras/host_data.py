@@ -27,9 +27,39 @@ def batch_size_of(batch: Any) -> int | None:
     return np.shape(leaves[0])[0] if leaves else None
 
 
-def stack(batches: list[Any]) -> Any:
-    """The batches stacked on a new leading axis, leaf by leaf."""
-    return jax.tree_util.tree_map(lambda *parts: np.stack(parts), *batches)
+class Stacked:
+    """Batches stacked on a new leading axis as they are read, leaf by leaf (as `np.stack`).
+
+    Each batch is copied in when it comes: a generator may refill the arrays
+    it yielded before the next batch, and a row copied at once is the
+    execution's only copy.
+
+    Args:
+        count: The batches to stack.
+
+    Example:
+
+    >>> rows = Stacked(2)
+    >>> rows.add(first); rows.add(second)
+    >>> rows.result["x"].shape     # (2, batch, ...)
+    """
+
+    def __init__(self, count: int):
+        self.count, self.result, self._added = count, None, 0
+
+    def add(self, batch: Any) -> None:
+        if self.result is None:
+            self.result = jax.tree_util.tree_map(
+                lambda a: np.empty((self.count, *np.shape(a)), np.asarray(a).dtype), batch)
+        self.result = jax.tree_util.tree_map(self._written, self.result, batch)
+        self._added += 1
+
+    def _written(self, rows: np.ndarray, value: Any) -> np.ndarray:
+        value = np.asarray(value)
+        if value.dtype != rows.dtype:  # as np.stack: the dtypes' common type
+            rows = rows.astype(np.result_type(rows.dtype, value.dtype))
+        rows[self._added] = value
+        return rows
 
 
 def as_tuple(batch: Any) -> tuple:
@@ -48,17 +78,11 @@ def as_tuple(batch: Any) -> tuple:
     return batch
 
 
-def host_array(value: Any, copy: bool = False) -> np.ndarray:
-    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers).
-
-    With `copy`, never `value`'s own memory: a generator may refill the array
-    it yielded before the batch is used.
-    """
+def host_array(value: Any) -> np.ndarray:
+    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
     array = np.asarray(value)
     dtype = _host_dtype(array.dtype, backend.floatx())
-    if dtype is not None:
-        return array.astype(dtype)
-    return array.copy() if copy and isinstance(value, np.ndarray) else array
+    return array if dtype is None else array.astype(dtype)
 
 
 def as_arrays(data: Any) -> Any | None:
