@@ -3,30 +3,53 @@
 Run it under two checkouts in turn (a git worktree of the base, then this one) and
 compare the medians; the label names the run in its line:
 
-    python benchmarks/ab_generator_feed.py base   # PYTHONPATH=<worktree of the base>
+    PYTHONPATH=<worktree of the base> python benchmarks/ab_generator_feed.py base
     python benchmarks/ab_generator_feed.py head
 """
+
+from __future__ import annotations
 
 import sys
 import time
 
-import keras_ipu as ipu  # first: it selects Keras' JAX backend
 import keras
 import numpy as np
 
-cfg = ipu.config.IPUConfig(); cfg.auto_select_ipus = 1; cfg.configure_ipu_system()
-B, W, STEPS = 32, 256, 400
-rng = np.random.default_rng(0)
-xs = rng.normal(size=(STEPS, B, W)).astype("float32"); ys = rng.normal(size=(STEPS, B, 1)).astype("float32")
-def gen():
+import keras_ipu as ipu
+
+BATCH, WIDTH, STEPS, STEPS_PER_EXECUTION, FITS = 32, 256, 400, 20, 5
+
+
+def batches(xs: np.ndarray, ys: np.ndarray):
+    """The batches, in order, for ever."""
     while True:
-        for i in range(STEPS):
-            yield xs[i], ys[i]
-with ipu.ipu_strategy.IPUStrategy().scope():
-    m = keras.Sequential([keras.Input((W,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
-    m.compile("sgd", "mse", steps_per_execution=20)
-m.fit(gen(), steps_per_epoch=STEPS, verbose=0)  # compile
-times = []
-for _ in range(5):
-    t = time.perf_counter(); m.fit(gen(), steps_per_epoch=STEPS, verbose=0); times.append(time.perf_counter() - t)
-print(sys.argv[1] if len(sys.argv) > 1 else "run", "steps/s median", round(STEPS / float(np.median(times))), [round(STEPS / t) for t in times])
+        yield from zip(xs, ys)
+
+
+def steps_per_second() -> list[float]:
+    """Steps/s of `FITS` fits of `STEPS` steps each, after one that compiles."""
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.configure_ipu_system()
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(STEPS, BATCH, WIDTH)).astype("float32")
+    ys = rng.normal(size=(STEPS, BATCH, 1)).astype("float32")
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((WIDTH,)),
+                                  keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=STEPS_PER_EXECUTION)
+    model.fit(batches(xs, ys), steps_per_epoch=STEPS, verbose=0)  # compiles
+    rates = []
+    for _ in range(FITS):
+        started = time.perf_counter()
+        model.fit(batches(xs, ys), steps_per_epoch=STEPS, verbose=0)
+        rates.append(STEPS / (time.perf_counter() - started))
+    return rates
+
+
+if __name__ == "__main__":
+    label = sys.argv[1] if len(sys.argv) > 1 else "run"
+    rates = steps_per_second()
+    print(label, "steps/s median", round(float(np.median(rates))),
+          [round(rate) for rate in rates])
