@@ -78,13 +78,6 @@ def as_tuple(batch: Any) -> tuple:
     return batch
 
 
-def host_array(value: Any) -> np.ndarray:
-    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
-    array = np.asarray(value)
-    dtype = _host_dtype(array.dtype, backend.floatx())
-    return array if dtype is None else array.astype(dtype)
-
-
 def as_arrays(data: Any) -> Any | None:
     """`data` when every leaf is a NumPy or JAX array, else `None`."""
     # Only containers are walked: a generator or dataset is one leaf.
@@ -97,6 +90,11 @@ def as_arrays(data: Any) -> Any | None:
     return None
 
 
+def host_array(value: Any) -> np.ndarray:
+    """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
+    array = np.asarray(value)
+    dtype = _host_dtype(array.dtype, backend.floatx())
+    return array if dtype is None else array.astype(dtype)
 
 
 @functools.lru_cache(maxsize=64)
