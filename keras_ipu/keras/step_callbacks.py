@@ -35,9 +35,9 @@ from keras_ipu.keras.options import ReplicatedMetricReductionMethod as Reduction
 from keras_ipu.keras.options import options_of
 from keras_ipu.keras.thread_state import CallersState
 
-# One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
 # The thread the asynchronous batch hooks run on.
 _THREAD_NAME = "keras_ipu-callbacks"
+# One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
 _HOST_REDUCTIONS = {
     Reduction.SUM: lambda values: np.sum(values, axis=0),
     Reduction.MEAN: lambda values: np.mean(values, axis=0),

@@ -127,6 +127,7 @@ class IPUStrategy:
         """
         _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
+        # `ipu_shard(i)` is of the device's IPUs.
         with device_scopes.ipu_scope(self.ipu_device), _distribution_named(len(ipus)):
             return assignments.call_assigning(
                 lambda traced: compiled_calls.call_compiled(traced, ipus, args, kwargs,

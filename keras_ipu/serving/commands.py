@@ -251,8 +251,7 @@ def _output_paths(outdir: str, names: list[str], overwrite: bool) -> list[str]:
             without `overwrite`.
     """
     for name in names:
-        if not name or name in (".", "..") or any(
-                sep in name for sep in {os.sep, os.altsep or os.sep, "/"}):
+        if name in ("", ".", "..") or "/" in name or os.path.basename(name) != name:
             raise CommandError(
                 f"output {name!r} cannot be saved as a file in --outdir (its name is a "
                 f"path); export the model with `output_names` that are file names, or "

@@ -143,14 +143,14 @@ class PipelinedModel:
                 structs), the batch first.
 
         Returns:
-            The shapes and types the layers give `x` (worked out once per
-            input shape).
+            The shapes and types the layers give `x` (once per input shape).
         """
         return self._traced(x).samples
 
     def adds_losses(self, x) -> bool:
-        """Whether a layer call adds a loss (`add_loss`, ...) in inference, for inputs like `x`."""
-        return self._traced(x).adds_losses
+        """Whether the stages add losses in inference for inputs like `x` (`add_loss`, ...)."""
+        return self._traced(x).adds_losses or any(
+            getattr(v, "regularizer", None) is not None for v in self.model.trainable_variables)
 
     def _traced(self, x) -> samples.TracedSamples:
         signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
@@ -622,7 +622,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         if mode == "predict":
             return y_pred, non_trainable, metrics
         last_weights = runner.trainable(p.device_mapping[-1], trainable)
-        if not (any(runner.regularized) or p.adds_losses(x)):
+        if not p.adds_losses(x):
             extra_loss = None  # `model.losses` is empty, as plain Keras' in `evaluate`
         loss, metrics_vars = stage_loss(model, metrics_layout.unpack(metrics), batch, y_pred,
                                         extra_loss, training=False, weights={

@@ -483,7 +483,7 @@ def _with_loss(runner, s: int, ipu: int, training: bool):
         x, y, sample_weight = batch
         _, _, y_pred, extra = runner.run_with(s, t, runner.non_trainable(ipu, n), b, x,
                                               training)
-        if not training and not (any(runner.regularized) or runner.p.adds_losses(x)):
+        if not training and not runner.p.adds_losses(x):
             extra = None  # as the evaluate program: `model.losses` is empty
         metrics = metrics_layout.unpack(metrics_flats)
         loss, metrics = stage_loss(
