@@ -583,6 +583,18 @@ def test_an_optimizer_lists_the_variables_it_was_built_with():
     assert [id(v) for v in optimizer._trainable_variables] == [id(v) for v in variables]
 
 
+def test_a_variables_path_is_its_path_attribute_and_optimizer_slots_are_named_by_it():
+    # keras/pipelined/flat_optimizer.stand_in_variable sets `_path`, keeping the name
+    # apart: Muon chooses by `path`, slots take their names from it.
+    variable = keras.Variable(np.ones((2, 2)), name="kernel_w3")
+    variable._path = "model/head/kernel"
+    assert variable.path == "model/head/kernel" and variable.name == "kernel_w3"
+    optimizer = keras.optimizers.Muon(exclude_layers=["head/kernel$"])
+    optimizer.build([variable])
+    assert optimizer._should_use_adamw(variable)
+    assert any(v.name.startswith("model_head_kernel_") for v in optimizer.variables)
+
+
 def test_a_loss_computed_in_a_scope_reads_weights_through_its_get_current_value():
     # keras/pipelined/loss.py: `model._compute_loss` inside a StatelessScope subclass
     # whose `get_current_value` answers (or refuses) every variable read.

@@ -16,7 +16,6 @@ state.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 from collections.abc import Sequence
@@ -193,8 +192,9 @@ def _signature(variables) -> list:
     return [(tuple(v.shape), str(v.dtype)) for v in variables]
 
 
-def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> Any:
-    """A clone of `optimizer` built over stand-ins `(path, shape, dtype)`, allocating nothing.
+def unallocated_clone(optimizer: Any, stand_ins: list[tuple]) -> Any:
+    """A clone of `optimizer` built over stand-ins `(path, shape, dtype[, name])`, allocating
+    nothing.
 
     Slots made in a `StatelessScope` wait for values; they are taken off
     Keras' list of variables to initialize, so that none ever is: their
@@ -210,20 +210,31 @@ def unallocated_clone(optimizer: Any, stand_ins: list[tuple[str, Any, Any]]) -> 
     return clone
 
 
-def stand_in_variable(path: str, shape: Any, dtype: Any) -> keras.Variable:
+def stand_in_variable(path: str, shape: Any, dtype: Any, name: str | None = None
+                      ) -> keras.Variable:
     """A zeros variable at `path` (`"model/layer/kernel"`): optimizers that choose by a
     variable's path (Muon's `exclude_layers`) choose for it as for the variable it stands in for.
+
+    Args:
+        path: The path of the variable it stands in for.
+        shape: Its shape.
+        dtype: Its dtype.
+        name: A name other than the path's last part, for optimizers that name
+            slots by a variable's name alone; the path stays `path`.
+
+    Returns:
+        A `keras.Variable` of zeros.
 
     Example:
 
     >>> stand_in_variable("functional/head/kernel", (8, 3), "float32").path
     'functional/head/kernel'
     """
-    *scopes, name = path.split("/")
-    with contextlib.ExitStack() as stack:
-        for scope in scopes:
-            stack.enter_context(keras.name_scope(scope))
-        return keras.Variable(initializer="zeros", shape=shape, dtype=dtype, name=name)
+    variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype,
+                              name=name or path.split("/")[-1])
+    # Set, not made by name scopes: a name scope's path ends in the variable's name.
+    variable._path = path
+    return variable
 
 
 def _mapping(per_variable, flat, variables) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -177,11 +177,11 @@ def positions(optimizer, copy, trainable: Sequence, ids: Sequence[int]) -> list[
     >>> copy = copy_for(model.optimizer, [model.trainable_variables[i] for i in ids])
     >>> positions(model.optimizer, copy, model.trainable_variables, ids)
     """
-    # Each where its variable is (an optimizer may choose by the path: Muon's
+    # Each at its variable's path (an optimizer may choose by it: Muon's
     # `exclude_layers`), named apart (some name slots by the variable's name alone).
     def stand_ins(indices):
-        return [(f"{trainable[i].path}_w{i}", tuple(trainable[i].shape), trainable[i].dtype)
-                for i in indices]
+        return [(trainable[i].path, tuple(trainable[i].shape), trainable[i].dtype,
+                 f"{trainable[i].name}_w{i}") for i in indices]
 
     whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
     part = _named_clone(optimizer, stand_ins(ids))
