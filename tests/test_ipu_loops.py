@@ -426,6 +426,22 @@ def test_a_loop_filling_an_outfeed_inside_a_jit_of_ones_own_says_where_to_run_it
     np.testing.assert_array_equal(outfeed.dequeue(), [1, 2, 3])
 
 
+def test_a_helper_function_defined_again_gets_a_new_program_not_the_kept_one():
+    # A notebook cell defining the helper again (before: the kept program gave [3, 3]).
+    global _helper
+    strategy = ipu.ipu_strategy.IPUStrategy()
+
+    def body(v):
+        return _helper(v) + 1.0
+
+    results = []
+    for factor in (2.0, 3.0):
+        exec(f"def _helper(v):\n    return v * {factor}", globals())
+        with strategy.scope():
+            results.append(strategy.run(body, args=(np.ones(2, np.float32),)).tolist())
+    assert results == [[3.0, 3.0], [4.0, 4.0]]
+
+
 def test_queues_made_again_get_a_new_program_not_the_kept_one():
     # A notebook cell making the queues run again: the kept program must not take from, or
     # fill, the queues of its trace.

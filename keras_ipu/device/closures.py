@@ -2,13 +2,14 @@
 
 A program `call_compiled` keeps (`compiled_calls.py`) runs again only while the
 host values its function reads are unchanged: numbers, strings, 0-d NumPy
-arrays (JAX writes them into the program as literals) and the queues it
-takes from and fills.
+arrays (JAX writes them into the program as literals), the queues it
+takes from and fills, and the functions of its own it calls.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,21 +79,22 @@ def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
 
 
 def host_values(fn: Callable, depth: int = 4) -> tuple:
-    """The numbers, strings and queues `fn` (and what it calls) reads from closures and
-    globals: part of a kept program's key.
+    """The numbers, strings, queues and functions `fn` (and what it calls) reads from
+    closures and globals: part of a kept program's key.
 
     Values read from objects' attributes are not seen: a kept program keeps
-    those of its trace, as `tf.function` does. Queues count by identity: a
-    queue made again (a notebook cell run again) is another program's; the
-    kept one would take from, and fill, the old queue.
+    those of its trace, as `tf.function` does. Queues and functions count by
+    identity: a queue made again (a notebook cell run again) is another
+    program's, as the kept one would take from, and fill, the old queue; a
+    helper function defined again is traced again (its code may differ).
 
     Args:
         fn: The traced function.
         depth: How many calls deep to follow the functions it reads.
 
     Returns:
-        `(type, value)` per host value (a queue by identity, a 0-d array by
-        its dtype and bytes), in the order read.
+        `(type, value)` per host value (a queue or function by identity, a
+        0-d array by its dtype and bytes), in the order read.
 
     Example:
 
@@ -101,7 +103,15 @@ def host_values(fn: Callable, depth: int = 4) -> tuple:
     ((<class 'float'>, 2.0),)
     """
     return tuple(_host_key(value) for value in referenced_values(fn, depth)
-                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)) or _is_host_0d(value))
+                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES))
+                 or _is_host_0d(value) or _is_own_function(value))
+
+
+def _is_own_function(value: Any) -> bool:
+    # The user's functions the traced one calls: the libraries' are the same objects for ever.
+    module = getattr(value, "__module__", None) or ""
+    return (isinstance(value, types.FunctionType)
+            and module.partition(".")[0] not in _LIBRARIES)
 
 
 def _is_host_0d(value: Any) -> bool:
