@@ -27,6 +27,7 @@ from keras.src.models import model as keras_model_module
 from keras.src.models.functional import Functional
 from keras.src.models.model import Model, functional_init_arguments
 from keras.src.models.sequential import Sequential
+from keras.src.utils import python_utils
 
 from keras_ipu.device import interrupts
 from keras_ipu.keras import (
@@ -677,17 +678,14 @@ def extension_class(cls: type, functional: bool = False) -> type:
     <class 'keras_ipu.keras.extensions.SequentialExtension'>
     """
     extension = extension_for(cls, functional)
-    return type(
-        cls.__name__,
-        (extension, cls),
-        {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_ipu_base_class": cls,
-            # Keras serialization records obj.__class__: show the user's class.
-            "__class__": property(lambda self: type(self)._ipu_base_class),
-        },
-    )
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "_ipu_base_class": cls,
+                 # Keras serialization records obj.__class__: show the user's class.
+                 "__class__": property(lambda self: type(self)._ipu_base_class)}
+    if python_utils.is_default(cls.get_config):  # Keras' guard: no config of its own
+        namespace["get_config"] = python_utils.default(
+            lambda self: ExtensionBase.get_config(self))
+    return type(cls.__name__, (extension, cls), namespace)
 
 
 # IPU TensorFlow's `keras.extensions` package exports these too.

@@ -5,12 +5,14 @@
 target and move it into place only once complete: a save that fails leaves
 the previous file as it was. The file gets the mode a plain Keras save gives
 it (the existing file's, else the umask's), and a symbolic link is written
-through, as Keras writes through it. `check_model_file` explains why a `.keras` file
-cannot be a Keras model (Keras itself says "File not found" for a file that
-exists but is not a zip archive); `install` makes `keras.models.load_model`
-run it first inside a strategy scope (outside, Keras' loader runs alone), and
-routes Keras' `Model.save` and `save_weights` through `write_whole` for IPU
-models (other models save as Keras saves them).
+through, as Keras writes through it. Where the user may not write the file, or
+may not make one in its folder, Keras writes it as it would (or refuses).
+`check_model_file` explains why a `.keras` file cannot be a Keras model (Keras
+itself says "File not found" for a file that exists but is not a zip archive);
+`install` makes `keras.models.load_model` run it first inside a strategy scope
+(outside, Keras' loader runs alone), and routes Keras' `Model.save` and
+`save_weights` through `write_whole` for IPU models (other models save as Keras
+saves them).
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ def write_whole(filepath: Any, overwrite: bool, write: Callable[[str], Any]) -> 
             return None
     path = os.path.realpath(path)  # a link stays a link: its target is replaced
     folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
+    if not os.path.isdir(folder) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         return write(filepath)  # Keras' own error, naming the path it was given
-    temporary = _new_file(folder, f".{os.path.basename(path)}.", suffix)
+    try:
+        temporary = _new_file(folder, f".{os.path.basename(path)}.", suffix)
+    except PermissionError:  # a folder the user may not write in: in place, as Keras writes
+        return write(filepath)
     try:
         try:
             result = write(temporary)
@@ -276,7 +281,12 @@ def _routed_save(original: Callable[..., Any], whole: Callable[..., Any],
 
 
 def _saved_whole(save, model, filepath, overwrite=True, zipped=None, **kwargs):
-    # `zipped=False` writes a folder (Keras refuses `.keras` names): as Keras writes it.
+    # `zipped=False` writes a folder (Keras refuses `.keras` names): as Keras writes it,
+    # given as absolute (Keras writes the assets of a relative one into its temporary
+    # folder, and an IPU subclassed model's options are an asset).
+    path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+    if zipped is False and path and "://" not in path and not path.endswith(".keras"):
+        filepath = os.path.abspath(path)
     return _written(lambda path, overwrite: save(model, path, overwrite, zipped, **kwargs),
                     filepath, overwrite, whole=zipped is not False)
 
