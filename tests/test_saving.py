@@ -493,3 +493,20 @@ def test_a_subclassed_model_without_a_config_of_its_own_is_refused_as_in_plain_k
             model.save(tmp_path / "m.keras")
     assert str(refused.value) == str(plain.value)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("key, value, refusal", [
+    ("gradient_accumulation_steps_per_replica", 0, "to be a positive integer, but got 0"),
+    ("gradient_accumulation_steps_per_replica", "4", "to be a positive integer, but got '4'"),
+    ("asynchronous_callbacks", "false", "`asynchronous` must be a bool, got 'false'"),
+    ("replicated_metric_reduction_method", 0, "Cannot parse 0 as a ReplicatedMetricReduction"),
+])
+def test_a_hand_edited_config_with_a_bad_ipu_option_is_refused_as_its_setter_refuses(
+        key, value, refusal, strategy):
+    # Before: 0 loaded (a fit without accumulation), "4" failed in fit with a TypeError,
+    # "false" loaded as True.
+    with strategy.scope():
+        config = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]).get_config()
+        with pytest.raises((TypeError, ValueError), match=refusal) as refused:
+            keras.Sequential.from_config({**config, key: value})
+    assert "saved with the model" in "".join(refused.value.__notes__)

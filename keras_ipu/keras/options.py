@@ -164,31 +164,39 @@ class IPUOptions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> IPUOptions:
-        """Options from their saved form (unknown keys are ignored)."""
-        return cls(
-            gradient_accumulation_steps_per_replica=config.get(
-                "gradient_accumulation_steps_per_replica"
-            ),
-            gradient_accumulation_reduction_method=GradientAccumulationReductionMethod(
-                config.get("gradient_accumulation_reduction_method", 0)
-            ),
-            replicated_metric_reduction_method=ReplicatedMetricReductionMethod(
-                config.get("replicated_metric_reduction_method", 1)
-            ),
-            asynchronous_callbacks=bool(config.get("asynchronous_callbacks", False)),
-            pipelining_gradient_accumulation_steps_per_replica=config.get(
-                "pipelining_gradient_accumulation_steps_per_replica"
-            ),
-            pipelining_device_mapping=(
-                tuple(config["pipelining_device_mapping"])
-                if config.get("pipelining_device_mapping") is not None
-                else None
-            ),
-            pipelining_accumulate_outfeed=config.get("pipelining_accumulate_outfeed"),
-            infeed_kwargs=feed_options.infeed_options(config.get("infeed_kwargs") or {}),
-            outfeed_kwargs=feed_options.outfeed_options(config.get("outfeed_kwargs") or {}),
-        )
+        """Options from their saved form (unknown keys are ignored), checked as the
+        options' setters check them.
 
+        Raises:
+            ValueError, TypeError: For a value its setter refuses (a hand-edited
+                config), noting that it is a saved option.
+        """
+        method = _saved_member(GradientAccumulationReductionMethod,
+                               config.get("gradient_accumulation_reduction_method", 0))
+        try:
+            options = gradient_accumulation_options(
+                cls(), config.get("gradient_accumulation_steps_per_replica"), method, False, {})
+            options = pipelining_options(
+                options, config.get("pipelining_gradient_accumulation_steps_per_replica"),
+                config.get("pipelining_device_mapping"),
+                config.get("pipelining_accumulate_outfeed"), method, {})
+            metric_method = config.get("replicated_metric_reduction_method", 1)
+            options = replication_options(
+                options, _saved_member(ReplicatedMetricReductionMethod, metric_method))
+            options = asynchronous_callbacks_option(
+                options, config.get("asynchronous_callbacks", False))
+            return feed_queue_options(options, config.get("infeed_kwargs") or {},
+                                      config.get("outfeed_kwargs") or {})
+        except (TypeError, ValueError) as error:
+            error.add_note("It is an IPU option saved with the model (its config, or the "
+                           "ipu_options.json asset of its .keras file).")
+            raise
+
+
+def _saved_member(enum_class: Any, value: Any) -> Any:
+    # Saved as the member's value (the reference's layout); a name parses as in the setters.
+    members = {member.value: member for member in enum_class}
+    return members.get(value, value) if _is_integer(value) else value
 
 def gradient_accumulation_options(
     options: IPUOptions,
