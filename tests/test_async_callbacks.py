@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -212,6 +213,41 @@ def test_a_run_of_the_model_from_its_own_asynchronous_hook_is_refused(replicas, 
     hook = EvaluateInHook(x[:BATCH], y[:BATCH], method="test_on_batch")
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[hook])
     assert np.all(np.isfinite(hook.result))
+
+
+class PredictOtherInHook(keras.callbacks.Callback):
+    """Runs another model's predict from the first batch hook."""
+
+    def __init__(self, other, x):
+        super().__init__()
+        self.other, self.x, self.result = other, x, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.result is None:
+            self.result = self.other.predict(self.x, batch_size=BATCH, verbose=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_another_models_run_from_an_asynchronous_hook_runs_unless_the_run_is_replicated(
+        replicas, strategy):
+    # With 2 replicas it waited for the IPUs the running execution held, for ever.
+    configure(replicas)
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    _, other = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    hook = PredictOtherInHook(other, x[:BATCH * replicas])
+    fit = functools.partial(model.fit, x, y, batch_size=BATCH, epochs=1, verbose=0,
+                            callbacks=[hook])
+    if replicas == 1:
+        fit()
+        alone = other.predict(x[:BATCH], batch_size=BATCH, verbose=0)
+        np.testing.assert_allclose(hook.result, alone)
+        return
+    with pytest.raises(RuntimeError, match=r"model.predict\(\) was called from an "
+                                           r"asynchronous batch hook of a replicated run"):
+        fit()
+    assert _callback_threads() == []
 
 
 class ReadWeights(keras.callbacks.Callback):

@@ -37,6 +37,8 @@ from keras_ipu.keras.thread_state import CallersState
 
 # The thread the asynchronous batch hooks run on.
 _THREAD_NAME = "keras_ipu-callbacks"
+# On a hooks thread: whether its run is replicated (see `check_not_in_async_hooks`).
+_HOOKS_OF = threading.local()
 # One log entry's values over a chunk's batches, from its replicas' `[R, n]`.
 _HOST_REDUCTIONS = {
     Reduction.SUM: lambda values: np.sum(values, axis=0),
@@ -147,6 +149,8 @@ class CallbackThread:
         delivery: Calls the hooks.
         on_error: Called on the thread when a hook raises (e.g. to mute the
             stream the execution sends its steps to).
+        replicated: Whether the run's executions span replicas (they hold
+            their IPUs until the hooks have taken their steps).
 
     Example:
 
@@ -156,8 +160,10 @@ class CallbackThread:
     ...     hooks.wait()  # raises a hook's exception
     """
 
-    def __init__(self, delivery: StepDelivery, on_error: Callable[[], None]):
+    def __init__(self, delivery: StepDelivery, on_error: Callable[[], None],
+                 replicated: bool = False):
         self._delivery = delivery
+        self._replicated = replicated
         self._on_error = on_error
         self._jobs: queue.Queue = queue.Queue()
         self._done = threading.Semaphore(0)
@@ -190,6 +196,7 @@ class CallbackThread:
             raise error
 
     def _work(self) -> None:
+        _HOOKS_OF.replicated = self._replicated
         while (job := self._jobs.get()) is not None:
             begin, chunks = job
             try:
@@ -413,30 +420,36 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     return written
 
 
-def check_not_in_own_hooks(model: Any, mode: str) -> None:
-    """Refuses `fit`/`evaluate`/`predict` of a model from its run's asynchronous batch hooks.
+def check_not_in_async_hooks(model: Any, mode: str) -> None:
+    """Refuses `fit`/`evaluate`/`predict` from asynchronous batch hooks where it cannot run.
 
     Those hooks run while the device runs the next execution: a run of the
     same model there would start from the device's state, not from what the
-    hook assigned (which was lost), and a replicated one waits for devices
-    the running execution holds, for ever.
+    hook assigned (which was lost); and a replicated execution holds its IPUs
+    until the hooks take its steps, so a run of any IPU model there waits for
+    them for ever.
 
     Raises:
-        RuntimeError: On the hooks' thread of a run of `model` with
-            asynchronous callbacks.
+        RuntimeError: On the hooks' thread of a run of `model`, or of a
+            replicated run, with asynchronous callbacks.
 
     Example:
 
-    >>> check_not_in_own_hooks(model, "evaluate")   # from the main thread: fine
+    >>> check_not_in_async_hooks(model, "evaluate")   # from the main thread: fine
     """
-    if (context.state_of(model).asynchronous_hooks
-            and threading.current_thread().name == _THREAD_NAME):
-        raise RuntimeError(
-            f"model.{mode}() was called from an asynchronous batch hook of the model's own "
-            f"run, which runs while the device runs the next execution. Call it from "
-            f"`on_epoch_end`, use `predict_on_batch`/`test_on_batch`, or turn asynchronous "
-            f"callbacks off (`model.set_asynchronous_callbacks(False)`).")
-
+    if threading.current_thread().name != _THREAD_NAME:
+        return
+    if context.state_of(model).asynchronous_hooks:
+        whose = "the model's own run"
+    elif getattr(_HOOKS_OF, "replicated", False):
+        whose = "a replicated run (which holds the IPUs until its hooks have run)"
+    else:
+        return
+    raise RuntimeError(
+        f"model.{mode}() was called from an asynchronous batch hook of {whose}, which "
+        f"runs while the device runs the next execution. Call it from `on_epoch_end`, use "
+        f"`predict_on_batch`/`test_on_batch`, or turn asynchronous callbacks off "
+        f"(`model.set_asynchronous_callbacks(False)`).")
 
 def _variables(model: Any, part: str) -> list:
     """The model's variables of a state part (`"trainable_variables"`, ...), in state order."""
@@ -451,6 +464,6 @@ def _same_value(now: Any, synced: Any) -> bool:
             and np.array_equal(np.asarray(now), np.asarray(synced), equal_nan=True))
 
 
-__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "check_not_in_own_hooks",
+__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "check_not_in_async_hooks",
            "has_batch_hooks", "hook_writes", "only_read", "returned_chunk", "split_steps",
            "step_delivery", "submit_streamed"]

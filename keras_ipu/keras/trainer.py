@@ -376,7 +376,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     if stream is not None:
         # Nobody reads a stream without hooks: the device drops its steps.
         stream.unmute() if delivery is not None else stream.mute()
-    hooks = CallbackThread(delivery, stream.mute if stream else _ignore) if delivery else None
+    hooks = (CallbackThread(delivery, stream.mute if stream else _ignore,
+                           replicated=run.replica_count > 1) if delivery else None)
     context.state_of(model).asynchronous_hooks = hooks is not None
     parts = STATE_PARTS[mode]
     codec = run.codec
@@ -587,7 +588,7 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     """
     ipu_system.require()
     programs.check_not_eager(model)
-    step_callbacks.check_not_in_own_hooks(model, mode)
+    step_callbacks.check_not_in_async_hooks(model, mode)
     _check_function_not_overridden(model, mode)
     plan = pipelined.plan_of(model, x)
     if plan is None:
