@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_ipu.device import feeds
-from keras_ipu.keras import assignments
+from keras_ipu.keras import assignments, replica_gradients
 
 
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
@@ -42,6 +42,9 @@ def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - 
     >>> with ipu.scopes.ipu_scope("/device:IPU:0"):
     ...     [total] = ipu.ipu_compiler.compile(lambda x: x.sum(), inputs=[np.ones(4)])
     """
+    # A Keras optimizer's apply inside sums the replicas' gradients, as in `strategy.run`
+    # (installed there by the strategy, which a graph-style program need not make).
+    replica_gradients.install()
     return assignments.call_assigning(lambda fn: feeds.compile(fn, inputs)[0], computation,
                                       outputs=feeds.output_list)
 

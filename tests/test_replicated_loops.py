@@ -512,6 +512,31 @@ def test_a_custom_training_loop_on_replicas_sums_their_gradients_as_ipu_tensorfl
     assert float(strategy.run(made_infeed)) == 3.0
 
 
+def test_compile_sums_the_replicas_gradients_in_a_process_without_a_strategy(monkeypatch):
+    # The seed's graph-style programs make no IPUStrategy: the optimizer took replica 0's
+    # gradients only (-0.1 for -0.4) until some strategy had been made in the process.
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    keras_apply = BaseOptimizer.__dict__["apply"]
+    if getattr(keras_apply, "_keras_ipu_reducing", False):  # a strategy was made before
+        monkeypatch.setattr(BaseOptimizer, "apply", keras_apply.__wrapped__)
+    configure(2)
+    layer = keras.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros")
+    layer.build((None, 1))
+    optimizer = keras.optimizers.SGD(0.1)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.full((1, 1), value, "float32")
+                                                  for value in (1.0, 3.0)])  # a replica's each
+
+    def body(x):
+        weights = [v.value for v in layer.trainable_variables]
+        grads = jax.grad(lambda w: jnp.sum(layer.stateless_call(w, [], x)[0]))(weights)
+        optimizer.apply(grads, layer.trainable_variables)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(1, body, [], infeed))
+    assert float(layer.kernel.numpy()[0, 0]) == pytest.approx(-0.4)
+
+
 def test_a_training_step_under_a_keras_distribution_is_refused_naming_it():
     # Variables laid out by keras.distribution met the replicas inside the program: JAX
     # raised "use_abstract_mesh cannot change the size of the mesh" from the gradient.
