@@ -155,7 +155,8 @@ def _enqueues_set_aside() -> Iterator[Callable[[], bool]]:
     """
     body = queues.current_enqueues()
     with contextlib.ExitStack() as stack:
-        probe = stack.enter_context(queues.collect_enqueues(body.refusal)) if body else None
+        probe = (stack.enter_context(queues.collect_enqueues(body.refusal, probe=True))
+                 if body else None)
         program = stack.enter_context(program_outfeeds.set_aside())
         yield lambda: bool(probe and probe.records) or bool(program)
 

@@ -284,27 +284,26 @@ def test_run_compiles_a_function_for_the_ipu_device_and_reduce_sums_or_averages(
 _UNBUILT_GLOBAL = None  # set by the test below: a notebook's model is a global
 
 
-def test_run_refuses_an_unbuilt_model_and_runs_a_built_one_again(strategy):
-    # Its weights would be made inside the compiled program, whose next call would fail.
+def test_run_builds_an_unbuilt_model_or_layer_as_plain_keras_does(strategy):
+    # The layers build at their first call, inside the program, and their weights are made
+    # eagerly once it has run (strategy.run refused them, weightless layers too).
     global _UNBUILT_GLOBAL
     configure(2)
     x = np.ones((1, 3), np.float32)
     with strategy.scope():
         _UNBUILT_GLOBAL = keras.Sequential([keras.layers.Dense(2)])
         closed = keras.Sequential([keras.layers.Dense(2)])
-    calls = {"global": lambda a: _UNBUILT_GLOBAL(a), "closure": lambda a: closed(a)}
-    for kind, call in calls.items():
-        with pytest.raises(ValueError, match=r"Sequential '[a-z_0-9]+' is not built, so its "
-                                             r"weights would be created inside the compiled"):
-            strategy.run(call, args=(x,))
-        with pytest.raises(ValueError, match="is not built"):
-            strategy.run(lambda model, a: model(a), args=(
-                _UNBUILT_GLOBAL if kind == "global" else closed, x))
-    for model, call in zip((_UNBUILT_GLOBAL, closed), calls.values()):
-        expected = keras.ops.convert_to_numpy(model(x))  # now built
-        for _ in range(2):
-            np.testing.assert_allclose(strategy.run(call, args=(x,)), expected, rtol=1e-6)
-
+    given = keras.Sequential([keras.layers.Dense(2)])
+    concatenate, flatten = keras.layers.Concatenate(), keras.layers.Flatten()
+    calls = [(lambda a: _UNBUILT_GLOBAL(a), (x,)), (lambda a: closed(a), (x,)),
+             (lambda model, a: model(a), (given, x)),
+             (lambda a: flatten(concatenate([a, a])), (x[:, None],))]
+    for call, args in calls:
+        results = [strategy.run(call, args=args) for _ in range(2)]  # the kept program too
+        expected = keras.ops.convert_to_numpy(call(*args))  # eagerly, the same weights
+        for result in results:
+            np.testing.assert_allclose(result, expected, rtol=1e-6)
+    assert all(layer.built for layer in (_UNBUILT_GLOBAL, closed, given, concatenate))
 
 def _bn_dropout_model(seed):
     keras.utils.set_random_seed(seed)

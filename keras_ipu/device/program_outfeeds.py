@@ -71,23 +71,38 @@ class _ProgramOutfeeds(list):
 
     def __init__(self):
         super().__init__()
-        self.trace = _trace_state()
+        self.trace = trace_state()
 
     def append(self, entry: tuple) -> None:
-        if _trace_state() != self.trace:
-            raise RuntimeError(
-                "An IPUOutfeedQueue was filled inside a JAX transformation within the "
-                "computation (jax.grad, jax.vmap, an inner jax.jit): its values exist only "
-                "inside that transformation and cannot reach the queue. Enqueue outside it "
-                "(return the values from the differentiated function with has_aux=True, "
-                "say).")
+        check_in_trace(self.trace)
         super().append(entry)
 
 
-def _trace_state() -> object:
-    from jax._src import core  # JAX's identity of the trace now running
+def trace_state() -> object:
+    """JAX's identity of the trace now running (compared by `check_in_trace`)."""
+    from jax._src import core
 
     return core.get_opaque_trace_state(convention="nnx")
+
+
+def check_in_trace(trace: object) -> None:
+    """Refuses an outfeed value made in another trace than `trace` (the program's or loop
+    body's): one of a JAX transformation inside it exists only there.
+
+    Raises:
+        RuntimeError: Saying where to enqueue instead.
+
+    Example:
+
+    >>> check_in_trace(trace_state())   # the trace now running: fine
+    """
+    if trace_state() != trace:
+        raise RuntimeError(
+            "An IPUOutfeedQueue was filled inside a JAX transformation within the "
+            "computation (jax.grad, jax.vmap, an inner jax.jit): its values exist only "
+            "inside that transformation and cannot reach the queue. Enqueue outside it "
+            "(return the values from the differentiated function with has_aux=True, "
+            "say).")
 
 
 def program_outfeeds() -> list | None:

@@ -57,6 +57,8 @@ class Enqueues:
 
     Args:
         refusal: Why this body may not enqueue (a `while_loop`'s), or `None`.
+        probe: Whether it only learns whether a trace enqueues (an outlined
+            function's): then values of any trace are taken.
 
     Example:
 
@@ -65,9 +67,10 @@ class Enqueues:
     >>> [queue for queue, _, _ in enqueued.records]
     """
 
-    def __init__(self, refusal: str | None = None):
+    def __init__(self, refusal: str | None = None, probe: bool = False):
         self.refusal = refusal
         self.records: list[tuple[Any, Any, bool]] = []  # (queue, value, is a block)
+        self.trace = None if probe else program_outfeeds.trace_state()  # the body's
 
     def add(self, queue: IPUOutfeedQueue, value: Any, block: bool) -> None:
         """Adds `queue`'s value for this iteration (`block`: a nested loop's stacked values).
@@ -79,7 +82,8 @@ class Enqueues:
             block: Whether `value` is a nested loop's stacked values.
 
         Raises:
-            RuntimeError: When this body may not enqueue.
+            RuntimeError: When this body may not enqueue, or `value` is of a
+                JAX transformation inside the body (`jax.grad`).
             ValueError: When `queue` already has this iteration's value.
 
         Example:
@@ -88,6 +92,8 @@ class Enqueues:
         """
         if self.refusal is not None:
             raise RuntimeError(self.refusal)
+        if self.trace is not None:
+            program_outfeeds.check_in_trace(self.trace)
         if any(known is queue for known, _, _ in self.records):
             raise ValueError("An outfeed can only be enqueued once in an iteration of a loop's "
                              "body (as on the IPU); enqueue one structure of values, such as "
@@ -165,18 +171,19 @@ def _register_made(queue: IPUInfeedQueue) -> None:
 
 
 @contextlib.contextmanager
-def collect_enqueues(refusal: str | None = None) -> Iterator[Enqueues]:
+def collect_enqueues(refusal: str | None = None, probe: bool = False) -> Iterator[Enqueues]:
     """Collects what the loop body traced inside enqueues.
 
     Args:
         refusal: Why the body may not enqueue, or `None` when it may.
+        probe: See `Enqueues`.
 
     Example:
 
     >>> with collect_enqueues() as enqueued:
     ...     body(x)
     """
-    enqueued = Enqueues(refusal)
+    enqueued = Enqueues(refusal, probe)
     token = _ENQUEUES.set(enqueued)
     try:
         yield enqueued
@@ -516,7 +523,7 @@ class IPUOutfeedQueue:
         enqueued = current_enqueues()
         program = program_outfeeds.program_outfeeds()
         if enqueued is not None:
-            enqueued.add(self, tensors, block=False)
+            enqueued.add(self, jax.tree_util.tree_map(jnp.asarray, tensors), block=False)
         elif program is not None:
             program.append((self, jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], tensors)))
         else:

@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from keras_ipu.device import closures, compiled_calls
+from keras_ipu.device import compiled_calls
 from keras_ipu.device import scopes as device_scopes
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import assignments, context, extensions, replica_gradients
@@ -115,17 +115,14 @@ class IPUStrategy:
         Raises:
             RuntimeError: When no IPU system is configured.
             ValueError: When the configured system has no `ipu_device`, an
-                infeed runs out (nothing is taken), the device's IPUs are
-                not a multiple of the shards `fn` uses, or `fn` is given or
-                closes over a Keras layer or model that is not built (its
-                weights cannot be made inside the compiled program).
+                infeed runs out (nothing is taken), or the device's IPUs are
+                not a multiple of the shards `fn` uses.
 
         Example:
 
         >>> strategy.run(lambda x: x * 2, args=(np.ones(3),))
         Array([2., 2., 2.], dtype=float32)
         """
-        _check_built(fn, args, kwargs)
         ipus = ipu_system.require().ipus_of_device(self.ipu_device)
         # `ipu_shard(i)` is of the device's IPUs.
         with device_scopes.ipu_scope(self.ipu_device), _distribution_named(len(ipus)):
@@ -206,21 +203,3 @@ def _distribution_named(ipus: int) -> Iterator[None]:
             f"over its own devices. Run it without the distribution "
             f"(`keras.distribution.set_distribution(None)`): the IPUStrategy replicates "
             f"the program itself. JAX said: {str(error).splitlines()[0]}") from error
-
-
-def _check_built(fn: Callable, args: tuple, kwargs: dict | None) -> None:
-    """Refuses an unbuilt Keras layer among `fn`'s arguments or what it reads (closures,
-    globals: a notebook's model is one).
-
-    A layer builds its weights at its first call; inside a compiled program
-    they would hold the trace's placeholders, and the program's next call
-    fails. (IPU TensorFlow creates them at the first trace.)
-    """
-    values = [fn, *args, *(kwargs or {}).values(), *closures.referenced_values(fn)]
-    for value in values:
-        if isinstance(value, keras.layers.Layer) and not value.built:
-            raise ValueError(
-                f"strategy.run: {type(value).__name__} {value.name!r} is not built, so its "
-                f"weights would be created inside the compiled program. Build it first: "
-                f"call it once on data of the right shape, or call its "
-                f"`build(input_shape)`.")
