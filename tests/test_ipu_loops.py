@@ -685,3 +685,38 @@ def test_an_enqueue_inside_a_transformation_of_the_computation_says_where_to_enq
     assert outfeed.dequeue() == []
     gradient = strategy.run(lambda w: jax.grad(logged)(w, False), args=(np.float32(2.0),))
     assert float(gradient) == 12.0
+
+
+def test_an_enqueue_inside_a_transformation_within_a_loop_body_says_where_to_enqueue(strategy):
+    # The loss logged where it is computed, inside jax.grad in the body (a GradientTape
+    # body's port): JAX's "compiled for 2 inputs but called with 1" before.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(4)])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body(w, x):
+        def loss(w):
+            value = (w * x - 1.0) ** 2
+            outfeed.enqueue(value)
+            return value
+        return w - 0.1 * jax.grad(loss)(w)
+
+    with pytest.raises(RuntimeError, match="filled inside a JAX transformation within the "
+                                           "computation .* has_aux=True"):
+        strategy.run(lambda: ipu.loops.repeat(2, body, [jnp.float32(0.5)], infeed))
+    assert len(infeed.peek(10)) == 4 and outfeed.dequeue() == []
+
+
+def test_a_keras_variable_enqueued_in_a_loop_body_outfeeds_each_iterations_value(strategy):
+    # It raised "Triggering __jax_array__() during abstractification" (outside a loop it ran).
+    import keras
+
+    variable = keras.Variable(np.zeros(2, np.float32))
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def body():
+        variable.assign(variable + 1.0)
+        return outfeed.enqueue(variable)
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(3, body))
+    np.testing.assert_array_equal(outfeed.dequeue(), [[1, 1], [2, 2], [3, 3]])
