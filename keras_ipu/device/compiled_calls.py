@@ -35,6 +35,7 @@ computation is part of that program and runs once, unreplicated.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Sequence
@@ -384,8 +385,8 @@ class _Program:
         self.checks = floating_point.system_checks()
         self.plan: list = []  # (infeed, iterations) its loops read, in order
         self.outfeeds: list = []  # the queues its outfed values go to, in order
-        # Whether its last trace's while loops read infeeds as they run (host callbacks).
-        self.streams = False
+        # The infeeds its last trace's while loops read as they run (host callbacks).
+        self.streams: tuple = ()
         self.unread: list = []  # elements its traces' own infeeds looked at, not took
         self.executables: dict = {}  # per plan and input shapes
         # Whether another call may run it: not when its trace captured arrays (a closure
@@ -430,14 +431,20 @@ class _Program:
 
         return run
 
-    def _raise_trapped(self, error: Any) -> None:
-        if error is not None:
+    def _raise_trapped(self, error: Any, streamed: Sequence = ()) -> None:
+        if error is None:
+            return
+        try:
             floating_point.raise_first(error, self.name)
+        except floating_point.IPUFloatingPointError:
+            for queue, taken in streamed:  # its while loops' (the staged go back below)
+                queue.put_back(taken)
+            raise
 
     def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
         reads = _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs else None
         traced = self._trace(arrays, reads)
-        self.streams = bool(reads is not None and reads.streamed)
+        self.streams = tuple(reads.streamed) if reads is not None else ()
         return traced
 
     def _trace(self, arrays: list, feeds: Any) -> tuple[Any, list]:
@@ -486,15 +493,18 @@ class _Program:
                 feed_data = _placed([_dealt(elements.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
                 executable, outfeeds, streams = self._executable(arrays, feed_data, replicas)
-                (result, outfed), error = attachment.run_checked(executable, self.name,
-                                                                 arrays, feed_data)
-                if not attachment.runs_programs():  # nothing ran: nothing was taken
-                    _put_back(self.plan, taken)
-                if streams:
-                    # Its while loops take infeed elements on the host as they run: the
-                    # queue, and a loop's failure, are the call's when it returns.
-                    jax.block_until_ready((result, outfed))
-                self._raise_trapped(error)  # the elements it took go back
+                with contextlib.ExitStack() as recording:
+                    streamed = [(queue, recording.enter_context(queue.recorded()))
+                                for queue in streams]
+                    (result, outfed), error = attachment.run_checked(executable, self.name,
+                                                                     arrays, feed_data)
+                    if not attachment.runs_programs():  # nothing ran: nothing was taken
+                        _put_back(self.plan, taken)
+                    if streams:
+                        # Its while loops take infeed elements on the host as they run:
+                        # the queue, and a loop's failure, are the call's when it returns.
+                        jax.block_until_ready((result, outfed))
+                self._raise_trapped(error, streamed)  # the elements it took go back
             except _MadeInTrace:
                 _put_back(self.plan, taken)
                 return self._run_once(arrays, replicas)

@@ -266,6 +266,7 @@ class IPUInfeedQueue:
         self._ahead: collections.deque = collections.deque()  # peeked, not yet taken
         self._dequeued = False
         self._arguments: int | None = None  # of the first element seen
+        self._recordings: list[list] = []  # open `recorded` lists
         _register_made(self)
 
     @property
@@ -405,7 +406,27 @@ class IPUInfeedQueue:
         for _ in ahead:
             self._ahead.popleft()
         self._dequeued = True
+        for recording in self._recordings:
+            recording.extend(ahead)
         return ahead
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[list]:
+        """Records the elements taken while open, on any thread (a while loop's program
+        takes them as it runs), to put back should the program's results be dropped.
+
+        Example:
+
+        >>> with infeed.recorded() as taken:
+        ...     program()
+        >>> infeed.put_back(taken)   # it trapped a floating point exception
+        """
+        taken: list = []
+        self._recordings.append(taken)
+        try:
+            yield taken
+        finally:
+            self._recordings.remove(taken)
 
     def put_back(self, elements: list) -> None:
         """Returns taken `elements` to the front of the queue (their program did not run).
