@@ -58,6 +58,8 @@ class StepDelivery:
         reduction: How the replicas' logs are combined.
         on_begin: The mode's `on_*_batch_begin`.
         on_end: The mode's `on_*_batch_end`.
+        synthetic: Whether nothing comes back from the device
+            (`--use_synthetic_data`): the hooks get zeros.
 
     Example:
 
@@ -68,8 +70,9 @@ class StepDelivery:
 
     def __init__(self, mode: str, replicas: int, batches_per_step: int | None,
                  reduction: Reduction, on_begin: Callable[..., Any],
-                 on_end: Callable[..., Any]):
+                 on_end: Callable[..., Any], synthetic: bool = False):
         self.mode = mode
+        self.synthetic = synthetic
         self.replicas = replicas
         self.batches_per_step = batches_per_step
         self.reduction = reduction
@@ -85,6 +88,8 @@ class StepDelivery:
         """
         index = begin
         for per_replica in chunks:
+            if self.synthetic:
+                per_replica = jax.tree_util.tree_map(np.zeros_like, per_replica)
             per_batch = self._per_batch_logs(per_replica)
             for logs_of_replicas in zip(*per_batch):
                 for logs in logs_of_replicas:
@@ -236,7 +241,7 @@ def returned_chunk(per_step: Any, replicas: int) -> list[list[Any]]:
 
 
 def step_delivery(model: Any, run: Any, mode: str, on_begin: Callable[..., Any],
-                  on_end: Callable[..., Any]) -> StepDelivery | None:
+                  on_end: Callable[..., Any], synthetic: bool = False) -> StepDelivery | None:
     """The per-step delivery of a run with asynchronous callbacks, else `None`.
 
     Args:
@@ -245,6 +250,7 @@ def step_delivery(model: Any, run: Any, mode: str, on_begin: Callable[..., Any],
         mode: `"fit"`, `"evaluate"` or `"predict"`.
         on_begin: The mode's `on_*_batch_begin`.
         on_end: The mode's `on_*_batch_end`.
+        synthetic: Whether nothing comes back from the device (zeros).
 
     Returns:
         A `StepDelivery`, or `None` (synchronous hooks, or a pipeline that
@@ -260,7 +266,8 @@ def step_delivery(model: Any, run: Any, mode: str, on_begin: Callable[..., Any],
     if run.program.stream is None and run.split_steps is None:
         return None  # the reference's exception: pipelines accumulating their outfeed
     return StepDelivery(mode, run.replica_count, run.batches_per_step,
-                        options.replicated_metric_reduction_method, on_begin, on_end)
+                        options.replicated_metric_reduction_method, on_begin, on_end,
+                        synthetic)
 
 
 def submit_streamed(hooks: CallbackThread | None, stream: Any, begin: int,

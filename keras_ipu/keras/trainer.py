@@ -370,7 +370,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     # handed to the hooks as they return (nothing streams from a device).
     attached = attachment.runs_programs()
     execute = run.program if attached else run.program.unattached
-    delivery = (step_callbacks.step_delivery(model, run, mode, on_begin, on_end)
+    synthetic = bool(ipu_system.require().option("use_synthetic_data"))
+    delivery = (step_callbacks.step_delivery(model, run, mode, on_begin, on_end, synthetic)
                 if hooked and attached else None)
     stream = run.program.stream
     if stream is not None:
@@ -381,7 +382,6 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     context.state_of(model).asynchronous_hooks = hooks is not None
     parts = STATE_PARTS[mode]
     codec = run.codec
-    synthetic = bool(ipu_system.require().option("use_synthetic_data"))
     logs: Any = {}
     state = None  # the device's, from the first execution on
     model._jax_state_synced = True
@@ -428,7 +428,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                         _keep_state(model, new_state, codec)
                 outfeed, returned = step_callbacks.split_steps(run, outfeed)
                 if synthetic:  # --use_synthetic_data: nothing comes back to the host
-                    outfeed = tree.map_structure(jax.numpy.zeros_like, outfeed)
+                    outfeed, returned = jax.tree_util.tree_map(jax.numpy.zeros_like,
+                                                               (outfeed, returned))
                 logs = outfeed  # the program returns the last step's logs (or predictions)
                 if collect is not None:  # the outputs as the hooks see them too
                     outfeed = collect(outfeed)
