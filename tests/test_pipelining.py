@@ -1701,6 +1701,40 @@ class _UsesTheBatchSize(keras.Model):
             return self.out(keras.ops.reshape(hidden, (-1, 4, 2))[:, 0] + offsets)
 
 
+class _FlattensThreeDimensions(keras.Model):
+    """A subclassed model whose `call` branches on its input's rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten, self.hidden, self.out = (keras.layers.Flatten(), keras.layers.Dense(4),
+                                               keras.layers.Dense(1))
+
+    def call(self, x):
+        if len(x.shape) == 3:
+            x = self.flatten(x)
+        with ipu.keras.PipelineStage(0):
+            hidden = self.hidden(x)
+        with ipu.keras.PipelineStage(1):
+            return self.out(hidden)
+
+
+def test_a_subclassed_pipeline_given_inputs_of_another_shape_than_traced_says_so(strategy):
+    # Its graph was traced for (None, 6): Keras' shape error from the Dense layer, which
+    # the traced graph (without the Flatten) fed the (2, 2, 3) batch.
+    configure(2)
+    with strategy.scope():
+        model = _FlattensThreeDimensions()
+        model(np.ones((2, 6), "float32"))
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
+    model.compile("sgd", "mse", steps_per_execution=2)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"traced for inputs of shapes \[\(None, 6\)\], and "
+                                         r"this run's are \[\(None, 2, 3\)\]"):
+        model.fit(np.ones((8, 2, 3)), np.ones((8, 1)), batch_size=2, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.fit(np.ones((8, 6)), np.ones((8, 1)), batch_size=2, verbose=0)  # as traced
+
+
 def test_a_subclassed_pipeline_bound_to_its_first_calls_batch_size_runs_only_that(strategy):
     # Built by a call on 1 row, the graph kept that batch size: `arange(rows)` was the
     # constant [0] and the predictions of 4-row batches were silently wrong. A graph that

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -129,16 +130,28 @@ def schedule_of(options: IPUOptions) -> schedules.PipelineSchedule:
     return options.pipelining_kwargs.get("pipeline_schedule", schedules.PipelineSchedule.Grouped)
 
 
-def _check_traced_batch_size(plan, feed) -> None:
-    """Refuses batches of another size than a graph bound to one was traced for (a
-    subclassed model's `call` that needs it: `keras.ops.shape(x)[0]` in a shape, say)."""
-    traced = graph.traced_batch_size(plan)
-    size = host_data.batch_size_of(feed.first_batch())
-    if traced is not None and size is not None and size != traced:
+def _check_traced_inputs(model, plan, feed) -> None:
+    """Refuses inputs of other shapes than a subclassed model's graph was traced for
+    (a `call` that branches on them ran another graph), and batches of another size
+    than a graph bound to one (`keras.ops.shape(x)[0]` in a shape, say)."""
+    first = feed.first_batch()
+    if graph.model_kind(model) == "model":
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(first)
+        given = [(None, *np.shape(leaf)[1:]) for leaf in jax.tree_util.tree_leaves(x)]
+        traced = [tuple(node.shape) for node in plan.inputs]
+        if not all(len(t) == len(g) and all(d in (None, e) for d, e in zip(t[1:], g[1:]))
+                   for t, g in zip(traced, given)):
+            raise ValueError(
+                f"The model's graph was traced for inputs of shapes {traced}, and this "
+                f"run's are {given}: its `call` may run another graph on them. Build it for "
+                f"them (`model.build(...)`), then assign its pipeline stages again.")
+    traced_size = graph.traced_batch_size(plan)
+    size = host_data.batch_size_of(first)
+    if traced_size is not None and size is not None and size != traced_size:
         raise ValueError(
-            f"The model's graph was traced for batches of {traced} (its `call` needs a "
+            f"The model's graph was traced for batches of {traced_size} (its `call` needs a "
             f"batch size: `keras.ops.shape(x)[0]` in a shape, say), and this run's batches "
-            f"have {size} samples: run it with batches of {traced}, build it for {size}, "
+            f"have {size} samples: run it with batches of {traced_size}, build it for {size}, "
             f"or give its reshapes -1 for the batch.")
 
 
@@ -152,7 +165,7 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     """
     plan, mapping, replicas = placement.plan, placement.device_mapping, placement.replicas
     check_stage_poplar_options(options, plan.num_stages, training=mode == "fit")
-    _check_traced_batch_size(plan, feed)
+    _check_traced_inputs(model, plan, feed)
     if mode == "fit" and getattr(model, "optimizer", None) is not None:
         optimizer_copies.check_pipelined(model.optimizer)
         optimizer_copies.check_overwritten(model.trainable_variables)
