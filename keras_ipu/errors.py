@@ -45,18 +45,31 @@ class IPUOutOfMemoryError(RuntimeError):
 
 
 def _remedies(program: str, pipelined: bool) -> str:
-    """What frees memory for this program: recomputation and accumulation only train."""
+    """What frees memory for this program: recomputation and accumulation only train;
+    only `fit`, `evaluate` and `predict` can be pipelined."""
     training = program == "fit"
-    remedies = [
-        "move layers from this IPU's stages to other IPUs, or pipeline over more IPUs "
-        "(`set_pipeline_stage_assignment`)" if pipelined else
-        "pipeline the model over more IPUs (`set_pipeline_stage_assignment` and "
-        "`set_pipelining_options`)"]
+    if program in _BATCH_METHODS:
+        remedies = [f"run the model with {_BATCH_METHODS[program]}, which can pipeline it "
+                    f"over more IPUs (the batch methods run it whole on one IPU)"]
+    elif program not in ("fit", "evaluate", "predict"):  # a graph-style program
+        remedies = ["split the work between programs, or pipeline a Keras model's "
+                    "`fit`/`evaluate`/`predict` over more IPUs"]
+    elif pipelined:
+        remedies = ["move layers from this IPU's stages to other IPUs, or pipeline over more "
+                    "IPUs (`set_pipeline_stage_assignment`)"]
+    else:
+        remedies = ["pipeline the model over more IPUs (`set_pipeline_stage_assignment` and "
+                    "`set_pipelining_options`)"]
     if training and pipelined:
         remedies.append("enable recomputation (`IPUConfig.allow_recompute = True`)")
     remedies.append("use a smaller batch size (with gradient accumulation to keep the "
                     "effective batch size)" if training else "use a smaller batch size")
     return ", ".join(remedies[:-1]) + f", or {remedies[-1]}"
+
+
+# Keras' batch methods and the method that can pipeline the same work.
+_BATCH_METHODS = {"train_on_batch": "`fit`", "test_on_batch": "`evaluate`",
+                  "predict_on_batch": "`predict`"}
 
 
 class IPUNotAttachedError(RuntimeError):

@@ -84,6 +84,19 @@ def test_io_tiles_leave_the_program_the_other_tiles(strategy):
     assert ipu.config.get_ipu_config().io_tiles.num_io_tiles == 1
 
 
+@pytest.mark.parametrize("program, remedy", [
+    ("fit", "pipeline the model over more IPUs"),
+    ("train_on_batch", "run the model with `fit`, which can pipeline it"),
+    ("strategy.run", "split the work between programs"),
+])
+def test_out_of_memory_suggests_what_frees_memory_for_the_program_it_is(program, remedy):
+    # The batch methods and graph-style programs were told to pipeline themselves.
+    message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, program))
+    assert remedy in message and message.endswith("use a smaller batch size.") == (
+        program != "fit")
+    assert ("set_pipelining_options" in message) == (program == "fit")
+
+
 def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strategy):
     configure(1, tiles_per_ipu=2)
     with strategy.scope():
