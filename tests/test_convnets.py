@@ -102,3 +102,32 @@ def test_a_convnet_on_one_ipu_equals_plain_keras(strategy, accumulation):
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
                                plain.predict(x, batch_size=4, verbose=0), atol=1e-5)
+
+
+def _decoder():
+    keras.utils.set_random_seed(4)
+    return keras.Sequential([
+        keras.Input((6, 6, 3)),
+        keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Conv2DTranspose(2, 2, strides=1, padding="valid", dilation_rate=1),
+        keras.layers.Reshape((13 * 13, 2)),
+        keras.layers.Conv1DTranspose(2, 3, strides=2),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ])
+
+
+def test_transposed_convolutions_keep_the_device_loop_and_equal_plain_keras(strategy):
+    # Keras' Conv*Transpose reach lax.conv_transpose, which bypassed the CPU convolutions:
+    # the execution ran in the host loop.
+    configure(1)
+    x, y = _data((6, 6, 3), 3, samples=32, seed=2)
+    plain, model = _twin(_decoder, strategy)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss, steps_per_execution=4)
+    expected = plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    actual = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert ipu.utils.execution_report(model, "fit").loop == "scan"
+    np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5, rtol=1e-5)

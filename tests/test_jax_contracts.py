@@ -105,3 +105,21 @@ def test_the_opaque_trace_state_tells_a_transformation_inside_a_trace():
 
     jax.jit(computation)(jax.numpy.ones(2))
     assert seen[0] == seen[1] and seen[2] != seen[0]
+
+
+def test_conv_transpose_calls_its_modules_conv_general_dilated(monkeypatch):
+    # keras_ipu.device.convolutions routes lax.conv_transpose (Keras' Conv*Transpose)
+    # through its canonical convolutions by replacing this module's function.
+    from jax._src.lax import convolution
+
+    calls = []
+    original = convolution.conv_general_dilated
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs.get("dimension_numbers", args[6] if len(args) > 6 else None))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convolution, "conv_general_dilated", recorded)
+    jax.lax.conv_transpose(jax.numpy.ones((1, 4, 4, 2)), jax.numpy.ones((3, 3, 2, 2)),
+                           (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    assert len(calls) == 1

@@ -91,6 +91,10 @@ from jax import lax
 # (contract-tested in tests/test_jax_contracts.py).
 from jax._src import source_info_util
 
+# `lax.conv_transpose` calls this module's `conv_general_dilated` (contract-tested in
+# tests/test_jax_contracts.py).
+from jax._src.lax import convolution as lax_convolution
+
 from keras_ipu.device import conv_geometry as geometry
 from keras_ipu.device import jaxprs
 from keras_ipu.device.conv_geometry import IntTuple, Pads
@@ -110,7 +114,8 @@ def canonical_convolutions() -> Iterator[None]:
     """Routes `jax.lax.conv_general_dilated` to `conv_general_dilated` inside the context.
 
     Code that looks the function up when it runs (Keras' JAX backend does, for
-    every `Conv*` and `DepthwiseConv*` layer) then traces convolutions whose
+    every `Conv*`, `DepthwiseConv*` and, through `lax.conv_transpose`,
+    `Conv*Transpose` layer) then traces convolutions whose
     gradients keep XLA:CPU's fast path inside loop bodies. Meant to be held
     only while a program is traced, in the thread that traces it.
 
@@ -124,10 +129,14 @@ def canonical_convolutions() -> Iterator[None]:
     """
     original = lax.conv_general_dilated
     lax.conv_general_dilated = conv_general_dilated
+    # `lax.conv_transpose` (Keras' `Conv*Transpose`) calls its own module's function.
+    within_lax = lax_convolution.conv_general_dilated
+    lax_convolution.conv_general_dilated = conv_general_dilated
     try:
         yield
     finally:
         lax.conv_general_dilated = original
+        lax_convolution.conv_general_dilated = within_lax
 
 
 def trace_for(platform: str, jitted: Any, *args: Any) -> Any:
