@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # Command -> (module, function): each takes the command's arguments, returns the exit status.
@@ -38,6 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a reader gone is seen here, not as the interpreter exits
+        return status
+    except BrokenPipeError:  # `keras-ipu show ... | head -1`: the reader has gone
+        # As Python's documentation advises: the exit's flush then writes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

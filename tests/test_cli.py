@@ -196,6 +196,17 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "usage: keras-ipu" in result.stdout
 
 
+def test_a_reader_that_has_gone_ends_the_command_quietly(export_dir):
+    # `keras-ipu show ... | head -1`: Python's BrokenPipeError traceback at exit before.
+    code = ("import sys; from keras_ipu.cli import main; "
+            f"sys.exit(main(['show', '--dir', {str(export_dir)!r}]))")
+    process = subprocess.Popen([sys.executable, "-c", code], env=fresh_process_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # gone before anything is written
+    errors = process.stderr.read()
+    assert process.wait(timeout=300) == 1 and errors == ""
+
+
 def test_show_and_run_never_import_keras(export_dir):
     code = ("import sys; from keras_ipu.cli import main; "
             f"assert main(['run', '--dir', {str(export_dir)!r}, '--input_exprs', "
