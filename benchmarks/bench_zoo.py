@@ -18,6 +18,8 @@ Models (nobody tuned them for keras_ipu), synthetic NumPy data, no downloads:
                  spe 8, SGD with momentum
     resnet_bn    a small residual convnet: 3 blocks of Conv2D + BatchNormalization + ReLU,
                  32x32x3, batch 32, spe 8, SGD with momentum
+    decoder      an upsampling decoder: 2 strided Conv2DTranspose (8x8x16 -> 32x32) +
+                 pooling + Dense, batch 32, spe 8, Adam
     lstm         Embedding(1000, 32) + LSTM(64) + Dense, sequences of 40, batch 32, spe 8, Adam
     transformer  one encoder block (MultiHeadAttention, LayerNormalization, FFN, residuals)
                  on 32 tokens x 64 dims + pooling + Dense, batch 32, spe 8, Adam
@@ -149,6 +151,20 @@ def build_resnet_bn(keras, blocks=3, filters=32):
         x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(x))
+
+
+def build_decoder(keras):
+    """An upsampling decoder: two strided Conv2DTranspose (8x8 -> 32x32) + pooling + Dense."""
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 16)),
+            layers.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu"),
+            layers.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
+            layers.GlobalAveragePooling2D(),
+            layers.Dense(10, activation="softmax"),
+        ]
+    )
 
 
 def build_lstm(keras):
@@ -283,6 +299,7 @@ ZOO = {
         Spec(
             "resnet_bn", build_resnet_bn, float_inputs((32, 32, 3)), 32, 8, 64, 4, 8, sgd_momentum
         ),
+        Spec("decoder", build_decoder, float_inputs((8, 8, 16)), 32, 8, 64, 4, 8, adam),
         Spec("lstm", build_lstm, token_sequences, 32, 8, 64, 4, 8, adam),
         Spec("transformer", build_transformer, float_inputs((32, 64)), 32, 8, 64, 4, 8, adam),
         Spec("mlp", build_mlp, regression, 32, 100, 5000, 10, 1000, sgd, "mse", ()),
