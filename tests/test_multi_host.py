@@ -457,11 +457,24 @@ def test_pipeline_on_two_instances_equals_two_pipelined_replicas_in_one_process(
                                            atol=1e-6, err_msg=f"instance {index}: {feed}/{key}")
 
 
-def test_ctrl_c_reaches_every_instance_and_the_launcher_says_so():
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "\tZ" not in next(line for line in status if line.startswith("State:"))
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signum, job", [(signal.SIGINT, []), (signal.SIGTERM, ["join"])],
+                         ids=["ctrl_c", "sigterm_joined"])
+def test_a_signal_reaches_every_instance_and_its_workers_and_the_launcher_says_so(signum, job):
+    # Before: the instances' workers were left running (and held the output 20 s), and
+    # JAX's preemption service took SIGTERM: the instances trained on until killed.
     launcher_process = subprocess.Popen(
-        [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", "interrupt_job.py"],
-        env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", "--num-replicas",
+         "2", "--", "interrupt_job.py", *job], env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     error_lines: list[str] = []
     readers = [threading.Thread(target=lambda: [lines.put(line) for line in
@@ -470,12 +483,17 @@ def test_ctrl_c_reaches_every_instance_and_the_launcher_says_so():
                                 daemon=True)]
     for reader in readers:
         reader.start()
+    workers = {}
     try:
-        ready, deadline = set(), time.monotonic() + 60
-        while ready != {"[0] ready", "[1] ready"}:  # queue.Empty past the deadline
-            ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.01)).strip())
-        launcher_process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 120
+        while len(workers) < 2:  # queue.Empty past the deadline
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01)).split()
+            if line[1:2] == ["ready"]:
+                workers[line[0]] = int(line[2])
+        launcher_process.send_signal(signum)
+        signalled = time.monotonic()
         launcher_process.wait(timeout=60)
+        took = time.monotonic() - signalled
     finally:
         if launcher_process.poll() is None:
             launcher_process.kill()
@@ -483,9 +501,14 @@ def test_ctrl_c_reaches_every_instance_and_the_launcher_says_so():
     for reader in readers:
         reader.join(timeout=10)
     output, errors = "".join(lines.queue), "".join(error_lines)
-    assert launcher_process.returncode == 128 + signal.SIGINT, output + errors
-    for index in (0, 1):
-        assert "interrupted" in lines_of(output, index)
-        assert "KeyboardInterrupt" in lines_of(errors, index)
-    assert "keras-ipu run: interrupted by SIGINT, forwarded to every instance" in errors
-    assert "keras-ipu run: job interrupted, exiting with status 130" in errors
+    assert launcher_process.returncode == 128 + signum, output + errors
+    assert took < 5, errors  # no instance waited out the 10 s grace
+    time.sleep(0.5)  # the kill is sent; its delivery is the kernel's
+    assert not [pid for pid in workers.values() if _running(pid)]
+    name = signal.Signals(signum).name
+    assert f"keras-ipu run: interrupted by {name}, forwarded to every instance" in errors
+    assert f"keras-ipu run: job interrupted, exiting with status {128 + signum}" in errors
+    if signum == signal.SIGINT:
+        for index in (0, 1):
+            assert "interrupted" in lines_of(output, index)
+            assert "KeyboardInterrupt" in lines_of(errors, index)

@@ -208,6 +208,15 @@ def _is_host_and_port(address: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
+def _signal_session(process: subprocess.Popen, signum: int) -> None:
+    """Sends `signum` to every process of an instance's session (its group: the
+    instance's pid), ended or not: its workers may outlive it."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):  # none left
+        pass
+
+
 class Job:
     """The processes of one launched job, their output, and their end.
 
@@ -268,12 +277,11 @@ class Job:
         return threads
 
     def _signal_all(self, signum: int) -> None:
+        # Each instance's session: its data-loader workers too, as a terminal's Ctrl-C
+        # reaches a foreground job's (they were left running).
         for process in self._processes:
             if process.poll() is None:
-                try:
-                    process.send_signal(signum)
-                except ProcessLookupError:
-                    pass
+                _signal_session(process, signum)
 
     def _stop_all(self, grace: float) -> None:
         deadline = time.monotonic() + grace
@@ -281,8 +289,13 @@ class Job:
             try:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
-                process.kill()
+                _signal_session(process, signal.SIGKILL)
                 process.wait()
+
+    def _end_sessions(self) -> None:
+        """Kills what the instances left running (workers hold their output pipes)."""
+        for process in self._processes:
+            _signal_session(process, signal.SIGKILL)
 
     def run(self) -> int:
         """Starts the instances and waits for them.
@@ -303,14 +316,13 @@ class Job:
         try:
             threads = self._start()
             status = self._wait(interrupted)
+            self._end_sessions()
             for thread in threads:
                 thread.join(timeout=5.0)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            for process in self._processes:
-                if process.poll() is None:
-                    process.kill()
+            self._end_sessions()
         return status
 
     def _wait(self, interrupted: list[int]) -> int:

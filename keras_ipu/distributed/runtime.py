@@ -16,6 +16,7 @@ through environment variables, or from a cluster that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import zlib
@@ -164,6 +165,10 @@ def initialize() -> bool:
     # On CPU the cross-process collectives need gloo; the setting does not
     # affect accelerators.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service would take SIGTERM for itself (and training went on):
+    # the launcher's forwarded SIGTERM stops the instance, as in one process.
+    with contextlib.suppress(AttributeError):  # an option of the JAX versions that have it
+        jax.config.update("jax_enable_preemption_service", False)
     heartbeat = positive_int_env(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_SECONDS)
     kwargs: dict[str, Any] = {
         "heartbeat_timeout_seconds": heartbeat,
