@@ -357,6 +357,20 @@ def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp
     assert elapsed < 60, elapsed
 
 
+def test_callbacks_that_change_the_run_in_one_instance_only_are_told_so():
+    # EarlyStopping (model.stop_training) in instance 0 alone hung the job; validation_freq
+    # differing aborted it in gloo ("collective mismatch").
+    done = launch("--num-instances", "2", "--num-replicas", "4", "--", "disagree_job.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for index in (0, 1):
+        lines = lines_of(done.stdout, index)
+        assert ("stop raised: `fit` across 2 instances: they disagree on model.stop_training "
+                "(instance 0: [1]; instance 1: [0])") in lines, lines
+        assert ("validation raised: `fit` across 2 instances: they disagree on the epochs it "
+                "validates (1 for each) (instance 0: [1, 1]; instance 1: [0, 1])") in lines
+        assert "agreeing fit ran 2 epochs" in lines
+
+
 def test_instances_configured_with_different_ipus_are_told_so():
     # Before: "give each instance the same number of batches", which they had.
     done = launch("--num-instances", "2", "--", "fit_job.py", "unused", "ipus", timeout=120)
@@ -473,8 +487,8 @@ def test_a_signal_reaches_every_instance_and_its_workers_and_the_launcher_says_s
     # JAX's preemption service took SIGTERM: the instances trained on until killed.
     launcher_process = subprocess.Popen(
         [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", "--num-replicas",
-         "2", "--", "interrupt_job.py", *job], env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+         "2", "--", "interrupt_job.py", *job], env=fresh_process_env(), cwd=JOBS,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     error_lines: list[str] = []
     readers = [threading.Thread(target=lambda: [lines.put(line) for line in

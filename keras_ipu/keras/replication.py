@@ -251,6 +251,43 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
             f"instances together).")
 
 
+def check_instances_agree(replicas: Replicas, mode: str, what: str, mine: Any) -> None:
+    """Across instances: raises in every instance when their `mine` differ.
+
+    For what a callback given to some instances only changes as the run goes
+    (`BackupAndRestore`'s first epoch, `EarlyStopping`'s `model.stop_training`):
+    the instances would run different steps, and the job would hang in a
+    collective or abort in the collective library.
+
+    Args:
+        replicas: The run's replicas (nothing is gathered within one process).
+        mode: `"fit"`, for the message.
+        what: What `mine` is, for the message (`"the epochs it runs"`).
+        mine: This instance's value: an integer or a sequence of integers.
+
+    Raises:
+        ValueError: The same in every instance, naming each instance's value.
+
+    Example:
+
+    >>> check_instances_agree(replicas, "fit", "model.stop_training", [int(stop)])
+    """
+    if not replicas.spans_processes:
+        return
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(
+        np.atleast_1d(np.asarray(mine, np.int64)), tiled=False))
+    if (every == every[0]).all():
+        return
+    each = "; ".join(f"instance {i}: {values}" for i, values in enumerate(every.tolist()))
+    raise ValueError(
+        f"`{mode}` across {len(every)} instances: they disagree on {what} ({each}), so the "
+        f"job would hang waiting for an instance that stopped. A callback that changes the "
+        f"run (EarlyStopping, BackupAndRestore, one setting model.stop_training) must be "
+        f"given to every instance, with the same settings.")
+
+
 def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch: Any,
                             options: Any, placement: Any) -> None:
     """Across instances: raises in every instance when they would run different programs.

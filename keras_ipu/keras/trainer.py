@@ -1,15 +1,13 @@
 """The IPU trainer: `fit`, `evaluate` and `predict` as executions on the IPU system.
 
-Data flow: the data feed checks and batches the data, dealing batch `i` to
-replica `i % R` (`data.py`); the infeed thread regroups each execution's
-batches for the program and moves them to the replicas' devices; the
-execution program (`programs.py`) runs `steps_per_execution` steps per replica in one
-compiled on-device loop (gradient accumulation and the cross-replica
-gradient sum inside) and returns the per-step logs (the outfeed); callbacks
-run once per execution with the last step's logs, replicas reduced as
-`set_replication_options` says. A pipelined model (one with a stage
-assignment) gets its program from `pipelined` instead: the same
-interfaces, with the stages on their IPUs.
+Data flow: the data feed checks and batches the data, dealing batch `i` to replica `i % R`
+(`data.py`); the infeed thread regroups each execution's batches for the program and moves them
+to the replicas' devices; the execution program (`programs.py`) runs `steps_per_execution` steps
+per replica in one compiled on-device loop (gradient accumulation and the cross-replica gradient
+sum inside) and returns the per-step logs (the outfeed); callbacks run once per execution with
+the last step's logs, replicas reduced as `set_replication_options` says. A pipelined model (one
+with a stage assignment) gets its program from `pipelined` instead: the same interfaces, with
+the stages on their IPUs.
 """
 
 from __future__ import annotations
@@ -142,6 +140,9 @@ def fit(
     training_finished = False
     # After `on_train_begin`: `BackupAndRestore` sets the epoch to resume from there.
     initial_epoch = model._initial_epoch or initial_epoch
+    replication.check_instances_agree(replicas, "fit", "the epoch it starts at", initial_epoch)
+    replication.check_instances_agree(replicas, "fit", "the epochs it validates (1 for each)", [
+        val_run is not None and model._should_eval(e, validation_freq) for e in range(epochs)])
     try:
         for epoch in range(initial_epoch, epochs):
             metric_reset.reset_metrics(model)
@@ -159,6 +160,8 @@ def fit(
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callbacks.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
+            replication.check_instances_agree(replicas, "fit", "model.stop_training",
+                                              int(bool(model.stop_training)))
             if model.stop_training:
                 break
         training_finished = True

@@ -1,0 +1,35 @@
+"""Callbacks given to one instance only that change the run: every instance's `fit` must
+raise the same `ValueError` (the job hung, or aborted in gloo). Prints what each raised,
+then that an agreeing `fit` runs."""
+
+import keras
+import numpy as np
+from job import say, start
+
+import keras_ipu as ipu
+
+
+class StopAfterFirstEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = True
+
+
+strategy, index = start()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 6)).astype("float32")
+x, y = ipu.distributed.shard_for_instance((x, x[:, :3]), 4)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+runs = {
+    "stop": dict(callbacks=[StopAfterFirstEpoch()] if index == 0 else []),
+    "validation": dict(validation_data=(x, y), validation_freq=1 + index),
+}
+for name, arguments in runs.items():
+    try:
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, **arguments)
+        say(name, "ran")
+    except ValueError as error:
+        say(name, "raised:", error)
+history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+say("agreeing fit ran", len(history.history["loss"]), "epochs")
