@@ -1701,6 +1701,35 @@ class _UsesTheBatchSize(keras.Model):
             return self.out(keras.ops.reshape(hidden, (-1, 4, 2))[:, 0] + offsets)
 
 
+def test_a_pipelined_functional_model_with_a_fixed_input_batch_runs_any_batch(strategy):
+    # The seed: "Always set batch_size if model has explicit input layers". Other batch
+    # sizes were refused ("traced for batches of 4"); Keras runs the layers on any batch.
+    configure(2)
+
+    def build(stage):
+        inputs = keras.Input((6,), batch_size=4)
+        with stage(0):
+            hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        with stage(1):
+            return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+    x, y = data_for("sequential", samples=32)
+    y = y[:, :1]
+    plain = build(lambda stage: contextlib.nullcontext())
+    with strategy.scope():
+        model = build(ipu.keras.PipelineStage)
+    model.set_weights(plain.get_weights())
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2,
+                                 gradient_accumulation_reduction_method="mean")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0), atol=1e-6)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 class _FlattensThreeDimensions(keras.Model):
     """A subclassed model whose `call` branches on its input's rank."""
 

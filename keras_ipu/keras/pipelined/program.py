@@ -134,17 +134,18 @@ def _check_traced_inputs(model, plan, feed) -> None:
     """Refuses inputs of other shapes than a subclassed model's graph was traced for
     (a `call` that branches on them ran another graph), and batches of another size
     than a graph bound to one (`keras.ops.shape(x)[0]` in a shape, say)."""
+    if graph.model_kind(model) != "model":
+        return  # a Functional or Sequential graph runs its layers on any batch, as in Keras
     first = feed.first_batch()
-    if graph.model_kind(model) == "model":
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(first)
-        given = [(None, *np.shape(leaf)[1:]) for leaf in jax.tree_util.tree_leaves(x)]
-        traced = [tuple(node.shape) for node in plan.inputs]
-        if not all(len(t) == len(g) and all(d in (None, e) for d, e in zip(t[1:], g[1:]))
-                   for t, g in zip(traced, given)):
-            raise ValueError(
-                f"The model's graph was traced for inputs of shapes {traced}, and this "
-                f"run's are {given}: its `call` may run another graph on them. Build it for "
-                f"them (`model.build(...)`), then assign its pipeline stages again.")
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(first)
+    given = [(None, *np.shape(leaf)[1:]) for leaf in jax.tree_util.tree_leaves(x)]
+    traced = [tuple(node.shape) for node in plan.inputs]
+    if not all(len(t) == len(g) and all(d in (None, e) for d, e in zip(t[1:], g[1:]))
+               for t, g in zip(traced, given)):
+        raise ValueError(
+            f"The model's graph was traced for inputs of shapes {traced}, and this run's "
+            f"are {given}: its `call` may run another graph on them. Build it for them "
+            f"(`model.build(...)`), then assign its pipeline stages again.")
     traced_size = graph.traced_batch_size(plan)
     size = host_data.batch_size_of(first)
     if traced_size is not None and size is not None and size != traced_size:
