@@ -8,6 +8,7 @@ Keras' per-variable rules (constraints) must hold on every IPU.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
@@ -213,3 +214,44 @@ def test_a_frozen_pipelined_model_with_loss_scaling_fits_as_plain_keras():
                                expected, rtol=1e-6)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=0)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 0
+
+
+class _TwoLayersNamedAlike(keras.Model):
+    """Two sublayers of one name: their variables share paths (`m/d/kernel` twice)."""
+
+    def __init__(self, units, staged=True, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(6, activation="tanh", name="d")
+        self.second = keras.layers.Dense(units, name="d")
+        self.stage = ipu.keras.PipelineStage if staged else (lambda i: contextlib.nullcontext())
+
+    def call(self, x):
+        with self.stage(0):
+            x = self.first(x)
+        with self.stage(1):
+            return self.second(x)
+
+
+@pytest.mark.parametrize("units", [6, 3], ids=["equal_shapes", "other_shapes"])
+def test_variables_sharing_a_path_keep_their_own_slots(units, strategy):
+    # Keras names slots by path: the IPUs' copies took each other's Adam slots (0.22 off
+    # plain Keras with equal shapes; a shape error with others).
+    configure(2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, units)).astype("float32")
+    keras.utils.set_random_seed(0)
+    plain = _TwoLayersNamedAlike(units, staged=False)
+    plain(x[:1])
+    with strategy.scope():
+        model = _TwoLayersNamedAlike(units)
+        model(x[:1])
+    assert len({v.path for v in model.trainable_variables}) == 2
+    model.set_weights(plain.get_weights())
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean")
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", steps_per_execution=GA)
+    plain.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    plain.fit(x, y, batch_size=MICRO * GA, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)

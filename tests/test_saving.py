@@ -510,3 +510,14 @@ def test_a_hand_edited_config_with_a_bad_ipu_option_is_refused_as_its_setter_ref
         with pytest.raises((TypeError, ValueError), match=refusal) as refused:
             keras.Sequential.from_config({**config, key: value})
     assert "saved with the model" in "".join(refused.value.__notes__)
+
+
+def test_a_config_whose_ipu_options_are_unset_loads_with_their_defaults(strategy):
+    # A None `asynchronous_callbacks` (a foreign or hand-edited config) loaded as False
+    # before the options were checked as their setters check them; it still does.
+    with strategy.scope():
+        config = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]).get_config()
+        loaded = keras.Sequential.from_config({**config, "asynchronous_callbacks": None,
+                                               "gradient_accumulation_steps_per_replica": None})
+    assert options.options_of(loaded).asynchronous_callbacks is False
+    assert options.options_of(loaded).gradient_accumulation_steps_per_replica is None

@@ -494,8 +494,9 @@ class _Program:
                                     replicas, P(None, REPLICA_AXIS))
                 executable, outfeeds, streams = self._executable(arrays, feed_data, replicas)
                 with contextlib.ExitStack() as recording:
+                    # Once per queue: two loops may read one.
                     streamed = [(queue, recording.enter_context(queue.recorded()))
-                                for queue in streams]
+                                for queue in {id(queue): queue for queue in streams}.values()]
                     (result, outfed), error = attachment.run_checked(executable, self.name,
                                                                      arrays, feed_data)
                     if not attachment.runs_programs():  # nothing ran: nothing was taken

@@ -293,7 +293,8 @@ class Job:
                 process.wait()
 
     def _end_sessions(self) -> None:
-        """Kills what the instances left running (workers hold their output pipes)."""
+        """Kills what the instances left running (workers hold their output pipes), once
+        they have ended (a session's id stays taken while any process of it runs)."""
         for process in self._processes:
             _signal_session(process, signal.SIGKILL)
 
@@ -322,7 +323,9 @@ class Job:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            self._end_sessions()
+            for process in self._processes:  # an instance reaped long ago: its pid is free
+                if process.poll() is None:
+                    _signal_session(process, signal.SIGKILL)
         return status
 
     def _wait(self, interrupted: list[int]) -> int:

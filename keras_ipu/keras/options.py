@@ -183,8 +183,8 @@ class IPUOptions:
             metric_method = config.get("replicated_metric_reduction_method", 1)
             options = replication_options(
                 options, _saved_member(ReplicatedMetricReductionMethod, metric_method))
-            options = asynchronous_callbacks_option(
-                options, config.get("asynchronous_callbacks", False))
+            options = asynchronous_callbacks_option(  # None (unset) loads as False
+                options, config.get("asynchronous_callbacks") or False)
             return feed_queue_options(options, config.get("infeed_kwargs") or {},
                                       config.get("outfeed_kwargs") or {})
         except (TypeError, ValueError) as error:

@@ -8,6 +8,7 @@ moves between the two (`model.PipelineState`).
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -178,10 +179,14 @@ def positions(optimizer, copy, trainable: Sequence, ids: Sequence[int]) -> list[
     >>> positions(model.optimizer, copy, model.trainable_variables, ids)
     """
     # Each at its variable's path (an optimizer may choose by it: Muon's
-    # `exclude_layers`), named apart (some name slots by the variable's name alone).
+    # `exclude_layers`), named apart (some name slots by the variable's name alone,
+    # Keras by the path: a path two variables share is told apart too).
+    paths = collections.Counter(v.path for v in trainable)
+
     def stand_ins(indices):
-        return [(trainable[i].path, tuple(trainable[i].shape), trainable[i].dtype,
-                 f"{trainable[i].name}_w{i}") for i in indices]
+        return [(trainable[i].path if paths[trainable[i].path] == 1
+                 else f"{trainable[i].path}_w{i}", tuple(trainable[i].shape),
+                 trainable[i].dtype, f"{trainable[i].name}_w{i}") for i in indices]
 
     whole = _named_clone(optimizer, stand_ins(range(len(trainable))))
     part = _named_clone(optimizer, stand_ins(ids))
