@@ -425,8 +425,8 @@ class IPUInfeedQueue:
         self._recordings.append(taken)
         try:
             yield taken
-        finally:
-            self._recordings.remove(taken)
+        finally:  # by identity: another recording may hold equal elements
+            self._recordings = [r for r in self._recordings if r is not taken]
 
     def put_back(self, elements: list) -> None:
         """Returns taken `elements` to the front of the queue (their program did not run).
