@@ -56,9 +56,7 @@ def referenced_values(fn: Callable, depth: int = 4) -> Iterator[Any]:
         owner = getattr(function, "__self__", None)
         function = getattr(function, "__func__", function)  # a bound method's function
         code = getattr(function, "__code__", None)
-        library = getattr(function, "__module__", None) or ""
-        if (code is None or depth < 0 or id(function) in seen
-                or library.partition(".")[0] in _LIBRARIES):
+        if code is None or depth < 0 or id(function) in seen or _of_library(function):
             return
         seen.add(id(function))
         if owner is not None:
@@ -109,9 +107,11 @@ def host_values(fn: Callable, depth: int = 4) -> tuple:
 
 def _is_own_function(value: Any) -> bool:
     # The user's functions the traced one calls: the libraries' are the same objects for ever.
-    module = getattr(value, "__module__", None) or ""
-    return (isinstance(value, types.FunctionType)
-            and module.partition(".")[0] not in _LIBRARIES)
+    return isinstance(value, types.FunctionType) and not _of_library(value)
+
+
+def _of_library(function: Any) -> bool:
+    return (getattr(function, "__module__", None) or "").partition(".")[0] in _LIBRARIES
 
 
 def _is_host_0d(value: Any) -> bool:
