@@ -265,6 +265,20 @@ def test_manual_sharding_keeps_an_unmatched_layer_after_the_ipus_it_takes_from(t
                                atol=1e-5)
 
 
+def test_manual_sharding_onto_three_ipus_is_given_a_device_of_four(saved_mlp, tmp_path):
+    # IPUs are acquired in powers of two: 3 shards run on a 4-IPU device, the 4th idle.
+    # Before, the converter configured 3 IPUs and its pipeline refused them.
+    from keras_ipu.keras import convert
+
+    path, x, expected = saved_mlp
+    options = convert.ConvertOptions(batch_size=BATCH, num_ipus=3, manual_sharding=[
+        ["^block_[0-1]$"], ["^block_[2-3]$"], ["^block_[4-5]$"]])
+    summary = convert.convert(str(path), str(tmp_path / "export"), options)
+    assert summary["device_mapping"] == [0, 1, 2]
+    assert ipu.serving.load(str(tmp_path / "export")).metadata["num_ipus"] == 3
+    np.testing.assert_allclose(_run_export(tmp_path / "export", x), expected, atol=1e-5)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

@@ -186,9 +186,11 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
 
 def _configure(num_ipus: int) -> None:
     import keras_ipu as ipu
+    from keras_ipu.keras.replication import next_power_of_two
 
     config = ipu.config.IPUConfig()
-    config.auto_select_ipus = num_ipus
+    # A model on 3 IPUs is given a device of 4, as IPUs are acquired in powers of two.
+    config.auto_select_ipus = next_power_of_two(num_ipus)
     config.configure_ipu_system()
 
 
