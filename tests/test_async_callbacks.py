@@ -500,3 +500,23 @@ def test_what_a_hook_assigns_lands_when_its_execution_ends(then, strategy):
                   callbacks=[_Assigns(at, calls[then])])
     assert float(on_ipu.optimizer.learning_rate) == 0.0
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+class ClipPredictions(keras.callbacks.Callback):
+    """Edits each batch's predictions in place, as a post-processing hook may."""
+
+    def on_predict_batch_end(self, batch, logs=None):
+        np.clip(logs["outputs"], -0.01, 0.01, out=logs["outputs"])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_predict_hooks_get_writable_copies_of_the_outputs(asynchronous, strategy):
+    # As Keras' hooks: writable arrays, whose edits do not reach the returned predictions.
+    # Before, the hooks got read-only views of the device's buffers.
+    x, _ = data_for("sequential", samples=4 * BATCH)
+    plain, model = twin("sequential", strategy, steps_per_execution=2)
+    model.set_asynchronous_callbacks(asynchronous)
+    predicted = model.predict(x, batch_size=BATCH, verbose=0, callbacks=[ClipPredictions()])
+    expected = plain.predict(x, batch_size=BATCH, verbose=0, callbacks=[ClipPredictions()])
+    assert np.abs(expected).max() > 0.01
+    np.testing.assert_allclose(predicted, expected, rtol=1e-6)

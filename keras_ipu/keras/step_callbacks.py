@@ -114,7 +114,8 @@ class StepDelivery:
 
     def _by_batch(self, leaf: Any) -> np.ndarray:
         """A chunk's leaf with one entry per batch: `[steps × batches_per_step, ...]`."""
-        leaf = np.asarray(leaf)
+        # Predict hooks get writable arrays, as Keras' copies are: a hook may edit them in place.
+        leaf = np.array(leaf) if self.mode == "predict" else np.asarray(leaf)
         if self.batches_per_step is None:
             return leaf
         return leaf.reshape(-1, *leaf.shape[2:])

@@ -353,8 +353,9 @@ _BATCH_HOOKS = {
     "fit": ("on_train_batch_begin", "on_train_batch_end", lambda logs: logs, "stop_training"),
     "evaluate": ("on_test_batch_begin", "on_test_batch_end", lambda logs: logs,
                  "stop_evaluating"),
+    # Copies, as Keras': a hook's in-place edit must not change the predictions.
     "predict": ("on_predict_batch_begin", "on_predict_batch_end",
-                lambda outputs: {"outputs": outputs}, "stop_predicting"),
+                lambda out: {"outputs": jax.tree_util.tree_map(np.array, out)}, "stop_predicting"),
 }
 
 
