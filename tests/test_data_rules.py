@@ -215,6 +215,36 @@ def test_infinite_generator_with_steps_matches_plain_keras(strategy):
     assert_weights_close(plain.get_weights(), model.get_weights())
 
 
+def _counted(batches, taken):
+    for i, batch in enumerate(batches):
+        taken.append(i)
+        yield batch
+
+
+@pytest.mark.parametrize("refusal", ["accumulation", "divisor", "validation divisor"])
+def test_a_fit_refused_before_training_takes_no_batch_from_a_generator(refusal, strategy):
+    # Keras' adapter reads a generator's first two batches as it is made: the checks
+    # that need only the steps come first. Before, the corrected fit began at batch 2.
+    plain, model = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+    taken: list = []
+    generator = _counted(_generator(x, y, 8, forever=True), taken)
+    validation = _generator(x, y, 8, forever=True)
+    arguments = {"accumulation": dict(steps_per_epoch=8),
+                 "divisor": dict(steps_per_epoch=6),
+                 "validation divisor": dict(steps_per_epoch=8, validation_data=validation,
+                                            validation_steps=6)}[refusal]
+    if refusal == "accumulation":
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=3)
+    with pytest.raises((ValueError, RuntimeError), match="divis"):
+        model.fit(generator, verbose=0, **arguments)
+    assert taken == []
+    model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=1)
+    model.fit(generator, steps_per_epoch=8, verbose=0)
+    plain.fit(_generator(x, y, 8), steps_per_epoch=8, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
 def test_generator_with_a_partial_batch_raises(strategy):
     _, model = twin("sequential", strategy, steps_per_execution=1)
     x, y = data_for("sequential", samples=28)

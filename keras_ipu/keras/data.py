@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -123,6 +124,7 @@ def make_feed(
             "`sample_weight` and `class_weight` cannot both be given. "
             f"Received: class_weight={class_weight}."
         )
+    plan_before_reading(x, steps, steps_per_execution, epochs, replicas, role)
     arrays = host_data.as_arrays((x, y, sample_weight))
     if arrays is not None:
         return ArrayFeed(
@@ -159,6 +161,29 @@ def make_feed(
         replicas=replicas,
         role=role,
     )
+
+
+def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epochs: int,
+                        replicas: int = 1, role: str = "fit") -> FeedPlan | None:
+    """The plan of a Python generator given `steps`, made before any batch is read.
+
+    Keras' adapter takes a generator's first batches as it is made: a run
+    refused after that would have lost them. Checks that need only the plan
+    run on this one first.
+
+    Returns:
+        The plan, or `None` for other data (read only when fed, or sliced).
+
+    Raises:
+        ValueError: As `make_feed`.
+    """
+    if not isinstance(x, types.GeneratorType) or steps is None or steps == -1:
+        return None
+    with warnings.catch_warnings():  # the feed's own plan warns, once
+        warnings.simplefilter("ignore")
+        steps = _capped_steps(_positive_int("steps", steps))
+        steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+        return plan_steps(None, steps, steps_per_execution, epochs, replicas, role)
 
 
 def plan_steps(

@@ -27,11 +27,11 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from keras_ipu.device import attachment, interrupts
 from keras_ipu.device import system as ipu_system
-from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import (
     batch_norm_groups,
     context,
     data,
+    fit_checks,
     infeeds,
     metric_reset,
     pipelined,
@@ -44,7 +44,6 @@ from keras_ipu.keras.options import IPUOptions, options_of
 from keras_ipu.keras.run import Placement, Run
 from keras_ipu.keras.step_callbacks import CallbackThread
 from keras_ipu.keras.steps import STATE_PARTS
-from keras_ipu.ops import host_embedding
 
 logger = logging.getLogger("keras_ipu")
 
@@ -81,50 +80,45 @@ def fit(
     options = options_of(model)
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
-    _check_train_step(model, options, replicas, placement.plan)
+    fit_checks.check_train_step(model, options, replicas, placement.plan)
     if validation_data is not None or validation_split:  # its validation runs test_step
         _check_function_not_overridden(model, "evaluate")
         programs.check_pipelined_overrides(model, "evaluate", placement.plan)
-        _check_validation_freq(validation_freq)
+        fit_checks.check_validation_freq(validation_freq)
     batch_norm_groups.check(model, replicas, placement.plan is not None)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = data.validation_split(
             x, y, sample_weight, validation_split
         )
-    feed = data.make_feed(
-        x,
-        y,
-        sample_weight,
-        batch_size=batch_size,
-        steps=replication.instance_steps(steps_per_epoch, replicas, "steps_per_epoch"),
-        shuffle=shuffle,
-        class_weight=class_weight,
-        steps_per_execution=model.steps_per_execution,
-        epochs=max(epochs - (model._initial_epoch or initial_epoch), 1),
-        replicas=replicas.local_count,
-    )
+    steps = replication.instance_steps(steps_per_epoch, replicas, "steps_per_epoch")
+    run_epochs = max(epochs - (model._initial_epoch or initial_epoch), 1)
+    validation = None
+    if validation_data is not None:
+        val_x, val_y, val_sw = _unpack(validation_data)
+        val_steps = replication.instance_steps(validation_steps, replicas, "validation_steps")
+        validation = (val_x, val_steps, 1)
+    fit_checks.check_before_reading(model, options, placement.plan, replicas.local_count,
+                                    training=(x, steps, run_epochs), validation=validation)
+    feed = data.make_feed(x, y, sample_weight, batch_size=batch_size, steps=steps,
+                          shuffle=shuffle, class_weight=class_weight,
+                          steps_per_execution=model.steps_per_execution, epochs=run_epochs,
+                          replicas=replicas.local_count)
     with _closed_on_error(feed):
-        accumulation = _check_accumulation(model, feed.plan, options, placement.plan)
+        accumulation = fit_checks.check_accumulation(model, feed.plan, options, placement.plan)
         val_feed = None
         if validation_data is not None:
-            val_x, val_y, val_sw = _unpack(validation_data)
             val_feed = data.make_feed(
-                val_x,
-                val_y,
-                val_sw,
-                batch_size=validation_batch_size or batch_size,
-                steps=replication.instance_steps(validation_steps, replicas, "validation_steps"),
-                steps_per_execution=model.steps_per_execution,
-                replicas=replicas.local_count,
-                role="validation",
-            )
+                val_x, val_y, val_sw, batch_size=validation_batch_size or batch_size,
+                steps=val_steps, steps_per_execution=model.steps_per_execution,
+                replicas=replicas.local_count, role="validation")
     with _closed_on_error(feed, val_feed):
         replication.check_instance_steps(replicas, "fit", {
             "fit": feed.plan, "validation": val_feed.plan if val_feed else None},
             epochs=(epochs, initial_epoch))
         model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `fit`, after the build
-        _log_plan(model, feed, accumulation)  # its batch size is read inside the first epoch
+        # Its batch size is read inside the first epoch.
+        fit_checks.log_plan(model, feed, accumulation)
         run = programs.prepare(model, "fit", placement, feed, options)
         val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
                    if val_feed else None)
@@ -613,52 +607,6 @@ def _placement(model, mode: str, options: IPUOptions, x) -> Placement:
     return placement
 
 
-def _check_validation_freq(validation_freq: Any) -> None:
-    """Refuses, before any epoch, a `validation_freq` Keras would refuse after the first one."""
-    valid = ((isinstance(validation_freq, int) and validation_freq >= 1)
-             or isinstance(validation_freq, list))
-    if not valid:
-        raise ValueError(
-            f"`validation_freq` must be a positive integer (validate every that many epochs) "
-            f"or a list of the (1-based) epochs to validate after, as Keras takes it; got "
-            f"{validation_freq!r}.")
-
-
-def _check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
-    programs.check_pipelined_overrides(model, "fit", plan)
-    host_embedding.check_loss_unscaled(model)
-    if programs.overrides(model, "train_step") and (
-        options.gradient_accumulation_steps > 1 or replicas.count > 1
-    ):
-        raise RuntimeError(
-            f"The function `train_step` for the model {model.name} has been overridden. "
-            f"Gradient accumulation and replication reduce the gradients between the "
-            f"forward/backward pass and the optimizer, inside keras_ipu's own train step. "
-            f"Remove the override, or train without gradient accumulation on 1 replica."
-        )
-
-
-def _check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> int:
-    """The micro-batches per weight update (the pipeline's for a pipelined model), checked."""
-    if pipeline_plan is not None:
-        accumulation = pipelined.accumulation_steps(model, options)
-    else:
-        accumulation = options.gradient_accumulation_steps
-    kind = "pipelined model" if pipeline_plan is not None else "model"
-    if plan.steps_per_execution % accumulation:
-        raise RuntimeError(
-            f"The {kind} has been configured to use gradient accumulation for training, "
-            f"however the current `steps_per_execution` value (set to "
-            f"{plan.steps_per_execution}) is not divisible by "
-            f"`gradient_accumulation_steps_per_replica` ({accumulation}). You need to "
-            f"adjust either `steps_per_execution` or "
-            f"`gradient_accumulation_steps_per_replica` to make sure that "
-            f"`steps_per_execution` is divisible by "
-            f"`gradient_accumulation_steps_per_replica`."
-        )
-    return accumulation
-
-
 def _build_for_predict(model, batch) -> None:
     if all(layer.built for layer in model._flatten_layers()):
         return
@@ -673,28 +621,3 @@ def _unpack(batch):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     return data_adapter_utils.unpack_x_y_sample_weight(batch)
-
-
-def _log_plan(model, feed, accumulation: int) -> None:
-    plan = feed.plan
-    if plan.steps_per_execution == 1 and plan.steps > 1:
-        logger.info(
-            "The model `%s` has been configured with only 1 steps per execution. "
-            "Consider increasing the value for the `steps_per_execution` argument "
-            "passed to the `compile()` method to improve performance.",
-            model.name,
-        )
-    if accumulation > 1 or plan.replicas > 1:
-        logger.info(
-            "Training is%s distributed%s%s, your effective batch size is %d.",
-            "" if plan.replicas > 1 else " not",
-            f" and accumulating {accumulation} batches per optimizer step"
-            if accumulation > 1 else "",
-            f" across {plan.replicas} replicas" if plan.replicas > 1 else "",
-            feed.batch_size * accumulation * plan.replicas,
-        )
-    updates = plan.steps_per_execution // accumulation
-    logger.info(
-        "Doing %d weight update%s per execution per replica, which is %d per epoch per replica.",
-        updates, "s" if updates != 1 else "", plan.steps // accumulation,
-    )

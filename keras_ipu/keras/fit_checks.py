@@ -1,0 +1,113 @@
+"""What `fit` checks before it reads any data or changes a weight, and the plan it logs.
+
+Each check raises the error IPU Keras raises (or Keras would raise later),
+before the first batch is taken: a refused `fit` leaves the model and the
+user's data as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from keras_ipu.device.replicate import Replicas
+from keras_ipu.keras import data, pipelined, programs
+from keras_ipu.keras.options import IPUOptions
+from keras_ipu.ops import host_embedding
+
+logger = logging.getLogger("keras_ipu")
+
+
+def check_before_reading(model, options: IPUOptions, pipeline_plan, replicas: int, *,
+                         training: tuple, validation: tuple | None = None) -> None:
+    """The checks of the plans that need no batch, for generators given their steps.
+
+    Args:
+        model: The model to fit.
+        options: Its IPU options.
+        pipeline_plan: Its pipeline plan, or `None` when not pipelined.
+        replicas: The replicas of this instance.
+        training, validation: `(x, steps per instance, epochs)` of each run's data.
+
+    Raises:
+        ValueError, RuntimeError: As the feeds and `check_accumulation`.
+    """
+    x, steps, epochs = training
+    plan = data.plan_before_reading(x, steps, model.steps_per_execution, epochs, replicas)
+    if plan is not None:
+        check_accumulation(model, plan, options, pipeline_plan)
+    if validation is not None:
+        x, steps, epochs = validation
+        data.plan_before_reading(x, steps, model.steps_per_execution, epochs, replicas,
+                                 "validation")
+
+
+def check_validation_freq(validation_freq: Any) -> None:
+    """Refuses, before any epoch, a `validation_freq` Keras would refuse after the first one."""
+    valid = ((isinstance(validation_freq, int) and validation_freq >= 1)
+             or isinstance(validation_freq, list))
+    if not valid:
+        raise ValueError(
+            f"`validation_freq` must be a positive integer (validate every that many epochs) "
+            f"or a list of the (1-based) epochs to validate after, as Keras takes it; got "
+            f"{validation_freq!r}.")
+
+
+def check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
+    programs.check_pipelined_overrides(model, "fit", plan)
+    host_embedding.check_loss_unscaled(model)
+    if programs.overrides(model, "train_step") and (
+        options.gradient_accumulation_steps > 1 or replicas.count > 1
+    ):
+        raise RuntimeError(
+            f"The function `train_step` for the model {model.name} has been overridden. "
+            f"Gradient accumulation and replication reduce the gradients between the "
+            f"forward/backward pass and the optimizer, inside keras_ipu's own train step. "
+            f"Remove the override, or train without gradient accumulation on 1 replica."
+        )
+
+
+def check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> int:
+    """The micro-batches per weight update (the pipeline's for a pipelined model), checked."""
+    if pipeline_plan is not None:
+        accumulation = pipelined.accumulation_steps(model, options)
+    else:
+        accumulation = options.gradient_accumulation_steps
+    kind = "pipelined model" if pipeline_plan is not None else "model"
+    if plan.steps_per_execution % accumulation:
+        raise RuntimeError(
+            f"The {kind} has been configured to use gradient accumulation for training, "
+            f"however the current `steps_per_execution` value (set to "
+            f"{plan.steps_per_execution}) is not divisible by "
+            f"`gradient_accumulation_steps_per_replica` ({accumulation}). You need to "
+            f"adjust either `steps_per_execution` or "
+            f"`gradient_accumulation_steps_per_replica` to make sure that "
+            f"`steps_per_execution` is divisible by "
+            f"`gradient_accumulation_steps_per_replica`."
+        )
+    return accumulation
+
+
+def log_plan(model, feed, accumulation: int) -> None:
+    plan = feed.plan
+    if plan.steps_per_execution == 1 and plan.steps > 1:
+        logger.info(
+            "The model `%s` has been configured with only 1 steps per execution. "
+            "Consider increasing the value for the `steps_per_execution` argument "
+            "passed to the `compile()` method to improve performance.",
+            model.name,
+        )
+    if accumulation > 1 or plan.replicas > 1:
+        logger.info(
+            "Training is%s distributed%s%s, your effective batch size is %d.",
+            "" if plan.replicas > 1 else " not",
+            f" and accumulating {accumulation} batches per optimizer step"
+            if accumulation > 1 else "",
+            f" across {plan.replicas} replicas" if plan.replicas > 1 else "",
+            feed.batch_size * accumulation * plan.replicas,
+        )
+    updates = plan.steps_per_execution // accumulation
+    logger.info(
+        "Doing %d weight update%s per execution per replica, which is %d per epoch per replica.",
+        updates, "s" if updates != 1 else "", plan.steps // accumulation,
+    )
