@@ -362,3 +362,45 @@ def test_evaluate_and_predict_reject_run_eagerly(strategy):
     x, y = data_for("sequential", samples=16)
     with pytest.raises(RuntimeError, match="cannot run eagerly"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+class _Exp(keras.Model):
+    """Uses its input as fed (no Input layer casts it)."""
+
+    def call(self, x):
+        return keras.ops.exp(x)
+
+
+def test_a_generators_batches_keep_their_dtype_as_in_plain_keras(strategy):
+    # Keras casts array data to floatx, not a generator's batches: a float16 batch stays
+    # float16 (exp(12) overflows), a float32 one under floatx float16 stays float32.
+    # Before, every float batch was cast to floatx.
+    import ml_dtypes
+
+    for dtype, expected in (("float16", np.inf), (ml_dtypes.bfloat16, 162816.0)):
+        with strategy.scope():
+            model = _Exp()
+        model.compile(steps_per_execution=2)
+        x = np.full((8, 3), 12.0).astype(dtype)
+        predicted = model.predict(((x[i:i + 4],) for i in (0, 4)), steps=2, verbose=0)
+        plain = _Exp().predict(((x[i:i + 4],) for i in (0, 4)), steps=2, verbose=0)
+        assert predicted.dtype == plain.dtype == np.dtype(dtype)
+        assert predicted[0, 0] == plain[0, 0] == expected
+
+
+def test_sparse_batches_from_a_generator_train_as_in_plain_keras(strategy):
+    import scipy.sparse
+    from jax.experimental import sparse as jax_sparse
+
+    x, y = data_for("sequential", samples=32)
+    x[np.abs(x) < 1] = 0
+    for to_sparse in (scipy.sparse.csr_matrix, jax_sparse.BCOO.fromdense):
+        plain, model = twin("sequential", strategy, steps_per_execution=2)
+
+        def batches(to_sparse=to_sparse):
+            return ((to_sparse(x[i:i + 8]), y[i:i + 8]) for i in range(0, 32, 8))
+
+        expected = plain.fit(batches(), steps_per_epoch=4, verbose=0).history["loss"]
+        actual = model.fit(batches(), steps_per_epoch=4, verbose=0).history["loss"]
+        np.testing.assert_allclose(actual, expected, rtol=1e-6)
+        assert_weights_close(plain.get_weights(), model.get_weights())

@@ -589,7 +589,7 @@ class AdapterFeed:
         if self._iterator is None:
             self._iterator = iter(self._adapter.get_numpy_iterator())
         batch = host_data.as_tuple(next(self._iterator))
-        batch = jax.tree_util.tree_map(host_data.host_array, batch)
+        batch = host_data.batch_arrays(batch)
         self._seen += 1
         self._check_shapes(batch)
         return batch

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import sparse as jax_sparse
 from keras.src import backend
 
 
@@ -95,6 +96,29 @@ def host_array(value: Any) -> np.ndarray:
     array = np.asarray(value)
     dtype = _host_dtype(array.dtype, backend.floatx())
     return array if dtype is None else array.astype(dtype)
+
+
+def batch_arrays(batch: Any) -> Any:
+    """Each array of a batch an adapter yields as `batch_array` makes it."""
+    # A BCOO array is a pytree of its own: one leaf here.
+    return jax.tree_util.tree_map(batch_array, batch,
+                                  is_leaf=lambda v: isinstance(v, jax_sparse.JAXSparse))
+
+
+def batch_array(value: Any) -> np.ndarray:
+    """A batch an adapter yields (a generator's, a `PyDataset`'s) as JAX would hold it.
+
+    Unlike array data, which Keras casts to floatx, such batches keep their
+    dtype (a float16 batch stays float16), but for 64-bit types, which JAX
+    narrows to 32 bits. Sparse batches (SciPy's, JAX's BCOO) become dense:
+    Keras feeds a sparse matrix given as array data dense too.
+    """
+    if hasattr(value, "toarray"):  # a SciPy sparse matrix or array
+        value = value.toarray()
+    elif isinstance(value, jax_sparse.JAXSparse):
+        value = value.todense()
+    array = np.asarray(value)
+    return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
 
 
 @functools.lru_cache(maxsize=64)
