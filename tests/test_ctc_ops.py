@@ -110,6 +110,12 @@ def test_out_dtype_follows_the_seeds_rule():
                                rtol=5e-3)
     with pytest.raises(ValueError, match="float16 when the data is float32"):
         nn_ops.ctc_loss_v2(labels, logits, label_length, lengths, 2, out_dtype="float16")
+    # bfloat16 logits (mixed_bfloat16) give a float32 loss; before, an `out_dtype` the
+    # caller never gave was refused.
+    brain = nn_ops.ctc_loss_v2(labels, logits.astype(jnp.bfloat16), label_length, lengths, 2)
+    assert brain.dtype == jnp.float32
+    np.testing.assert_allclose(brain, _exact_loss(logits, labels, label_length, lengths, 2),
+                               rtol=3e-2)
 
 
 @pytest.mark.parametrize("call, message", [

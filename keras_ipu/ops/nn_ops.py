@@ -165,7 +165,9 @@ def _ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank
         if lengths[argument].shape != (data.shape[1],):
             raise ValueError(f"{argument} must be [batch_size={data.shape[1]}], got shape "
                              f"{lengths[argument].shape}.")
-    out_dtype = jnp.dtype(data.dtype if out_dtype is None else out_dtype)
+    if out_dtype is None:  # the data's type, float32 for bfloat16 (no IPU type of the reference)
+        out_dtype = data.dtype if data.dtype in (jnp.float16, jnp.float32) else jnp.float32
+    out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.float16, jnp.float32):
         raise ValueError(f"out_dtype must be float16 or float32, got {out_dtype}.")
     if out_dtype == jnp.float16 and data.dtype == jnp.float32:
@@ -189,8 +191,8 @@ def ctc_loss_v2(labels: Any, logits: Any, label_length: Any, logit_length: Any,
         label_length: `[batch_size]` labels in each entry.
         logit_length: `[batch_size]` valid time steps in each entry.
         blank_index: The blank class; negative counts from the end.
-        out_dtype: The loss's dtype (default: the logits'); float16 only
-            for float16 logits.
+        out_dtype: The loss's dtype (default: the logits', float32 for
+            bfloat16 logits); float16 only for 16-bit logits.
         name: Accepted for compatibility.
 
     Returns:
@@ -220,7 +222,7 @@ def ctc_loss_with_log_probs(labels: Any, data: Any, label_length: Any, data_leng
         label_length: `[batch_size]` labels in each entry.
         data_length: `[batch_size]` valid time steps in each entry.
         blank_index: The blank class; negative counts from the end.
-        out_dtype: The loss's dtype (default: the data's).
+        out_dtype: The loss's dtype (default: the data's, float32 for bfloat16).
         name: Accepted for compatibility.
 
     Returns:
@@ -247,7 +249,7 @@ def ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank_
         label_length: `[batch_size]` labels in each entry.
         data_length: `[batch_size]` valid time steps in each entry.
         blank_index: The blank class.
-        out_dtype: The loss's dtype (default: the data's).
+        out_dtype: The loss's dtype (default: the data's, float32 for bfloat16).
         name: Accepted for compatibility.
 
     Returns:
@@ -276,7 +278,7 @@ def ctc_loss_with_logits(labels: Any, logits: Any, label_length: Any, logit_leng
         label_length: `[batch_size]` labels in each entry.
         logit_length: `[batch_size]` valid time steps in each entry.
         blank_index: The blank class.
-        out_dtype: The loss's dtype (default: the logits').
+        out_dtype: The loss's dtype (default: the logits', float32 for bfloat16).
         name: Accepted for compatibility.
 
     Returns:
