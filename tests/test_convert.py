@@ -279,6 +279,30 @@ def test_manual_sharding_onto_three_ipus_is_given_a_device_of_four(saved_mlp, tm
     np.testing.assert_allclose(_run_export(tmp_path / "export", x), expected, atol=1e-5)
 
 
+def test_auto_costs_layers_called_with_a_mask_or_several_tensors(tmp_path):
+    # The auto converter called each layer on its flat inputs: a masked LSTM got its mask
+    # as a second input, an attention lost its value. They are called as the model does.
+    from keras_ipu.keras import convert
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        tokens = keras.Input((6,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(50, 8, mask_zero=True, name="embed")(tokens)
+        h = keras.layers.MultiHeadAttention(2, 4, name="attend")(h, h)
+        h = keras.layers.LSTM(5, name="lstm")(h)
+        model = keras.Model(tokens, keras.layers.Dense(2, name="head")(h))
+        model.save(tmp_path / "masked.keras")
+    data = np.random.default_rng(0).integers(0, 50, size=(BATCH, 6)).astype("int32")
+    data[:, 4:] = 0  # padding, masked
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, pipeline_cfg={
+        "converter": "auto", "min_ipu_quantity": 2, "max_ipu_quantity": 2})
+    summary = convert.convert(str(tmp_path / "masked.keras"), str(tmp_path / "export"), options)
+    assert summary["device_mapping"] == [0, 1] and len(summary["stage_costs"]) == 2
+    np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "export"))(data), expected,
+                               atol=1e-5)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

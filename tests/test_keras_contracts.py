@@ -754,3 +754,20 @@ def test_a_layers_default_build_is_marked_and_name_scopes_take_a_caller():
         with layer._open_name_scope():
             assert keras.Variable(1.0, name="v").path == "outer/inner/v"
     assert layer._parent_path == "outer"
+
+
+def test_a_layers_inbound_node_holds_its_call_arguments_and_fills_them_in():
+    # keras_ipu.keras.stages.plan and keras_ipu.keras.convert call a layer as its model
+    # does: `_inbound_nodes[i].arguments`, its Keras tensors (a mask too) and `fill_in`.
+    tokens = keras.Input((3,), dtype="int32")
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(tokens)
+    attention, lstm = keras.layers.MultiHeadAttention(1, 2), keras.layers.LSTM(2)
+    lstm(attention(embedded, embedded))
+    arguments = attention._inbound_nodes[0].arguments
+    assert len(arguments.keras_tensors) == 2  # the query and the value
+    args, kwargs = arguments.fill_in({id(t): "x" for t in arguments.keras_tensors})
+    assert [*args, *kwargs.values()].count("x") == 2
+    arguments = lstm._inbound_nodes[0].arguments
+    assert len(arguments.keras_tensors) == 2  # the sequence and its mask, a keyword
+    args, kwargs = arguments.fill_in({id(t): i for i, t in enumerate(arguments.keras_tensors)})
+    assert args == (0,) and kwargs["mask"] == 1

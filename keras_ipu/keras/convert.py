@@ -316,10 +316,18 @@ def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
     """A layer's estimated cycles (the device model's cost count) and memory bytes."""
     from keras_ipu.device import accounting
 
-    specs = jax.tree_util.tree_map(
-        lambda t: jax.ShapeDtypeStruct((batch, *t.shape[1:]), str(t.dtype)), layer.input)
-    lowered = jax.jit(lambda x: layer(x)).lower(specs)
-    outputs = jax.eval_shape(lambda x: layer(x), specs)
+    # Called as the model calls it: with its mask, its other tensor arguments (an
+    # attention's value), its keyword arguments.
+    arguments = layer._inbound_nodes[0].arguments
+    tensors = arguments.keras_tensors
+    specs = [jax.ShapeDtypeStruct((batch, *t.shape[1:]), str(t.dtype)) for t in tensors]
+
+    def call(*values):
+        args, kwargs = arguments.fill_in({id(t): v for t, v in zip(tensors, values)})
+        return layer(*args, **kwargs)
+
+    lowered = jax.jit(call).lower(*specs)
+    outputs = jax.eval_shape(call, *specs)
     weights = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights)
     activations = accounting.tree_bytes(outputs)
     return accounting.step_cost(lowered).work_cycles(hardware), weights + activations
