@@ -197,6 +197,43 @@ def test_the_version_paths_serve_version_1_only(served):
     assert missing == (404, {"error": "Servable not found for request: Specific(adder, 2)"})
 
 
+def test_paths_and_methods_no_route_takes_get_json_errors(served):
+    # Before: text/plain "404: Not Found" and "405: Method Not Allowed".
+    _, url, _ = served
+
+    async def calls():
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for method, path in (("post", url + ":classify"), ("get", url + ":predict"),
+                                 ("get", url.split("/v1/")[0] + "/v1/models")):
+                async with session.request(method, path) as response:
+                    answers.append((response.status, response.content_type,
+                                    await response.json()))
+            return answers
+
+    classify, get_predict, models = asyncio.run(calls())
+    assert classify[:2] == (404, "application/json")
+    assert classify[2]["error"].startswith("Malformed request: POST /v1/models/adder:classify")
+    assert get_predict[:2] == (405, "application/json") and "GET" in get_predict[2]["error"]
+    assert models[0] == 404 and "error" in models[2]
+
+
+def test_the_metadata_names_unsigned_and_complex_types_as_tensorflow_does():
+    from keras_ipu.serving.server import metadata_response
+
+    class Runtime:
+        inputs = [{"name": f"in_{t}", "shape": [2], "dtype": t}
+                  for t in ("uint16", "uint32", "uint64", "complex64")]
+        outputs = [{"name": "out", "shape": [2], "dtype": "complex128"}]
+        batch_size = 2
+
+    signature = metadata_response("m", Runtime())["metadata"]["signature_def"][
+        "signature_def"]["serving_default"]
+    assert [e["dtype"] for e in signature["inputs"].values()] == [
+        "DT_UINT16", "DT_UINT32", "DT_UINT64", "DT_COMPLEX64"]
+    assert signature["outputs"]["out"]["dtype"] == "DT_COMPLEX128"
+
+
 def test_ctrl_c_stops_the_server_cleanly(served):
     _, _, process = served
     process.send_signal(signal.SIGINT)
@@ -370,6 +407,9 @@ def test_json_inputs_cast_by_the_runtimes_same_kind_rule(tmp_path):
                           (b'{"inputs": [[1, 4294967296], [3, 4]]}', "are outside int32's")):
         with pytest.raises(RequestError, match=f"Input 'tokens' is not int32 data: .*{message}"):
             parse_predict(body, runtime)
+    # Before, an empty list read as float64 data: "is not int32 data".
+    with pytest.raises(RequestError, match="Input 'tokens' has no rows"):
+        parse_predict(b'{"inputs": {"tokens": []}}', runtime)
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +473,29 @@ def test_an_export_with_an_input_without_the_batch_dimension_is_not_served(tmp_p
     assert server.unbatched_inputs(runtime) == ["input_1"]
     with pytest.raises(ValueError, match=r"inputs \['input_1'\] have no batch dimension"):
         asyncio.run(server.serve(runtime, "e", "127.0.0.1", 0, 2.0))
+
+
+def test_an_ipv6_address_is_announced_in_brackets(pixels):
+    import socket
+
+    from keras_ipu.serving.server import serve
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    announced = []
+
+    async def announce_then_stop():
+        task = asyncio.ensure_future(serve(pixels, "m", "::1", 0, 2.0, announced.append))
+        while not announced and not task.done():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(announce_then_stop())
+    # Before: "http://::1:PORT/...", which URL parsers read as host ":".
+    assert re.fullmatch(r"keras-ipu serve: model 'm' at http://\[::1\]:\d+/v1/models/m",
+                        announced[0])

@@ -662,3 +662,39 @@ def test_several_outputs_come_back_as_the_reference_returns_them(strategy, tmp_p
     named = model.export_for_ipu_serving(str(tmp_path / "named"), batch_size=1,
                                          output_names=["s", "p"])
     np.testing.assert_array_equal(named(x1, x2)["p"], 2.0)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_model_calling_the_host_is_refused_with_what_to_do(stages, tmp_path):
+    # JAX cannot serialize host callbacks: before, its NotImplementedError came raw.
+    configure(stages)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((4,), name="x")
+        printed = keras.layers.Lambda(
+            lambda z: (ipu.ops.internal_ops.print_tensor(z, "z"), z)[1], output_shape=(4,))
+        outputs = keras.layers.Dense(3)(printed(keras.layers.Dense(4)(inputs)))
+        model = keras.Model(inputs, outputs)
+    if stages == 2:
+        assignments = model.get_pipeline_stage_assignment()
+        for assignment, stage in zip(assignments, [0, 1, 1]):
+            assignment.pipeline_stage = stage
+        model.set_pipeline_stage_assignment(assignments)
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"calls the host from its program .*`print_tensor`"):
+        model.export_for_ipu_serving(str(tmp_path / "export"), batch_size=2)
+    assert not (tmp_path / "export").exists()
+    np.testing.assert_array_equal(model.get_weights()[0], weights[0])
+
+
+@pytest.mark.parametrize("steps", ["auto", 2.7, 0, -3])
+def test_export_refuses_the_steps_per_execution_fit_refuses(steps, tmp_path):
+    # Before: "auto" raised int()'s message, 2.7 and 0 exported 2 and 1 iterations, -3
+    # failed in MLIR.
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(steps_per_execution=steps)
+    with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive integer, "
+                                         rf"got {steps!r}"):
+        model.export_for_ipu_serving(str(tmp_path / "export"), batch_size=2)
+    assert not (tmp_path / "export").exists()

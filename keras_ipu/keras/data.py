@@ -115,9 +115,9 @@ def make_feed(
             little data, or a `steps_per_execution` that does not divide
             the steps.
     """
-    steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+    steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
     if steps is not None and steps != -1:
-        steps = _positive_int("steps", steps)
+        steps = positive_int("steps", steps)
     steps = _capped_steps(steps)
     if class_weight is not None and sample_weight is not None:
         raise ValueError(
@@ -181,8 +181,8 @@ def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epo
         return None
     with warnings.catch_warnings():  # the feed's own plan warns, once
         warnings.simplefilter("ignore")
-        steps = _capped_steps(_positive_int("steps", steps))
-        steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+        steps = _capped_steps(positive_int("steps", steps))
+        steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
         return plan_steps(None, steps, steps_per_execution, epochs, replicas, role)
 
 
@@ -289,7 +289,7 @@ class ArrayFeed:
         rows = host_data.common_length(self._data)
         if batch_size is None:
             batch_size = -(-rows // steps) if steps and steps > 0 else DEFAULT_BATCH_SIZE
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         if rows % batch_size:
             raise ValueError(
                 f"{ROLES[role].subject} has a partial batch, which could result "
@@ -673,7 +673,7 @@ def _capped_steps(steps: int | None) -> int | None:
     return steps
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     """`value` as a Python int, or a `ValueError` naming `name`.
 
     Integer scalars of any kind count: a 0-d NumPy or JAX integer array as

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 from keras import KerasTensor, tree
 
-from keras_ipu.keras import context, options, saving
+from keras_ipu.keras import context, data, options, saving
 from keras_ipu.serving import runtime
 
 _SIGNATURE_ERROR = (
@@ -93,7 +93,8 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
     if int64_to_int32:  # the IPU has no 64-bit integers: the export takes int32
         specs = [jax.ShapeDtypeStruct(s.shape, np.int32) if s.dtype == np.int64 else s
                  for s in specs]
-    iterations = int(getattr(model, "steps_per_execution", 1) or 1)
+    iterations = data.positive_int("steps_per_execution",
+                                   getattr(model, "steps_per_execution", 1))
     platforms = _checked_platforms(platforms)
     plan = _plan(model)
     returned = _ReturnedStructure()
@@ -131,9 +132,9 @@ def export_model(model: Any, export_dir: str, batch_size: int | None = None,
 
     def write() -> None:
         _prepare_directory(export_dir, purge_export_dir)
-        for name, data in serialized.items():
+        for name, program in serialized.items():
             with open(os.path.join(export_dir, name), "wb") as f:
-                f.write(data)
+                f.write(program)
         np.savez(os.path.join(export_dir, runtime.WEIGHTS_FILE), **weights)
         with open(os.path.join(export_dir, runtime.METADATA_FILE), "w") as f:
             f.write(metadata_text)
@@ -185,9 +186,8 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
 
     weight_specs = (_specs(trainable), _specs(non_trainable))
     loop_specs = [jax.ShapeDtypeStruct((iterations, *s.shape), s.dtype) for s in specs]
-    exported_step = jax.export.export(jax.jit(step), platforms=platforms)(*weight_specs, *specs)
-    exported_loop = jax.export.export(jax.jit(loop), platforms=platforms)(
-        *weight_specs, *loop_specs)
+    exported_step = export_pipeline.exported(step, platforms, *weight_specs, *specs)
+    exported_loop = export_pipeline.exported(loop, platforms, *weight_specs, *loop_specs)
     weights = {**{f"t{i}": w for i, w in enumerate(trainable)},
                **{f"n{i}": w for i, w in enumerate(non_trainable)}}
     layout = {"num_weights": [len(trainable), len(non_trainable)]}

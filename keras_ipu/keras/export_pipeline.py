@@ -47,18 +47,36 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
         carried = plan.live_after[stage - 1] if stage else ()
         run = _stage_function(plan, stage, variables, carried, preprocessing_step,
                               postprocessing_step, flatten_outputs)
-        exported = jax.export.export(jax.jit(run), platforms=tuple(platforms))(
-            [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights],
-            forwarded, list(input_specs))
-        programs.append((exported, weights))
+        program = exported(run, platforms, [jax.ShapeDtypeStruct(w.shape, w.dtype)
+                                            for w in weights], forwarded, list(input_specs))
+        programs.append((program, weights))
         if stage < plan.num_stages - 1:
             # The types and shapes its layers give (a Lambda's graph type is float32,
             # whatever it returns), each checked for the batch axis as predict checks it.
             forwarded = [jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-                         for aval in exported.out_avals]
+                         for aval in program.out_avals]
             for key, spec in zip(plan.live_after[stage], forwarded):
                 boundary.check_batched(spec.shape, batch, plan.tensors[key], stage)
     return programs
+
+
+def exported(function: Callable, platforms: Sequence[str], *specs: Any) -> Any:
+    """`jax.export` of `jax.jit(function)` on `specs`, refusing host callbacks clearly.
+
+    Raises:
+        ValueError: When the program calls the host (JAX cannot serialize such calls).
+    """
+    try:
+        return jax.export.export(jax.jit(function), platforms=tuple(platforms))(*specs)
+    except NotImplementedError as error:
+        if "host_callbacks" not in str(error):
+            raise
+        raise ValueError(
+            "The model calls the host from its program (a host callback: `print_tensor`, "
+            "a host embedding's lookup, `jax.debug.callback` or `jax.pure_callback`), "
+            "which an export cannot hold: it runs without this Python process. Export a "
+            "model without these calls (the same layers and weights, with the printing "
+            "or the host lookups left out).") from None
 
 
 def postprocessed(postprocessing_step: Callable, outputs: Any) -> Any:
@@ -127,4 +145,4 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-__all__ = ["stage_programs"]
+__all__ = ["exported", "postprocessed", "stage_programs"]

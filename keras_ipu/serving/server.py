@@ -30,7 +30,9 @@ from keras_ipu.serving.runtime import ServingRuntime, cast_input
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _TF_DTYPES = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "float16": "DT_HALF",
               "bfloat16": "DT_BFLOAT16", "int32": "DT_INT32", "int64": "DT_INT64",
-              "int8": "DT_INT8", "uint8": "DT_UINT8", "int16": "DT_INT16", "bool": "DT_BOOL"}
+              "int8": "DT_INT8", "uint8": "DT_UINT8", "int16": "DT_INT16", "bool": "DT_BOOL",
+              "uint16": "DT_UINT16", "uint32": "DT_UINT32", "uint64": "DT_UINT64",
+              "complex64": "DT_COMPLEX64", "complex128": "DT_COMPLEX128"}
 
 
 class RequestError(Exception):
@@ -308,6 +310,8 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
     arrays, count = {}, None
     for entry in runtime.inputs:
         name = entry["name"]
+        if isinstance(columns[name], list) and not columns[name]:  # before it reads as float
+            raise RequestError(f"Input {name!r} has no rows: a request needs at least one.")
         array = _cast(name, columns[name], np.dtype(entry["dtype"]))
         if array.ndim and not len(array):  # as `instances` must be a non-empty list
             raise RequestError(f"Input {name!r} has no rows: a request needs at least one.")
@@ -502,7 +506,18 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
     async def on_cleanup(app):
         await batcher.stop()
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    @web.middleware
+    async def json_errors(request, handler):
+        # A path or method no route takes gets its error as JSON too, as every other.
+        try:
+            return await handler(request)
+        except web.HTTPException as failed:
+            if failed.status < 400:
+                raise
+            return error(f"Malformed request: {request.method} {request.path} "
+                         f"({failed.reason})", failed.status)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app["batcher"] = batcher
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -536,6 +551,8 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
+    if ":" in bound_host:  # an IPv6 address, bracketed in a URL
+        bound_host = f"[{bound_host}]"
     announce(f"keras-ipu serve: model {model_name!r} at "
              f"http://{bound_host}:{bound_port}/v1/models/{model_name}")
     try:
