@@ -13,11 +13,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import keras
-import numpy as np
 
-from keras_ipu.keras.pipelined import flat_optimizer, rebuilt_optimizer
+from keras_ipu.keras.pipelined import flat_optimizer, rebuilt_optimizer, split_probe
 
 
 def copy_for(optimizer, variables: Sequence) -> Any:
@@ -72,8 +70,7 @@ def check_pipelined(optimizer) -> None:
         ValueError: For `global_clipnorm` with the optimizer's own
             `gradient_accumulation_steps`.
         NotImplementedError: For a `MultiOptimizer`, or a custom optimizer
-            keeping state over all its weights: its slots cannot be split
-            between the IPUs.
+            whose copies would not step as it does (`split_probe`).
 
     Example:
 
@@ -82,7 +79,7 @@ def check_pipelined(optimizer) -> None:
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if isinstance(inner, keras.optimizers.MultiOptimizer):
         raise NotImplementedError(_NOT_SPLIT.format(name=type(inner).__name__))
-    _check_no_state_over_all_weights(inner)
+    split_probe.check(inner, _named_clone)
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if global_clipnorm(optimizer) and steps and steps > 1:
         raise ValueError(
@@ -91,44 +88,6 @@ def check_pipelined(optimizer) -> None:
             f"the pipeline clips each call's gradients over every IPU, Keras their average. "
             f"Accumulate with `model.set_pipelining_options("
             f"gradient_accumulation_steps_per_replica=...)` instead, or clip with clipnorm.")
-
-
-def _check_no_state_over_all_weights(optimizer) -> None:
-    """Refuses a custom optimizer class that keeps variables over all the weights it
-    updates whose values follow the gradients (a running sum of every squared
-    gradient): each IPU's copy would keep its own, over that IPU's weights only.
-    One that follows the steps alone (a warmup counter, Nadam's `u_product`) is
-    the same in every copy.
-
-    Found on a clone over two stand-in weights: its variables that are not per
-    weight, stepped with two sets of gradients from the same state.
-    """
-    kind = type(optimizer)
-    if kind.__module__.startswith("keras."):
-        return
-    stand_ins = [("w0", (2,), "float32"), ("w1", (2,), "float32")]
-    clone = _named_clone(optimizer, stand_ins)
-    count = 2 * len(_named_clone(optimizer, stand_ins[:1]).variables) - len(clone.variables)
-    shared = [i for i, v in enumerate(clone.variables)
-              if not any(name in v.name for name, _, _ in stand_ins)]
-    if count <= 0 or len(shared) != count:  # none, or not told apart by name
-        return
-    try:
-        state = [jnp.zeros(v.shape, v.dtype) for v in clone.variables]
-        weights = [jnp.ones(shape, dtype) for _, shape, dtype in stand_ins]
-        _, first = clone.stateless_apply(state, [w * 0.5 for w in weights], weights)
-        _, second = clone.stateless_apply(state, [w * 2.0 for w in weights], weights)
-    except Exception:  # noqa: BLE001 - an optimizer this probe cannot step: not refused
-        return
-    following = [clone.variables[i].name for i in shared
-                 if not np.array_equal(first[i], second[i], equal_nan=True)]
-    if following:
-        raise NotImplementedError(
-            f"{kind.__name__} keeps variables over all the weights it updates that follow "
-            f"their gradients ({', '.join(following)}): a pipeline steps each IPU's weights "
-            f"with its own copy of the optimizer, which would keep its own over that IPU's "
-            f"weights only. Keep state per weight (made in `build` for each variable), or "
-            f"train without pipelining.")
 
 
 def _exclude_from_weight_decay_as(optimizer, copy, variables) -> None:

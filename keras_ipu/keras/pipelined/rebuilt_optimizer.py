@@ -10,13 +10,17 @@ makes one when it loads a model. Plain Keras never needs that round trip, so
 - a custom optimizer (or one a `LossScaleOptimizer` wraps) needs no
   registration;
 - a setting the config leaves out (a subclass's extra `__init__` argument
-  without a `get_config` that returns it) is carried over from the
-  optimizer's attributes, as long as it is a number, a string, a bool, `None`
-  or a tuple or list of those.
+  without a `get_config` that returns it, an attribute set after
+  construction) is carried over from the optimizer's attributes, as long as
+  it is a number, a string, a bool, `None`, a tuple or list of those, or a
+  function (shared).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +31,8 @@ import numpy as np
 _SCALARS = (bool, int, float, str, type(None))
 # Set on a built optimizer only.
 _BUILD_STATE = frozenset({"built"})
+# Settings shared with the copy as they are: functions (they keep no optimizer state).
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 
 
 def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
@@ -49,11 +55,20 @@ def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
     config = _config_without_learning_rates(chain)
     if without_global_clipnorm:
         config = _without_global_clipnorm(config)
+    config = {**_required_settings(optimizer, config), **config}
     # The classes of the chain, registered or not (a LossScaleOptimizer looks its
     # inner optimizer's class up by name).
     custom = {type(each).__name__: type(each) for each in chain[1:]}
-    copy = (type(optimizer).from_config(config, custom_objects=custom) if custom
-            else type(optimizer).from_config(config))
+    try:
+        copy = (type(optimizer).from_config(config, custom_objects=custom) if custom
+                else type(optimizer).from_config(config))
+    except TypeError as error:
+        kind = type(optimizer).__name__
+        raise TypeError(
+            f"{kind} cannot be made again from its config: `{kind}.from_config("
+            f"optimizer.get_config())` raised \"{error}\". A pipeline gives each IPU a copy "
+            f"of the optimizer made that way: give {kind} a `get_config` that returns the "
+            f"arguments of its `__init__` (only those).") from None
     copies = _nested(copy)
     for original, copied in zip(chain, copies):
         rate = original._learning_rate
@@ -64,6 +79,16 @@ def rebuilt(optimizer: Any, without_global_clipnorm: bool = False) -> Any:
     _carry_settings(chain, _nested(copy),
                     {"global_clipnorm"} if without_global_clipnorm else set())
     return copy
+
+
+def _required_settings(optimizer: Any, config: dict) -> dict:
+    """The required `__init__` arguments the config leaves out, from the optimizer's
+    attributes of their names (`self.factor = factor`)."""
+    required = [p.name for p in inspect.signature(type(optimizer).__init__).parameters.values()
+                if p.default is p.empty and p.name != "self"
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {name: vars(optimizer)[name] for name in required
+            if name not in config and _is_setting(vars(optimizer).get(name, object()), name)}
 
 
 def _reading_copy_steps(rate: Any, chain: list, copies: list) -> Any:
@@ -132,12 +157,20 @@ def _without_global_clipnorm(config: dict) -> dict:
 
 
 def _carry_settings(chain: list, copies: list, changed: set) -> None:
-    """Gives each copy its original's settings where they differ (but those `changed`)."""
+    """Gives each copy its original's settings where they differ (but those `changed`).
+
+    Also a public setting the copy lacks (set after construction: `opt.boost
+    = 3.0`), and a public function (a `grad_fn` the config leaves out), shared.
+    """
     for original, made in zip(chain, copies):
         ours, theirs = vars(original), vars(made)
-        for name in ours.keys() & theirs.keys() - _BUILD_STATE - changed:
-            if _is_setting(ours[name], name) and not _same(ours[name], theirs[name]):
-                setattr(made, name, ours[name])
+        for name in ours.keys() - _BUILD_STATE - changed:
+            value = ours[name]
+            carried = _is_setting(value, name) or (
+                not name.startswith("_") and isinstance(value, _FUNCTIONS))
+            if carried and (name not in theirs and not name.startswith("_")
+                            or name in theirs and not _same(value, theirs[name])):
+                setattr(made, name, value)
 
 
 def _is_setting(value: Any, name: str = "") -> bool:
