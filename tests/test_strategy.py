@@ -483,3 +483,28 @@ def test_an_eager_loop_applies_the_keras_variable_updates_of_its_body(strategy):
         eager(x, training=True)
     assert_weights_close(eager.get_weights(), model.get_weights())
     assert ipu.loops.repeat.__doc__ == ipu.loops.repeat.__wrapped__.__doc__
+
+
+def test_a_loss_scale_optimizer_applied_to_some_of_its_variables_is_refused(strategy):
+    # Its stateful `apply` branches on Keras variables, which a program cannot trace
+    # (plain Keras fails too); before, JAX's "compiled for 4 inputs but called with 2".
+    import jax
+
+    configure(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, use_bias=False),
+                                  keras.layers.Dense(1, use_bias=False)])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(model.trainable_variables)
+    head = model.layers[-1].trainable_variables
+    before = [w.copy() for w in model.get_weights()]
+
+    def step(x):
+        grads = jax.grad(lambda w: keras.ops.sum(x @ model.layers[0].kernel.value @ w[0]))(
+            [v.value for v in head])
+        optimizer.apply(grads, head)
+
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer in a compiled program applies to "
+                                         r"all the variables it was built for \(2\).*got 1"):
+        strategy.run(step, args=(np.ones((4, 3), "float32"),))
+    assert_weights_close(before, model.get_weights(), atol=0)

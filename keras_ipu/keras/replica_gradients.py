@@ -58,12 +58,27 @@ def _in_programs(original: Any) -> Any:
         try:
             summed = [None if g is None else collectives.cross_replica_sum(g) for g in grads]
             if not _applied_statelessly(self, summed, trainable_variables):
+                _check_not_branching(self, trainable_variables)
                 original(self, summed, trainable_variables)
         finally:
             _REDUCED.reset(token)
 
     apply._keras_ipu_reducing = True
     return apply
+
+
+def _check_not_branching(optimizer: Any, trainable_variables: list) -> None:
+    """Refuses a `LossScaleOptimizer` applied to some of its variables: its stateful
+    `apply` branches on Keras variables, which a traced program cannot (JAX's
+    "Computation compiled for 14 inputs but called with 2"; plain Keras fails too)."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    if isinstance(optimizer, LossScaleOptimizer):
+        raise ValueError(
+            f"A LossScaleOptimizer in a compiled program applies to all the variables it was "
+            f"built for ({len(optimizer._trainable_variables)}), in their order; got "
+            f"{len(trainable_variables)}. Apply it to all of them, or give each set of "
+            f"variables its own optimizer.")
 
 
 def _applied_statelessly(optimizer: Any, grads: list, trainable_variables: Any) -> bool:
