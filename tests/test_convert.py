@@ -303,6 +303,37 @@ def test_auto_costs_layers_called_with_a_mask_or_several_tensors(tmp_path):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("converter", ["manual_sharding", "auto"])
+def test_operations_and_tied_layers_go_after_the_stages_they_take_from(converter, tmp_path):
+    # `h + 3.0` (keras.applications' hard sigmoid, ConvNeXt's residual add) is an operation
+    # of the graph, no layer: it went to stage 0 whatever it took, and every converter
+    # failed. A tied layer's stage followed its last call's inputs only.
+    from keras_ipu.keras import convert
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((6,), name="x")
+        first = keras.layers.Dense(6, name="first")(x)
+        second = keras.layers.Dense(6, name="second")(first)
+        tied = keras.layers.Dense(6, name="tied")
+        joined = keras.layers.Concatenate(name="cat")([tied(second), tied(first)])
+        shifted = keras.layers.ReLU(6.0, name="relu6")(joined + 3.0)
+        model = keras.Model(x, keras.layers.Dense(1, name="head")(shifted))
+        model.save(tmp_path / "ops.keras")
+    data = np.random.default_rng(0).normal(size=(BATCH, 6)).astype("float32")
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, num_ipus=2, **(
+        {"manual_sharding": [["^first$"], ["^second$"]]} if converter == "manual_sharding"
+        else {"pipeline_cfg": {"converter": "auto", "min_ipu_quantity": 2,
+                               "max_ipu_quantity": 2}}))
+    summary = convert.convert(str(tmp_path / "ops.keras"), str(tmp_path / "export"), options)
+    if converter == "manual_sharding":
+        assert summary["stage_of_layer"] == {"first": 0, "second": 1, "tied": 1, "cat": 1,
+                                             "relu6": 1, "head": 1}
+    np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "export"))(data), expected,
+                               atol=1e-5)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

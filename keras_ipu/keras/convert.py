@@ -16,6 +16,7 @@ model are accepted and reported.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -262,13 +263,29 @@ def _sharded(model, patterns: list[list[re.Pattern]]) -> dict[str, int]:
 
 
 def _inbound_names(model) -> dict[str, list[str]]:
-    """The names of the layers each layer of the chain takes its inputs from."""
+    """The layers of the chain each layer or operation takes its inputs from, over all its
+    calls (a tied layer's too), seen through the operations between them (`h + 3.0`)."""
     assignments = model.get_pipeline_stage_assignment()
     if not all(hasattr(a, "inbound_layers") for a in assignments):  # a Sequential's chain
         names = [layer.name for layer in _chain(model)]
         return {name: [before] for before, name in zip(names, names[1:])}
-    return {(a.nested_model if a.is_nested_model else a.layer).name:
-            [layer.name for layer in a.inbound_layers] for a in assignments}
+    direct: dict[str, set[str]] = collections.defaultdict(set)
+    for a in assignments:
+        direct[(a.nested_model if a.is_nested_model else a.layer).name].update(
+            layer.name for layer in a.inbound_layers)
+    chain = {layer.name for layer in _chain(model)}
+
+    def sources(name: str, seen: set[str]) -> set[str]:
+        found = set()
+        for source in direct.get(name, ()):
+            if source in chain:
+                found.add(source)
+            elif source not in seen:  # an operation (or an input): what it takes
+                seen.add(source)
+                found |= sources(source, seen)
+        return found
+
+    return {name: sorted(sources(name, set())) for name in direct}
 
 
 def _check_every_stage_used(stage_of: dict[str, int], given: Sequence[Any], option: str,
@@ -339,9 +356,14 @@ def _assign(model, stage_of: Mapping[str, int]) -> None:
     A nested model is one layer of the chain: all its calls run in its stage.
     """
     assignments = model.get_pipeline_stage_assignment()
+    inbound = None
     for assignment in assignments:
         target = assignment.nested_model if assignment.is_nested_model else assignment.layer
-        _set_stage(assignment, stage_of.get(target.name, 0))
+        stage = stage_of.get(target.name)
+        if stage is None:  # an operation of the graph (`h + 3.0`): after what it takes
+            inbound = _inbound_names(model) if inbound is None else inbound
+            stage = max((stage_of.get(s, 0) for s in inbound.get(target.name, ())), default=0)
+        _set_stage(assignment, stage)
     model.set_pipeline_stage_assignment(assignments)
 
 
