@@ -289,3 +289,17 @@ def test_serve_refuses_a_model_name_its_paths_cannot_hold(export_dir, capsys):
 
     assert cli.main(["serve", "--dir", str(export_dir), "--model_name", "resnet:v1"]) == 2
     assert "no '/' or ':'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("delay", ["nan", "inf", "-1"])
+def test_serve_refuses_a_batch_delay_that_never_sends_a_batch(delay, export_dir, capsys):
+    # Before, nan and inf started a server whose partial batches were never answered.
+    from keras_ipu import cli
+    from keras_ipu.serving import load
+    from keras_ipu.serving.server import DynamicBatcher
+
+    assert cli.main(["serve", "--dir", str(export_dir), "--max_batch_delay_ms", delay]) == 2
+    assert f"--max_batch_delay_ms a finite number >= 0; got 8501 and {float(delay)}" in (
+        capsys.readouterr().err)
+    with pytest.raises(ValueError, match="max_batch_delay_ms must be a finite number >= 0"):
+        DynamicBatcher(load(str(export_dir)), float(delay))

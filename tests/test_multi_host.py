@@ -204,6 +204,27 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
     assert f"--coordinator 127.0.0.1:{port}: its port is in use on this machine" in failed.stderr
 
 
+def test_a_job_whose_reader_goes_away_stops_as_a_pipes_writer_does(tmp_path):
+    # `keras-ipu run ... | head -2`: before, the launcher's output threads died and the
+    # instances blocked for ever on their full pipes.
+    script = tmp_path / "chatty.py"
+    script.write_text("for i in range(10**6):\n    print(i)\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keras_ipu", "run", "--num-instances", "2", str(script)],
+        env=fresh_process_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        first = [process.stdout.readline() for _ in range(2)]
+        process.stdout.close()  # the reader goes
+        assert process.wait(timeout=60) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert all(line.startswith(("[0] ", "[1] ")) for line in first)
+    assert "Traceback" not in process.stderr.read()
+
+
 def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
     from keras_ipu.distributed import strategy
 

@@ -243,13 +243,24 @@ class Job:
         self.errors = errors or sys.stderr
         self._lock = threading.Lock()
         self._processes: list[subprocess.Popen] = []
+        # The reader of the output went away (`... | head`): the instances are stopped,
+        # as a pipe's writer is, and what they still write is read and dropped.
+        self._reader_gone = threading.Event()
 
     def _print(self, index: int, line: str, target) -> None:
         with self._lock:
-            target.write(f"[{index}] {line}")
-            if not line.endswith("\n"):
-                target.write("\n")
-            target.flush()
+            if target is self.output and self._reader_gone.is_set():
+                return
+            try:
+                target.write(f"[{index}] {line}")
+                if not line.endswith("\n"):
+                    target.write("\n")
+                target.flush()
+            except BrokenPipeError:
+                if target is not self.output:
+                    return
+                self._reader_gone.set()
+                self._signal_all(signal.SIGTERM)
 
     def _pump(self, index: int, stream, target) -> None:
         for line in iter(stream.readline, ""):
@@ -361,10 +372,12 @@ class Job:
             except queue.Empty:
                 continue
             running.discard(index)
-            if code != 0 and failed is None and not interrupted:
+            if code != 0 and failed is None and not interrupted and not self._reader_gone.is_set():
                 failed = (index, code)
                 self._report(index, code)
                 stop_at = time.monotonic()  # the others at once
+        if self._reader_gone.is_set():
+            return 1  # as `keras-ipu show ... | head`
         if failed is None and interrupted:
             status = 128 + interrupted[0]
             self._print_launcher(f"job interrupted, exiting with status {status}")

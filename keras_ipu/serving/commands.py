@@ -13,6 +13,7 @@ error.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -116,8 +117,10 @@ def _serve(args: argparse.Namespace) -> None:
 
     from keras_ipu.serving import server
 
-    if not 0 <= args.port <= 65535 or args.max_batch_delay_ms < 0:
-        raise CommandError("--port must be 0-65535 and --max_batch_delay_ms >= 0")
+    # Not `< 0`: NaN compares false, and a NaN or infinite delay never sends a batch.
+    if not 0 <= args.port <= 65535 or not 0 <= args.max_batch_delay_ms < math.inf:
+        raise CommandError("--port must be 0-65535 and --max_batch_delay_ms a finite "
+                           f"number >= 0; got {args.port} and {args.max_batch_delay_ms}")
     name = args.model_name or os.path.basename(os.path.normpath(args.dir))
     if not name or set(name) & set("/:"):  # the REST paths' separators
         raise CommandError(f"--model_name {name!r}: a model name needs a character and no '/' "

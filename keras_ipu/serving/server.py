@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
 import time
 from typing import Any
 
@@ -61,6 +62,9 @@ class DynamicBatcher:
         runtime: The export's runtime.
         max_batch_delay_ms: How long a batch waits for more rows.
 
+    Raises:
+        ValueError: For a delay that is negative, infinite or NaN.
+
     Example:
 
     >>> batcher = DynamicBatcher(runtime, max_batch_delay_ms=2)
@@ -68,6 +72,9 @@ class DynamicBatcher:
     """
 
     def __init__(self, runtime: ServingRuntime, max_batch_delay_ms: float = 2.0):
+        if not 0 <= max_batch_delay_ms < math.inf:  # NaN too: no batch would ever leave
+            raise ValueError(f"max_batch_delay_ms must be a finite number >= 0, got "
+                             f"{max_batch_delay_ms!r}.")
         self.runtime = runtime
         self.delay_s = max_batch_delay_ms / 1000
         self._queue: asyncio.Queue | None = None
