@@ -334,6 +334,32 @@ def test_operations_and_tied_layers_go_after_the_stages_they_take_from(converter
                                atol=1e-5)
 
 
+def test_auto_cuts_no_stage_between_the_calls_of_a_tied_layer(tmp_path):
+    # `proj` is called first and last: before, the auto split put `d2` after the first
+    # cut, which `proj`'s second call takes from (the stage check refused the export).
+    from keras_ipu.keras import convert
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        x = keras.Input((16,), name="x")
+        proj = keras.layers.Dense(16, name="proj")
+        h = keras.layers.Dense(64, name="d1")(proj(x))
+        h = keras.layers.Dense(16, name="d2")(h)
+        model = keras.Model(x, keras.layers.Dense(2, name="out")(proj(h)))
+        model.save(tmp_path / "tied.keras")
+    data = np.random.default_rng(0).normal(size=(BATCH, 16)).astype("float32")
+    expected = model.predict(data, batch_size=BATCH, verbose=0)
+    options = convert.ConvertOptions(batch_size=BATCH, pipeline_cfg={"converter": "auto"})
+    summary = convert.convert(str(tmp_path / "tied.keras"), str(tmp_path / "export"), options)
+    assert summary["stage_of_layer"] == {"proj": 0, "d1": 0, "d2": 0, "out": 1}
+    np.testing.assert_allclose(ipu.serving.load(str(tmp_path / "export"))(data), expected,
+                               atol=1e-5)
+    three = convert.ConvertOptions(batch_size=BATCH, pipeline_cfg={
+        "converter": "auto", "min_ipu_quantity": 3, "max_ipu_quantity": 3})
+    with pytest.raises(ValueError, match=r"can be cut into at most 2 pipeline stage\(s\)"):
+        convert.convert(str(tmp_path / "tied.keras"), str(tmp_path / "three"), three)
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 

@@ -317,11 +317,21 @@ def _auto(model, options: ConvertOptions, config: Mapping[str, Any], summary: di
     hardware = ipu_system.require().hardware
     layers = _chain(model)
     cycles, memory = zip(*(_layer_cost(layer, options.batch_size, hardware) for layer in layers))
+    # Stages are cut only where no layer before the cut takes from one after it (a tied
+    # layer called again at the end): the layers between such calls are one block.
+    blocks = _uncut_blocks(model, layers)
+    minimum = int(config.get("min_ipu_quantity", 2))
+    if len(blocks) < min(minimum, len(layers)):
+        raise ValueError(
+            f"The model can be cut into at most {len(blocks)} pipeline stage(s): layers "
+            f"called again later (tied weights, a shared model) keep what lies between their "
+            f"calls in one stage. Ask for at most {len(blocks)} IPU(s).")
     split = partition.fewest_stages(
-        cycles if priority == "cycle" else memory, memory, hardware.memory_capacity_bytes,
-        minimum=int(config.get("min_ipu_quantity", 2)),
-        maximum=int(config.get("max_ipu_quantity", 64)))
-    stage_of = {layer.name: stage for layer, stage in zip(layers, split.stage_of_layer)}
+        [sum((cycles if priority == "cycle" else memory)[i] for i in block) for block in blocks],
+        [sum(memory[i] for i in block) for block in blocks], hardware.memory_capacity_bytes,
+        minimum=minimum, maximum=int(config.get("max_ipu_quantity", 64)))
+    stage_of = {layers[i].name: stage for block, stage in zip(blocks, split.stage_of_layer)
+                for i in block}
     mapping = tuple(range(len(split.stage_costs)))
     summary.update(priority=priority, stage_costs=list(split.stage_costs),
                    stage_memory=list(split.stage_memory))
@@ -329,25 +339,41 @@ def _auto(model, options: ConvertOptions, config: Mapping[str, Any], summary: di
     return stage_of, mapping
 
 
+def _uncut_blocks(model, layers: list) -> list[list[int]]:
+    """The chain's layers (indices) in blocks no stage boundary may cut."""
+    position = {layer.name: i for i, layer in enumerate(layers)}
+    inbound = _inbound_names(model)
+    blocks: list[list[int]] = []
+    reach = -1  # the latest layer that a layer so far takes from
+    for i, layer in enumerate(layers):
+        if not blocks or reach < i:
+            blocks.append([])
+        blocks[-1].append(i)
+        reach = max([reach, i, *(position[s] for s in inbound.get(layer.name, ()))])
+    return blocks
+
+
 def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
-    """A layer's estimated cycles (the device model's cost count) and memory bytes."""
+    """A layer's estimated cycles (the device model's cost count) and memory bytes, over
+    all its calls (a tied layer's too): its weights once, each call's outputs."""
     from keras_ipu.device import accounting
 
-    # Called as the model calls it: with its mask, its other tensor arguments (an
-    # attention's value), its keyword arguments.
-    arguments = layer._inbound_nodes[0].arguments
-    tensors = arguments.keras_tensors
-    specs = [jax.ShapeDtypeStruct((batch, *t.shape[1:]), str(t.dtype)) for t in tensors]
-
-    def call(*values):
-        args, kwargs = arguments.fill_in({id(t): v for t, v in zip(tensors, values)})
-        return layer(*args, **kwargs)
-
-    lowered = jax.jit(call).lower(*specs)
-    outputs = jax.eval_shape(call, *specs)
     weights = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights)
-    activations = accounting.tree_bytes(outputs)
-    return accounting.step_cost(lowered).work_cycles(hardware), weights + activations
+    cycles, activations = 0.0, 0
+    for node in layer._inbound_nodes:
+        # Called as the model calls it: with its mask, its other tensor arguments (an
+        # attention's value), its keyword arguments.
+        arguments = node.arguments
+        tensors = arguments.keras_tensors
+        specs = [jax.ShapeDtypeStruct((batch, *t.shape[1:]), str(t.dtype)) for t in tensors]
+
+        def call(*values, arguments=arguments, tensors=tensors):
+            args, kwargs = arguments.fill_in({id(t): v for t, v in zip(tensors, values)})
+            return layer(*args, **kwargs)
+
+        cycles += accounting.step_cost(jax.jit(call).lower(*specs)).work_cycles(hardware)
+        activations += accounting.tree_bytes(jax.eval_shape(call, *specs))
+    return cycles, weights + activations
 
 
 def _assign(model, stage_of: Mapping[str, int]) -> None:
