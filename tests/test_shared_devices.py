@@ -280,3 +280,24 @@ def test_a_replicated_pipeline_on_one_device_trains_and_counts_as_on_four(mixed)
     for mode in (1, 2):
         assert shared[mode].flops_per_step == pytest.approx(separate[mode].flops_per_step,
                                                             rel=tolerance)
+
+
+def test_a_fresh_process_asks_for_at_most_64_cpu_devices_and_512_ipus_share_them():
+    # Before, 512 IPUs got 512 CPU devices, whose collectives timed out in XLA:CPU: a
+    # pipelined fit aborted the process after a minute.
+    script = """
+import keras_ipu as ipu  # first: it selects Keras' JAX backend
+import jax, keras, numpy as np
+config = ipu.config.IPUConfig(); config.auto_select_ipus = 512; config.configure_ipu_system()
+with ipu.ipu_strategy.IPUStrategy().scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+model.compile("sgd", "mse", steps_per_execution=2)
+model.set_pipeline_stage_assignment([0, 1])
+model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
+model.fit(np.ones((512, 4)), np.ones((512, 1)), batch_size=1, verbose=0)
+print(jax.device_count(), len(ipu.utils.execution_report(model, "fit").ipus))
+"""
+    result = subprocess.run([sys.executable, "-c", script], env=fresh_process_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["64", "512"]

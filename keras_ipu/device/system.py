@@ -26,6 +26,10 @@ from keras_ipu.device.hardware import IPUHardware
 # enough for the largest usual configuration, so that reconfiguring to more
 # IPUs later in the same process still works.
 DEFAULT_CPU_DEVICES = 8
+# The most CPU devices the package asks for: XLA:CPU's collectives over many
+# hundreds of devices time out (a pipeline on 512 aborted the process), so
+# more IPUs than this share devices, as on a machine with fewer.
+MAX_CPU_DEVICES = 64
 
 _SELECTION_ORDERS = ("AUTO", "ZIGZAG", "SNAKE", "HOOF")
 
@@ -288,7 +292,7 @@ def jax_devices_for(num_ipus: int, device_sizes: Sequence[int] = ()) -> list[jax
     >>> len(jax_devices_for(8))   # JAX started with 3 CPU devices
     2
     """
-    request_cpu_devices(max(num_ipus, DEFAULT_CPU_DEVICES))
+    request_cpu_devices(min(max(num_ipus, DEFAULT_CPU_DEVICES), MAX_CPU_DEVICES))
     # This process's devices: in a multi-process job the others' devices run
     # their own IPUs (see `processes.global_ipus`).
     accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
