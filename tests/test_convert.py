@@ -466,3 +466,21 @@ def test_fp16_refuses_a_quantized_model_by_its_layers(strategy):
     # Excluded, it stays quantized in a float16 model.
     half = fp16_conversion.to_float16(model, [re.compile("^qd$")])
     assert half.layers[0].dtype_policy.name == "int8_from_float32"
+
+
+def test_fp16_refuses_weights_float16_cannot_hold_and_converts_them_excluded(strategy):
+    # An adapted Normalization of large values (variance ~1e6): before, its weights became
+    # infinities with only NumPy's overflow warning, and the export answered nonsense.
+    rng = np.random.default_rng(0)
+    with strategy.scope():
+        inputs = keras.Input((3,), name="num")
+        norm = keras.layers.Normalization(name="norm")
+        norm.adapt(rng.normal(0, 1000, size=(100, 3)).astype("float32"))
+        model = keras.Model(inputs, keras.layers.Dense(2, name="head")(norm(inputs)))
+    with pytest.raises(ValueError, match=r"infinities of the weights norm/variance \(\|value\| "
+                                         r"up to .*--precision_conversion_excluded_nodes"):
+        fp16_conversion.to_float16(model, [])
+    half = fp16_conversion.to_float16(model, [re.compile("^norm$")])
+    x = rng.normal(0, 1000, size=(2, 3)).astype("float32")
+    np.testing.assert_allclose(np.asarray(half(x), "float32"), np.asarray(model(x)),
+                               atol=2e-2, rtol=2e-2)

@@ -59,8 +59,9 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
         for name, value in list(vars(layer).items()):
             if isinstance(value, _Zeros):
                 setattr(layer, name, value.initializer)
-    half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in
-                      zip(model.get_weights(), half.weights)])
+    pairs = list(zip(model.get_weights(), half.weights))
+    _check_in_range(pairs)
+    half.set_weights([np.asarray(w, dtype=v.dtype) for w, v in pairs])
     # An adapted layer (Normalization, Discretization) computes from what its adapted
     # weights give once finalized, as Keras' loading finalizes it; `set_weights` does not.
     for layer in half._flatten_layers(include_self=False):
@@ -68,6 +69,22 @@ def to_float16(model: Any, excluded: Sequence[re.Pattern]) -> Any:
         if callable(finalize):
             finalize()
     return half
+
+
+def _check_in_range(pairs: list) -> None:
+    """Refuses finite weights that a 16-bit variable would hold as infinities."""
+    too_big = []
+    for value, variable in pairs:
+        dtype = np.dtype(variable.dtype)
+        if dtype.kind == "f" and dtype.itemsize == 2 and np.size(value):
+            largest = float(np.max(np.abs(np.where(np.isfinite(value), value, 0))))
+            if largest > float(np.finfo(dtype).max):
+                too_big.append(f"{variable.path} (|value| up to {largest:.4g})")
+    if too_big:
+        raise ValueError(
+            f"FP16 conversion would make infinities of the weights {', '.join(too_big)}: "
+            f"float16 holds at most 65504. Exclude their layers "
+            f"(--precision_conversion_excluded_nodes '^LAYER$'), or convert with FP32.")
 
 
 def _matches(name: str, excluded: Sequence[re.Pattern]) -> bool:
