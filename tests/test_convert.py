@@ -143,6 +143,21 @@ def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_an_export_directory_it_cannot_write_is_refused_before_any_work(saved_mlp, tmp_path):
+    # Before: "--model mlp.keras: [Errno 17] File exists: 'afile'", and a solution_dir that
+    # is the export directory was written, then the export refused the directory.
+    path, _, _ = saved_mlp
+    (tmp_path / "afile").write_text("")
+    result = _cli("--model", str(path), "--dir", str(tmp_path / "afile"))
+    assert result.returncode == 2 and "--model" not in result.stderr
+    assert "the export directory must be new or empty" in result.stderr
+    same = tmp_path / "e"
+    result = _cli("--model", str(path), "--dir", str(same), "--pipeline_cfg",
+                  json.dumps({"converter": "auto", "solution_dir": str(same)}))
+    assert result.returncode == 2 and "not into it" in result.stderr
+    assert not same.exists()
+
+
 @pytest.mark.parametrize("values, message", [
     ({"precision_mode": 16}, "`precision_mode` must be FP16 or FP32 (a string), got 16 (int)."),
     ({"pipeline_cfg": "auto"}, "`pipeline_cfg` must be a JSON object, such as "
@@ -484,3 +499,20 @@ def test_fp16_refuses_weights_float16_cannot_hold_and_converts_them_excluded(str
     x = rng.normal(0, 1000, size=(2, 3)).astype("float32")
     np.testing.assert_allclose(np.asarray(half(x), "float32"), np.asarray(model(x)),
                                atol=2e-2, rtol=2e-2)
+
+
+@keras.saving.register_keras_serializable(package="convert_test")
+class _Doubling(keras.layers.Layer):
+    def call(self, x):
+        return 2.0 * x
+
+
+def test_a_custom_class_the_command_cannot_import_is_named_with_what_to_do(tmp_path):
+    # Before, the one line kept was Keras' generic first line, without the class.
+    model = keras.Sequential([keras.Input((2,)), _Doubling(name="double")])
+    model.save(tmp_path / "custom.keras")
+    result = _cli("--model", str(tmp_path / "custom.keras"), "--dir", str(tmp_path / "e"))
+    assert result.returncode == 2
+    assert "Could not locate class '_Doubling'. keras-ipu convert imports none of your code" in (
+        result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1

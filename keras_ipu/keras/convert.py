@@ -159,6 +159,7 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
     import keras_ipu as ipu
 
     options.check()  # options made directly, not by `from_mapping`, are checked too
+    _check_export_dir(export_dir, options)
     _configure(options.num_ipus)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.models.load_model(model_path, compile=False)
@@ -183,6 +184,17 @@ def convert(model_path: str, export_dir: str, options: ConvertOptions) -> dict:
     export.export_model(model, export_dir, batch_size=options.batch_size, purge_export_dir=False,
                         int64_to_int32=options.int64_to_int32_conversion, num_ipus=num_ipus)
     return summary
+
+
+def _check_export_dir(export_dir: str, options: ConvertOptions) -> None:
+    """Refuses, before any work, an export directory the export could not write."""
+    if os.path.exists(export_dir) and not (os.path.isdir(export_dir)
+                                           and not os.listdir(export_dir)):
+        raise ValueError(f"--dir {export_dir}: the export directory must be new or empty.")
+    solution_dir = (options.pipeline_cfg or {}).get("solution_dir")
+    if solution_dir and os.path.abspath(solution_dir) == os.path.abspath(export_dir):
+        raise ValueError(f"solution_dir {solution_dir}: write the solution file beside the "
+                         f"export (--dir), not into it.")
 
 
 def _configure(num_ipus: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -193,8 +194,13 @@ def _convert(args: argparse.Namespace) -> None:
         summary = convert.convert(args.model, args.dir, options)
     except (ValueError, RuntimeError, TypeError, OSError) as error:
         message = str(error).splitlines()[0]
-        if isinstance(error, OSError):  # h5py's, for a file that is no HDF5 file
-            message = f"--model {args.model}: {message}"
+        located = re.search(r"Could not locate (class|function) '[^']*'", str(error))
+        if located:  # Keras' cause, deep in its message: a custom class it cannot import
+            message = (f"--model {args.model}: {located.group(0)}. keras-ipu convert imports "
+                       f"none of your code: convert from Python after importing the module "
+                       f"that registers it (keras_ipu.keras.convert.convert).")
+        if isinstance(error, OSError) and _names_the_model(error, args.model):
+            message = f"--model {args.model}: {message}"  # h5py's too: no HDF5 file
         if "safe_mode" in str(error):  # Keras' advice is for Python; this is the command's
             message += " (keras-ipu convert: --unsafe_deserialization, for a file you trust)"
         raise CommandError(message) from None
@@ -202,6 +208,12 @@ def _convert(args: argparse.Namespace) -> None:
     for key, value in summary.items():
         if value:
             print(f"  {key}: {value}")
+
+
+def _names_the_model(error: OSError, model: str) -> bool:
+    """Whether an error reading or writing files is the model file's (or names no file)."""
+    culprit = getattr(error, "filename", None)
+    return culprit is None or os.path.abspath(str(culprit)) == os.path.abspath(model)
 
 
 def _json_option(name: str, text: str) -> dict:
