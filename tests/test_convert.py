@@ -134,6 +134,10 @@ def test_a_config_file_with_comments_fp16_and_ignored_options(saved_mlp, tmp_pat
     (["--pipeline_cfg", '{"converter": "load", "solution_path": "nope.json"}'],
      "needs an existing `solution_path`"),
     (["--config_file", "missing.json"], "Cannot read --config_file"),
+    # Before: "Give --manual_sharding or --pipeline_cfg", when a config file gave one.
+    (["--num_ipus", "2", "--manual_sharding", "^block_0", "^block_[1-5]", "--pipeline_cfg",
+      '{"converter": "auto"}'], "Give manual_sharding or pipeline_cfg, not both (on the "
+                                "command line and in --config_file together)."),
 ])
 def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
     path, _, _ = saved_mlp

@@ -81,7 +81,8 @@ class ConvertOptions:
         """
         _check_values(vars(self), _OPTION_VALUES, "`{}`")
         if self.manual_sharding is not None and self.pipeline_cfg is not None:
-            raise ValueError("Give --manual_sharding or --pipeline_cfg, not both.")
+            raise ValueError("Give manual_sharding or pipeline_cfg, not both (on the command "
+                             "line and in --config_file together).")
         if self.pipeline_cfg is not None:
             _check_values(self.pipeline_cfg, _PIPELINE_VALUES, "pipeline_cfg `{}`")
 
