@@ -189,7 +189,14 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
                           (["--num-instances", "2", "--ipus-per-replica", "0", "x.py"],
                            "--ipus-per-replica must be at least 1, got 0"),
                           (["--num-instances", "2", "--coordinator", "nonsense", "x.py"],
-                           "--coordinator must be HOST:PORT")):
+                           "--coordinator must be HOST:PORT"),
+                          # Before: each instance printed Python's usage, or a traceback.
+                          (["--num-instances", "2", "--coordinatr", "h:1", "x.py"],
+                           "unknown option --coordinatr (the launcher's: --num-instances"),
+                          (["--num-instances", "2", "missing.py"], "no script 'missing.py'"),
+                          (["module_job.py", "--num-instances", "2"],
+                           "give the launcher's options (--num-instances, ...) before the "
+                           "script")):
         failed = launch(*args)
         assert failed.returncode == 2 and message in failed.stderr, failed.stderr
         assert "Traceback" not in failed.stderr

@@ -105,6 +105,9 @@ def instance_command(command: Sequence[str]) -> list[str]:
 
 _OPTIONS_WITH_VALUES = ("--num-instances", "--num-replicas", "--ipus-per-replica",
                         "--coordinator")
+# The interpreter's long options, which an instance's command may start with.
+_PYTHON_LONG_OPTIONS = ("--check-hash-based-pycs", "--help-env", "--help-xoptions",
+                        "--help-all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,6 +136,11 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     The command starts at `--`, at `-m`, or at the first argument that is
     not one of the launcher's options, so that the script's own options
     (`-m`, `--epochs`) are never taken for the launcher's.
+
+    Raises:
+        ValueError: For a long option before the command that is neither the
+            launcher's nor Python's (whose options are short: `-u`, `-X`): a
+            misspelt option of the launcher's.
     """
     options, index = [], 0
     while index < len(argv):
@@ -146,6 +154,10 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
         elif name in _OPTIONS_WITH_VALUES or token in ("-h", "--help"):
             options.append(token)
             index += 1
+        elif token.startswith("--") and name not in _PYTHON_LONG_OPTIONS:
+            raise ValueError(f"unknown option {token} (the launcher's: "
+                             f"{', '.join(_OPTIONS_WITH_VALUES)}; the script's own go after "
+                             f"it, or after --)")
         else:
             return options, argv[index:]
     return options, []
@@ -169,7 +181,13 @@ def main(argv: Sequence[str]) -> int:
     0
     """
     parser = _parser()
-    options, command = _split(list(argv))
+    try:
+        options, command = _split(list(argv))
+    except ValueError as unknown:
+        parser.error(str(unknown))
+    if "--num-instances" not in [o.split("=", 1)[0] for o in options] and any(
+            a.split("=", 1)[0] == "--num-instances" for a in command):
+        parser.error("give the launcher's options (--num-instances, ...) before the script")
     args = parser.parse_args(options)
     if not command or command == ["-m"]:
         parser.error("give the script to run: SCRIPT [ARGS...] or -m MODULE [ARGS...]")
@@ -197,6 +215,8 @@ def main(argv: Sequence[str]) -> int:
               f"give a free port, or leave --coordinator out to have one picked",
               file=sys.stderr)
         return 2
+    if not command[0].startswith("-") and not os.path.isfile(command[0]):
+        parser.error(f"no script {command[0]!r} (from {os.getcwd()})")
     command = instance_command(command)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     return Job(command, args.num_instances, coordinator, args.num_replicas,
