@@ -139,14 +139,35 @@ def test_augru_scales_the_update_gate_by_the_attention(reset_after, time_major):
         layer(x, lengths, scores)
 
 
-def test_input_and_recurrent_weights_are_one_packed_draw():
+@pytest.mark.parametrize("kind, gates", [("LSTM", 4), ("AUGRU", 3)])
+def test_input_and_recurrent_weights_are_one_packed_draw(kind, gates):
     # With as many inputs as units, two draws of one seeded initializer would be equal.
-    layer = rnn_ops.PopnnLSTM(U, seed=5)
-    layer(np.zeros((T, B, U), np.float32))
-    kernel, recurrent, _ = layer.get_weights()
+    # (The AUGRU drew two, with two fan-ins.)
+    layer = getattr(rnn_ops, f"Popnn{kind}")(U, seed=5)
+    x = np.zeros((T, B, U), np.float32)
+    if kind == "AUGRU":
+        layer(x, np.full(B, T, np.int32), np.zeros((T, B), np.float32))
+    else:
+        layer(x)
+    kernel, recurrent = layer.get_weights()[:2]
     assert not np.allclose(kernel, recurrent)
-    packed = keras.initializers.GlorotUniform(seed=5)((2 * U, 4 * U))
+    packed = keras.initializers.GlorotUniform(seed=5)((2 * U, gates * U))
     np.testing.assert_allclose(np.concatenate([kernel, recurrent]), packed, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_keras_mask_on_the_inputs_is_not_applied(kind):
+    # IPU TensorFlow's rnn_ops know no Keras masks: before, the mask of a dynamic GRU's
+    # outputs (or an Embedding's) reached the Keras layer inside, which skipped steps.
+    x, _ = _inputs()
+    first = rnn_ops.PopnnDynamicGRU(F, seed=1)
+    masked, _ = first(x, np.array([5, 2, 1], np.int32))
+    second = getattr(rnn_ops, f"Popnn{kind}")(U, seed=2)
+    fed_masked = second(masked)
+    fed_plain = second(np.array(masked))
+    for got, want in zip(keras.tree.flatten(fed_masked), keras.tree.flatten(fed_plain)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert getattr(masked, "_keras_mask", None) is None
 
 
 def test_initial_states_are_checked():

@@ -44,6 +44,7 @@ from typing import Any
 
 import keras
 from keras import ops
+from keras.src.backend.common import masking
 
 from keras_ipu import layer_registration
 from keras_ipu.keras.layers import LSTMStateTuple, float_dtype_choice, poplar_hard_sigmoid
@@ -144,6 +145,19 @@ class _PopnnRecurrent(keras.layers.Layer):
                              f"a known input_size, got shape {tuple(input_shape)}.")
         self.recurrent.build(input_shape)
 
+    def _unmasked(self, inputs, **kwargs):
+        """The Keras layer inside on `inputs`, blind to a Keras mask they carry.
+
+        IPU TensorFlow's `rnn_ops` know no Keras masks (a dynamic GRU takes
+        `seq_len`): Keras would hand the layer inside the mask of an
+        `Embedding(mask_zero=True)` or of a dynamic GRU's outputs, and skip
+        steps. Their outputs carry no mask either.
+        """
+        results = self.recurrent(ops.copy(inputs), **kwargs)  # a copy: the caller's keeps it
+        for value in keras.tree.flatten(results):
+            masking.set_keras_mask(value, None)
+        return results
+
     def _checked_state(self, state, inputs):
         """A state tensor, after checking it is `[batch_size, num_units]`."""
         state = ops.convert_to_tensor(state)
@@ -233,7 +247,7 @@ class PopnnLSTM(_PopnnRecurrent):
                                  f"got {type(initial_state).__name__}.")
             c, h = (self._checked_state(part, inputs) for part in initial_state)
             initial_state = [h, c]
-        outputs, h, c = self.recurrent(inputs, initial_state=initial_state, training=training)
+        outputs, h, c = self._unmasked(inputs, initial_state=initial_state, training=training)
         return outputs, LSTMStateTuple(c, h)
 
     def state_shape(self, batch_size: int) -> tuple[list[int], list[int]]:
@@ -271,7 +285,7 @@ class _GRUBase(_PopnnRecurrent):
             inputs = ops.concatenate([inputs, ops.cast(extra, inputs.dtype)], axis=-1)
         if initial_state is not None:
             initial_state = [self._checked_state(initial_state, inputs)]
-        outputs, state = self.recurrent(inputs, initial_state=initial_state, mask=mask,
+        outputs, state = self._unmasked(inputs, initial_state=initial_state, mask=mask,
                                         training=training)
         return outputs, state  # time-major whatever the inputs, as IPU TensorFlow's
 
@@ -351,11 +365,12 @@ class PopnnAUGRU(_GRUBase):
     _default_bias = staticmethod(lambda shape, dtype=None: _gate_biases(shape, dtype))
 
     def _inner(self) -> keras.layers.Layer:
+        weights = _PackedWeights(self.weights_initializer, self.num_units)
         cell = AttentionGRUCell(
             self.num_units, activation=_ACTIVATIONS[self.activation],
             recurrent_activation=_ACTIVATIONS[self.recurrent_activation],
-            kernel_initializer=self.weights_initializer,
-            recurrent_initializer=self.weights_initializer,
+            # One packed draw, as the other layers' (`_PackedWeights`).
+            kernel_initializer=weights.input_part, recurrent_initializer=weights.state_part,
             bias_initializer=self._biases(), reset_after=self.reset_after,
             dtype=self.dtype_policy)
         return _TimeMajorRNN(cell, return_sequences=True, return_state=True,
