@@ -58,6 +58,9 @@ def test_serialized_matmul_equals_matmul(dimension, transposed):
         math_ops.serialized_matmul(a, b, 5, dimension)
     with pytest.raises(ValueError, match="valid: a_columns"):
         math_ops.serialized_matmul(a, b, 2, "rows")
+    # Before: IndexError for a vector.
+    with pytest.raises(ValueError, match=r"rank 2 or more \(matrices\), got shapes \(8,\)"):
+        math_ops.serialized_matmul(a[0, 0], b[0], 2, dimension)
 
 
 @pytest.mark.parametrize("factor", [1, 2, 5])
@@ -163,6 +166,8 @@ def test_all_gather_and_all_to_all_within_groups():
                                               [10, 11, 14, 15]])
     with pytest.raises(ValueError, match="must divide dimension 0"):
         _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 4)[:1], x[:, :3])
+    with pytest.raises(ValueError, match="replication_factor must be a positive int"):
+        _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 0), x)  # ZeroDivisionError
 
 
 @pytest.mark.parametrize("op, expected", [

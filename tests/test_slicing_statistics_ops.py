@@ -84,6 +84,12 @@ def test_gradients_reach_the_copied_source_rows_and_the_kept_destination_rows():
         np.zeros((4, 6)), ROWS), r"Slice 0 \(src_offsets=5, num_elems=3\) does not fit"),
     (lambda: slicing_ops.sequence_slice(np.zeros((6, 6)), ROWS, [], [], [], False),
      "num_elems is empty: give at least one slice"),
+    # Before, these two named dst_offsets and src_offsets, which the calls do not take.
+    (lambda: slicing_ops.sequence_slice_unpack(ROWS, [2, 2], [2, 1], 3),
+     r"The slices, one after another in the result, need 4 rows \(the sum of num_elems\), "
+     r"and total_elements gives it 3"),
+    (lambda: slicing_ops.sequence_slice_pack(np.zeros((6, 6)), ROWS[:3], [2, 2], [2, 1], False),
+     r"The slices, one after another in src, need 4 rows .*and src has 3"),
 ])
 def test_bad_slices_say_which_and_why(call, message):
     with pytest.raises(ValueError, match=message):

@@ -65,8 +65,9 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
         This replica's blocks.
 
     Raises:
-        ValueError: When `replication_factor` does not divide the replicas or
-            the split dimension, or a dimension is not one of `x`'s.
+        ValueError: When `replication_factor` is not a positive int or does
+            not divide the replicas or the split dimension, or a dimension is
+            not one of `x`'s.
 
     Example:
 
@@ -75,6 +76,10 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
     x = jnp.asarray(x)
     split = _dimension(split_dimension, x, "split_dimension")
     concat = _dimension(concat_dimension, x, "concat_dimension")
+    if isinstance(replication_factor, bool) or not isinstance(
+            replication_factor, (int, np.integer)) or replication_factor < 1:
+        raise ValueError(f"all_to_all's replication_factor must be a positive int (replicas per "
+                         f"group), got {replication_factor!r}.")
     if x.shape[split] % replication_factor:
         raise ValueError(f"replication_factor {replication_factor} must divide dimension "
                          f"{split_dimension} of {x.shape}.")

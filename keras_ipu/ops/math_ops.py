@@ -45,8 +45,8 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
         `a @ b`, of their type.
 
     Raises:
-        ValueError: For an unknown `serialization_dimension`, or a factor that
-            does not divide the dimension split.
+        ValueError: For an unknown `serialization_dimension`, a vector, or a
+            factor that does not divide the dimension split.
 
     Example:
 
@@ -57,6 +57,9 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
         raise ValueError(f"Unknown serialization_dimension {serialization_dimension!r}; "
                          f"valid: {', '.join(_SPLITS)}.")
     a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim < 2 or b.ndim < 2:  # IPU TensorFlow's op takes matrices, not vectors
+        raise ValueError(f"serialized_matmul takes a and b of rank 2 or more (matrices), got "
+                         f"shapes {a.shape} and {b.shape}.")
     a = jnp.swapaxes(a, -1, -2) if transpose_a else a
     b = jnp.swapaxes(b, -1, -2) if transpose_b else b
     (axis_a, axis_b), combine = _SPLITS[serialization_dimension]

@@ -73,6 +73,18 @@ def _slice(dst: Any, src: Any, num_elems: Any, src_offsets: Any, dst_offsets: An
     return jnp.where(covered, jnp.take(src, source, axis=0).astype(dst.dtype), kept)
 
 
+def _check_consecutive(num_elems: Any, rows: int, where: str, holder: str) -> None:
+    """Refuses slices laid one after another (offsets the caller does not give) that
+    need more than `rows` rows; checkable only when the counts are known on the host."""
+    if isinstance(num_elems, jax.core.Tracer):
+        return
+    counts = np.asarray(num_elems)
+    if counts.ndim == 1 and np.issubdtype(counts.dtype, np.integer) and (counts >= 0).all() \
+            and counts.sum() > rows:
+        raise ValueError(f"The slices, one after another {where}, need {int(counts.sum())} "
+                         f"rows (the sum of num_elems), and {holder} {rows}.")
+
+
 def _starts(num_elems: Any) -> Any:
     """Where each slice starts in a contiguous run of all slices (on the host when known)."""
     counts = _indices("num_elems", num_elems)
@@ -136,6 +148,8 @@ def sequence_slice_pack(dst: Any, src: Any, num_elems: Any, dst_offsets: Any,
     ...                     [2, 1], False)[:, 0]
     Array([0., 1., 2., 3., 0., 0.], dtype=float32)
     """
+    src = jnp.asarray(src)
+    _check_consecutive(num_elems, src.shape[0] if src.ndim else 0, "in src", "src has")
     return _slice(dst, src, num_elems, _starts(num_elems), dst_offsets, zero_unused)
 
 
@@ -179,6 +193,8 @@ def sequence_slice_unpack(src: Any, num_elems: Any, src_offsets: Any, total_elem
         raise ValueError(f"total_elements must be a non-negative int (the result's rows), got "
                          f"{total_elements!r}.")
     src = jnp.asarray(src)
+    _check_consecutive(num_elems, int(total_elements), "in the result",
+                       "total_elements gives it")
     dst = jnp.zeros((int(total_elements),) + src.shape[1:], src.dtype)
     return _slice(dst, src, num_elems, src_offsets, _starts(num_elems), True)
 
