@@ -410,15 +410,23 @@ def test_the_ipus_convert_is_asked_for_are_the_ones_run_checks(saved_mlp, tmp_pa
     assert refused.returncode == 2 and "the export runs on 2 IPU(s)" in refused.stderr
 
 
-def test_half_precision_keeps_an_adapted_normalization(strategy):
-    # Cloned in float16, its adapted mean and variance were not finalized: the export
-    # computed (x - 0) / 1.
-    rng = np.random.default_rng(0)
+def _adapted_normalization(strategy, mean: float, spread: float, head: bool = False):
+    """A model normalizing 3 features, adapted to normal data of `mean` and `spread`."""
     with strategy.scope():
         inputs = keras.Input((3,), name="num")
         norm = keras.layers.Normalization(name="norm")
-        norm.adapt(rng.normal(3, 2, size=(100, 3)).astype("float32"))
-        model = keras.Model(inputs, norm(inputs))
+        norm.adapt(np.random.default_rng(0).normal(mean, spread, size=(100, 3)).astype("float32"))
+        outputs = norm(inputs)
+        if head:
+            outputs = keras.layers.Dense(2, name="head")(outputs)
+        return keras.Model(inputs, outputs)
+
+
+def test_half_precision_keeps_an_adapted_normalization(strategy):
+    # Cloned in float16, its adapted mean and variance were not finalized: the export
+    # computed (x - 0) / 1.
+    model = _adapted_normalization(strategy, mean=3, spread=2)
+    with strategy.scope():
         half = fp16_conversion.to_float16(model, [])
     x = np.ones((2, 3), "float32")
     np.testing.assert_allclose(np.asarray(half(x.astype("float16")), "float32"),
@@ -490,17 +498,12 @@ def test_fp16_refuses_a_quantized_model_by_its_layers(strategy):
 def test_fp16_refuses_weights_float16_cannot_hold_and_converts_them_excluded(strategy):
     # An adapted Normalization of large values (variance ~1e6): before, its weights became
     # infinities with only NumPy's overflow warning, and the export answered nonsense.
-    rng = np.random.default_rng(0)
-    with strategy.scope():
-        inputs = keras.Input((3,), name="num")
-        norm = keras.layers.Normalization(name="norm")
-        norm.adapt(rng.normal(0, 1000, size=(100, 3)).astype("float32"))
-        model = keras.Model(inputs, keras.layers.Dense(2, name="head")(norm(inputs)))
+    model = _adapted_normalization(strategy, mean=0, spread=1000, head=True)
     with pytest.raises(ValueError, match=r"infinities of the weights norm/variance \(\|value\| "
                                          r"up to .*--precision_conversion_excluded_nodes"):
         fp16_conversion.to_float16(model, [])
     half = fp16_conversion.to_float16(model, [re.compile("^norm$")])
-    x = rng.normal(0, 1000, size=(2, 3)).astype("float32")
+    x = np.random.default_rng(1).normal(0, 1000, size=(2, 3)).astype("float32")
     np.testing.assert_allclose(np.asarray(half(x), "float32"), np.asarray(model(x)),
                                atol=2e-2, rtol=2e-2)
 

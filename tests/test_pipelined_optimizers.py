@@ -284,6 +284,17 @@ def _multi_optimizer():
 ], ids=["multi_optimizer", "state_following_gradients", "apply_override",
         "state_per_weight_updated", "state_following_weights", "alike_slots"])
 def test_optimizers_the_copies_cannot_split_are_refused_before_any_step(make, refusal):
+    _refused_before_any_step(make, NotImplementedError, refusal)
+
+
+def test_an_optimizer_its_config_cannot_make_again_is_refused_saying_why():
+    # Before: "SGD.__init__() got multiple values for keyword argument 'momentum'".
+    _refused_before_any_step(NoMomentumSGD, TypeError,
+                             r"NoMomentumSGD cannot be made again from its config: "
+                             r".*give NoMomentumSGD a `get_config`")
+
+
+def _refused_before_any_step(make, error: type, message: str) -> None:
     configure(2)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = _model()
@@ -291,22 +302,7 @@ def test_optimizers_the_copies_cannot_split_are_refused_before_any_step(make, re
     model.set_pipeline_stage_assignment([0, 1])
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
     model.compile(optimizer=make(), loss="mse", steps_per_execution=GA)
-    with pytest.raises(NotImplementedError, match=refusal):
-        model.fit(np.ones((16, 6)), np.ones((16, 3)), batch_size=MICRO, verbose=0)
-    assert_weights_close(before, model.get_weights(), atol=0)
-
-
-def test_an_optimizer_its_config_cannot_make_again_is_refused_saying_why():
-    # Before: "SGD.__init__() got multiple values for keyword argument 'momentum'".
-    configure(2)
-    with ipu.ipu_strategy.IPUStrategy().scope():
-        model = _model()
-    before = model.get_weights()
-    model.set_pipeline_stage_assignment([0, 1])
-    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA)
-    model.compile(optimizer=NoMomentumSGD(), loss="mse", steps_per_execution=GA)
-    with pytest.raises(TypeError, match=r"NoMomentumSGD cannot be made again from its config: "
-                                        r".*give NoMomentumSGD a `get_config`"):
+    with pytest.raises(error, match=message):
         model.fit(np.ones((16, 6)), np.ones((16, 3)), batch_size=MICRO, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
 
