@@ -379,6 +379,20 @@ def test_auto_cuts_no_stage_between_the_calls_of_a_tied_layer(tmp_path):
         convert.convert(str(tmp_path / "tied.keras"), str(tmp_path / "three"), three)
 
 
+def test_auto_costs_a_reloaded_sequentials_layers_once(tmp_path):
+    # A reloaded Sequential's layers keep calls of its earlier builds: costing every
+    # recorded call made the first layers dear (a 2/4 split of six equal layers).
+    from keras_ipu.keras import convert
+
+    model = keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(64) for _ in range(6)])
+    model.save(tmp_path / "seq.keras")
+    options = convert.ConvertOptions(batch_size=BATCH, pipeline_cfg={
+        "converter": "auto", "min_ipu_quantity": 2, "max_ipu_quantity": 2})
+    summary = convert.convert(str(tmp_path / "seq.keras"), str(tmp_path / "export"), options)
+    assert list(summary["stage_of_layer"].values()) == [0, 0, 0, 1, 1, 1]
+    assert summary["stage_costs"][0] == pytest.approx(summary["stage_costs"][1])
+
+
 def test_comments_are_stripped_outside_strings_only():
     from keras_ipu.keras.convert import strip_comments
 
@@ -502,6 +516,11 @@ def test_fp16_refuses_weights_float16_cannot_hold_and_converts_them_excluded(str
     with pytest.raises(ValueError, match=r"infinities of the weights norm/variance \(\|value\| "
                                          r"up to .*--precision_conversion_excluded_nodes"):
         fp16_conversion.to_float16(model, [])
+    # 65510 rounds to float16's largest, 65504: no infinity, converted.
+    model.layers[-1].bias.assign([65510.0, -65519.0])
+    with pytest.raises(ValueError, match="norm/variance") as refused:
+        fp16_conversion.to_float16(model, [])
+    assert "head/bias" not in str(refused.value)
     half = fp16_conversion.to_float16(model, [re.compile("^norm$")])
     x = np.random.default_rng(1).normal(0, 1000, size=(2, 3)).astype("float32")
     np.testing.assert_allclose(np.asarray(half(x), "float32"), np.asarray(model(x)),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 
-from conftest import assert_weights_close
+from conftest import assert_weights_close, fresh_process_env
 from models import ArrayBatches, data_for, twin
 
 
@@ -404,3 +407,23 @@ def test_sparse_batches_from_a_generator_train_as_in_plain_keras(strategy):
         actual = model.fit(batches(), steps_per_epoch=4, verbose=0).history["loss"]
         np.testing.assert_allclose(actual, expected, rtol=1e-6)
         assert_weights_close(plain.get_weights(), model.get_weights())
+
+
+def test_a_generators_plan_warns_once_per_process():
+    # The early check of a generator's plan silenced its warnings with
+    # `warnings.catch_warnings`, which resets the record of warnings shown: the feed's
+    # warning then showed at every call instead of once.
+    script = """
+import keras_ipu as ipu
+import keras, numpy as np
+config = ipu.config.IPUConfig(); config.auto_select_ipus = 1; config.configure_ipu_system()
+with ipu.ipu_strategy.IPUStrategy().scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse", steps_per_execution=4)
+for _ in range(3):
+    model.predict(((np.ones((4, 3), "float32"),) for _ in range(2)), steps=2, verbose=0)
+"""
+    result = subprocess.run([sys.executable, "-c", script], env=fresh_process_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("Using 2 as `steps_per_execution`") == 1

@@ -168,6 +168,8 @@ def test_all_gather_and_all_to_all_within_groups():
         _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 4)[:1], x[:, :3])
     with pytest.raises(ValueError, match="replication_factor must be a positive int"):
         _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, 0), x)  # ZeroDivisionError
+    exchanged_np = _on_4_replicas(lambda v: all_to_all_op.all_to_all(v, 0, 0, np.int64(2)), x)
+    np.testing.assert_array_equal(exchanged_np, exchanged)  # NumPy ints count as ints
 
 
 @pytest.mark.parametrize("op, expected", [

@@ -232,6 +232,15 @@ def test_a_job_whose_reader_goes_away_stops_as_a_pipes_writer_does(tmp_path):
     assert "Traceback" not in process.stderr.read()
 
 
+def test_a_folder_with_a_main_module_runs_as_python_runs_it(tmp_path):
+    # The review's case: the check for a missing script refused a folder at first.
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print('hello from app')\n")
+    done = launch("--num-instances", "2", str(tmp_path / "app"))
+    assert done.returncode == 0, done.stderr
+    assert lines_of(done.stdout, 1) == "hello from app"
+
+
 def test_the_seed_names_are_the_strategies_and_run_as_one_instance():
     from keras_ipu.distributed import strategy
 

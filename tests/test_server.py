@@ -208,13 +208,14 @@ def test_paths_and_methods_no_route_takes_get_json_errors(served):
                                  ("get", url.split("/v1/")[0] + "/v1/models")):
                 async with session.request(method, path) as response:
                     answers.append((response.status, response.content_type,
-                                    await response.json()))
+                                    await response.json(), response.headers.get("Allow")))
             return answers
 
     classify, get_predict, models = asyncio.run(calls())
     assert classify[:2] == (404, "application/json")
     assert classify[2]["error"].startswith("Malformed request: POST /v1/models/adder:classify")
     assert get_predict[:2] == (405, "application/json") and "GET" in get_predict[2]["error"]
+    assert get_predict[3] == "POST"  # HTTP's 405 names the methods the path takes
     assert models[0] == 404 and "error" in models[2]
 
 

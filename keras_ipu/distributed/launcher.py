@@ -215,7 +215,7 @@ def main(argv: Sequence[str]) -> int:
               f"give a free port, or leave --coordinator out to have one picked",
               file=sys.stderr)
         return 2
-    if not command[0].startswith("-") and not os.path.isfile(command[0]):
+    if not command[0].startswith("-") and not os.path.exists(command[0]):  # a zip, a folder
         parser.error(f"no script {command[0]!r} (from {os.getcwd()})")
     command = instance_command(command)
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"

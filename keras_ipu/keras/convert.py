@@ -329,7 +329,9 @@ def _auto(model, options: ConvertOptions, config: Mapping[str, Any], summary: di
         raise ValueError(f"pipeline_cfg `priority` must be cycle or memory, got {priority!r}.")
     hardware = ipu_system.require().hardware
     layers = _chain(model)
-    cycles, memory = zip(*(_layer_cost(layer, options.batch_size, hardware) for layer in layers))
+    calls = _calls_in_graph(model)
+    cycles, memory = zip(*(_layer_cost(layer, calls.get(layer.name, [0]), options.batch_size,
+                                       hardware) for layer in layers))
     # Stages are cut only where no layer before the cut takes from one after it (a tied
     # layer called again at the end): the layers between such calls are one block.
     blocks = _uncut_blocks(model, layers)
@@ -366,14 +368,25 @@ def _uncut_blocks(model, layers: list) -> list[list[int]]:
     return blocks
 
 
-def _layer_cost(layer, batch: int, hardware) -> tuple[float, int]:
+def _calls_in_graph(model) -> dict[str, list[int]]:
+    """Each layer's calls in the model's graph (indices into its `_inbound_nodes`, which
+    also hold calls of other graphs: a reloaded Sequential's earlier builds)."""
+    calls: dict[str, list[int]] = collections.defaultdict(list)
+    for a in model.get_pipeline_stage_assignment():
+        # A Sequential's layers are called once (no node index: their first call).
+        calls[(a.nested_model if a.is_nested_model else a.layer).name].append(
+            getattr(a, "node_index", 0))
+    return calls
+
+
+def _layer_cost(layer, node_indices: Sequence[int], batch: int, hardware) -> tuple[float, int]:
     """A layer's estimated cycles (the device model's cost count) and memory bytes, over
-    all its calls (a tied layer's too): its weights once, each call's outputs."""
+    its calls in the graph (a tied layer's too): its weights once, each call's outputs."""
     from keras_ipu.device import accounting
 
     weights = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in layer.weights)
     cycles, activations = 0.0, 0
-    for node in layer._inbound_nodes:
+    for node in (layer._inbound_nodes[i] for i in node_indices):
         # Called as the model calls it: with its mask, its other tensor arguments (an
         # attention's value), its keyword arguments.
         arguments = node.arguments

@@ -179,11 +179,11 @@ def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epo
     """
     if not isinstance(x, types.GeneratorType) or steps is None or steps == -1:
         return None
-    with warnings.catch_warnings():  # the feed's own plan warns, once
-        warnings.simplefilter("ignore")
-        steps = _capped_steps(positive_int("steps", steps))
-        steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
-        return plan_steps(None, steps, steps_per_execution, epochs, replicas, role)
+    # Quiet: the feed's own plan warns. (Not `warnings.catch_warnings`, which resets
+    # the record of warnings shown: each would show again at every call.)
+    steps = _capped_steps(positive_int("steps", steps), warn=False)
+    steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
+    return plan_steps(None, steps, steps_per_execution, epochs, replicas, role, warn=False)
 
 
 def plan_steps(
@@ -193,8 +193,9 @@ def plan_steps(
     epochs: int,
     replicas: int = 1,
     role: str = "fit",
+    warn: bool = True,
 ) -> FeedPlan:
-    """Applies the step rules to the size of the data.
+    """Applies the step rules to the size of the data (`warn`: its warnings too).
 
     Raises:
         ValueError: As `make_feed`.
@@ -218,7 +219,7 @@ def plan_steps(
             f"are requested to run 1 steps each. Make sure the dataset contains at "
             f"least {replicas} items."
         )
-    if dropped:
+    if dropped and warn:
         warnings.warn(
             f"Dataset of length {steps} is being evenly distributed between {replicas} "
             f"replicas. The remaining {dropped} batch{'es' if dropped > 1 else ''} "
@@ -243,12 +244,13 @@ def plan_steps(
         )
     to_this_replica = " to this replica" if replicas > 1 else ""
     if steps_per_execution > per_replica:
-        warnings.warn(
-            f"`steps_per_execution` has been set to {steps_per_execution} but "
-            f"{provided}{to_this_replica} only contains {per_replica} batches. "
-            f"Using {per_replica} as `steps_per_execution`.",
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(
+                f"`steps_per_execution` has been set to {steps_per_execution} but "
+                f"{provided}{to_this_replica} only contains {per_replica} batches. "
+                f"Using {per_replica} as `steps_per_execution`.",
+                stacklevel=3,
+            )
         steps_per_execution = per_replica
     if per_replica % steps_per_execution:
         divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
@@ -664,11 +666,12 @@ def _has_partial_batch(adapter: Any) -> bool:
         return False
 
 
-def _capped_steps(steps: int | None) -> int | None:
+def _capped_steps(steps: int | None, warn: bool = True) -> int | None:
     """`steps`, capped by `keras.config.set_max_steps_per_epoch` as Keras' epoch iterator."""
     max_steps = keras_config.max_steps_per_epoch()
     if max_steps and (not steps or max_steps < steps):
-        warnings.warn(f"Limiting steps_per_epoch to {max_steps}", stacklevel=5)
+        if warn:
+            warnings.warn(f"Limiting steps_per_epoch to {max_steps}", stacklevel=5)
         return max_steps
     return steps
 

@@ -77,8 +77,12 @@ def _check_in_range(pairs: list) -> None:
     for value, variable in pairs:
         dtype = np.dtype(variable.dtype)
         if dtype.kind == "f" and dtype.itemsize == 2 and np.size(value):
-            largest = float(np.max(np.abs(np.where(np.isfinite(value), value, 0))))
-            if largest > float(np.finfo(dtype).max):
+            finite = np.where(np.isfinite(value), value, 0)
+            # Not the largest float16 (65504): values up to 65520 round down to it.
+            with np.errstate(over="ignore"):
+                overflows = not np.isfinite(finite.astype(dtype)).all()
+            if overflows:
+                largest = float(np.max(np.abs(finite)))
                 too_big.append(f"{variable.path} (|value| up to {largest:.4g})")
     if too_big:
         raise ValueError(

@@ -11,6 +11,7 @@ everyone = all_to_all_op.all_gather(x, replication_factor=2)
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -76,10 +77,15 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
     x = jnp.asarray(x)
     split = _dimension(split_dimension, x, "split_dimension")
     concat = _dimension(concat_dimension, x, "concat_dimension")
-    if isinstance(replication_factor, bool) or not isinstance(
-            replication_factor, (int, np.integer)) or replication_factor < 1:
+    try:  # an int of any kind: a NumPy or 0-d JAX integer too
+        factor = operator.index(replication_factor) if not isinstance(
+            replication_factor, bool) else 0
+    except TypeError:
+        factor = 0
+    if factor < 1:
         raise ValueError(f"all_to_all's replication_factor must be a positive int (replicas per "
                          f"group), got {replication_factor!r}.")
+    replication_factor = factor
     if x.shape[split] % replication_factor:
         raise ValueError(f"replication_factor {replication_factor} must divide dimension "
                          f"{split_dimension} of {x.shape}.")

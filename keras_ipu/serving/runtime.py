@@ -397,7 +397,11 @@ def load(export_dir: str) -> ServingRuntime:
 
 
 def _request_cpu_devices(count: int) -> None:
-    """Asks JAX for one CPU device per IPU, when it has not started yet (else keeps its own)."""
+    """Asks JAX for one CPU device per IPU (at most `MAX_CPU_DEVICES`, which more IPUs
+    share, as in training), when it has not started yet (else keeps its own)."""
+    from keras_ipu.device.system import MAX_CPU_DEVICES
+
+    count = min(count, MAX_CPU_DEVICES)
     if count > 1 and jax.config.jax_num_cpu_devices < count:
         try:
             jax.config.update("jax_num_cpu_devices", count)

@@ -521,8 +521,11 @@ def make_app(runtime: ServingRuntime, model_name: str, max_batch_delay_ms: float
         except web.HTTPException as failed:
             if failed.status < 400:
                 raise
-            return error(f"Malformed request: {request.method} {request.path} "
-                         f"({failed.reason})", failed.status)
+            answer = error(f"Malformed request: {request.method} {request.path} "
+                           f"({failed.reason})", failed.status)
+            if "Allow" in failed.headers:  # a 405 says which methods the path takes
+                answer.headers["Allow"] = failed.headers["Allow"]
+            return answer
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app["batcher"] = batcher

@@ -160,16 +160,20 @@ def _carry_settings(chain: list, copies: list, changed: set) -> None:
     """Gives each copy its original's settings where they differ (but those `changed`).
 
     Also a public setting the copy lacks (set after construction: `opt.boost
-    = 3.0`), and a public function (a `grad_fn` the config leaves out), shared.
+    = 3.0`), and a public function where the copy has none (a `grad_fn` the
+    config leaves out), shared. A function the copy made itself (a lambda of
+    its `__init__`, which may read the optimizer it belongs to) stays its own.
     """
     for original, made in zip(chain, copies):
         ours, theirs = vars(original), vars(made)
         for name in ours.keys() - _BUILD_STATE - changed:
-            value = ours[name]
-            carried = _is_setting(value, name) or (
-                not name.startswith("_") and isinstance(value, _FUNCTIONS))
-            if carried and (name not in theirs and not name.startswith("_")
-                            or name in theirs and not _same(value, theirs[name])):
+            value, public = ours[name], not name.startswith("_")
+            if public and isinstance(value, _FUNCTIONS):
+                if theirs.get(name) is None:
+                    setattr(made, name, value)
+            elif _is_setting(value, name) and (
+                    name in theirs and not _same(value, theirs[name])
+                    or name not in theirs and public):
                 setattr(made, name, value)
 
 
