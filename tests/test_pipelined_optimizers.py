@@ -249,11 +249,13 @@ def _fit_against_plain(make_optimizer, constrained: bool = False):
     SelfWarmingSGD,
     # The review's case: refused at first, as any override of `apply_gradients` was.
     lambda: LoggingSGD(0.05),
+    # The probe for cross-weight updates must not take the pipeline's global clipping.
+    lambda: ScaledSGD(scale=3.0, learning_rate=0.05, global_clipnorm=0.01),
 ], ids=["subclass_setting", "schedule_without_config", "callable", "wrapped_subclass",
         "callable_reading_iterations", "dict_setting", "state_following_steps",
         "choosing_by_path", "choosing_by_path_end", "slots_named_by_variable_name",
         "function_setting", "setting_after_construction", "required_argument",
-        "function_reading_itself", "wrapping_override"])
+        "function_reading_itself", "wrapping_override", "subclass_clipping_globally"])
 def test_optimizers_whose_config_does_not_round_trip_train_as_in_plain_keras(make):
     # Before: ScaledSGD trained with scale=1.0 (0.17 off), the others raised; the
     # callable read the model optimizer's step count as the constant of its trace

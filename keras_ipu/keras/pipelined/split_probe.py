@@ -47,6 +47,9 @@ def check(optimizer: Any, named_clone: Callable[[Any, list], Any]) -> None:
     if kind.__module__.startswith("keras."):
         return
     one, two = named_clone(optimizer, _STAND_INS[:1]), named_clone(optimizer, _STAND_INS)
+    for clone in (one, two):
+        # As the copies (`copy_for`): the pipeline clips by the norm over every IPU first.
+        clone.global_clipnorm = None
     shared = [v.name for v in two.variables if not _per_weight(v)]
     if len(shared) != 2 * len(one.variables) - len(two.variables):
         _refuse(kind, "names the variables it makes per weight alike (not after their weight)",
