@@ -284,8 +284,7 @@ def _inbound_names(model) -> dict[str, list[str]]:
         return {name: [before] for before, name in zip(names, names[1:])}
     direct: dict[str, set[str]] = collections.defaultdict(set)
     for a in assignments:
-        direct[(a.nested_model if a.is_nested_model else a.layer).name].update(
-            layer.name for layer in a.inbound_layers)
+        direct[_called(a).name].update(layer.name for layer in a.inbound_layers)
     chain = {layer.name for layer in _chain(model)}
 
     def sources(name: str, seen: set[str]) -> set[str]:
@@ -368,14 +367,18 @@ def _uncut_blocks(model, layers: list) -> list[list[int]]:
     return blocks
 
 
+def _called(assignment) -> Any:
+    """The layer (or nested model) a stage assignment is of."""
+    return assignment.nested_model if assignment.is_nested_model else assignment.layer
+
+
 def _calls_in_graph(model) -> dict[str, list[int]]:
     """Each layer's calls in the model's graph (indices into its `_inbound_nodes`, which
     also hold calls of other graphs: a reloaded Sequential's earlier builds)."""
     calls: dict[str, list[int]] = collections.defaultdict(list)
     for a in model.get_pipeline_stage_assignment():
         # A Sequential's layers are called once (no node index: their first call).
-        calls[(a.nested_model if a.is_nested_model else a.layer).name].append(
-            getattr(a, "node_index", 0))
+        calls[_called(a).name].append(getattr(a, "node_index", 0))
     return calls
 
 
@@ -397,8 +400,9 @@ def _layer_cost(layer, node_indices: Sequence[int], batch: int, hardware) -> tup
             args, kwargs = arguments.fill_in({id(t): v for t, v in zip(tensors, values)})
             return layer(*args, **kwargs)
 
-        cycles += accounting.step_cost(jax.jit(call).lower(*specs)).work_cycles(hardware)
-        activations += accounting.tree_bytes(jax.eval_shape(call, *specs))
+        lowered = jax.jit(call).lower(*specs)  # traced once: its cost and its outputs
+        cycles += accounting.step_cost(lowered).work_cycles(hardware)
+        activations += accounting.tree_bytes(lowered.out_info)
     return cycles, weights + activations
 
 
@@ -410,7 +414,7 @@ def _assign(model, stage_of: Mapping[str, int]) -> None:
     assignments = model.get_pipeline_stage_assignment()
     inbound = None
     for assignment in assignments:
-        target = assignment.nested_model if assignment.is_nested_model else assignment.layer
+        target = _called(assignment)
         stage = stage_of.get(target.name)
         if stage is None:  # an operation of the graph (`h + 3.0`): after what it takes
             inbound = _inbound_names(model) if inbound is None else inbound
