@@ -95,6 +95,22 @@ def test_a_frequency_that_is_not_the_executions_logs_at_the_execution_reaching_i
     assert steps == [8, 12]  # the executions that pass batches 6 and 12 (16 passes none)
 
 
+def test_the_learning_rate_is_written_once_an_epoch_after_a_rate_callback(strategy, tmp_path):
+    # ReduceLROnPlateau (reducing from epoch 1 on) puts the rate it replaces in the logs;
+    # as in Keras' TensorBoard, the event file holds the optimizer's rate alone, not both.
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    reduce = keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=100)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+              callbacks=[reduce, ipu.keras.callbacks.TensorBoard(tmp_path)])
+    events = _read(tmp_path / "train", purge_orphaned_data=False).Scalars(
+        "epoch_learning_rate")
+    assert [e.step for e in events] == [0, 1, 2]
+    np.testing.assert_allclose([e.value for e in events], [0.1, 0.05, 0.025], rtol=1e-6)
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="update_freq"):
         ipu.keras.callbacks.TensorBoard(update_freq="sometimes")

@@ -129,15 +129,14 @@ class TensorBoard(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         train, validation = self._writer("train"), None
-        for name, value in _scalars(logs).items():
+        # The optimizer's rate replaces the logs' (a rate callback's, before it changed
+        # the rate), as in Keras' TensorBoard: one value an epoch.
+        for name, value in {**_scalars(logs), **_learning_rates(self.model)}.items():
             if name.startswith("val_"):
                 validation = validation or self._writer("validation")
                 validation.add_scalar(f"epoch_{name[4:]}", value, epoch)
             else:
                 train.add_scalar(f"epoch_{name}", value, epoch)
-        rate = _learning_rate(self.model)
-        if rate is not None:
-            train.add_scalar("epoch_learning_rate", rate, epoch)
         if self.write_steps_per_second and self._epoch_batches:
             seconds = time.perf_counter() - self._epoch_started
             train.add_scalar("epoch_steps_per_second", self._epoch_batches / seconds, epoch)
@@ -190,13 +189,19 @@ def _scalars(logs: Any) -> dict[str, float]:
     return scalars
 
 
-def _learning_rate(model: Any) -> float | None:
+def _learning_rates(model: Any) -> dict[str, float]:
+    """The optimizer's current learning rates by log name, as Keras' TensorBoard names them."""
     optimizer = getattr(model, "optimizer", None)
-    rate = getattr(optimizer, "learning_rate", None)
-    try:
-        return float(np.asarray(rate))
-    except (TypeError, ValueError):
-        return None
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    named = {f"learning_rate_{inner.name}": inner
+             for inner in getattr(optimizer, "optimizers", ())} or {"learning_rate": optimizer}
+    rates = {}
+    for name, inner in named.items():
+        try:
+            rates[name] = float(np.asarray(getattr(inner, "learning_rate", None)))
+        except (TypeError, ValueError):
+            continue
+    return rates
 
 
 def _writer_class() -> type:
