@@ -185,6 +185,40 @@ def test_a_callback_reading_the_model_leaves_the_reduced_logs_alone(pipelined, s
     assert results[1] == results[0]
 
 
+class _ResetsAtTheLastBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.params["steps"] - 1:
+            self.model.reset_metrics()
+
+    on_test_batch_end = on_train_batch_end
+
+
+@pytest.mark.parametrize("pipelined, asynchronous", [(False, False), (True, False),
+                                                      (False, True)])
+def test_metrics_a_hook_resets_after_the_last_batch_read_as_in_keras(pipelined, asynchronous,
+                                                                    strategy):
+    # Keras' epoch logs are its metric results: a reset in the last batch hook gives
+    # zeros. Before, replicated runs reported the last step's device logs instead.
+    configure(4 if pipelined else 2)
+    x, y = data_for("sequential", samples=32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], steps_per_execution=2)
+    model.set_replication_options("MEAN")
+    model.set_asynchronous_callbacks(asynchronous)
+    if pipelined:
+        model.set_pipeline_stage_assignment([0, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                        callbacks=[_ResetsAtTheLastBatch()]).history
+    assert history == {"loss": [0.0, 0.0], "mae": [0.0, 0.0]}
+    assert model.evaluate(x, y, batch_size=4, verbose=0,
+                          callbacks=[_ResetsAtTheLastBatch()]) == [0.0, 0.0]
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0).history
+    assert history["loss"][0] > 0  # without the hook, the device's logs again
+
+
 def test_bad_reduction_method(strategy):
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

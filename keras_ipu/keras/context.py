@@ -82,6 +82,9 @@ class IPUModelState:
         synced_state: During a run, Keras' state dict the variables last
             received from an execution: what callbacks' writes are told from.
         synced_from: The device state that dict was made from.
+        hooks_wrote_metrics: Whether the hooks of a run's last execution
+            changed the metric variables (a reset, a nested `evaluate`): its
+            epoch logs are then Keras' metric results, as in Keras.
         assignment: The pipeline stage assignment (a `stages` assignment
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,
@@ -106,6 +109,7 @@ class IPUModelState:
     asynchronous_hooks: bool = False
     synced_state: Any = None
     synced_from: Any = None
+    hooks_wrote_metrics: bool = False
     assignment: Any = None
     traced_graph: Any = None
     called_dtypes: tuple[str, ...] | None = None

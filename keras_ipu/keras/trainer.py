@@ -462,6 +462,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
             hooks.close()
         model_state = context.state_of(model)
         model_state.asynchronous_hooks = False
+        model_state.hooks_wrote_metrics = bool(
+            step_callbacks.hook_writes(model, ("metrics_variables",)))
         model_state.synced_state = model_state.synced_from = None
     if mode == "fit":
         replication.keep_first_replica_state(model, run.replica_count)
@@ -502,10 +504,12 @@ def _ignore(*args) -> None:
 def _epoch_logs(model, run: Run, logs) -> dict:
     # --use_synthetic_data: nothing comes back to the host, the metrics' state neither.
     synthetic = bool(ipu_system.require().option("use_synthetic_data"))
-    if run.replica_count == 1 and not run.accumulated_logs and not synthetic:
+    device_logs = run.replica_count > 1 or run.accumulated_logs
+    if not synthetic and (not device_logs or context.state_of(model).hooks_wrote_metrics):
         return _python_logs(model._get_metrics_result_or_logs(logs))
     # Keras' metric variables hold one replica's state, and a pipeline that
-    # accumulates its outfeed reports its passes' means: the last logs are the epoch's.
+    # accumulates its outfeed reports its passes' means: the last logs are the epoch's
+    # (unless a hook changed the metrics after them: a reset reads as in Keras).
     return _python_logs(logs)
 
 
