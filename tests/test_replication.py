@@ -219,6 +219,27 @@ def test_metrics_a_hook_resets_after_the_last_batch_read_as_in_keras(pipelined, 
     assert history["loss"][0] > 0  # without the hook, the device's logs again
 
 
+@pytest.mark.parametrize("callback", [keras.callbacks.EarlyStopping("loss"),
+                                      keras.callbacks.ReduceLROnPlateau("loss"),
+                                      keras.callbacks.TerminateOnNaN()])
+def test_list_reduction_refuses_callbacks_that_compare_one_number(callback, strategy):
+    # Before: NumPy's "truth value of an array is ambiguous" after the first epoch.
+    configure(2)
+    x, y = data_for("sequential", samples=16)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.set_replication_options("LIST")
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=rf"{type(callback).__name__} compares a log value as "
+                                         r"one number.*array of the 2 replicas.*MEAN, SUM or "
+                                         r"NONE"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+    assert_trees_close(before, model.get_weights(), atol=0)
+    model.set_replication_options("MEAN")
+    assert len(model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback]).history["loss"])
+
+
 def test_bad_reduction_method(strategy):
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

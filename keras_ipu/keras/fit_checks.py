@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import keras
+
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import data, pipelined, programs
-from keras_ipu.keras.options import IPUOptions
+from keras_ipu.keras.options import IPUOptions, ReplicatedMetricReductionMethod
 from keras_ipu.ops import host_embedding
 
 logger = logging.getLogger("keras_ipu")
@@ -51,6 +53,33 @@ def check_validation_freq(validation_freq: Any) -> None:
             f"`validation_freq` must be a positive integer (validate every that many epochs) "
             f"or a list of the (1-based) epochs to validate after, as Keras takes it; got "
             f"{validation_freq!r}.")
+
+
+# Keras callbacks that take a log value as one number (an `if` over it).
+_SCALAR_MONITORS = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
+                    keras.callbacks.TerminateOnNaN)
+
+
+def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> None:
+    """Refuses, before any step, a callback that cannot take LIST-reduced logs.
+
+    Raises:
+        ValueError: `set_replication_options("LIST")` with several replicas (each
+            log value an array, one per replica) and `EarlyStopping`,
+            `ReduceLROnPlateau` or `TerminateOnNaN`, which would fail at their
+            first comparison with NumPy's "truth value of an array" error.
+    """
+    if (options.replicated_metric_reduction_method is not ReplicatedMetricReductionMethod.LIST
+            or replicas.count == 1):
+        return
+    given = getattr(callbacks, "callbacks", callbacks) or ()
+    for callback in given:
+        if isinstance(callback, _SCALAR_MONITORS):
+            raise ValueError(
+                f"{type(callback).__name__} compares a log value as one number, but "
+                f"`set_replication_options('LIST')` makes every log value an array of the "
+                f"{replicas.count} replicas' values. Use the MEAN, SUM or NONE reduction "
+                f"with this callback, or leave the callback out.")
 
 
 def check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:

@@ -81,6 +81,7 @@ def fit(
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
     fit_checks.check_train_step(model, options, replicas, placement.plan)
+    fit_checks.check_callbacks(callbacks, options, replicas)
     if validation_data is not None or validation_split:  # its validation runs test_step
         _check_function_not_overridden(model, "evaluate")
         programs.check_pipelined_overrides(model, "evaluate", placement.plan)
