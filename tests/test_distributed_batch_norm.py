@@ -199,3 +199,45 @@ def test_a_group_of_one_leaves_the_step_as_it_is():
 
     assert batch_norm_groups.grouped(step, 1) is step
     assert batch_norm_groups.grouped(step, 2) is not step
+
+
+@pytest.mark.parametrize("how", ["strategy.run", "ipu_compiler.compile"])
+def test_computations_of_their_own_share_batch_statistics_too(how, strategy):
+    # The option is the system's: a custom loop's training BatchNormalization is grouped
+    # as `fit`'s (before: each replica its own statistics, a moving mean of 0 here).
+    _configure(2, 2)
+    with strategy.scope():
+        model = _norm_only()
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.zeros((4, 3), "float32"),
+                                                  np.ones((4, 3), "float32")])
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+
+    def loop():
+        return ipu.loops.repeat(1, lambda x: outfeed.enqueue(model(x, training=True)), [],
+                                infeed)
+
+    if how == "strategy.run":
+        strategy.run(loop)
+    else:
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(loop)
+    np.testing.assert_allclose(model.layers[0].moving_mean.numpy(), np.full(3, 0.5), atol=1e-6)
+    outputs = np.asarray(outfeed.dequeue())[0]  # [replicas, batch, features]
+    np.testing.assert_allclose(outputs[:, 0, 0], [-1.0, 1.0], atol=5e-3)  # eps: 0.998
+
+
+def test_a_computations_replicas_that_the_group_does_not_divide_are_refused(strategy):
+    _configure(4, 4)
+    with strategy.scope():
+        model = _norm_only()
+
+    def sharded(x):  # two shards of 4 IPUs: 2 replicas
+        with ipu.scopes.ipu_shard(0):
+            x = x * 1.0
+        with ipu.scopes.ipu_shard(1):
+            return model(x, training=True)
+
+    with pytest.raises(ValueError, match=r"replica_group_size \(4\) must divide the 2 "
+                                         r"replicas of the computation that runs "
+                                         r"batch_normalization"):
+        strategy.run(sharded, args=(np.ones((4, 3), "float32"),))

@@ -150,8 +150,16 @@ def test_cross_replica_sums_in_groups():
     x = np.array([1.0, 2.0, 10.0, 20.0])
     out = _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, 2), x)
     np.testing.assert_array_equal(out, [3, 3, 30, 30])
-    with pytest.raises(ValueError, match="A replica group of 3 must divide the 4 replicas"):
-        _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, 3), x)
+    for size in (3, 2.0, -2, 0, True, "2"):  # 2.0: from R / 2; -2 divides 4, but is no size
+        with pytest.raises(ValueError, match=rf"group size must be a positive integer that "
+                                             rf"divides the 4 replicas .*got {size!r}\. "
+                                             rf"Valid sizes: 1, 2, 4\."):
+            _on_4_replicas(lambda v, size=size: cross_replica_ops.cross_replica_sum(v, size), x)
+    for op in (all_to_all_op.all_gather, reduce_scatter_op.reduce_scatter):
+        with pytest.raises(ValueError, match=r"got 2\.0\. Valid sizes"):
+            _on_4_replicas(lambda v, op=op: op(v[None], 2.0), x)
+    np.testing.assert_array_equal(
+        _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, np.int64(2)), x), out)
 
 
 def test_all_gather_and_all_to_all_within_groups():

@@ -10,6 +10,7 @@ act as the single replica they then are: index 0, sums of one.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -144,10 +145,40 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
     >>> size, position = group_of(2)   # under 4 replicas: 2, and 0 or 1
     """
     count = replica_count()
-    size = count if group_size is None else group_size
-    if size < 1 or count % size:
-        raise ReplicaGroupError(f"A replica group of {size} must divide the {count} replicas.")
+    size = count if group_size is None else checked_group_size(group_size)
+    if count % size:
+        raise ReplicaGroupError(_group_message(group_size, count))
     return size, replica_index() % size
+
+
+def checked_group_size(group_size: Any) -> int | None:
+    """`group_size` as an int (any integer kind, NumPy's too), or None for None.
+
+    Raises:
+        ReplicaGroupError: For anything but a positive integer or None (a
+            float such as `R / 2`, 0, a negative size), wherever it is traced.
+
+    Example:
+
+    >>> checked_group_size(np.int64(2))
+    2
+    """
+    if group_size is None:
+        return None
+    try:
+        size = None if isinstance(group_size, bool) else operator.index(group_size)
+    except TypeError:
+        size = None
+    if size is None or size < 1:
+        raise ReplicaGroupError(_group_message(group_size, replica_count()))
+    return size
+
+
+def _group_message(group_size: Any, count: int) -> str:
+    valid = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
+    return (f"A replica group size must be a positive integer that divides the {count} "
+            f"replicas (or None, for one group of all); got {group_size!r}. Valid sizes: "
+            f"{valid}.")
 
 
 def all_gather(value: jax.Array, group_size: int | None = None) -> jax.Array:

@@ -34,7 +34,7 @@ from keras_ipu.device import (
     loop_state,
 )
 from keras_ipu.device import system as ipu_system
-from keras_ipu.keras import steps
+from keras_ipu.keras import batch_norm_groups, steps
 
 
 @contextlib.contextmanager
@@ -181,7 +181,8 @@ class _KeepingAssignments:
         if isinstance(stateless_scope.get_stateless_scope(), _Recording):
             # Part of an enclosing computation's trace: its scope takes the assignments.
             return _Assigned(self._result(*args, **kwargs), [], ())
-        with _Recording(_replica_seed_mask()) as scope, loop_state.carrying(scope):
+        with (_Recording(_replica_seed_mask()) as scope, loop_state.carrying(scope),
+              batch_norm_groups.system_groups()):
             result = self._result(*args, **kwargs)
         held = tuple(_Held(variable) for variable in scope.assigned.values())
         return _Assigned(result, [scope.unmasked(h.variable, scope.get_current_value(h.variable))

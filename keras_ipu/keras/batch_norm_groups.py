@@ -18,10 +18,11 @@ and keras_ipu's have no batch statistics, so nothing changes for them.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras import ops
@@ -133,6 +134,34 @@ def grouped(step: Step, group: int) -> Step:
     return in_groups
 
 
+@contextlib.contextmanager
+def system_groups() -> Iterator[None]:
+    """Batch statistics over the configured replica groups while a computation is traced.
+
+    For the computations of `strategy.run` and `ipu_compiler.compile`, whose
+    replicas `fit`'s checks never see: the option is the system's, for every
+    training batch normalisation. Nothing changes for G = 1.
+
+    Raises:
+        RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> with system_groups():
+    ...     outputs = model(x, training=True)   # traced inside the replicated program
+    """
+    group = group_size()
+    if group == 1:
+        yield
+        return
+    _install()
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
 def _install() -> None:
     """Replaces `BatchNormalization._moments` by `_moments` (once)."""
     global _KERAS_MOMENTS
@@ -148,6 +177,12 @@ def _moments(self: BatchNormalization, inputs: Any, mask: Any) -> tuple[Any, Any
     group = _GROUP.get()
     if group is None:
         return mean, variance
+    replicas = collectives.replica_count()
+    if replicas % group:  # in a computation of its own (`fit` checked before it ran)
+        raise ValueError(
+            f"{CONFIG_NAME} ({group}) must divide the {replicas} replicas of the computation "
+            f"that runs {self.name} in training: its batch statistics are reduced over groups "
+            f"of {group} consecutive replicas. Set it to a size that divides {replicas}.")
     count = None
     if mask is not None:
         # The values each channel's moments are of, shaped as Keras shapes the moments.

@@ -55,8 +55,9 @@ def collective(op: Any, group_size: int | None, *args: Any) -> Any:
         `op(*args)`, with the shapes a group of `group_size` gives.
 
     Raises:
-        ValueError: From `op`, for a group that does not divide the replicas
-            of a real (not symbolic) call; for a Keras tensor of a model being
+        ValueError: For a group size that is not a positive integer (or
+            None); from `op`, for a group that does not divide the replicas of
+            a real (not symbolic) call; for a Keras tensor of a model being
             built (the collective would not be in the model).
 
     Example:
@@ -64,6 +65,7 @@ def collective(op: Any, group_size: int | None, *args: Any) -> Any:
     >>> collective(collectives.all_gather, 2, x, 2)
     """
     _refuse_keras_tensors(args)
+    group_size = collectives.checked_group_size(group_size)
     if (group_size is not None and group_size > 1 and collectives.replica_count() == 1
             and in_keras_symbolic_build()):
         return collectives.as_first_of(group_size, op, *args)
