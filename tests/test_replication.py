@@ -278,6 +278,11 @@ def test_too_little_data_for_all_replicas(strategy):
                                          r"to run 1 steps each\. Make sure the dataset contains "
                                          r"at least 4 items"):
         on_ipu.fit(x, y, batch_size=4, verbose=0)
+    with pytest.raises(ValueError, match=r"validation data contains 2 items, but all 4 "
+                                         r"replicas.*validation data contains at least 4 items "
+                                         r"\(batches of `validation_batch_size`\)"):
+        on_ipu.fit(*data_for("sequential", samples=16), batch_size=4,
+                   validation_data=(x[:8], y[:8]), verbose=0)
     assert_weights_close(before, on_ipu.get_weights(), atol=0)
 
 

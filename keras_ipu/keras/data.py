@@ -214,10 +214,12 @@ def plan_steps(
         steps = num_batches
     per_replica, dropped = divmod(steps, replicas)
     if per_replica == 0:
+        # The reference's words; validation's data named as such (it is not `x`).
+        data = "validation data" if role == "validation" else "dataset"
         raise ValueError(
-            f"The provided dataset contains {steps} items, but all {replicas} replicas "
-            f"are requested to run 1 steps each. Make sure the dataset contains at "
-            f"least {replicas} items."
+            f"The provided {data} contains {steps} items, but all {replicas} replicas "
+            f"are requested to run 1 steps each. Make sure the {data} contains at "
+            f"least {replicas} items (batches of `{ROLES[role].batch_argument}`)."
         )
     if dropped and warn:
         warnings.warn(
