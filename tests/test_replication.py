@@ -436,6 +436,14 @@ def test_a_replicated_predicts_temporaries_do_not_hold_its_executions_prediction
     assert many < few + one_batch and many < one_replica + 2 * one_batch
 
 
+def test_an_ipus_predict_temporaries_do_not_grow_with_the_replicas():
+    # Each replica runs the same program: its IPU holds as much with 8 replicas as with 2.
+    # Before, one step of every replica's predictions stayed (8 replicas: 8 x 64 KiB), and
+    # a predict that one replica ran was refused on small IPUs at 8.
+    two, eight = _predict_report(2, 4).temporary_bytes, _predict_report(8, 4).temporary_bytes
+    assert eight == two
+
+
 def test_a_replicated_fit_whose_state_is_not_donated_keeps_its_temporaries():
     # With floating-point traps the state is not donated: its new values were taken off
     # the temporaries as if they were the outfeed's copy (2 replicas: less than one).

@@ -199,10 +199,11 @@ def without_streamed_outfeed(use: MemoryUse, *, outfeed_bytes: int, steps: int,
     """`use` without the copy of its execution's outfeed that XLA:CPU makes for replicas.
 
     A replicated program returns its outfeed stacked with a replica axis;
-    XLA:CPU builds that stack, every replica's and all but one step of it, in
-    a temporary of each device before it copies it out (a predict of 64 steps
-    on 2 replicas: 8.3 MB where one replica's program holds 0.13 MB). An IPU
-    streams its outfeed to the host step by step, so that copy is no IPU's.
+    XLA:CPU builds that stack, every step of every replica, in a temporary of
+    each device before it copies it out (a predict of 64 steps on 2 replicas:
+    8.3 MB where one replica's program holds 0.13 MB). An IPU streams its
+    outfeed to the host step by step: of that stack, one step of its own
+    replica is its (what one replica's program holds), the rest is no IPU's.
 
     Args:
         use: The memory use measured on `platform`, one IPU's share.
@@ -223,7 +224,7 @@ def without_streamed_outfeed(use: MemoryUse, *, outfeed_bytes: int, steps: int,
     """
     if replicas < 2 or platform != "cpu":
         return use
-    copied = (outfeed_bytes - outfeed_bytes // max(steps, 1)) // ipus_per_device
+    copied = (outfeed_bytes - outfeed_bytes // (max(steps, 1) * replicas)) // ipus_per_device
     return dataclasses.replace(use, temporary_bytes=max(use.temporary_bytes - copied, 0))
 
 
