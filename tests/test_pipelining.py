@@ -1783,3 +1783,27 @@ def test_a_subclassed_pipeline_bound_to_its_first_calls_batch_size_runs_only_tha
                 model.predict(x, batch_size=4, verbose=0)
     np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
                                plain.predict(x, batch_size=4, verbose=0), atol=1e-6)
+
+
+def test_the_report_of_a_fit_is_read_after_a_layer_was_frozen_since(strategy):
+    # The report is worked out when first read: before, a layer frozen after the fit (a
+    # fine-tuning step) made it fail with a KeyError from the stage tracer.
+    configure(2)
+    x = np.random.default_rng(0).random((32, 16), "float32")
+    reports = []
+    for freeze in (False, True):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16),
+                                      keras.layers.Dense(16)])
+        model.set_pipeline_stage_assignment([0, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+        model.compile("sgd", "mse", steps_per_execution=8)
+        model.fit(x, x, batch_size=4, verbose=0)
+        model.layers[0].trainable = not freeze
+        reports.append(ipu.utils.execution_report(model, "fit"))
+        # The model keeps the flags it was given.
+        assert len(model.trainable_variables) == (2 if freeze else 4)
+        assert model.layers[0].kernel.trainable is not freeze
+    assert reports[1].flops_per_step == reports[0].flops_per_step > 0
+    assert reports[1].estimated_cycles == reports[0].estimated_cycles

@@ -391,7 +391,39 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
         )
         return per_pass, report
 
-    return costs
+    return _traced_as_built(pipe.model, costs)
+
+
+def _traced_as_built(model, costs):
+    """`costs`, tracing the stages with the trainable flags the model had when it was built.
+
+    The report is worked out when first read: a layer frozen since (a fine-tuning
+    step after `fit`) would change the variables the stages were planned with.
+    """
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    variables = list(model.variables)
+
+    def flags():
+        return [layer.trainable for layer in layers], [v.trainable for v in variables]
+
+    def set_flags(flagged):
+        # Outer layers first: setting a layer's flag sets its sublayers' and variables'.
+        for layer, flag in zip(layers, flagged[0]):
+            layer.trainable = flag
+        for variable, flag in zip(variables, flagged[1]):
+            variable.trainable = flag
+
+    built = flags()
+
+    def as_built(hardware, batches):
+        now = flags()
+        set_flags(built)
+        try:
+            return costs(hardware, batches)
+        finally:
+            set_flags(now)
+
+    return as_built
 
 
 def _recomputation(options: IPUOptions) -> bool:
