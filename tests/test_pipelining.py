@@ -1807,3 +1807,52 @@ def test_the_report_of_a_fit_is_read_after_a_layer_was_frozen_since(strategy):
         assert model.layers[0].kernel.trainable is not freeze
     assert reports[1].flops_per_step == reports[0].flops_per_step > 0
     assert reports[1].estimated_cycles == reports[0].estimated_cycles
+
+
+class _TiedHead(keras.layers.Layer):
+    """Logits from an embedding's matrix (a GPT's tied input and output embedding)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_a_running_mean_accumulates_a_weight_two_stages_use_as_the_big_batch(form,
+                                                                             monkeypatch):
+    # Each stage's backward op rescaled the running mean for its own part of a micro-batch's
+    # gradient: a tied embedding's was weighed twice (2.4e-3 off plain Keras).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(1)
+
+    def build(staged):
+        stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+        ids = keras.Input((4,), dtype="int32")
+        with stage(0):
+            embedding = keras.layers.Embedding(20, 8)
+            h = keras.layers.Dense(8, activation="tanh")(embedding(ids))
+        with stage(1):
+            logits = _TiedHead(embedding)(h)
+        return keras.Model(ids, logits)
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (16, 4)).astype("int32")
+    y = np.roll(x, -1, 1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    keras.utils.set_random_seed(0)
+    plain = build(False)
+    plain.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = build(True)
+    model.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # 4 micro-batches of 2
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4, device_mapping=[0, 0],
+                                 gradient_accumulation_reduction_method="running_mean")
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, steps_per_execution=4)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert ipu.utils.execution_report(model, "fit").loop == (
+        "host" if form == "host" else "schedule")

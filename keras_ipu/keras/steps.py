@@ -41,6 +41,11 @@ ACCUMULATE = {
     Reduction.MEAN: lambda acc, grad, n, count: acc + grad / count,
     Reduction.RUNNING_MEAN: lambda acc, grad, n, count: acc * (n / (n + 1)) + grad / (n + 1),
 }
+# The update of a weight several pipeline stages use (a tied embedding): their parts of a
+# micro-batch's gradient arrive in no fixed order with other micro-batches', which a running
+# mean (rescaling what it holds at each micro-batch) would weigh wrongly: added as the mean
+# adds them, they give the same result.
+ACCUMULATE_SHARED = {**ACCUMULATE, Reduction.RUNNING_MEAN: ACCUMULATE[Reduction.MEAN]}
 
 
 def train_step(

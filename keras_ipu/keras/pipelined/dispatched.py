@@ -46,7 +46,7 @@ from keras_ipu.keras.pipelined.model import (
     PipelinedModel,
     PipelineState,
 )
-from keras_ipu.keras.steps import ACCUMULATE
+from keras_ipu.keras.steps import ACCUMULATE, ACCUMULATE_SHARED
 
 TRAINABLE, NON_TRAINABLE, OPTIMIZER, METRICS = TRAINING_STATE_PARTS
 
@@ -125,6 +125,7 @@ class DispatchedFit:
         self.p, self.state, self.table, self.recompute = pipelined, state, table, recompute
         self.stages = training.Stages(pipelined, state, checkpoints)
         self.accumulate, self.accumulators = ACCUMULATE[reduction], dict(accumulators)
+        self.rules = (self.accumulate, ACCUMULATE_SHARED[reduction])
         self.micro, self.last = table.num_micro_batches, pipelined.num_stages - 1
         self.devices = [state.mesh.devices[0, i] for i in range(pipelined.num_ipus)]
         # The stages' forward ops traced per micro-batch signature: the loop
@@ -139,9 +140,7 @@ class DispatchedFit:
         return self.stages.for_vjp(s, weights, _local(ntv), metrics, bundle, batch)
 
     def _accumulated(self, s: int, acc, grads, j):
-        return self.stages.grads.update(
-            self.p.device_mapping[s], acc, dict(zip(self.stages.own[s], grads)),
-            lambda old, grad: self.accumulate(old, grad, j.astype(old.dtype), self.micro))
+        return self.stages.accumulated(s, acc, grads, j, self.micro, self.rules)
 
     def _packed_ntv(self, s: int, ntv: dict) -> dict:
         return _slot(self.stages.runner.pack_non_trainable(self.p.device_mapping[s], ntv))

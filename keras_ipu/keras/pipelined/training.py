@@ -29,9 +29,10 @@ own optimizer clone to its variables.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -64,7 +65,7 @@ from keras_ipu.keras.pipelined.update import (
     skipped_unless,
     squared_norm,
 )
-from keras_ipu.keras.steps import ACCUMULATE
+from keras_ipu.keras.steps import ACCUMULATE, ACCUMULATE_SHARED
 
 # Blocks of two ticks halve the exchanges of two-stage pipelines; a block is
 # only worth running when it saves more exchanges than the idle ops it pads.
@@ -222,11 +223,30 @@ class Stages:
         self.p, self.state, self.checkpoints = pipelined, state, checkpoints
         self.runner = StageRunner(pipelined, state, distinct_replica_streams(state))
         self.own = [self.runner.own_trainable(s) for s in range(pipelined.num_stages)]
+        uses = collections.Counter(i for own in self.own for i in own)
+        self.shared = frozenset(i for i, count in uses.items() if count > 1)
         self.grads = GradientLayout.of(
             [list(zip(state.indices("trainable_variables", ipu), layout.shapes, layout.dtypes))
              for ipu, layout in enumerate(state.layouts["trainable_variables"])],
             state.lengths["trainable_variables"])
         self.metrics_layout = state.layouts["metrics_variables"][pipelined.last_ipu]
+
+    def accumulated(self, s: int, acc: Any, grads: Sequence[Any], j: Any, micro: int,
+                    rules: tuple[Callable, Callable]) -> Any:
+        """The accumulator with stage `s`'s gradients of micro-batch `j` (in `own[s]`
+        order) added in place.
+
+        `rules` are the reduction's `ACCUMULATE` and `ACCUMULATE_SHARED` rules:
+        the second for the weights other stages use too.
+        """
+        ipu, by_index = self.p.device_mapping[s], dict(zip(self.own[s], grads))
+        for rule, shared in zip(rules, (False, True)):
+            part = {i: g for i, g in by_index.items() if (i in self.shared) == shared}
+            if part:
+                acc = self.grads.update(
+                    ipu, acc, part,
+                    lambda old, grad, rule=rule: rule(old, grad, j.astype(old.dtype), micro))
+        return acc
 
     def for_vjp(self, s: int, tv: dict, non_trainable, metrics, bundle, batch):
         """`(f, weights, known, ntv)`: stage `s` on one micro-batch, for `jax.vjp`.
@@ -393,6 +413,7 @@ class _FitProgram:
         self.plan = BlockPlan.of(table)
         self.gradient_rows = pipelined.num_stages * self.micro  # the inbox's gradient rows
         self.accumulate, self.accumulators = ACCUMULATE[reduction], dict(accumulators)
+        self.rules = (self.accumulate, ACCUMULATE_SHARED[reduction])
         # A running mean rescales what it has summed at each micro-batch, so
         # each backward op updates its own parts of the accumulator (which
         # costs a copy of it per block). The linear reductions add the
@@ -480,10 +501,6 @@ class _FitProgram:
             IPU_AXIS)
         return (trainable, non_trainable, optimizer_vars, metrics, stash, inbox), logs
 
-    def _rule(self, j):
-        """The reduction's update of an accumulator part by micro-batch `j`."""
-        return lambda old, grad: self.accumulate(old, grad, j.astype(old.dtype), self.micro)
-
     def _branch(self, ops: _Ops, pattern):
         """One IPU's ops of a block, back to back, as one branch of the switch.
 
@@ -515,12 +532,12 @@ class _FitProgram:
                     {d: buf[row] for d, buf in stash.items()}, j, phase == "FB")
                 # A fused op's message belongs to its backward slot.
                 messages[q + (phase == "FB")] = message
-                ipu = self.pipelined.device_mapping[s]
-                by_index = dict(zip(self.stages.own[s], grads))
                 if self.in_place:
-                    acc = grads_layout.update(ipu, acc, by_index, self._rule(j))
+                    acc = self.stages.accumulated(s, acc, grads, j, self.micro, self.rules)
                 else:
-                    summed.append(grads_layout.pack(ipu, by_index, self.accumulators))
+                    summed.append(grads_layout.pack(self.pipelined.device_mapping[s],
+                                                    dict(zip(self.stages.own[s], grads)),
+                                                    self.accumulators))
             if not self.in_place:
                 # The sum of the block's gradients (or zeros); the accumulator
                 # is updated outside the conditional.
