@@ -1856,3 +1856,27 @@ def test_a_running_mean_accumulates_a_weight_two_stages_use_as_the_big_batch(for
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
     assert ipu.utils.execution_report(model, "fit").loop == (
         "host" if form == "host" else "schedule")
+
+
+def test_an_uncompiled_pipelined_model_predicts_as_plain_keras(strategy):
+    # Keras predicts without compile(); a pipelined model raised AttributeError ('optimizer').
+    configure(2)
+
+    def build(staged):
+        stage = ipu.keras.PipelineStage if staged else (lambda s: contextlib.nullcontext())
+        inputs = keras.Input((4,))
+        with stage(0):
+            h = keras.layers.Dense(8, activation="relu")(inputs)
+        with stage(1):
+            outputs = keras.layers.Dense(2)(h)
+        return keras.Model(inputs, outputs)
+
+    plain = build(False)
+    with strategy.scope():
+        model = build(True)
+    model.set_weights(plain.get_weights())
+    model.set_pipelining_options(
+        pipeline_schedule=ipu.pipelining_ops.PipelineSchedule.Sequential)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
+                               plain.predict(x, batch_size=2, verbose=0), atol=1e-6)
