@@ -435,7 +435,6 @@ def _part_length(model, part: str) -> int:
     return len({
         "trainable_variables": model.trainable_variables,
         "non_trainable_variables": model.non_trainable_variables,
-        # No optimizer before compile() (a predict).
         "optimizer_variables": getattr(getattr(model, "optimizer", None), "variables", []),
         "metrics_variables": model.metrics_variables,
     }[part])
