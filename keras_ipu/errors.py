@@ -15,6 +15,8 @@ class IPUOutOfMemoryError(RuntimeError):
         capacity_bytes: Bytes the IPU has.
         program: Name of the program (for example `"fit"`).
         pipelined: Whether the program runs a pipeline (the remedies differ).
+        recomputing: Whether the pipeline recomputes already (not suggested).
+        parts: `(state, temporary, io)` bytes of that IPU's need, where known.
 
     Example:
 
@@ -24,29 +26,44 @@ class IPUOutOfMemoryError(RuntimeError):
     """
 
     def __init__(self, ipu: int, required_bytes: int, capacity_bytes: int,
-                 program: str = "program", pipelined: bool = False):
+                 program: str = "program", pipelined: bool = False,
+                 recomputing: bool = False, parts: tuple[int, int, int] | None = None):
         self.ipu = ipu
         self.required_bytes = required_bytes
         self.capacity_bytes = capacity_bytes
         self.program = program
         self.pipelined = pipelined
+        self.recomputing = recomputing
+        self.parts = parts
+        state_alone = parts is not None and parts[0] > capacity_bytes
         super().__init__(
             f"Out of memory on IPU {ipu}: the {program} program needs "
-            f"{required_bytes:,} bytes, but the IPU has {capacity_bytes:,} bytes "
-            f"({required_bytes / capacity_bytes:.2f}x its capacity). Usual remedies: "
-            f"{_remedies(program, pipelined)}."
+            f"{required_bytes:,} bytes{_described(parts)}, but the IPU has "
+            f"{capacity_bytes:,} bytes ({required_bytes / capacity_bytes:.2f}x its capacity). "
+            f"Usual remedies: {_remedies(program, pipelined, recomputing, state_alone)}."
         )
 
     def __reduce__(self):
         return (
             type(self),
-            (self.ipu, self.required_bytes, self.capacity_bytes, self.program, self.pipelined),
+            (self.ipu, self.required_bytes, self.capacity_bytes, self.program, self.pipelined,
+             self.recomputing, self.parts),
         )
 
 
-def _remedies(program: str, pipelined: bool) -> str:
+def _described(parts: tuple[int, int, int] | None) -> str:
+    if parts is None:
+        return ""
+    state, temporary, io = parts
+    return (f" (weights, optimizer and metric state {state:,}; temporaries {temporary:,}; "
+            f"one step's inputs and outputs {io:,})")
+
+
+def _remedies(program: str, pipelined: bool, recomputing: bool = False,
+              state_alone: bool = False) -> str:
     """What frees memory for this program: recomputation and accumulation only train;
-    only `fit`, `evaluate` and `predict` can be pipelined."""
+    only `fit`, `evaluate` and `predict` can be pipelined; neither a smaller batch nor
+    recomputation shrinks state that alone is over the capacity."""
     training = program == "fit"
     if program in _BATCH_METHODS:
         remedies = [f"run the model with {_BATCH_METHODS[program]}, which can pipeline it "
@@ -60,7 +77,9 @@ def _remedies(program: str, pipelined: bool) -> str:
     else:
         remedies = ["pipeline the model over more IPUs (`set_pipeline_stage_assignment` and "
                     "`set_pipelining_options`)"]
-    if training and pipelined:
+    if state_alone:  # neither a smaller batch nor recomputation would do
+        return f"{remedies[0]} (its state alone is over the capacity)"
+    if training and pipelined and not recomputing:
         remedies.append("enable recomputation (`IPUConfig.allow_recompute = True`)")
     remedies.append("use a smaller batch size (with gradient accumulation to keep the "
                     "effective batch size)" if training else "use a smaller batch size")

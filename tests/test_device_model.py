@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import keras
 import numpy as np
@@ -115,9 +116,10 @@ def test_out_of_memory_raises_before_running_and_leaves_the_model_usable(strateg
     assert "IPU 0" in message and f"{error.required_bytes:,}" in message
     ratio = error.required_bytes / error.capacity_bytes  # to the hundredth: 1.03x is not 1.0x
     assert f"({ratio:.2f}x its capacity)" in message
-    # Recomputation saves memory only in a pipeline's backward pass.
-    assert "pipeline the model" in message and "batch size" in message
-    assert "recomputation" not in message
+    # Adam's state alone is over 2 tiles: only more IPUs help (and recomputation saves
+    # memory only in a pipeline's backward pass).
+    assert "pipeline the model" in message and "batch size" not in message
+    assert "recomputation" not in message and "state alone is over the capacity" in message
     with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
         model.predict(np.ones((4096, 64), "float32"), batch_size=4096, verbose=0)
     assert str(info.value).endswith("or use a smaller batch size.")  # no accumulation
@@ -299,7 +301,9 @@ def test_a_pipeline_out_of_memory_names_the_ipu_that_needs_most(strategy):
         model.fit(x, y, batch_size=16, verbose=0)
     assert info.value.ipu == 1 and info.value.pipelined
     assert "move layers from this IPU's stages" in str(info.value)
-    assert "allow_recompute" in str(info.value)
+    # Adam's state of 2 x Dense(1024) alone is over 4 tiles: neither recomputation nor a
+    # smaller batch would fit it.
+    assert str(info.value).endswith("(its state alone is over the capacity).")
     configure(2)
     model.fit(x, y, batch_size=16, verbose=0)
     needs = [i.memory_bytes for i in ipu.utils.execution_report(model, "fit").ipus]
@@ -367,3 +371,42 @@ def test_the_batch_methods_are_checked_against_the_system_configured_now(strateg
                       (lambda: model.predict_on_batch(x), "predict_on_batch")):
         with pytest.raises(ipu.errors.IPUOutOfMemoryError, match=f"the {name} program"):
             run()
+
+
+def test_out_of_memory_says_what_the_need_is_made_of_and_suggests_only_what_helps():
+    parts = (600, 1_300, 100)
+    message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", pipelined=True,
+                                                 parts=parts))
+    assert ("needs 2,000 bytes (weights, optimizer and metric state 600; temporaries 1,300; "
+            "one step's inputs and outputs 100)") in message
+    assert "enable recomputation" in message and "smaller batch size" in message
+    # Recomputation on already: not suggested again.
+    message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", pipelined=True,
+                                                 recomputing=True, parts=parts))
+    assert "recomputation" not in message and "smaller batch size" in message
+    # The state alone over the capacity: a smaller batch would not fit it either.
+    message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", pipelined=True,
+                                                 parts=(1_500, 400, 100)))
+    assert "batch size" not in message and "recomputation" not in message
+    assert message.endswith("(its state alone is over the capacity).")
+    error = ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", True, True, parts)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_a_recomputing_pipeline_out_of_memory_is_not_told_to_recompute(strategy):
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 2
+    config.ipu_model.tiles_per_ipu = 2
+    config.allow_recompute = True
+    config.configure_ipu_system()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16),
+                                  keras.layers.Dense(512), keras.layers.Dense(512)])
+    model.set_pipeline_stage_assignment([0, 1, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    model.compile("sgd", "mse", steps_per_execution=4)
+    with pytest.raises(ipu.errors.IPUOutOfMemoryError) as info:
+        model.fit(np.zeros((64, 16), "float32"), np.zeros((64, 512), "float32"), batch_size=4,
+                  verbose=0)
+    assert info.value.recomputing and "recomputation" not in str(info.value)
+    assert sum(info.value.parts) == info.value.required_bytes

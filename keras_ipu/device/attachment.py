@@ -106,10 +106,13 @@ def check_fits(memory: Sequence[tuple[int, accounting.MemoryUse]], program: str,
     """
     if capacity is None:
         capacity = system.require().hardware.memory_capacity_bytes
-    over = [(use.total_bytes, -ipu) for ipu, use in memory if use.total_bytes > capacity]
+    over = [(use.total_bytes, -ipu, use) for ipu, use in memory if use.total_bytes > capacity]
     if over:
-        needed, ipu = max(over)
-        raise IPUOutOfMemoryError(-ipu, needed, capacity, program, pipelined=pipelined)
+        needed, ipu, use = max(over, key=lambda entry: entry[:2])
+        recomputing = pipelined and bool(system.require().option("allow_recompute", False))
+        raise IPUOutOfMemoryError(
+            -ipu, needed, capacity, program, pipelined=pipelined, recomputing=recomputing,
+            parts=(use.state_bytes, use.temporary_bytes + use.code_bytes, use.io_bytes))
 
 
 def program_memory(compiled: Any, ipus_per_device: int = 1) -> accounting.MemoryUse:
