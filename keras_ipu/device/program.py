@@ -149,6 +149,10 @@ class ExecutionProgram:
             IPU's share of the program's state. `None` for an IPU that runs
             nothing of the program (a pipeline's `device_mapping` skipping
             it): it holds nothing.
+        io_split: `(batches, outfeed) -> bytes per IPU` (in `replicas`
+            order) of an execution's data and outfeed, when the IPUs stream
+            different parts of them (a pipeline's first stage the inputs, its
+            last the targets and the outfeed); by default an equal share each.
         floating_point_checks: The floating point exceptions each execution
             traps (`floating_point.checks_for`); the first one raises
             `IPUFloatingPointError` as the execution returns, and its results
@@ -182,6 +186,7 @@ class ExecutionProgram:
         schedule_reason: str = "the pipeline schedule is the loop",
         last_outputs_only: bool = False,
         state_bytes: Sequence[int | None] | None = None,
+        io_split: Callable[[Batch, Outputs], Sequence[int]] | None = None,
         floating_point_checks: frozenset = frozenset(),
     ):
         self._step_fn = step_fn
@@ -191,6 +196,7 @@ class ExecutionProgram:
         self.hardware = hardware
         self.exchange_bytes_per_step = exchange_bytes_per_step
         self._state_bytes = None if state_bytes is None else tuple(state_bytes)
+        self._io_split = io_split
         self.micro_batches_per_step = micro_batches_per_step
         self._pipeline = pipeline
         self.replica_count = replica_count or replicas.count
@@ -562,6 +568,11 @@ class ExecutionProgram:
             per_ipu = tuple(accounting.MemoryUse(0, 0, 0) if b is None
                             else dataclasses.replace(memory, state_bytes=b)
                             for b in self._state_bytes)
+        if self._io_split is not None:  # IPUs that stream different data (a pipeline's)
+            io = self._io_split(compiled_batches, lowered.out_info[1])
+            per_ipu = tuple(use if not use.total_bytes else
+                            dataclasses.replace(use, io_bytes=b // compiled_steps)
+                            for use, b in zip(per_ipu, io, strict=True))
         # Counted over the program before XLA lowers it for this platform, its
         # loops with their trip counts: the execution's cost over its steps,
         # each IPU's share where IPUs share a device. Only the report needs

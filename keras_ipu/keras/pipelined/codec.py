@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from keras_ipu.device import accounting
 from keras_ipu.device.mesh import IPUMesh
 from keras_ipu.keras.pipelined import instances
 from keras_ipu.keras.pipelined.model import IPU_AXIS, REPLICA_AXIS, PipelineState
@@ -179,3 +180,19 @@ class PipelineLayout:
             return predictions, jax.tree_util.tree_map(by_step, predictions)
 
         return split
+
+
+def io_by_ipu(device_mapping: Sequence[int], num_ipus: int, replicas: int,
+              batches: Any, outfeed: Any) -> tuple[int, ...]:
+    """Per IPU (replica by replica), the bytes of `(x, y, sample_weight)` batches and an
+    outfeed it streams: the first stage's IPU takes the inputs, the last stage's the targets,
+    the sample weights and the outfeed (logs or predictions); the others exchange activations.
+
+    Example:
+
+    >>> io_by_ipu([0, 1], 2, 1, (x, y, None), logs)   # (bytes of x, of y and the logs)
+    """
+    share = [0] * num_ipus
+    share[device_mapping[0]] += accounting.tree_bytes(batches[0]) // replicas
+    share[device_mapping[-1]] += accounting.tree_bytes((batches[1:], outfeed)) // replicas
+    return tuple(share) * replicas

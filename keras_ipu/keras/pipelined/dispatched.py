@@ -40,7 +40,7 @@ from keras_ipu.device import (
 )
 from keras_ipu.device.dispatch import DispatchedExecutable
 from keras_ipu.gradient_accumulation import GradientAccumulationReductionMethod as Reduction
-from keras_ipu.keras.pipelined import training, update
+from keras_ipu.keras.pipelined import codec, training, update
 from keras_ipu.keras.pipelined.model import (
     TRAINING_STATE_PARTS,
     PipelinedModel,
@@ -351,6 +351,7 @@ class DispatchedFit:
             by_ipu[ipu] += [ops.forward[s], ops.backward[s]] if s < self.last else [ops.last]
             stash[ipu] += counts[s] * ops.stash_bytes[s]
         memory = []
+        io = codec.io_by_ipu(self.p.device_mapping, len(self.devices), 1, batch, logs)
         for d, op_uses in enumerate(by_ipu):
             if not op_uses:  # an IPU the device mapping skips: it holds and runs nothing
                 memory.append(accounting.MemoryUse(0, 0, 0))
@@ -359,7 +360,7 @@ class DispatchedFit:
             memory.append(accounting.MemoryUse(
                 state_bytes=self.state.own_bytes(d),  # not the padding to the largest IPU
                 temporary_bytes=max(u.temporary_bytes for u in uses) + stash[d],
-                io_bytes=accounting.tree_bytes((batch, logs)),
+                io_bytes=io[d],
                 code_bytes=sum(u.code_bytes for u in uses),
             ))
         return tuple(memory)

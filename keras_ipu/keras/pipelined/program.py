@@ -258,6 +258,8 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
             # the device mapping skips holds nothing.
             state_bytes=[state.own_bytes(i) if i in mapping else None
                          for _ in range(replicas.count) for i in range(used)],
+            io_split=functools.partial(codec.io_by_ipu, pipe.device_mapping, used,
+                                       replicas.count),
             floating_point_checks=checks,
         )
         split_steps = None
