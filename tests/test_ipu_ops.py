@@ -205,6 +205,12 @@ def test_normalise_image_pads_to_four_channels(dtype, out_dtype):
     assert not out[..., 3].any()
     with pytest.raises(ValueError, match="3 channels innermost"):
         image_ops.normalise_image(np.ones((2, 4), dtype), [0] * 3, [1] * 3)
+    # The seed's [3] arrays: one value was applied to every channel, two raised JAX's error.
+    for offsets, scales, bad, shape in (([5.0], [1] * 3, "channel_offsets", "(1,)"),
+                                        ([0] * 3, [1, 2], "channel_scales", "(2,)")):
+        with pytest.raises(ValueError, match=rf"{bad} must be a \[3\] array .*got shape "
+                                             rf"\{shape[:-1]}\)"):
+            image_ops.normalise_image(image, offsets, scales)
 
 
 def test_dropout_seeds_computed_in_the_program_match_fixed_pairs_and_rates_are_checked():

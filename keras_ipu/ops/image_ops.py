@@ -34,7 +34,7 @@ def normalise_image(image: Any, channel_offsets: Any, channel_scales: Any, scale
 
     Raises:
         ValueError: For an image that does not have 3 channels, or another
-            dtype.
+            dtype; for offsets or scales that are not 3 values.
 
     Example:
 
@@ -50,6 +50,10 @@ def normalise_image(image: Any, channel_offsets: Any, channel_scales: Any, scale
                          f"got {image.dtype}.")
     offsets = jnp.asarray(channel_offsets, out_dtype)
     scales = jnp.asarray(channel_scales, out_dtype)
+    for argument, values in (("channel_offsets", offsets), ("channel_scales", scales)):
+        if values.shape != (3,):  # one value would apply to every channel unasked
+            raise ValueError(f"normalise_image's {argument} must be a [3] array (one value "
+                             f"per channel), got shape {values.shape}.")
     normalised = (image.astype(out_dtype) * jnp.asarray(scale, out_dtype) - offsets) * scales
     return jnp.pad(normalised, [(0, 0)] * (image.ndim - 1) + [(0, 1)])
 
