@@ -89,8 +89,8 @@ BUILDERS = {
 class ArrayBatches(keras.utils.PyDataset):
     """Array data as a `PyDataset` of `batch_size` batches, in order."""
 
-    def __init__(self, x, y, batch_size: int):
-        super().__init__()
+    def __init__(self, x, y, batch_size: int, **kwargs):
+        super().__init__(**kwargs)  # workers, use_multiprocessing, max_queue_size
         self.x, self.y, self.batch_size = x, y, batch_size
 
     def __len__(self):

@@ -345,6 +345,32 @@ def test_a_py_datasets_epoch_hooks_run_as_in_plain_keras(accumulation, strategy)
         assert_weights_close(plain.get_weights(), on_ipu.get_weights())
 
 
+class _CountedBatches(ArrayBatches):
+    def __init__(self, x, y, batch_size, reads, **kwargs):
+        super().__init__(x, y, batch_size, **kwargs)
+        self.reads = reads
+
+    def __getitem__(self, index):
+        self.reads.append(int(index))
+        return super().__getitem__(index)
+
+
+def test_a_validation_py_dataset_with_workers_is_read_once_before_training(strategy):
+    # The batch that compiles the validation program (and the last, for its shape) are the
+    # only reads before training. Before, they started the workers, whose prefetched queue
+    # (about the whole dataset) was read and thrown away: 37 reads of 24 batches, not 26.
+    plain, model = twin("sequential", strategy, steps_per_execution=2, optimizer="sgd")
+    x, y = data_for("sequential", samples=96)
+    reads = {}
+    for name, each in (("plain", plain), ("ipu", model)):
+        reads[name] = []
+        each.fit(x[:32], y[:32], batch_size=4, epochs=1, verbose=0, shuffle=False,
+                 validation_data=_CountedBatches(x, y, 4, reads[name], workers=2))
+    assert sorted(reads["plain"]) == list(range(24))
+    assert sorted(reads["ipu"]) == sorted([0, 23, *range(24)])
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
 def test_shuffled_fit_sees_every_sample_once_per_epoch(strategy):
     _, model = twin("sequential", strategy, steps_per_execution=4)
     x, y = data_for("sequential", samples=32)

@@ -472,10 +472,22 @@ class AdapterFeed:
         Keras reads every batch: a `PyDataset` may prepare its batches there.
         """
         if self._first is None:
-            self._begin_pass()
-            # A copy: kept while the source goes on, which may refill what it yielded.
-            self._first = jax.tree_util.tree_map(np.copy, self._next_batch())
-            self._pending.append(self._first)
+            dataset = getattr(self._adapter, "py_dataset", None)
+            if self._role == "validation" and dataset is not None:
+                # Read where Keras reads none, before training: by index, in a pass of
+                # the dataset's own (the adapter's would start its workers, whose queue
+                # of batches the reset before the first validation throws away).
+                if not self._in_pass:
+                    dataset.on_epoch_begin()
+                    self._in_pass = True
+                with host_data.random_state_kept():
+                    self._first = host_data.batch_arrays(host_data.as_tuple(dataset[0]))
+                self._check_shapes(self._first)
+            else:
+                self._begin_pass()
+                # A copy: kept while the source goes on, which may refill what it yielded.
+                self._first = jax.tree_util.tree_map(np.copy, self._next_batch())
+                self._pending.append(self._first)
             self._check_last_batch()
         return self._first
 
