@@ -149,10 +149,9 @@ class ExecutionProgram:
             IPU's share of the program's state. `None` for an IPU that runs
             nothing of the program (a pipeline's `device_mapping` skipping
             it): it holds nothing.
-        io_split: `(batches, outfeed) -> bytes per IPU` (in `replicas`
-            order) of an execution's data and outfeed, when the IPUs stream
-            different parts of them (a pipeline's first stage the inputs, its
-            last the targets and the outfeed); by default an equal share each.
+        io_split: `(batches, outfeed) -> bytes per IPU` (in `replicas` order)
+            of an execution's data and outfeed, where IPUs stream different
+            parts (a pipeline's stages); by default an equal share each.
         floating_point_checks: The floating point exceptions each execution
             traps (`floating_point.checks_for`); the first one raises
             `IPUFloatingPointError` as the execution returns, and its results

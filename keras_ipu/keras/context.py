@@ -92,9 +92,9 @@ class IPUModelState:
         called_dtypes: The dtypes of the inputs a subclassed model was
             first called with, flat (the export's input dtypes: such a model
             has no `keras.Input` to say them); `None` until then.
-        validation: `(Run, feed)` of a running `fit`'s validation, which the
-            model's `evaluate(..., _use_cached_eval_dataset=True)` runs (as
-            Keras' `fit` calls it); `None` outside a `fit`.
+        validation: The `FitValidation` of a running `fit`, which the model's
+            `evaluate(..., _use_cached_eval_dataset=True)` runs (as Keras'
+            `fit` calls it); `None` outside a `fit`.
 
     Example:
 
@@ -113,7 +113,7 @@ class IPUModelState:
     assignment: Any = None
     traced_graph: Any = None
     called_dtypes: tuple[str, ...] | None = None
-    validation: tuple[Any, Any] | None = None
+    validation: Any = None
 
 
 def state_of(model: Any) -> IPUModelState:

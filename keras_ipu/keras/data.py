@@ -480,8 +480,7 @@ class AdapterFeed:
                 if not self._in_pass:
                     dataset.on_epoch_begin()
                     self._in_pass = True
-                with host_data.random_state_kept():
-                    self._first = host_data.batch_arrays(host_data.as_tuple(dataset[0]))
+                self._first = host_data.read_by_index(dataset, 0)
                 self._check_shapes(self._first)
             else:
                 self._begin_pass()
@@ -506,8 +505,7 @@ class AdapterFeed:
             return
         count = plan.num_batches
         size = host_data.batch_size_of(self._first)
-        with host_data.random_state_kept():  # an augmentation's draws are the run's
-            last_size = host_data.batch_size_of(dataset[count - 1])
+        last_size = host_data.batch_size_of(host_data.read_by_index(dataset, count - 1))
         if last_size is not None and last_size != size:
             raise ValueError(
                 f"{ROLES[self._role].subject} has a partial batch: its last batch (index "
@@ -648,22 +646,6 @@ class AdapterFeed:
         if self._in_pass:
             self._in_pass = False
             self._adapter.on_epoch_end()
-
-
-def validation_split(x: Any, y: Any, sample_weight: Any, split: float):
-    """Splits array data into training and validation parts, as Keras does.
-
-    Raises:
-        ValueError: For a `split` outside [0, 1] (Keras would make an empty part
-            and train on without saying so), or too little data (Keras' error).
-    """
-    from keras.src.trainers.data_adapters import array_slicing
-
-    if not 0 <= split <= 1:
-        raise ValueError(f"`validation_split` is the fraction of the data kept for validation, "
-                         f"between 0 and 1: received {split}.")
-
-    return array_slicing.train_validation_split((x, y, sample_weight), validation_split=split)
 
 
 def _execution_shape(plan: FeedPlan) -> tuple[int, ...]:

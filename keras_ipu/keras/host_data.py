@@ -172,3 +172,16 @@ def random_state_kept() -> Iterator[None]:
             global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
         else:
             generator.state.assign(seed_state)
+
+
+def read_by_index(dataset: Any, index: int) -> Any:
+    """A `PyDataset`'s batch `index`, as its adapter yields it, read with the global random
+    state kept: a look at a batch that plain Keras does not read there.
+
+    Example:
+
+    >>> read_by_index(dataset, len(dataset) - 1)   # its last batch, for its shape
+    """
+    with random_state_kept():
+        return batch_arrays(as_tuple(dataset[index]))
+

@@ -13,6 +13,7 @@ the stages on their IPUs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from typing import Any
@@ -32,6 +33,7 @@ from keras_ipu.keras import (
     context,
     data,
     fit_checks,
+    fit_validation,
     infeeds,
     metric_reset,
     pipelined,
@@ -88,41 +90,48 @@ def fit(
         fit_checks.check_validation_freq(validation_freq)
     batch_norm_groups.check(model, replicas, placement.plan is not None)
     if validation_split and validation_data is None:
-        (x, y, sample_weight), validation_data = data.validation_split(
+        (x, y, sample_weight), validation_data = fit_validation.validation_split(
             x, y, sample_weight, validation_split
         )
     steps = replication.instance_steps(steps_per_epoch, replicas, "steps_per_epoch")
     run_epochs = max(epochs - (model._initial_epoch or initial_epoch), 1)
-    validation = None
+    validation_source = None
     if validation_data is not None:
         val_x, val_y, val_sw = _unpack(validation_data)
         val_steps = replication.instance_steps(validation_steps, replicas, "validation_steps")
-        validation = (val_x, val_steps, 1)
+        validation_source = (val_x, val_steps, 1)
     fit_checks.check_before_reading(model, options, placement.plan, replicas.local_count,
-                                    training=(x, steps, run_epochs), validation=validation)
+                                    training=(x, steps, run_epochs),
+                                    validation=validation_source)
     feed = data.make_feed(x, y, sample_weight, batch_size=batch_size, steps=steps,
                           shuffle=shuffle, class_weight=class_weight,
                           steps_per_execution=model.steps_per_execution, epochs=run_epochs,
                           replicas=replicas.local_count)
     with _closed_on_error(feed):
         accumulation = fit_checks.check_accumulation(model, feed.plan, options, placement.plan)
-        val_feed = None
+        validation = None
         if validation_data is not None:
-            val_feed = data.make_feed(
-                val_x, val_y, val_sw, batch_size=validation_batch_size or batch_size,
-                steps=val_steps, steps_per_execution=model.steps_per_execution,
-                replicas=replicas.local_count, role="validation")
-    with _closed_on_error(feed, val_feed):
+            validation = fit_validation.FitValidation(
+                functools.partial(
+                    data.make_feed, val_x, val_y, val_sw,
+                    batch_size=validation_batch_size or batch_size, steps=val_steps,
+                    steps_per_execution=model.steps_per_execution,
+                    replicas=replicas.local_count, role="validation"),
+                lambda val_feed: programs.prepare(model, "evaluate", placement, val_feed,
+                                                  options),
+                data.plan_before_reading(val_x, val_steps, model.steps_per_execution, 1,
+                                         replicas.local_count, "validation"))
+    with _closed_on_error(feed, validation):
         replication.check_instance_steps(replicas, "fit", {
-            "fit": feed.plan, "validation": val_feed.plan if val_feed else None},
+            "fit": feed.plan, "validation": validation.plan if validation else None},
             epochs=(epochs, initial_epoch))
         model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `fit`, after the build
         # Its batch size is read inside the first epoch.
         fit_checks.log_plan(model, feed, accumulation)
         run = programs.prepare(model, "fit", placement, feed, options)
-        val_run = (programs.prepare(model, "evaluate", placement, val_feed, options)
-                   if val_feed else None)
+        if validation is not None and not validation.deferred:
+            validation.prepared()
         attachment.check_attached("fit")
         # On an accelerator the first execution's data moves while the callbacks are set up.
         ahead = infeeds.open_ahead(model, run, feed)
@@ -137,7 +146,8 @@ def fit(
     initial_epoch = model._initial_epoch or initial_epoch
     replication.check_instances_agree(replicas, "fit", "the epoch it starts at", initial_epoch)
     replication.check_instances_agree(replicas, "fit", "the epochs it validates (1 for each)", [
-        val_run is not None and model._should_eval(e, validation_freq) for e in range(epochs)])
+        validation is not None and model._should_eval(e, validation_freq)
+        for e in range(epochs)])
     try:
         for epoch in range(initial_epoch, epochs):
             metric_reset.reset_metrics(model)
@@ -147,8 +157,8 @@ def fit(
             model.jax_state_sync()
             epoch_logs = (_epoch_logs(model, run, logs) if logs else  # no step: the last ones
                           {k: v for k, v in training_logs.items() if not k.startswith("val_")})
-            if val_run is not None and model._should_eval(epoch, validation_freq):
-                val_logs = _validate(model, (val_run, val_feed), callbacks, x=val_x, y=val_y,
+            if validation is not None and model._should_eval(epoch, validation_freq):
+                val_logs = _validate(model, validation, callbacks, x=val_x, y=val_y,
                                      sample_weight=val_sw,
                                      batch_size=validation_batch_size or batch_size,
                                      steps=validation_steps)
@@ -167,7 +177,7 @@ def fit(
             _sync(model)
             _forget_state(model)
         finally:  # a Ctrl-C held back by the sync is raised after the feeds closed
-            _close_all(ahead, feed, val_feed)
+            _close_all(ahead, feed, validation)
         if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
             model.optimizer.finalize_variable_values(model.trainable_weights)
         if training_finished:
@@ -231,7 +241,8 @@ def evaluate(
     """Keras `evaluate` on the IPU system (see `ExtensionBase.evaluate`)."""
     validation = context.state_of(model).validation
     if kwargs.pop("_use_cached_eval_dataset", False) and validation is not None:
-        logs = _evaluate_feed(model, *validation, callbacks, restart=True)  # fit's validation
+        # Fit's validation (its feed and run made now, the first time, for a generator).
+        logs = _evaluate_feed(model, *validation.prepared(), callbacks, restart=True)
         return logs if return_dict else model._flatten_metrics_in_order(logs)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
@@ -265,7 +276,8 @@ def evaluate(
     return model._flatten_metrics_in_order(logs)
 
 
-def _validate(model, validation: tuple, callbacks, **data_arguments) -> dict:
+def _validate(model, validation: fit_validation.FitValidation, callbacks,
+              **data_arguments) -> dict:
     """A `fit`'s validation through the model's own `evaluate`, as Keras' `fit` calls it
     (an override of it runs), on the validation run prepared with the fit."""
     model_state = context.state_of(model)
