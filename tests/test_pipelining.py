@@ -1899,3 +1899,35 @@ def test_each_ipu_reports_the_data_its_stages_stream(form, monkeypatch):
     first, last = (use.io_bytes for use in ipu.utils.execution_report(model, "fit").ipus)
     assert first == 2 * 24 * 4  # a micro-batch of inputs
     assert 2 * 2 * 4 <= last <= 2 * 2 * 4 + 4  # its targets, and the loss at most
+
+
+class _TwoStages(keras.Model):
+    def __init__(self, encoder, head):
+        super().__init__()
+        self.encoder, self.head = encoder, head
+
+    def call(self, x):
+        with ipu.keras.PipelineStage(0):
+            h = self.encoder(x)
+        with ipu.keras.PipelineStage(1):
+            return self.head(h)
+
+
+def test_weight_placement_lists_weights_of_one_path_each(strategy):
+    # Layers made either side of clear_session() are both "dense": their weights share
+    # paths. Before, stage 0's entries were overwritten by stage 1's.
+    configure(2)
+    encoder = keras.layers.Dense(8, activation="relu")
+    keras.backend.clear_session()
+    head = keras.layers.Dense(1)
+    with strategy.scope():
+        model = _TwoStages(encoder, head)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    model.compile("sgd", "mse", steps_per_execution=8)
+    model.fit(np.ones((32, 4), "float32"), np.ones((32, 1), "float32"), batch_size=4, verbose=0)
+    devices = [i.device for i in ipu.device.system.current().ipus[:2]]
+    path = encoder.kernel.path
+    assert path == head.kernel.path
+    placement = ipu.utils.weight_placement(model)
+    assert len(placement) == 4
+    assert placement[path] == [devices[0]] and placement[f"{path} (2)"] == [devices[1]]

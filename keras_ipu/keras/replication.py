@@ -460,6 +460,6 @@ class ReplicaCodec:
         """An execution's batches on the replicas' devices."""
         return self.replicas.place_batches(batches)
 
-    def weight_placement(self, model: Any) -> dict[str, list]:
-        """Every trainable weight on every replica's device."""
-        return {v.path: list(self.replicas.devices) for v in model.trainable_variables}
+    def weight_devices(self, model: Any) -> list[list]:
+        """Per trainable weight, the devices that hold it: every replica's."""
+        return [list(self.replicas.devices) for _ in model.trainable_variables]

@@ -54,7 +54,9 @@ def weight_placement(model, mode: str = "fit") -> dict[str, list]:
         mode: The program to ask (`"fit"`, `"evaluate"`, `"predict"`).
 
     Returns:
-        `{weight.path: [jax devices]}`.
+        `{weight.path: [jax devices]}`; a second weight of a path already
+        there (layers named alike, made after `keras.backend.clear_session()`)
+        as `"path (2)"`, and so on, in `model.trainable_variables` order.
 
     Raises:
         ValueError: As `execution_report`.
@@ -65,4 +67,12 @@ def weight_placement(model, mode: str = "fit") -> dict[str, list]:
     [CpuDevice(id=0)]
     """
     execution_report(model, mode)  # the same checks
-    return run.run_for(model, mode).codec.weight_placement(model)
+    placement: dict[str, list] = {}
+    held = run.run_for(model, mode).codec.weight_devices(model)
+    for variable, devices in zip(model.trainable_variables, held, strict=True):
+        key, count = variable.path, 1
+        while key in placement:
+            count += 1
+            key = f"{variable.path} ({count})"
+        placement[key] = devices
+    return placement

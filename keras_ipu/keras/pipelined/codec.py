@@ -73,14 +73,14 @@ class PipelineCodec:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
             batches)
 
-    def weight_placement(self, model) -> dict[str, list]:
-        """Each trainable weight on its stage's IPU, in every replica."""
-        devices = self.state.mesh.devices
-        placement = {}
+    def weight_devices(self, model) -> list[list]:
+        """Per trainable weight (in `model.trainable_variables` order), the devices that hold
+        it: its stage's IPU, in every replica."""
+        devices, held = self.state.mesh.devices, [[] for _ in model.trainable_variables]
         for ipu, indices in enumerate(self.state.pipelined.trainable_of):
             for i in indices:
-                placement[model.trainable_variables[i].path] = list(devices[:, ipu])
-        return placement
+                held[i] = list(devices[:, ipu])
+        return held
 
     @property
     def lone_replica(self) -> bool:
