@@ -311,7 +311,8 @@ def test_too_few_micro_batches_names_the_minimum(strategy):
         model.fit(x, y, batch_size=4, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=1)
-    with pytest.raises(ValueError, match=r"`steps_per_execution` \(1\) is too small"):
+    with pytest.raises(ValueError, match=r"`steps_per_execution` \(1\) is too small.*set it "
+                                         r"with `compile\(steps_per_execution=\.\.\.\)`"):
         model.predict(x, batch_size=4, verbose=0)
 
 
@@ -1858,8 +1859,10 @@ def test_a_running_mean_accumulates_a_weight_two_stages_use_as_the_big_batch(for
         "host" if form == "host" else "schedule")
 
 
-def test_an_uncompiled_pipelined_model_predicts_as_plain_keras(strategy):
-    # Keras predicts without compile(); a pipelined model raised AttributeError ('optimizer').
+@pytest.mark.parametrize("schedule", ["Sequential", None])
+def test_an_uncompiled_pipelined_model_predicts_as_plain_keras(schedule, strategy):
+    # Keras predicts without compile(); a pipelined model raised AttributeError ('optimizer'),
+    # and under the default (Grouped) schedule said steps_per_execution (1) was too small.
     configure(2)
 
     def build(staged):
@@ -1875,8 +1878,9 @@ def test_an_uncompiled_pipelined_model_predicts_as_plain_keras(strategy):
     with strategy.scope():
         model = build(True)
     model.set_weights(plain.get_weights())
-    model.set_pipelining_options(
-        pipeline_schedule=ipu.pipelining_ops.PipelineSchedule.Sequential)
+    if schedule is not None:
+        model.set_pipelining_options(
+            pipeline_schedule=ipu.pipelining_ops.PipelineSchedule[schedule])
     x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
     np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0),
                                plain.predict(x, batch_size=2, verbose=0), atol=1e-6)

@@ -174,18 +174,23 @@ def program_for(model, mode: str, placement, feed, options: IPUOptions, hardware
     micro = accumulation_steps(model, options) if mode == "fit" else (
         feed.plan.steps_per_execution)
     minimum = schedules.minimum_micro_batches(schedule, plan.num_stages)
-    if micro < minimum and mode != "fit" and micro < model.steps_per_execution:
+    if micro < minimum and mode != "fit" and (micro < model.steps_per_execution
+                                              or not model.compiled):
         # Fewer batches than the schedule fills because the data is shorter than
-        # steps_per_execution (cut to fit it, with Keras' warning): inference runs them
-        # one after another, to the same values. (Set that small, it is refused below.)
+        # steps_per_execution (cut to fit it, with Keras' warning), or a model never
+        # compiled predicts (as Keras' can): inference runs them one after another, to
+        # the same values. (Set that small by `compile`, it is refused below.)
         schedule = schedules.PipelineSchedule.Sequential
         minimum = schedules.minimum_micro_batches(schedule, plan.num_stages)
     if micro < minimum:
         what = ("`gradient_accumulation_steps_per_replica`" if mode == "fit"
                 else "`steps_per_execution`")
+        where = ("`set_pipelining_options`" if mode == "fit"
+                 else "`compile(steps_per_execution=...)`")
         raise ValueError(
             f"{what} ({micro}) is too small for the {schedule.name} schedule of "
-            f"{plan.num_stages} pipeline stages: the minimum is {minimum}."
+            f"{plan.num_stages} pipeline stages: the minimum is {minimum} (set it with "
+            f"{where})."
         )
     table = schedules.build_schedule(schedule, plan.num_stages, micro, mapping,
                                      training=mode == "fit")
