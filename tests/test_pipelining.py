@@ -1935,3 +1935,29 @@ def test_weight_placement_lists_weights_of_one_path_each(strategy):
     placement = ipu.utils.weight_placement(model)
     assert len(placement) == 4
     assert placement[path] == [devices[0]] and placement[f"{path} (2)"] == [devices[1]]
+
+
+def test_reading_the_report_leaves_a_shared_layers_flag_as_it_was(strategy):
+    # The report traces with the flags the program was built with and puts them back:
+    # a frozen embedding that a tied head also holds was unfrozen by the head's flag.
+    configure(2)
+    with strategy.scope():
+        ids = keras.Input((4,), dtype="int32")
+        with ipu.keras.PipelineStage(0):
+            embedding = keras.layers.Embedding(20, 8)
+            h = keras.layers.Dense(8)(embedding(ids))
+        with ipu.keras.PipelineStage(1):
+            head = keras.layers.Dense(8)
+            logits = _TiedHead(embedding)(head(h))
+        model = keras.Model(ids, logits)
+    embedding.trainable = False
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=2)
+    x = np.random.default_rng(0).integers(0, 20, (8, 4)).astype("int32")
+    model.fit(x, x, batch_size=2, verbose=0)
+    head.trainable = False  # and one frozen since the fit
+    assert ipu.utils.execution_report(model, "fit").flops_per_step > 0
+    assert not embedding.trainable and not embedding.get_config()["trainable"]
+    assert not head.trainable and not head.kernel.trainable
+    assert len(model.trainable_variables) == 2  # the first stage's Dense

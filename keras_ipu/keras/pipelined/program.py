@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import graphlib
 import warnings
 from typing import Any
 
@@ -407,14 +408,15 @@ def _traced_as_built(model, costs):
     The report is worked out when first read: a layer frozen since (a fine-tuning
     step after `fit`) would change the variables the stages were planned with.
     """
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    layers = _holders_first(model)
     variables = list(model.variables)
 
     def flags():
         return [layer.trainable for layer in layers], [v.trainable for v in variables]
 
     def set_flags(flagged):
-        # Outer layers first: setting a layer's flag sets its sublayers' and variables'.
+        # Setting a layer's flag sets those of the layers and variables it holds: each
+        # is set after all that hold it (a shared layer after the layers that call it).
         for layer, flag in zip(layers, flagged[0]):
             layer.trainable = flag
         for variable, flag in zip(variables, flagged[1]):
@@ -431,6 +433,17 @@ def _traced_as_built(model, costs):
             set_flags(now)
 
     return as_built
+
+
+def _holders_first(model) -> list:
+    """The model and its layers, each after every layer that holds it."""
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    position = {id(layer): i for i, layer in enumerate(layers)}
+    holders: dict[int, set[int]] = {i: set() for i in range(len(layers))}
+    for i, layer in enumerate(layers):
+        for inner in layer._flatten_layers(include_self=False, recursive=False):
+            holders[position[id(inner)]].add(i)
+    return [layers[i] for i in graphlib.TopologicalSorter(holders).static_order()]
 
 
 def _recomputation(options: IPUOptions) -> bool:
