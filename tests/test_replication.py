@@ -442,6 +442,11 @@ def test_an_ipus_predict_temporaries_do_not_grow_with_the_replicas():
     # a predict that one replica ran was refused on small IPUs at 8.
     two, eight = _predict_report(2, 4).temporary_bytes, _predict_report(8, 4).temporary_bytes
     assert eight == two
+    # 16 and 32 IPUs share the 8 devices, which stack their own replicas' outputs first:
+    # those grew with the replicas and the steps too (16 x 16 steps: 1 MiB each, not 64 KiB).
+    for replicas, steps in ((16, 4), (16, 16), (32, 4)):
+        shared = _predict_report(replicas, steps).temporary_bytes
+        assert abs(shared - two) <= 64, (replicas, steps, shared, two)
 
 
 def test_a_replicated_fit_whose_state_is_not_donated_keeps_its_temporaries():
