@@ -372,6 +372,27 @@ def test_a_validation_py_dataset_with_workers_is_read_once_before_training(strat
     assert_weights_close(plain.get_weights(), model.get_weights())
 
 
+class _DrawingBatches(ArrayBatches):
+    def on_epoch_begin(self):
+        np.random.shuffle(np.arange(8))  # a draw from NumPy's global random state
+
+
+def test_a_validation_py_datasets_hook_before_training_draws_nothing_the_run_sees(strategy):
+    # Its pass before training (for the batch that compiles the validation program) drew
+    # from the global random state ahead of the training's shuffle: another order (1.420 for
+    # Keras' 1.389 on the hunt's model).
+    plain, model = twin("sequential", strategy, optimizer="sgd")
+    x, y = data_for("sequential", samples=32)
+    histories = {}
+    for name, each in (("plain", plain), ("ipu", model)):
+        np.random.seed(5)
+        histories[name] = each.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                                   validation_data=_DrawingBatches(x, y, 4)).history
+    for key, values in histories["plain"].items():
+        np.testing.assert_allclose(histories["ipu"][key], values, rtol=1e-5)
+    assert_weights_close(plain.get_weights(), model.get_weights())
+
+
 def test_a_validation_generator_is_first_read_at_the_first_validation_as_in_keras(strategy):
     # Read before training (Keras' adapter peeks as it is made, and the program compiled from
     # a batch), its random augmentation drew before the training's shuffle: another order

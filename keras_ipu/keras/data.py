@@ -478,7 +478,8 @@ class AdapterFeed:
                 # the dataset's own (the adapter's would start its workers, whose queue
                 # of batches the reset before the first validation throws away).
                 if not self._in_pass:
-                    dataset.on_epoch_begin()
+                    with host_data.random_state_kept():  # its draws come before training
+                        dataset.on_epoch_begin()
                     self._in_pass = True
                 self._first = host_data.read_by_index(dataset, 0)
                 self._check_shapes(self._first)
