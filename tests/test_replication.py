@@ -240,6 +240,24 @@ def test_list_reduction_refuses_callbacks_that_compare_one_number(callback, stra
     assert len(model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback]).history["loss"])
 
 
+class _MeanEarlyStopping(keras.callbacks.EarlyStopping):
+    def get_monitor_value(self, logs):
+        return float(np.mean(logs[self.monitor]))
+
+
+def test_list_reduction_takes_a_subclass_that_reduces_the_values_itself(strategy):
+    configure(2)
+    x, y = data_for("sequential", samples=16)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.set_replication_options("LIST")
+    stopping = _MeanEarlyStopping("loss", patience=0, min_delta=1.0)
+    history = model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[stopping])
+    assert len(history.history["loss"]) == 2  # no improvement of 1.0 after the first epoch
+    assert np.shape(history.history["loss"][0]) == (2,)
+
+
 def test_bad_reduction_method(strategy):
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

@@ -55,9 +55,13 @@ def check_validation_freq(validation_freq: Any) -> None:
             f"{validation_freq!r}.")
 
 
-# Keras callbacks that take a log value as one number (an `if` over it).
-_SCALAR_MONITORS = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
-                    keras.callbacks.TerminateOnNaN)
+# Keras callbacks that take a log value as one number (an `if` over it), and the
+# methods that read it: a subclass overriding one may reduce the replicas' values itself.
+_SCALAR_MONITORS = {
+    keras.callbacks.EarlyStopping: ("on_epoch_end", "get_monitor_value", "_is_improvement"),
+    keras.callbacks.ReduceLROnPlateau: ("on_epoch_end", "_reset"),
+    keras.callbacks.TerminateOnNaN: ("on_batch_end", "on_train_batch_end"),
+}
 
 
 def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> None:
@@ -66,15 +70,18 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
     Raises:
         ValueError: `set_replication_options("LIST")` with several replicas (each
             log value an array, one per replica) and `EarlyStopping`,
-            `ReduceLROnPlateau` or `TerminateOnNaN`, which would fail at their
-            first comparison with NumPy's "truth value of an array" error.
+            `ReduceLROnPlateau` or `TerminateOnNaN` (or a subclass that reads
+            the logs with their methods), which would fail at their first
+            comparison with NumPy's "truth value of an array" error.
     """
     if (options.replicated_metric_reduction_method is not ReplicatedMetricReductionMethod.LIST
             or replicas.count == 1):
         return
-    given = getattr(callbacks, "callbacks", callbacks) or ()
-    for callback in given:
-        if isinstance(callback, _SCALAR_MONITORS):
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        base = next((kind for kind in _SCALAR_MONITORS if isinstance(callback, kind)), None)
+        if base is not None and all(
+                getattr(type(callback), method, None) is getattr(base, method, None)
+                for method in _SCALAR_MONITORS[base]):
             raise ValueError(
                 f"{type(callback).__name__} compares a log value as one number, but "
                 f"`set_replication_options('LIST')` makes every log value an array of the "
