@@ -158,8 +158,10 @@ def test_cross_replica_sums_in_groups():
     for op in (all_to_all_op.all_gather, reduce_scatter_op.reduce_scatter):
         with pytest.raises(ValueError, match=r"got 2\.0\. Valid sizes"):
             _on_4_replicas(lambda v, op=op: op(v[None], 2.0), x)
-    np.testing.assert_array_equal(
-        _on_4_replicas(lambda v: cross_replica_ops.cross_replica_sum(v, np.int64(2)), x), out)
+    for size in (np.int64(2), jnp.array(2)):  # a 0-d JAX integer raised a tracer error
+        np.testing.assert_array_equal(
+            _on_4_replicas(lambda v, size=size: cross_replica_ops.cross_replica_sum(v, size), x),
+            out)
 
 
 def test_all_gather_and_all_to_all_within_groups():

@@ -296,6 +296,13 @@ def test_too_little_data_for_all_replicas(strategy):
                                          r"to run 1 steps each\. Make sure the dataset contains "
                                          r"at least 4 items"):
         on_ipu.fit(x, y, batch_size=4, verbose=0)
+    for arguments, name in (({"steps_per_epoch": 2}, "steps_per_epoch"),
+                            ({"validation_data": (x, y), "validation_steps": 3},
+                             "validation_steps")):  # the data has enough: the count does not
+        with pytest.raises(ValueError, match=rf"`{name}` \(\d\) counts the batches of all 4 "
+                                             r"replicas together.*Set it to 4 or more"):
+            on_ipu.fit(*data_for("sequential", samples=16), batch_size=4, verbose=0,
+                       **arguments)
     with pytest.raises(ValueError, match=r"validation data contains 2 items, but all 4 "
                                          r"replicas.*validation data contains at least 4 items "
                                          r"\(batches of `validation_batch_size`\)"):

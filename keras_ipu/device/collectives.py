@@ -95,6 +95,7 @@ def cross_replica_sum(values: Any, group_size: int | None = None) -> Any:
 
     >>> total = cross_replica_sum(partial)
     """
+    group_size = checked_group_size(group_size)  # a 0-d integer array too
     if group_size is None or group_size == replica_count():
         axes = _replica_axes()
         return jax.lax.psum(values, axes) if axes else values

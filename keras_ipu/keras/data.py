@@ -213,6 +213,10 @@ def plan_steps(
             )
         steps = num_batches
     per_replica, dropped = divmod(steps, replicas)
+    if per_replica == 0 and continues:  # the steps argument is the one to change
+        raise ValueError(
+            f"`{steps_argument}` ({steps}) counts the batches of all {replicas} replicas "
+            f"together: each replica needs one at least. Set it to {replicas} or more.")
     if per_replica == 0:
         # The reference's words; validation's data named as such (it is not `x`).
         data = "validation data" if role == "validation" else "dataset"
