@@ -293,6 +293,20 @@ def test_allreduce_keeps_the_shape_and_dtype_as_horovod():
         for value in (np.float32(3), np.int32(7)):
             reduced = runtime.reduce_stacked(np.stack([value, value]), op)
             assert isinstance(reduced, np.ndarray) and reduced.shape == (), (op, value)
+    # Truth values average as truth values (all true gave False: trunc(True / 2)).
+    truths = np.array([[True, True, False], [True, False, False]])
+    reduced = runtime.reduce_stacked(truths, "mean")
+    assert reduced.dtype == bool and reduced.tolist() == [True, True, False]
+
+
+def test_the_replica_counts_follow_the_launchers_ipus_per_replica(monkeypatch):
+    # As `shard_for_instance` counts them: 2 IPUs per replica on 4 IPUs are 2 replicas.
+    configure(4)
+    assert ipu.distributed.num_global_replicas() == 4
+    monkeypatch.setenv(runtime.IPUS_PER_REPLICA_ENV, "2")
+    assert ipu.distributed.num_global_replicas() == 2
+    assert ipu.distributed.num_local_replicas() == 2
+    assert ipu.distributed.num_global_replicas(ipus_per_replica=1) == 4
 
 
 def test_helpers_across_two_instances():

@@ -238,25 +238,28 @@ def check_one_instance(what: str) -> None:
             f"batch_size=len(x))`) and evaluate with `evaluate`.")
 
 
-def num_local_replicas(ipus_per_replica: int = 1) -> int:
+def num_local_replicas(ipus_per_replica: int | None = None) -> int:
     """Replicas on this instance's configured IPUs, `ipus_per_replica` (rounded up
-    to a power of two) each.
+    to a power of two) each; by default the launcher's `--ipus-per-replica` (1
+    outside a `keras-ipu run` job).
 
     Raises:
         RuntimeError: When no IPU system is configured.
     """
     from keras_ipu.device import system
 
+    if ipus_per_replica is None:
+        ipus_per_replica = positive_int_env(IPUS_PER_REPLICA_ENV, 1)
     per_replica = 1 << max(ipus_per_replica - 1, 0).bit_length()
     return max(system.require().num_ipus // per_replica, 1)
 
 
-def num_global_replicas(ipus_per_replica: int = 1) -> int:
+def num_global_replicas(ipus_per_replica: int | None = None) -> int:
     """Replicas over all instances: instances × this instance's replicas.
 
     Args:
-        ipus_per_replica: IPUs each replica uses (a pipeline's stages); 1
-            for models that are not pipelined.
+        ipus_per_replica: IPUs each replica uses (a pipeline's stages); by
+            default the launcher's `--ipus-per-replica` (1 outside a job).
 
     Returns:
         The number of global replicas.
@@ -280,7 +283,8 @@ def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
     """`stacked[0] op stacked[1] op ...`, in `stacked`'s dtype (as Horovod's allreduce).
 
     Sums wrap around in an integer dtype; an integer mean is the sum divided
-    by the count, truncated toward zero (Horovod scales the sum by `1 / N`).
+    by the count, truncated toward zero (Horovod scales the sum by `1 / N`); a
+    boolean mean is true where at least half the values are.
 
     Example:
 
@@ -290,6 +294,9 @@ def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
     stacked = np.asarray(stacked)
     if op == "sum":
         reduced = np.sum(stacked, axis=0, dtype=stacked.dtype)
+    elif op in ("mean", "average") and stacked.dtype == bool:
+        # A mean of truth values, as a truth value: true where at least half are.
+        reduced = np.mean(stacked, axis=0) >= 0.5
     elif op in ("mean", "average") and not jnp.issubdtype(stacked.dtype, jnp.inexact):
         total = np.sum(stacked, axis=0, dtype=stacked.dtype)
         reduced = np.trunc(total / stacked.shape[0])

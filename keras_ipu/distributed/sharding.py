@@ -42,9 +42,8 @@ def shard_for_instance(data: Any, batch_size: int, local_replicas: int | None = 
     """
     instance = runtime.instance_index() if instance is None else instance
     instances = runtime.num_instances() if instances is None else instances
-    if local_replicas is None:
-        per_replica = runtime.positive_int_env(runtime.IPUS_PER_REPLICA_ENV, 1)
-        local_replicas = runtime.num_local_replicas(per_replica)
+    if local_replicas is None:  # of the launcher's `--ipus-per-replica` each
+        local_replicas = runtime.num_local_replicas()
     if not 0 <= instance < instances:
         raise ValueError(f"instance must be an instance index in 0..{instances - 1}, got "
                          f"{instance!r}.")
