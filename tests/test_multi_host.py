@@ -419,6 +419,11 @@ def test_callbacks_that_change_the_run_in_one_instance_only_are_told_so():
                 "(instance 0: [1]; instance 1: [0])") in lines, lines
         assert ("validation raised: `fit` across 2 instances: they disagree on the epochs it "
                 "validates (1 for each) (instance 0: [1, 1]; instance 1: [0, 1])") in lines
+        for run, mode, flag in (("batch", "fit", "training"), ("evaluate", "evaluate",
+                                                               "evaluating"),
+                                ("predict", "predict", "predicting")):
+            assert (f"{run} stop raised: `{mode}` across 2 instances: they disagree on "
+                    f"model.stop_{flag} (instance 0: [0]; instance 1: [1])") in lines, lines
         assert "agreeing fit ran 2 epochs" in lines
 
 

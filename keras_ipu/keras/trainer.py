@@ -458,7 +458,12 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     _keep_state(model, new_state, codec)
                     _land(model, written)
                 state = new_state
-                if getattr(model, stop_flag, False):
+                stop = bool(getattr(model, stop_flag, False))
+                # A hook of one instance alone must not stop it: the others would wait
+                # for it in the next execution's collectives for ever.
+                replication.check_instances_agree(run.program.replicas, mode,
+                                                  f"model.{stop_flag}", int(stop))
+                if stop:
                     break
             else:  # every execution taken: the pass ends (not after a stop or an error)
                 feed.end_pass()

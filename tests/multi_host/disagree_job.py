@@ -14,6 +14,19 @@ class StopAfterFirstEpoch(keras.callbacks.Callback):
         self.model.stop_training = True
 
 
+class StopAtFirstBatch(keras.callbacks.Callback):
+    """Stops a run mid-epoch, as a time budget given to one instance does."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.model.stop_evaluating = True
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.model.stop_predicting = True
+
+
 strategy, index = start()
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 6)).astype("float32")
@@ -21,13 +34,20 @@ x, y = ipu.distributed.shard_for_instance((x, x[:, :3]), 4)
 with strategy.scope():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+mid_run = [StopAtFirstBatch()] if index == 1 else []
 runs = {
-    "stop": dict(callbacks=[StopAfterFirstEpoch()] if index == 0 else []),
-    "validation": dict(validation_data=(x, y), validation_freq=1 + index),
+    "stop": (model.fit, dict(callbacks=[StopAfterFirstEpoch()] if index == 0 else [])),
+    "validation": (model.fit, dict(validation_data=(x, y), validation_freq=1 + index)),
+    # Before: the instance that stopped left the other waiting in a collective for ever.
+    "batch stop": (model.fit, dict(callbacks=mid_run)),
+    "evaluate stop": (model.evaluate, dict(callbacks=mid_run)),
+    "predict stop": (lambda x, y, **kwargs: model.predict(x, **kwargs), dict(callbacks=mid_run)),
 }
-for name, arguments in runs.items():
+for name, (method, arguments) in runs.items():
+    if method == model.fit:
+        arguments = dict(arguments, epochs=2)
     try:
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, **arguments)
+        method(x, y, batch_size=4, verbose=0, **arguments)
         say(name, "ran")
     except ValueError as error:
         say(name, "raised:", error)
