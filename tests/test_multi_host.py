@@ -329,6 +329,10 @@ def test_helpers_across_two_instances():
         assert "mismatch shape broadcast needs the same structure" in out
         assert "bf16 mean 1.5" in out  # was truncated as an integer's: 1.0
         assert "scalar gather allgather needs the same structure" in out
+        # Before: each instance's own value (1.0 and 2.0), and weights that parted silently.
+        assert "strategy reduce 3.0 1.5" in out
+        assert ("run apply An optimizer applied in `strategy.run` or `ipu_compiler.compile` "
+                "sums the gradients of this instance's replicas alone") in out
 
 
 @pytest.mark.parametrize("how", ["dies", "raise"])

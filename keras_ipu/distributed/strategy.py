@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from keras_ipu.distributed import config as distributed_config
 from keras_ipu.distributed import runtime
 from keras_ipu.keras.strategy import IPUStrategy
@@ -76,6 +78,37 @@ class IPUMultiReplicaStrategy(IPUStrategy):
     def instance_index(self) -> int:
         """This instance's index."""
         return runtime.instance_index()
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """Reduces `value` over the replicas, over `axis`, and over the instances.
+
+        Inside `run`'s function, over this instance's replicas (as `IPUStrategy`'s);
+        outside it, over every instance too (each must call it), as the seed's
+        multi-worker strategy reduces a per-worker value across the workers.
+
+        Args:
+            reduce_op: `"SUM"` or `"MEAN"` (or an enum member of that name).
+            value: An array, or a tree of arrays (the same shapes on every instance).
+            axis: An axis of each array to reduce too, or `None`.
+
+        Returns:
+            The reduced value (NumPy arrays, across instances).
+
+        Raises:
+            ValueError: For another `reduce_op`, or values that differ in shape
+                between the instances.
+
+        Example:
+
+        >>> strategy.reduce("SUM", np.float32(instance_index() + 1))   # 2 instances
+        array(3., dtype=float32)
+        """
+        reduced = super().reduce(reduce_op, value, axis)
+        if runtime.num_instances() == 1 or any(
+                isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(reduced)):
+            return reduced
+        name = str(getattr(reduce_op, "name", reduce_op)).lower()
+        return runtime.allreduce(jax.device_get(reduced), op=name)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ipu_device={self.ipu_device!r}, "

@@ -52,6 +52,12 @@ def _in_programs(original: Any) -> Any:
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if _REDUCED.get() or not compiled_calls.in_compiled_program():
             return original(self, grads, trainable_variables)
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "An optimizer applied in `strategy.run` or `ipu_compiler.compile` sums the "
+                "gradients of this instance's replicas alone: in a job of several instances "
+                "their weights would part. Train with `fit`, whose programs span the "
+                "instances.")
         token = _REDUCED.set(True)
         if trainable_variables is not None:  # read twice below: not an iterator
             trainable_variables = list(trainable_variables)

@@ -45,3 +45,19 @@ try:  # a scalar in one instance only: refused in both, none waits for the other
     dist.allgather(np.float32(i) if i == 0 else np.ones(1, "float32"))
 except ValueError as error:
     say("scalar gather", str(error).split(";")[0])
+# The seed's multi-worker strategy reduces a per-worker value across the workers.
+strategy = ipu.ipu_multi_worker_strategy.IPUMultiWorkerStrategy(None)
+say("strategy reduce", float(strategy.reduce("SUM", np.float32(i + 1))),
+    float(strategy.reduce("MEAN", np.float32(i + 1))))
+import keras  # noqa: E402 - after the system is configured, as a job's script may
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+optimizer = keras.optimizers.SGD(0.1)
+optimizer.build(model.trainable_variables)
+try:  # an apply in a computation of one instance's replicas: the weights would part
+    strategy.run(lambda: optimizer.apply([v.value * 0 for v in model.trainable_variables],
+                                         model.trainable_variables))
+    say("run apply passed")
+except NotImplementedError as error:
+    say("run apply", str(error).split(":")[0])
