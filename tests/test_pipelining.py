@@ -1961,3 +1961,38 @@ def test_reading_the_report_leaves_a_shared_layers_flag_as_it_was(strategy):
     assert not embedding.trainable and not embedding.get_config()["trainable"]
     assert not head.trainable and not head.kernel.trainable
     assert len(model.trainable_variables) == 2  # the first stage's Dense
+
+
+def test_a_stage_whose_shapes_depend_on_training_sends_its_training_shapes(strategy):
+    # RandomCrop crops in training only: the boundary was laid out for its inference
+    # shape (12 x 12), and the next stage read the 8 x 8 crop as 12 x 12 (0.031 off).
+    configure(2)
+
+    def build():
+        inputs = keras.Input((12, 12, 3))
+        h = keras.layers.RandomCrop(8, 8, seed=1)(inputs)
+        h = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(4, 3)(h))
+        return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(8, 12, 12, 3)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    plain = build()
+    initial = plain.get_weights()
+    plain.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), "mse")
+    plain.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build()
+    model.set_weights(initial)
+    assignment = model.get_pipeline_stage_assignment()
+    for index, entry in enumerate(assignment):
+        entry.pipeline_stage = min(index, 1)  # the crop alone in stage 0
+    model.set_pipeline_stage_assignment(assignment)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=2,
+                                 gradient_accumulation_reduction_method="mean")
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+    model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert model.predict(x, batch_size=4, verbose=0).shape == (8, 3)  # inference: uncropped

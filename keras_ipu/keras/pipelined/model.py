@@ -113,9 +113,9 @@ class PipelinedModel:
         plan: The model's `PipelinePlan` (its layer calls per stage, tensors
             named by keys, the bundle each stage forwards).
         device_mapping: Per stage, the IPU (within a replica) it runs on.
-        training: Whether it trains: only then does each IPU get a copy of
-            the optimizer (inference needs none, also where the model's
-            trainable weights changed since its optimizer was built).
+        training: Whether it trains (its shapes are traced so): only then does
+            each IPU get a copy of the optimizer (inference needs none, also
+            where the trainable weights changed since it was built).
 
     Raises:
         ValueError: When a layer, or a trainable variable, is used by stages
@@ -130,9 +130,8 @@ class PipelinedModel:
         self.bundle_in = [plan.live_after[s - 1] if s else () for s in range(self.num_stages)]
         self.bundle_out = [plan.live_after[s] if s < self.num_stages - 1 else ()
                            for s in range(self.num_stages)]
-        # Per input shape: the layers' shapes and types (the graph may leave an axis
-        # `None`, and types a layer's output by its compute dtype).
-        self._traced_samples: dict[tuple, samples.TracedSamples] = {}
+        self._traced_samples: dict[tuple, samples.TracedSamples] = {}  # per input shape
+        self.training = training
         self._place_variables(training)
 
     def samples(self, x) -> Mapping[Any, boundary.Sample]:
@@ -148,7 +147,7 @@ class PipelinedModel:
         return self._traced(x).samples
 
     def adds_losses(self, x) -> bool:
-        """Whether the stages add losses in inference for inputs like `x` (`add_loss`, ...)."""
+        """Whether the stages add losses for inputs like `x` (`add_loss`, ...), in its mode."""
         return self._traced(x).adds_losses or any(
             getattr(v, "regularizer", None) is not None for v in self.model.trainable_variables)
 
@@ -156,7 +155,8 @@ class PipelinedModel:
         signature = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tree.flatten(x))
         if signature not in self._traced_samples:
             variables = self.model.trainable_variables + self.model.non_trainable_variables
-            self._traced_samples[signature] = samples.samples_for(self.plan, variables, x)
+            self._traced_samples[signature] = samples.samples_for(self.plan, variables, x,
+                                                                  self.training)
         return self._traced_samples[signature]
 
     def bundle_shape(self, x) -> tuple[int, int]:

@@ -37,19 +37,19 @@ class TracedSamples(NamedTuple):
     Attributes:
         samples: Per tensor key of the plan, its `Sample`.
         adds_losses: Whether a layer call added a loss (`add_loss`, an
-            activity regularizer) in inference.
+            activity regularizer), in the traced mode.
     """
 
     samples: dict[Any, Sample]
     adds_losses: bool
 
 
-def samples_for(plan, variables: Sequence[Any], x) -> TracedSamples:
+def samples_for(plan, variables: Sequence[Any], x, training: bool = False) -> TracedSamples:
     """Every tensor's `Sample` for a micro-batch of inputs like `x`.
 
     The graph's layer calls are traced on `x`'s shapes (nothing runs; the
-    variables keep their values), in inference mode: shapes do not depend on
-    it.
+    variables keep their values), in the program's mode: a layer's shapes may
+    depend on it (`RandomCrop` crops in training only).
 
     Args:
         plan: The model's `PipelinePlan`.
@@ -57,6 +57,7 @@ def samples_for(plan, variables: Sequence[Any], x) -> TracedSamples:
             non-trainable variables).
         x: One micro-batch of the model inputs (arrays, tracers or shape
             structs, the batch first), structured as `plan.inputs_struct`.
+        training: Whether the program trains.
 
     Returns:
         `TracedSamples`: per tensor key of the plan, its `Sample`; whether
@@ -75,12 +76,14 @@ def samples_for(plan, variables: Sequence[Any], x) -> TracedSamples:
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), x))
     losses: list[int] = []  # filled as the trace runs
     traced = jax.eval_shape(
-        lambda values, flat: _every_tensor(plan, variables, values, flat, losses), specs, inputs)
+        lambda values, flat: _every_tensor(plan, variables, values, flat, losses, training),
+        specs, inputs)
     return TracedSamples({key: _sample(plan.tensors[key], value, mask)
                           for key, (value, mask) in traced.items()}, bool(losses[0]))
 
 
-def _every_tensor(plan, variables, values, flat_inputs, losses: list) -> Mapping[Any, tuple]:
+def _every_tensor(plan, variables, values, flat_inputs, losses: list,
+                  training: bool) -> Mapping[Any, tuple]:
     """Each tensor's value and the mask it carries, running every stage's calls in turn;
     appends to `losses` how many losses the calls added."""
     env = dict(zip(plan.input_keys, flat_inputs))
@@ -89,7 +92,7 @@ def _every_tensor(plan, variables, values, flat_inputs, losses: list) -> Mapping
                               collect_losses=True) as scope:
         for calls in plan.stages:
             for call in calls:
-                args, kwargs = stages.call_arguments(call, env, training=False)
+                args, kwargs = stages.call_arguments(call, env, training=training)
                 outputs = call.operation(*args, **kwargs)
                 env.update(zip(call.output_keys, tree.flatten(outputs)))
         losses.append(len(scope.losses))
