@@ -16,7 +16,8 @@ class IPUOutOfMemoryError(RuntimeError):
         program: Name of the program (for example `"fit"`).
         pipelined: Whether the program runs a pipeline (the remedies differ).
         recomputing: Whether the pipeline recomputes already (not suggested).
-        parts: `(state, temporary, io)` bytes of that IPU's need, where known.
+        parts: `(state, temporaries and code, io)` bytes of that IPU's need,
+            where known.
 
     Example:
 
@@ -55,8 +56,8 @@ def _described(parts: tuple[int, int, int] | None) -> str:
     if parts is None:
         return ""
     state, temporary, io = parts
-    return (f" (weights, optimizer and metric state {state:,}; temporaries {temporary:,}; "
-            f"one step's inputs and outputs {io:,})")
+    return (f" (weights, optimizer and metric state {state:,}; temporaries and code "
+            f"{temporary:,}; one step's inputs and outputs {io:,})")
 
 
 def _remedies(program: str, pipelined: bool, recomputing: bool = False,

@@ -377,8 +377,8 @@ def test_out_of_memory_says_what_the_need_is_made_of_and_suggests_only_what_help
     parts = (600, 1_300, 100)
     message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", pipelined=True,
                                                  parts=parts))
-    assert ("needs 2,000 bytes (weights, optimizer and metric state 600; temporaries 1,300; "
-            "one step's inputs and outputs 100)") in message
+    assert ("needs 2,000 bytes (weights, optimizer and metric state 600; temporaries and "
+            "code 1,300; one step's inputs and outputs 100)") in message
     assert "enable recomputation" in message and "smaller batch size" in message
     # Recomputation on already: not suggested again.
     message = str(ipu.errors.IPUOutOfMemoryError(0, 2_000, 1_000, "fit", pipelined=True,

@@ -158,6 +158,11 @@ def test_cross_replica_sums_in_groups():
     for op in (all_to_all_op.all_gather, reduce_scatter_op.reduce_scatter):
         with pytest.raises(ValueError, match=r"got 2\.0\. Valid sizes"):
             _on_4_replicas(lambda v, op=op: op(v[None], 2.0), x)
+    from keras_ipu.device import collectives
+
+    with pytest.raises(ValueError, match=r"positive integer \(or None, for one group of all "
+                                         r"replicas\); got 2\.0\.$"):  # no replicas here
+        collectives.checked_group_size(2.0)
     for size in (np.int64(2), jnp.array(2)):  # a 0-d JAX integer raised a tracer error
         np.testing.assert_array_equal(
             _on_4_replicas(lambda v, size=size: cross_replica_ops.cross_replica_sum(v, size), x),

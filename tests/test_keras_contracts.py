@@ -478,6 +478,33 @@ def test_batch_normalization_takes_its_training_statistics_from_moments(monkeypa
     assert any(isinstance(layer, BatchNormalization) for layer in flattened)
 
 
+def test_flatten_layers_lists_a_models_layers_and_a_layers_direct_children():
+    # keras_ipu.keras.pipelined.program sets the trainable flags the report traces with,
+    # holders first: it lists the model's layers with `_flatten_layers(include_self=True,
+    # recursive=True)` (each once, a shared layer too) and each layer's held ones with
+    # `_flatten_layers(include_self=False, recursive=False)`; a holder's flag overwrites
+    # the flags of the layers and variables it holds.
+    embedding = keras.layers.Embedding(10, 4)
+
+    class Head(keras.layers.Layer):
+        def __init__(self, held):
+            super().__init__()
+            self.held = held
+
+        def call(self, x):
+            return keras.ops.matmul(x, keras.ops.transpose(self.held.embeddings))
+
+    ids = keras.Input((2,), dtype="int32")
+    head = Head(embedding)
+    model = keras.Model(ids, head(embedding(ids)))
+    every = list(model._flatten_layers(include_self=True, recursive=True))
+    assert every[0] is model and every.count(embedding) == 1 and head in every
+    assert list(head._flatten_layers(include_self=False, recursive=False)) == [embedding]
+    embedding.trainable = False
+    head.trainable = True  # the holder's flag reaches the held layer and its variables
+    assert embedding.trainable and embedding.embeddings.trainable
+
+
 def test_a_stateless_scope_passes_every_assignment_through_add_update():
     # keras_ipu.keras.assignments records the variables a compiled computation assigns by
     # overriding StatelessScope.add_update, and nests in an enclosing scope it finds with

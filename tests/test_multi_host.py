@@ -586,3 +586,18 @@ def test_a_signal_reaches_every_instance_and_its_workers_and_the_launcher_says_s
         for index in (0, 1):
             assert "interrupted" in lines_of(output, index)
             assert "KeyboardInterrupt" in lines_of(errors, index)
+
+
+def test_a_multi_instance_reduce_inside_run_is_this_instances_and_outside_every_ones(
+        monkeypatch):
+    # Inside `run` (one replica: a value that is no tracer) it made a host collective while
+    # tracing, and baked its result into the program.
+    configure(1)
+    strategy = ipu.distributed.IPUMultiReplicaStrategy()
+    calls = []
+    monkeypatch.setattr(runtime, "num_instances", lambda: 2)
+    monkeypatch.setattr(runtime, "allreduce",
+                        lambda value, op: calls.append(op) or np.asarray(value) * 2)
+    inside = strategy.run(lambda: strategy.reduce("SUM", np.float32(1.0)))
+    assert float(inside) == 1.0 and calls == []
+    assert float(strategy.reduce("MEAN", np.float32(1.0))) == 2.0 and calls == ["mean"]

@@ -1803,6 +1803,9 @@ def test_the_report_of_a_fit_is_read_after_a_layer_was_frozen_since(strategy):
         model.fit(x, x, batch_size=4, verbose=0)
         model.layers[0].trainable = not freeze
         reports.append(ipu.utils.execution_report(model, "fit"))
+        # The program's weights, where they live (an IndexError after the freeze).
+        assert list(ipu.utils.weight_placement(model, "fit")) == [
+            v.path for layer in model.layers for v in (layer.kernel, layer.bias)]
         # The model keeps the flags it was given.
         assert len(model.trainable_variables) == (2 if freeze else 4)
         assert model.layers[0].kernel.trainable is not freeze

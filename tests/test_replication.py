@@ -297,12 +297,17 @@ def test_too_little_data_for_all_replicas(strategy):
                                          r"at least 4 items"):
         on_ipu.fit(x, y, batch_size=4, verbose=0)
     for arguments, name in (({"steps_per_epoch": 2}, "steps_per_epoch"),
-                            ({"validation_data": (x, y), "validation_steps": 3},
+                            ({"validation_data": data_for("sequential", samples=16),
+                              "validation_steps": 3},
                              "validation_steps")):  # the data has enough: the count does not
         with pytest.raises(ValueError, match=rf"`{name}` \(\d\) counts the batches of all 4 "
                                              r"replicas together.*Set it to 4 or more"):
             on_ipu.fit(*data_for("sequential", samples=16), batch_size=4, verbose=0,
                        **arguments)
+    # Too little data and a count given: the data's message (the count's sent the user to
+    # set 4, whereupon the data could give only 2 batches).
+    with pytest.raises(ValueError, match=r"dataset contains 3 items, but all 4 replicas"):
+        on_ipu.fit(x, y, batch_size=4, steps_per_epoch=3, verbose=0)
     with pytest.raises(ValueError, match=r"validation data contains 2 items, but all 4 "
                                          r"replicas.*validation data contains at least 4 items "
                                          r"\(batches of `validation_batch_size`\)"):

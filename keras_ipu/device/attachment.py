@@ -109,7 +109,7 @@ def check_fits(memory: Sequence[tuple[int, accounting.MemoryUse]], program: str,
     over = [(use.total_bytes, -ipu, use) for ipu, use in memory if use.total_bytes > capacity]
     if over:
         needed, ipu, use = max(over, key=lambda entry: entry[:2])
-        recomputing = pipelined and bool(system.require().option("allow_recompute", False))
+        recomputing = pipelined and system.require().recomputes
         raise IPUOutOfMemoryError(
             -ipu, needed, capacity, program, pipelined=pipelined, recomputing=recomputing,
             parts=(use.state_bytes, use.temporary_bytes + use.code_bytes, use.io_bytes))

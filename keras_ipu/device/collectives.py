@@ -153,7 +153,13 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
 
 
 def checked_group_size(group_size: Any) -> int | None:
-    """`group_size` as an int (any integer kind, NumPy's too), or None for None.
+    """`group_size` as an int (any integer kind, NumPy's and 0-d arrays' too).
+
+    Args:
+        group_size: Replicas per group, or `None` (one group of all).
+
+    Returns:
+        The size as a Python int, or `None` for `None`.
 
     Raises:
         ReplicaGroupError: For anything but a positive integer or None (a
@@ -176,6 +182,9 @@ def checked_group_size(group_size: Any) -> int | None:
 
 
 def _group_message(group_size: Any, count: int) -> str:
+    if count == 1:  # outside a replicated program (a Keras build): the replicas are unknown
+        return (f"A replica group size must be a positive integer (or None, for one group "
+                f"of all replicas); got {group_size!r}.")
     valid = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
     return (f"A replica group size must be a positive integer that divides the {count} "
             f"replicas (or None, for one group of all); got {group_size!r}. Valid sizes: "

@@ -115,6 +115,12 @@ class IPUSystem:
         return self.options.get(name, default)
 
     @property
+    def recomputes(self) -> bool:
+        """Whether pipelines recompute activations in their backward pass
+        (`IPUConfig.allow_recompute`)."""
+        return bool(self.option("allow_recompute", False))
+
+    @property
     def shared_devices(self) -> dict[jax.Device, tuple[int, ...]]:
         """The IPUs of each JAX device that runs more than one IPU (empty when none share).
 

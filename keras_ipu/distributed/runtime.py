@@ -239,12 +239,23 @@ def check_one_instance(what: str) -> None:
 
 
 def num_local_replicas(ipus_per_replica: int | None = None) -> int:
-    """Replicas on this instance's configured IPUs, `ipus_per_replica` (rounded up
-    to a power of two) each; by default the launcher's `--ipus-per-replica` (1
-    outside a `keras-ipu run` job).
+    """Replicas on this instance's configured IPUs.
+
+    Args:
+        ipus_per_replica: IPUs each replica uses (rounded up to a power of
+            two); by default the launcher's `--ipus-per-replica` (1 outside a
+            `keras-ipu run` job).
+
+    Returns:
+        The number of replicas, at least 1.
 
     Raises:
         RuntimeError: When no IPU system is configured.
+
+    Example:
+
+    >>> num_local_replicas(2)   # 4 IPUs, 2 per replica
+    2
     """
     from keras_ipu.device import system
 

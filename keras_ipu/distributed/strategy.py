@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from keras_ipu.device import compiled_calls
 from keras_ipu.distributed import config as distributed_config
 from keras_ipu.distributed import runtime
 from keras_ipu.keras.strategy import IPUStrategy
@@ -104,9 +105,10 @@ class IPUMultiReplicaStrategy(IPUStrategy):
         array(3., dtype=float32)
         """
         reduced = super().reduce(reduce_op, value, axis)
-        if runtime.num_instances() == 1 or any(
-                isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(reduced)):
-            return reduced
+        if (runtime.num_instances() == 1 or compiled_calls.in_compiled_program()
+                or any(isinstance(leaf, jax.core.Tracer)
+                       for leaf in jax.tree_util.tree_leaves(reduced))):
+            return reduced  # traced (in `run`, or the caller's own jit): this instance's
         name = str(getattr(reduce_op, "name", reduce_op)).lower()
         return runtime.allreduce(jax.device_get(reduced), op=name)
 

@@ -83,8 +83,8 @@ class IPUModelState:
             received from an execution: what callbacks' writes are told from.
         synced_from: The device state that dict was made from.
         hooks_wrote_metrics: Whether the hooks of a run's last execution
-            changed the metric variables (a reset, a nested `evaluate`): its
-            epoch logs are then Keras' metric results, as in Keras.
+            changed the metric variables (a reset; not a nested run, which
+            syncs its own): its epoch logs are then Keras' metric results.
         assignment: The pipeline stage assignment (a `stages` assignment
             state), created on first use.
         traced_graph: The graph traced from a subclassed model's `call`,

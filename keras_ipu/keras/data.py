@@ -213,7 +213,8 @@ def plan_steps(
             )
         steps = num_batches
     per_replica, dropped = divmod(steps, replicas)
-    if per_replica == 0 and continues:  # the steps argument is the one to change
+    if per_replica == 0 and continues and (num_batches is None or num_batches >= replicas):
+        # The data has enough: the steps argument is the one to change.
         raise ValueError(
             f"`{steps_argument}` ({steps}) counts the batches of all {replicas} replicas "
             f"together: each replica needs one at least. Set it to {replicas} or more.")

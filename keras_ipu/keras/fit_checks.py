@@ -67,12 +67,21 @@ _SCALAR_MONITORS = {
 def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> None:
     """Refuses, before any step, a callback that cannot take LIST-reduced logs.
 
+    Args:
+        callbacks: `fit`'s callbacks (a list or a `CallbackList`, or `None`).
+        options: The model's IPU options.
+        replicas: The run's replicas.
+
     Raises:
         ValueError: `set_replication_options("LIST")` with several replicas (each
             log value an array, one per replica) and `EarlyStopping`,
             `ReduceLROnPlateau` or `TerminateOnNaN` (or a subclass that reads
             the logs with their methods), which would fail at their first
             comparison with NumPy's "truth value of an array" error.
+
+    Example:
+
+    >>> check_callbacks([keras.callbacks.History()], options, replicas)   # nothing raised
     """
     if (options.replicated_metric_reduction_method is not ReplicatedMetricReductionMethod.LIST
             or replicas.count == 1):

@@ -178,10 +178,16 @@ def read_by_index(dataset: Any, index: int) -> Any:
     """A `PyDataset`'s batch `index`, as its adapter yields it, read with the global random
     state kept: a look at a batch that plain Keras does not read there.
 
+    Args:
+        dataset: A `keras.utils.PyDataset`.
+        index: The batch's index.
+
+    Returns:
+        The batch as a tuple of arrays (`as_tuple`, `batch_arrays`).
+
     Example:
 
     >>> read_by_index(dataset, len(dataset) - 1)   # its last batch, for its shape
     """
     with random_state_kept():
         return batch_arrays(as_tuple(dataset[index]))
-

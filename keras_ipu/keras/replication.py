@@ -288,6 +288,29 @@ def check_instances_agree(replicas: Replicas, mode: str, what: str, mine: Any) -
         f"given to every instance, with the same settings.")
 
 
+def any_instance(replicas: Replicas, mine: bool) -> bool:
+    """Across instances: whether `mine` is true in any instance (each must call it).
+
+    Args:
+        replicas: The run's replicas (nothing is gathered within one process).
+        mine: This instance's answer.
+
+    Returns:
+        Whether some instance's is true.
+
+    Example:
+
+    >>> any_instance(replicas, has_batch_hooks)   # instance 1 has some: True in both
+    True
+    """
+    if not replicas.spans_processes:
+        return bool(mine)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(
+        np.asarray([int(bool(mine))], np.int64))).any())
+
+
 def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch: Any,
                             options: Any, placement: Any) -> None:
     """Across instances: raises in every instance when they would run different programs.
@@ -460,6 +483,6 @@ class ReplicaCodec:
         """An execution's batches on the replicas' devices."""
         return self.replicas.place_batches(batches)
 
-    def weight_devices(self, model: Any) -> list[list]:
-        """Per trainable weight, the devices that hold it: every replica's."""
-        return [list(self.replicas.devices) for _ in model.trainable_variables]
+    def weight_devices(self, model: Any) -> list[tuple[Any, list]]:
+        """`(weight, devices)` for each trainable weight: every replica's devices."""
+        return [(v, list(self.replicas.devices)) for v in model.trainable_variables]

@@ -56,7 +56,8 @@ def weight_placement(model, mode: str = "fit") -> dict[str, list]:
     Returns:
         `{weight.path: [jax devices]}`; a second weight of a path already
         there (layers named alike, made after `keras.backend.clear_session()`)
-        as `"path (2)"`, and so on, in `model.trainable_variables` order.
+        as `"path (2)"`, and so on, in the order of the program's trainable
+        weights.
 
     Raises:
         ValueError: As `execution_report`.
@@ -68,8 +69,7 @@ def weight_placement(model, mode: str = "fit") -> dict[str, list]:
     """
     execution_report(model, mode)  # the same checks
     placement: dict[str, list] = {}
-    held = run.run_for(model, mode).codec.weight_devices(model)
-    for variable, devices in zip(model.trainable_variables, held, strict=True):
+    for variable, devices in run.run_for(model, mode).codec.weight_devices(model):
         key, count = variable.path, 1
         while key in placement:
             count += 1

@@ -375,6 +375,10 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     # Batch hooks cost a host sync per execution (Keras converts the logs):
     # call them only when some callback has one.
     hooked = step_callbacks.has_batch_hooks(callbacks, begin_hook, end_hook)
+    # A hook of one instance alone must not stop it: the others would wait for it in the
+    # next execution's collectives for ever. (Only hooks can stop a run mid-epoch.)
+    agree_on_stops = (run.program.replicas.spans_processes
+                      and replication.any_instance(run.program.replicas, hooked))
     on_begin = getattr(callbacks, begin_hook) if hooked else _ignore
     on_end = getattr(callbacks, end_hook) if hooked else _ignore
     # PRE_COMPILE: programs compile but never run; their outfeed is zeros,
@@ -459,10 +463,9 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     _land(model, written)
                 state = new_state
                 stop = bool(getattr(model, stop_flag, False))
-                # A hook of one instance alone must not stop it: the others would wait
-                # for it in the next execution's collectives for ever.
-                replication.check_instances_agree(run.program.replicas, mode,
-                                                  f"model.{stop_flag}", int(stop))
+                if agree_on_stops:
+                    replication.check_instances_agree(run.program.replicas, mode,
+                                                      f"model.{stop_flag}", int(stop))
                 if stop:
                     break
             else:  # every execution taken: the pass ends (not after a stop or an error)

@@ -50,6 +50,8 @@ class PipelineCodec:
     def __init__(self, state: PipelineState):
         self.state = state
         self.batch_sharding = state.mesh.sharding(P(None, REPLICA_AXIS))
+        # The trainable weights the program was built for (a layer frozen since is not).
+        self._trainable = list(state.pipelined.model.trainable_variables)
 
     def to_device(self, keras_state: Any) -> dict:
         """Keras state lists -> the packed state on the mesh (`PipelineState.to_device`)."""
@@ -73,14 +75,15 @@ class PipelineCodec:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
             batches)
 
-    def weight_devices(self, model) -> list[list]:
-        """Per trainable weight (in `model.trainable_variables` order), the devices that hold
-        it: its stage's IPU, in every replica."""
-        devices, held = self.state.mesh.devices, [[] for _ in model.trainable_variables]
+    def weight_devices(self, model: Any) -> list[tuple[Any, list]]:
+        """`(weight, devices)` for each trainable weight of the program, in order: its
+        stage's IPU, in every replica (`model`'s as the program was built for it)."""
+        del model  # its weights now may differ (a layer frozen since)
+        devices, held = self.state.mesh.devices, [[] for _ in self._trainable]
         for ipu, indices in enumerate(self.state.pipelined.trainable_of):
             for i in indices:
                 held[i] = list(devices[:, ipu])
-        return held
+        return list(zip(self._trainable, held))
 
     @property
     def lone_replica(self) -> bool:
@@ -187,6 +190,16 @@ def io_by_ipu(device_mapping: Sequence[int], num_ipus: int, replicas: int,
     """Per IPU (replica by replica), the bytes of `(x, y, sample_weight)` batches and an
     outfeed it streams: the first stage's IPU takes the inputs, the last stage's the targets,
     the sample weights and the outfeed (logs or predictions); the others exchange activations.
+
+    Args:
+        device_mapping: Per stage, its IPU within a replica.
+        num_ipus: The IPUs of a replica.
+        replicas: The replicas the batches and outfeed are of.
+        batches: An execution's `(x, y, sample_weight)` (arrays or shape structs).
+        outfeed: Its outfeed.
+
+    Returns:
+        Bytes per IPU, `replicas × num_ipus` of them.
 
     Example:
 

@@ -452,7 +452,7 @@ def _recomputation(options: IPUOptions) -> bool:
     `IPUConfig.allow_recompute` turns recomputation on; `recomputation_mode`
     chooses how and, as on the IPU, applies only then.
     """
-    return bool(ipu_system.require().option("allow_recompute"))
+    return ipu_system.require().recomputes
 
 
 def _warn_unused_recomputation_mode(options: IPUOptions, recompute: bool) -> None:
