@@ -278,6 +278,23 @@ def test_predict_response_in_both_formats():
         "predictions": [[0.5, 1.0], [2.0, -3.25]]}
 
 
+def test_warm_up_feeds_a_model_whose_dict_keys_are_its_other_inputs_names(tmp_path):
+    # Inputs named "b" under key "a" and "a" under "b": zeros given by name bound by key
+    # (the dict rule), the shapes did not fit, and `keras-ipu serve` exited before listening.
+    from keras_ipu.serving import load
+    from keras_ipu.serving.server import warm_up
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = {"a": keras.Input((3,), name="b"), "b": keras.Input((2,), name="a")}
+        model = keras.Model(inputs, keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
+    model.export_for_ipu_serving(tmp_path / "export", batch_size=2)
+    runtime = load(str(tmp_path / "export"))
+    warm_up(runtime)
+    x = {"a": np.ones((2, 3), "float32"), "b": np.full((2, 2), 2.0, "float32")}
+    np.testing.assert_allclose(runtime(**x), model.predict(x, batch_size=2, verbose=0))
+
+
 def test_warm_up_compiles_before_the_first_request(tmp_path):
     """The server runs a batch of zeros before it listens: the first request compiles nothing."""
     import jax

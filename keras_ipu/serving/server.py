@@ -576,7 +576,9 @@ def warm_up(runtime: ServingRuntime) -> None:
 
     (TensorFlow Serving's model warm-up does the same with recorded requests.)
     """
-    runtime(**{e["name"]: np.zeros(e["shape"], e["dtype"]) for e in runtime.inputs})
+    # In signature order: by name, names that are also the model's dict keys (swapped
+    # ones) would bind by key, as a request's do, and misshapen zeros were refused.
+    runtime(*[np.zeros(e["shape"], e["dtype"]) for e in runtime.inputs])
 
 
 def _aiohttp_web():
