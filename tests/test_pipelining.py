@@ -1924,6 +1924,7 @@ def test_weight_placement_lists_weights_of_one_path_each(strategy):
     # Layers made either side of clear_session() are both "dense": their weights share
     # paths. Before, stage 0's entries were overwritten by stage 1's.
     configure(2)
+    keras.backend.clear_session()  # names count from here (earlier tests made many)
     encoder = keras.layers.Dense(8, activation="relu")
     keras.backend.clear_session()
     head = keras.layers.Dense(1)
