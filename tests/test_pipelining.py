@@ -1921,13 +1921,11 @@ class _TwoStages(keras.Model):
 
 
 def test_weight_placement_lists_weights_of_one_path_each(strategy):
-    # Layers made either side of clear_session() are both "dense": their weights share
-    # paths. Before, stage 0's entries were overwritten by stage 1's.
+    # Layers of one name (both "dense" when made either side of clear_session()) have
+    # weights that share paths. Before, stage 0's entries were overwritten by stage 1's.
     configure(2)
-    keras.backend.clear_session()  # names count from here (earlier tests made many)
-    encoder = keras.layers.Dense(8, activation="relu")
-    keras.backend.clear_session()
-    head = keras.layers.Dense(1)
+    encoder = keras.layers.Dense(8, activation="relu", name="dense")
+    head = keras.layers.Dense(1, name="dense")
     with strategy.scope():
         model = _TwoStages(encoder, head)
     model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
