@@ -96,6 +96,35 @@ def test_a_pipelined_export_equals_predict(strategy, tmp_path):
         np.testing.assert_allclose(call(), expected[:2], atol=1e-6)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_preprocessing_step_may_give_a_dict_models_dict(pipelined, strategy, tmp_path):
+    # It failed with JAX's "Too few leaves for PyTreeSpec; expected: 2, got: 1".
+    configure(2 if pipelined else 1)
+    with strategy.scope():
+        image, meta = keras.Input((4,), name="image"), keras.Input((2,), name="meta")
+        dense = keras.layers.Dense(1)
+        model = keras.Model({"image": image, "meta": meta},
+                            dense(keras.layers.Concatenate()([image, meta])))
+        if pipelined:
+            assignment = model.get_pipeline_stage_assignment()
+            for index, entry in enumerate(assignment):  # the Concatenate, then the Dense
+                entry.pipeline_stage = index
+            model.set_pipeline_stage_assignment(assignment)
+    x = {"image": np.arange(8, dtype="float32").reshape(2, 4),
+         "meta": np.ones((2, 2), "float32")}
+    exported = model.export_for_ipu_serving(
+        tmp_path / "e", batch_size=2,
+        preprocessing_step=lambda image, meta: {"meta": meta, "image": image / 255})
+    expected = model.predict({"image": x["image"] / 255, "meta": x["meta"]}, batch_size=2,
+                             verbose=0)
+    np.testing.assert_allclose(exported(x["image"], x["meta"]), expected, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"returned a dict of \['img', 'meta'\], but the model "
+                                         r"takes a dict of \['image', 'meta'\]"):
+        model.export_for_ipu_serving(
+            tmp_path / "f", batch_size=2,
+            preprocessing_step=lambda image, meta: {"img": image, "meta": meta})
+
+
 def test_the_references_pre_and_postprocessing_numbers(strategy, tmp_path):
     with strategy.scope():
         inputs = keras.Input((3, 1), batch_size=1)

@@ -173,7 +173,7 @@ def _single_programs(model, structure, specs, iterations: int, preprocessing_ste
 
     def step(trainable, non_trainable, *inputs):
         if preprocessing_step is not None:
-            inputs = _as_tuple(preprocessing_step(*inputs))
+            inputs = export_pipeline.preprocessed(preprocessing_step, inputs, structure)
         outputs, _ = model.stateless_call(trainable, non_trainable,
                                           tree.pack_sequence_as(structure, list(inputs)),
                                           **flags)
@@ -563,10 +563,6 @@ def _checked_platforms(platforms: Any) -> tuple[str, ...]:
         raise ValueError(f"Cannot export for the platforms {unknown}: each must be one of "
                          f"{list(_PLATFORMS)} (IPUs are JAX devices of those).")
     return names
-
-
-def _as_tuple(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def _version() -> str:

@@ -93,6 +93,41 @@ def postprocessed(postprocessing_step: Callable, outputs: Any) -> Any:
     return postprocessing_step(outputs)
 
 
+def preprocessed(preprocessing_step: Callable, inputs: Sequence[Any], structure: Any) -> list:
+    """The step applied to the export's inputs, as the model's flat inputs.
+
+    The step gives one input, a list or tuple of them in order, or the
+    structure the model takes (the dict of a dict-input model).
+
+    Args:
+        preprocessing_step: The export's preprocessing step.
+        inputs: The export's inputs, in order.
+        structure: The model's input structure (`plan.inputs_struct`).
+
+    Returns:
+        The model's inputs, flat, in `keras.tree.flatten` order of `structure`.
+
+    Raises:
+        ValueError: For a dict whose keys are not the model's.
+
+    Example:
+
+    >>> preprocessed(lambda image, meta: {"image": image / 255, "meta": meta}, (x, m), struct)
+    """
+    given = preprocessing_step(*inputs)
+    if isinstance(given, (list, tuple)):
+        return list(given)
+    if not isinstance(given, dict):
+        return [given]
+    expected = sorted(structure) if isinstance(structure, dict) else None
+    if sorted(given) != expected:
+        raise ValueError(
+            f"The preprocessing step returned a dict of {sorted(given)}, but the model takes "
+            f"{'a dict of ' + str(expected) if expected else 'no dict'}: return the model's "
+            f"inputs as it takes them, or in order as a list.")
+    return tree.flatten(given)
+
+
 def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
                     preprocessing_step, postprocessing_step, flatten_outputs):
     last = stage == plan.num_stages - 1
@@ -101,7 +136,7 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
 
     def run(weights, carried_values, inputs):
         if preprocessing_step is not None:
-            inputs = _as_list(preprocessing_step(*inputs))
+            inputs = preprocessed(preprocessing_step, inputs, plan.inputs_struct)
         values = dict(zip(carried, carried_values))
         for key, mask in zip(masks_in, carried_values[len(carried):]):
             masking.set_keras_mask(values[key], mask)
@@ -141,8 +176,4 @@ def _stage_variables(plan, stage: int) -> list:
     return list(seen.values())
 
 
-def _as_list(value: Any) -> list:
-    return list(value) if isinstance(value, (tuple, list)) else [value]
-
-
-__all__ = ["exported", "postprocessed", "stage_programs"]
+__all__ = ["exported", "postprocessed", "preprocessed", "stage_programs"]
