@@ -291,6 +291,15 @@ def test_serve_refuses_a_model_name_its_paths_cannot_hold(export_dir, capsys):
     assert "no '/' or ':'" in capsys.readouterr().err
 
 
+def test_serve_names_a_host_it_cannot_resolve(export_dir, capsys):
+    # Before: "error: [Errno -2] Name or service not known", naming neither.
+    from keras_ipu import cli
+
+    assert cli.main(["serve", "--dir", str(export_dir), "--host", "no.such.host.invalid",
+                     "--port", "0"]) == 2
+    assert "--host 'no.such.host.invalid': cannot resolve it (" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("delay", ["nan", "inf", "-1"])
 def test_serve_refuses_a_batch_delay_that_never_sends_a_batch(delay, export_dir, capsys):
     # Before, nan and inf started a server whose partial batches were never answered.

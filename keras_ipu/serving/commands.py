@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -132,6 +133,9 @@ def _serve(args: argparse.Namespace) -> None:
                                  announce=lambda line: print(line, flush=True)))
     except KeyboardInterrupt:
         print("keras-ipu serve: stopped", flush=True)
+    except socket.gaierror as error:  # an OSError naming neither the option nor the host
+        raise CommandError(f"--host {args.host!r}: cannot resolve it ({error.strerror})"
+                           ) from None
     except (ImportError, OSError, ValueError) as error:
         raise CommandError(str(error)) from None
 
