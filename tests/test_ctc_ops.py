@@ -135,10 +135,29 @@ def test_out_dtype_follows_the_seeds_rule():
      r"data_length must be \[batch_size=3\]"),
     (lambda x: nn_ops.ctc_loss_v2(np.zeros((3, 2), int), x, [1] * 3, [4] * 3, 0, "int32"),
      "out_dtype must be float16 or float32, got int32"),
+    # Before, these gave a plausible loss: an out-of-range class or the blank scored as
+    # probability 1, a length past the labels clamped to them.
+    (lambda x: nn_ops.ctc_loss_v2(np.array([[5, 1]] * 3), x, [2] * 3, [4] * 3, 0),
+     r"labels must be classes 0 to 2 other than the blank \(0\), got \[5\]"),
+    (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2] * 3, [4] * 3, -1),
+     r"other than the blank \(2\), got \[2\]"),
+    (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2, 3, 2], [4] * 3, 0),
+     r"label_length \[2, 3, 2\] exceeds the 2 labels of each entry"),
 ])
 def test_bad_arguments_say_what_is_valid(call, message):
     with pytest.raises(ValueError, match=message):
         call(_data()[0])
+
+
+def test_labels_are_integers_and_unchecked_values_pass_inside_a_program():
+    logits, lengths, _ = _data()
+    with pytest.raises(TypeError, match="labels must be integer class indices, got float32"):
+        nn_ops.ctc_loss_v2(np.ones((3, 1), np.float32), logits, [1] * 3, lengths, 0)
+    # Inside jit the values are not known: the program is made (as on the IPU).
+    loss = jax.jit(lambda labels: nn_ops.ctc_loss_v2(labels, logits, [1] * 3, lengths, 0))(
+        np.ones((3, 1), np.int32))
+    np.testing.assert_allclose(loss, nn_ops.ctc_loss_v2(np.ones((3, 1), np.int32), logits,
+                                                        [1] * 3, lengths, 0))
 
 
 @pytest.mark.parametrize("blank", [-1, 0])

@@ -34,6 +34,8 @@ def test_the_modules_are_under_ipu_and_ipu_ops():
 def test_activations():
     x = np.linspace(-4, 4, 17, dtype=np.float32)
     np.testing.assert_allclose(nn_ops.hard_sigmoid(x), np.clip(0.2 * x + 0.5, 0, 1), atol=1e-7)
+    with pytest.raises(TypeError, match="floating point input, got int32"):  # before: [0, 0, 1]
+        nn_ops.hard_sigmoid(np.array([1, 2, 3], np.int32))
     np.testing.assert_allclose(nn_ops.swish(x), x / (1 + np.exp(-x)), rtol=1e-6)
     exact = 0.5 * x * (1 + np.vectorize(__import__("math").erf)(x / np.sqrt(2)))
     np.testing.assert_allclose(nn_ops.gelu(x, approximate=False), exact, atol=1e-6)
@@ -54,7 +56,7 @@ def test_serialized_matmul_equals_matmul(dimension, transposed):
     # Differentiable, the backward pass serialized too.
     grad = jax.grad(lambda a: math_ops.serialized_matmul(a, b, 2, dimension).sum())(a)
     np.testing.assert_allclose(grad, np.broadcast_to(b.sum(-1)[:, None, :], a.shape), rtol=1e-5)
-    with pytest.raises(ValueError, match="must divide the"):
+    with pytest.raises(ValueError, match=f"dividing the {dimension} dimension"):
         math_ops.serialized_matmul(a, b, 5, dimension)
     with pytest.raises(ValueError, match="valid: a_columns"):
         math_ops.serialized_matmul(a, b, 2, "rows")
@@ -69,8 +71,20 @@ def test_embedding_lookup_equals_take(factor):
     ids = np.array([[9, 0, 4], [5, 5, 1]])
     np.testing.assert_array_equal(
         embedding_ops.embedding_lookup(table, ids, serialization_factor=factor), table[ids])
-    with pytest.raises(ValueError, match="must divide the 10 rows"):
+    with pytest.raises(ValueError, match=r"dividing the embedding table's rows \(10\), got 3"):
         embedding_ops.embedding_lookup(table, ids, serialization_factor=3)
+
+
+@pytest.mark.parametrize("factor", [2.0, True, "2"])
+def test_a_serialization_factor_that_is_no_integer_is_refused(factor):
+    # Before: a raw "'float' object cannot be interpreted as an integer"; True taken as 1.
+    table, ids = np.eye(4, dtype=np.float32), np.array([1, 2])
+    with pytest.raises(ValueError, match=f"positive integer dividing .* got {factor!r}"):
+        embedding_ops.embedding_lookup(table, ids, serialization_factor=factor)
+    with pytest.raises(ValueError, match=f"positive integer dividing .* got {factor!r}"):
+        math_ops.serialized_matmul(table, table, factor, "a_columns")
+    assert embedding_ops.embedding_lookup(table, ids, serialization_factor=np.int64(2)).shape \
+        == (2, 4)
 
 
 def test_dropout_with_a_seed_pair_repeats():

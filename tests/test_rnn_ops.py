@@ -6,6 +6,8 @@ called on `[time, batch, features]` and returning `(outputs, output_state)`.
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -177,6 +179,18 @@ def test_initial_states_are_checked():
         rnn_ops.PopnnGRU(U)(x, np.zeros((B, 5), np.float32))
     with pytest.raises(ValueError, match="must be an LSTMStateTuple"):
         rnn_ops.PopnnLSTM(U)(x, np.zeros((B, U), np.float32))
+
+
+@pytest.mark.parametrize("seq_len", [[5, 2, 1, 1], [[5, 2, 1]]])
+def test_sequence_lengths_are_checked(seq_len):
+    # Before: a broadcasting error from inside Keras' GRU, or scan's leading axis sizes.
+    x, _ = _inputs()
+    shape = list(np.shape(seq_len))
+    with pytest.raises(ValueError, match=rf"seq_len must be \[batch_size\] = \[{B}\].* got "
+                                         rf"{re.escape(str(shape))}"):
+        rnn_ops.PopnnDynamicGRU(U)(x, np.array(seq_len, np.int32))
+    with pytest.raises(ValueError, match=r"seq_len must be \[batch_size\]"):
+        rnn_ops.PopnnAUGRU(U)(x, np.array(seq_len, np.int32), np.ones(x.shape[:2], np.float32))
 
 
 def test_hard_sigmoid_is_poplars():

@@ -280,7 +280,8 @@ class _GRUBase(_PopnnRecurrent):
         """Runs time-major; `extra`, a time-major per-step input, goes beside the features."""
         if not time_major:
             inputs = ops.swapaxes(inputs, 0, 1)
-        mask = None if seq_len is None else _sequence_mask(seq_len, ops.shape(inputs)[0])
+        mask = (None if seq_len is None
+                else _sequence_mask(self._checked_lengths(seq_len, inputs), ops.shape(inputs)[0]))
         if extra is not None:
             inputs = ops.concatenate([inputs, ops.cast(extra, inputs.dtype)], axis=-1)
         if initial_state is not None:
@@ -288,6 +289,15 @@ class _GRUBase(_PopnnRecurrent):
         outputs, state = self._unmasked(inputs, initial_state=initial_state, mask=mask,
                                         training=training)
         return outputs, state  # time-major whatever the inputs, as IPU TensorFlow's
+
+    def _checked_lengths(self, seq_len, inputs):
+        """`seq_len`, after checking it is `[batch_size]` (time-major `inputs`)."""
+        seq_len = ops.convert_to_tensor(seq_len)
+        batch = ops.shape(inputs)[1]
+        if tuple(seq_len.shape) != (batch,):
+            raise ValueError(f"{self.name}: seq_len must be [batch_size] = [{batch}], one length "
+                             f"per sequence, got {list(seq_len.shape)}.")
+        return seq_len
 
     def get_config(self):
         return {**super().get_config(), "reset_after": self.reset_after}

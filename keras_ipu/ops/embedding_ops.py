@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from keras_ipu.ops import math_ops
 from keras_ipu.ops.host_embedding import (
     HostEmbedding,
     HostEmbeddingOptimizerSpec,
@@ -54,9 +55,8 @@ def embedding_lookup(params: Any, ids: Any, name: str | None = None,
     """
     params, ids = jnp.asarray(params), jnp.asarray(ids)
     rows = params.shape[0]
-    if serialization_factor < 1 or rows % serialization_factor:
-        raise ValueError(f"serialization_factor {serialization_factor} must divide the "
-                         f"{rows} rows of the embedding table.")
+    serialization_factor = math_ops.checked_factor(serialization_factor, rows,
+                                                   "the embedding table's rows")
     size = rows // serialization_factor
     result = jnp.zeros((*ids.shape, *params.shape[1:]), params.dtype)
     for part in range(serialization_factor):

@@ -11,6 +11,7 @@ c = math_ops.serialized_matmul(a, b, 4, "a_columns")
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -64,9 +65,8 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
     b = jnp.swapaxes(b, -1, -2) if transpose_b else b
     (axis_a, axis_b), combine = _SPLITS[serialization_dimension]
     size = a.shape[axis_a] if axis_a is not None else b.shape[axis_b]
-    if serialization_factor < 1 or size % serialization_factor:
-        raise ValueError(f"serialization_factor {serialization_factor} must divide the "
-                         f"{size} of the {serialization_dimension} dimension.")
+    serialization_factor = checked_factor(serialization_factor, size,
+                                          f"the {serialization_dimension} dimension")
     parts_a = jnp.split(a, serialization_factor, axis_a) if axis_a is not None else None
     parts_b = jnp.split(b, serialization_factor, axis_b) if axis_b is not None else None
     products = [jnp.matmul(parts_a[i] if parts_a else a, parts_b[i] if parts_b else b)
@@ -77,3 +77,34 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
 
 
 __all__ = ["serialized_matmul"]
+
+
+def checked_factor(serialization_factor: Any, size: int, what: str) -> int:
+    """`serialization_factor` as an int, checked to be positive and to divide `size`.
+
+    Args:
+        serialization_factor: The factor given: an int, or a NumPy or 0-d
+            integer array (not a bool, nor a float such as `2.0`).
+        size: The size it splits.
+        what: What is split, for the message (`"the a_columns dimension"`).
+
+    Returns:
+        The factor as a Python int.
+
+    Raises:
+        ValueError: For anything else, naming the value and `size`.
+
+    Example:
+
+    >>> checked_factor(2, 6, "the a_columns dimension")
+    2
+    """
+    try:
+        factor = 0 if isinstance(serialization_factor, bool) else operator.index(
+            serialization_factor)
+    except TypeError:
+        factor = 0
+    if factor < 1 or size % factor:
+        raise ValueError(f"serialization_factor must be a positive integer dividing {what} "
+                         f"({size}), got {serialization_factor!r}.")
+    return factor

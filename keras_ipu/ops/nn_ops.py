@@ -52,12 +52,18 @@ def hard_sigmoid(x: Any, name: str | None = None) -> jax.Array:
     Returns:
         An array of the input's shape and type.
 
+    Raises:
+        TypeError: For an input that is not floating point (its result
+            would be truncated to 0 or 1).
+
     Example:
 
     >>> hard_sigmoid(jnp.array([-3.0, 0.0, 1.0]))
     Array([0. , 0.5, 0.7], dtype=float32)
     """
     x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"hard_sigmoid takes a floating point input, got {x.dtype}.")
     return jnp.clip(x * 0.2 + 0.5, 0, 1).astype(x.dtype)
 
 
@@ -172,9 +178,37 @@ def _ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank
         raise ValueError(f"out_dtype must be float16 or float32, got {out_dtype}.")
     if out_dtype == jnp.float16 and data.dtype == jnp.float32:
         raise ValueError("out_dtype cannot be float16 when the data is float32.")
+    blank = _blank(blank_index, data.shape[-1])
+    _check_label_values(labels, lengths["label_length"], data.shape[-1], blank)
     loss = keras.ops.ctc_loss(labels, jnp.swapaxes(data, 0, 1), *lengths.values(),
-                              mask_index=_blank(blank_index, data.shape[-1]))
+                              mask_index=blank)
     return loss.astype(out_dtype)
+
+
+def _check_label_values(labels: jax.Array, label_length: jax.Array, num_classes: int,
+                        blank: int) -> None:
+    """Refuses labels the loss would silently score wrong: checked where the values are known.
+
+    An out-of-range class would read as probability 1 and the blank as a
+    free step; a length past the labels would be clamped. Inside a compiled
+    program the values are not known until it runs, as on the IPU.
+    """
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"labels must be integer class indices, got {labels.dtype}.")
+    if isinstance(label_length, jax.core.Tracer):
+        return
+    lengths = np.asarray(label_length)
+    if lengths.size and lengths.max() > labels.shape[1]:
+        raise ValueError(f"label_length {lengths.tolist()} exceeds the {labels.shape[1]} "
+                         f"labels of each entry (max_label_length).")
+    if isinstance(labels, jax.core.Tracer):
+        return
+    used = np.arange(labels.shape[1])[None, :] < lengths[:, None]
+    bad = np.asarray(labels)[used]
+    bad = bad[(bad < 0) | (bad >= num_classes) | (bad == blank)]
+    if bad.size:
+        raise ValueError(f"labels must be classes 0 to {num_classes - 1} other than the blank "
+                         f"({blank}), got {sorted(set(bad.tolist()))}.")
 
 
 def ctc_loss_v2(labels: Any, logits: Any, label_length: Any, logit_length: Any,
@@ -196,12 +230,17 @@ def ctc_loss_v2(labels: Any, logits: Any, label_length: Any, logit_length: Any,
         name: Accepted for compatibility.
 
     Returns:
-        The loss, shape `[batch_size]`.
+        The loss, shape `[batch_size]`. An entry whose labels cannot be
+        aligned to its steps (more labels and repeats than steps) gets about
+        1e5 rather than infinity, as Keras' CTC loss gives.
 
     Raises:
         ValueError: For mismatched shapes, a blank index outside the
-            classes, or float16 out of float32 logits.
-        TypeError: For a blank index that is not an int.
+            classes, float16 out of float32 logits, or (where their values
+            are known, outside a compiled program) labels outside the
+            classes or equal to the blank, or a label length past the labels.
+        TypeError: For a blank index that is not an int, or labels that are
+            not integers.
 
     Example:
 
