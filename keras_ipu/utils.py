@@ -193,7 +193,7 @@ def plot_schedule(num_stages: int, gradient_accumulation_steps: int, schedule: A
 
     Example:
 
-    >>> keras_ipu.utils.plot_schedule(3, 8, "Interleaved", path="interleaved.png")
+    >>> figure = keras_ipu.utils.plot_schedule(3, 8, "Interleaved", path="interleaved.png")
     """
     from keras_ipu.device import plot, schedules
 

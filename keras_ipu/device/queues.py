@@ -490,6 +490,7 @@ class IPUOutfeedQueue:
     ...     x = x + 1
     ...     return x, outfeed.enqueue(x)
     >>> repeat(20, body, [np.zeros(4)])
+    Array([20., 20., 20., 20.], dtype=float32)
     >>> outfeed.dequeue().shape
     (20, 4)
     """

@@ -11,9 +11,9 @@ Python bindings to MLIR: the input is text.
 
 Example:
 
->>> module = parse(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).as_text())
+>>> module = parse(jax.jit(lambda x: x * x + x).lower(jnp.ones(4)).as_text())
 >>> [op.name for op in module.walk() if op.name.startswith("stablehlo.")]
-['stablehlo.constant', 'stablehlo.multiply']
+['stablehlo.multiply', 'stablehlo.add']
 """
 
 from __future__ import annotations
