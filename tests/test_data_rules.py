@@ -108,6 +108,15 @@ def test_bad_steps_per_execution_and_batch_size(strategy):
         model.fit(x, y, batch_size=-8, verbose=0)
     with pytest.raises(ValueError, match=r"`steps` must be a positive integer, got 0"):
         model.evaluate(x, y, batch_size=8, steps=0, verbose=0)
+    # Before, these named `steps` and `batch_size`, not the argument given. (0 steps is
+    # refused, as IPU TensorFlow's Keras does; Keras 3 reads it as "not given".)
+    for arguments, name in (({"steps_per_epoch": 2.0}, "steps_per_epoch"),
+                            ({"validation_data": (x, y), "validation_steps": 0},
+                             "validation_steps"),
+                            ({"validation_data": (x, y), "validation_batch_size": -4},
+                             "validation_batch_size")):
+        with pytest.raises(ValueError, match=rf"`{name}` must be a positive integer, got"):
+            model.fit(x, y, batch_size=8, verbose=0, **arguments)
 
 
 def test_integer_scalars_count_as_integers(strategy):

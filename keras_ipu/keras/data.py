@@ -117,7 +117,7 @@ def make_feed(
     """
     steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
     if steps is not None and steps != -1:
-        steps = positive_int("steps", steps)
+        steps = positive_int(ROLES[role].steps_argument, steps)
     steps = _capped_steps(steps)
     if class_weight is not None and sample_weight is not None:
         raise ValueError(
@@ -181,7 +181,7 @@ def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epo
         return None
     # Quiet: the feed's own plan warns. (Not `warnings.catch_warnings`, which resets
     # the record of warnings shown: each would show again at every call.)
-    steps = _capped_steps(positive_int("steps", steps), warn=False)
+    steps = _capped_steps(positive_int(ROLES[role].steps_argument, steps), warn=False)
     steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
     return plan_steps(None, steps, steps_per_execution, epochs, replicas, role, warn=False)
 
@@ -298,7 +298,7 @@ class ArrayFeed:
         rows = host_data.common_length(self._data)
         if batch_size is None:
             batch_size = -(-rows // steps) if steps and steps > 0 else DEFAULT_BATCH_SIZE
-        batch_size = positive_int("batch_size", batch_size)
+        batch_size = positive_int(ROLES[role].batch_argument, batch_size)
         if rows % batch_size:
             raise ValueError(
                 f"{ROLES[role].subject} has a partial batch, which could result "
