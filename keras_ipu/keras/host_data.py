@@ -176,7 +176,8 @@ def random_state_kept() -> Iterator[None]:
 
 def read_by_index(dataset: Any, index: int) -> Any:
     """A `PyDataset`'s batch `index`, as its adapter yields it, read with the global random
-    state kept: a look at a batch that plain Keras does not read there.
+    state kept, and that of the random generators the dataset holds as attributes: a look
+    at a batch that plain Keras does not read there.
 
     Args:
         dataset: A `keras.utils.PyDataset`.
@@ -189,5 +190,34 @@ def read_by_index(dataset: Any, index: int) -> Any:
 
     >>> read_by_index(dataset, len(dataset) - 1)   # its last batch, for its shape
     """
-    with random_state_kept():
+    with random_state_kept(), _own_generators_kept(dataset):
         return batch_arrays(as_tuple(dataset[index]))
+
+
+# How to read and put back the state of a random generator a dataset holds as an attribute.
+_GENERATOR_STATES = (
+    (np.random.Generator, lambda g: g.bit_generator.state,
+     lambda g, state: setattr(g.bit_generator, "state", state)),
+    (np.random.RandomState, np.random.RandomState.get_state, np.random.RandomState.set_state),
+    (random.Random, random.Random.getstate, random.Random.setstate),
+)
+
+
+@contextlib.contextmanager
+def _own_generators_kept(dataset: Any) -> Iterator[None]:
+    """Puts back the random generators `dataset` holds as attributes (an augmentation's
+    `np.random.default_rng(seed)`, a `keras.random.SeedGenerator`) after a read."""
+    from keras.random import SeedGenerator
+
+    kept = []
+    for value in vars(dataset).values():
+        if isinstance(value, SeedGenerator):
+            kept.append((value, value.state.value, lambda g, state: g.state.assign(state)))
+        for kind, get_state, set_state in _GENERATOR_STATES:
+            if isinstance(value, kind):
+                kept.append((value, get_state(value), set_state))
+    try:
+        yield
+    finally:
+        for generator, state, set_state in kept:
+            set_state(generator, state)
