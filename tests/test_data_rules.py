@@ -119,6 +119,32 @@ def test_bad_steps_per_execution_and_batch_size(strategy):
             model.fit(x, y, batch_size=8, verbose=0, **arguments)
 
 
+def test_data_mistakes_that_keras_meets_deep_inside_are_named_up_front(strategy):
+    # Before: "Invalid dtype: str32", "None is not a valid value for jnp.array", and (after
+    # `on_train_begin` had run) "'float' object cannot be interpreted as an integer".
+    _, model = twin("sequential", strategy)
+    x, y = data_for("sequential", samples=32)
+    before = model.get_weights()
+    cases = [
+        (dict(x=x.astype(str), y=y), r"`x` is an array of strings \(<U\d+, shape \(32, 6\)\)"),
+        (dict(x=x, y=y.astype(object)), r"`y` is an array of Python objects \(object"),
+        (dict(x=x, y=y, validation_data=({"bad": x.astype(str)}, y)),
+         r"`validation_data's x\['bad'\]` is an array of strings"),
+        (dict(x=x, y=y, epochs=1.5), r"`epochs` must be a non-negative integer .* got 1.5"),
+        (dict(x=x, y=y, initial_epoch=-1), r"`initial_epoch` must be a non-negative integer"),
+        (dict(x=x), r"`x` comes without targets \(`y` is None\), but the model was compiled "
+                    r"with a loss"),
+        (dict(x=x, y=y, validation_data=(x,)), r"`validation_data` comes without targets"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model.fit(batch_size=8, verbose=0, **arguments)
+    with pytest.raises(ValueError, match=r"`x` comes without targets"):
+        model.evaluate(x, batch_size=8, verbose=0)
+    assert_weights_close(before, model.get_weights(), atol=0)
+    model.fit(x, y, batch_size=8, epochs=np.int64(1), verbose=0)  # NumPy integers count
+
+
 def test_integer_scalars_count_as_integers(strategy):
     # IPU TensorFlow code passes `dataset.cardinality()`, a 0-d integer tensor.
     import jax.numpy as jnp
@@ -264,6 +290,28 @@ def test_generator_with_a_partial_batch_raises(strategy):
     with pytest.raises(ValueError, match="same fully defined shapes"):
         model.fit(_generator(x, y, 8), steps_per_epoch=4, verbose=0)
     model.fit(_generator(x, y, 4), steps_per_epoch=7, verbose=0)  # still usable
+
+
+@pytest.mark.parametrize("change", ["sample_weight", "list"])
+def test_a_generator_whose_batches_change_structure_is_told_so(change, strategy):
+    # Before: "no partial batches: drop or pad the remainder", as for a short batch.
+    _, model = twin("sequential", strategy, steps_per_execution=1)
+    x, y = data_for("sequential", samples=32)
+
+    def batches():
+        for index, start in enumerate(range(0, 32, 8)):
+            rows = slice(start, start + 8)
+            if index < 2:
+                yield x[rows], y[rows]
+            elif change == "sample_weight":
+                yield x[rows], y[rows], np.ones(8, "float32")
+            else:
+                yield [x[rows]], y[rows]
+
+    with pytest.raises(ValueError, match=r"a batch of another structure than the first: "
+                                         r"shapes .* against \(\(8, 6\), \(8, 3\)\)\. Every "
+                                         r"batch must hold the same inputs, targets and sample"):
+        model.fit(batches(), steps_per_epoch=4, verbose=0)
 
 
 class _ShortLastBatch(ArrayBatches):

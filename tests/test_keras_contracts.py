@@ -798,3 +798,16 @@ def test_a_layers_inbound_node_holds_its_call_arguments_and_fills_them_in():
     assert len(arguments.keras_tensors) == 2  # the sequence and its mask, a keyword
     args, kwargs = arguments.fill_in({id(t): i for i, t in enumerate(arguments.keras_tensors)})
     assert args == (0,) and kwargs["mask"] == 1
+
+
+def test_a_compiled_loss_is_held_in_compile_loss_and_none_without_one():
+    # keras_ipu.keras.fit_checks.check_targets: array data without targets for a compiled loss.
+    def compiled(**loss):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", **loss)
+        return model
+
+    assert compiled(loss="mse")._compile_loss is not None
+    assert compiled()._compile_loss is None
+    assert "self._compile_loss(y, y_pred, sample_weight)" in inspect.getsource(
+        JAXTrainer.compute_loss)

@@ -127,6 +127,7 @@ def make_feed(
     plan_before_reading(x, steps, steps_per_execution, epochs, replicas, role)
     arrays = host_data.as_arrays((x, y, sample_weight))
     if arrays is not None:
+        host_data.check_numeric(arrays, role)
         return ArrayFeed(
             arrays,
             batch_size=batch_size,
@@ -619,12 +620,8 @@ class AdapterFeed:
         if self._shapes is None:
             self._shapes = shapes
         elif shapes != self._shapes:
-            raise ValueError(
-                f"{ROLES[self._role].subject} contains a batch with shapes {shapes}, "
-                f"but the first batch had shapes {self._shapes}. Executing on IPU "
-                f"requires all batches to have the same fully defined shapes (no "
-                f"partial batches): drop or pad the remainder."
-            )
+            raise ValueError(host_data.batch_change(ROLES[self._role].subject, shapes,
+                                                    self._shapes))
 
     def close(self) -> None:
         """Releases the workers of a pass left under way, without the adapter's `on_epoch_end`.

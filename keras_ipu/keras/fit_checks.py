@@ -8,12 +8,13 @@ user's data as they were.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import keras
 
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import data, pipelined, programs
+from keras_ipu.keras import data, host_data, pipelined, programs
 from keras_ipu.keras.options import IPUOptions, ReplicatedMetricReductionMethod
 from keras_ipu.ops import host_embedding
 
@@ -42,6 +43,36 @@ def check_before_reading(model, options: IPUOptions, pipeline_plan, replicas: in
         x, steps, epochs = validation
         data.plan_before_reading(x, steps, model.steps_per_execution, epochs, replicas,
                                  "validation")
+
+
+def check_epochs(epochs: Any, initial_epoch: Any) -> None:
+    """Refuses, before any callback runs, epochs Keras' epoch loop would refuse at its start."""
+    for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
+        try:
+            number = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = -1
+        if number < 0:
+            raise ValueError(f"`{name}` must be a non-negative integer (a count of epochs), "
+                             f"got {value!r}.")
+
+
+def check_targets(model, x: Any, y: Any, mode: str, data_name: str = "x") -> None:
+    """Refuses array data without targets for a model whose compiled loss compares targets.
+
+    Keras' own steps then fail inside the loss on `None` ("None is not a valid
+    value for jnp.array"). A model that computes its loss itself (its own
+    `train_step`, `test_step` or `compute_loss`, or losses added by layers
+    alone) takes data without targets, and is let through.
+    """
+    step = "train_step" if mode == "fit" else "test_step"
+    if (y is not None or getattr(model, "_compile_loss", None) is None
+            or host_data.as_arrays(x) is None
+            or any(programs.overrides(model, name) for name in (step, "compute_loss"))):
+        return
+    raise ValueError(f"`{data_name}` comes without targets (`y` is None), but the model was "
+                     f"compiled with a loss, which compares predictions with targets. Give "
+                     f"the targets, or compile without a loss.")
 
 
 def check_validation_freq(validation_freq: Any) -> None:

@@ -91,6 +91,37 @@ def as_arrays(data: Any) -> Any | None:
     return None
 
 
+_NOT_NUMBERS = {"U": "strings", "S": "bytes", "O": "Python objects"}
+
+
+def check_numeric(arrays: tuple, role: str) -> None:
+    """Refuses array data of strings, bytes or Python objects, naming the array.
+
+    Args:
+        arrays: `(x, y, sample_weight)`, each an array, a structure of arrays or `None`.
+        role: The run's role (`"validation"` names `validation_data`'s parts).
+
+    Raises:
+        ValueError: For such an array: JAX holds numbers only.
+
+    Example:
+
+    >>> check_numeric((np.array(["a"]), None, None), "fit")
+    Traceback (most recent call last):
+    ValueError: `x` is an array of strings (<U1, shape (1,)): ...
+    """
+    prefix = "validation_data's " if role == "validation" else ""
+    for name, part in zip(("x", "y", "sample_weight"), arrays):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(part):
+            kind = getattr(getattr(leaf, "dtype", None), "kind", None)
+            if kind in _NOT_NUMBERS:
+                raise ValueError(
+                    f"`{prefix}{name}{jax.tree_util.keystr(path)}` is an array of "
+                    f"{_NOT_NUMBERS[kind]} ({leaf.dtype}, shape {leaf.shape}): the IPU is fed "
+                    f"numbers only. Turn them into numbers first (a StringLookup or "
+                    f"TextVectorization adapted and run on the data, or `astype`).")
+
+
 def host_array(value: Any) -> np.ndarray:
     """`value` as a NumPy array of the dtype it is fed in (floatx, 32-bit integers)."""
     array = np.asarray(value)
@@ -131,6 +162,37 @@ def _host_dtype(dtype: np.dtype, floatx: str) -> str | None:
         # JAX runs 32-bit integers unless x64 is enabled.
         return "int32" if dtype == np.int64 else "uint32"
     return None
+
+
+def batch_change(subject: str, shapes: Any, first: Any) -> str:
+    """The error's message for a batch whose shapes are not the first batch's.
+
+    Args:
+        subject: The data, as the message's subject ("The provided set of data").
+        shapes: The batch's shapes (`np.shape` of each array).
+        first: The first batch's.
+
+    Returns:
+        The message: a batch of another structure (targets or sample weights
+        that come or go, inputs in another container) or of other shapes.
+
+    Example:
+
+    >>> batch_change("The provided set of data", ((4, 3), (4,)), ((8, 3), (8,)))
+    'The provided set of data contains a batch with shapes ...'
+    """
+    def is_shape(value):
+        return isinstance(value, tuple) and all(isinstance(d, int) for d in value)
+
+    if (jax.tree_util.tree_structure(shapes, is_leaf=is_shape)
+            != jax.tree_util.tree_structure(first, is_leaf=is_shape)):
+        return (f"{subject} contains a batch of another structure than the first: shapes "
+                f"{shapes} against {first}. Every batch must hold the same inputs, targets "
+                f"and sample weights, in the same containers: the program compiled for the "
+                f"first runs every batch.")
+    return (f"{subject} contains a batch with shapes {shapes}, but the first batch had "
+            f"shapes {first}. Executing on IPU requires all batches to have the same fully "
+            f"defined shapes (no partial batches): drop or pad the remainder.")
 
 
 def common_length(data: Any) -> int:

@@ -78,11 +78,13 @@ def fit(
 ):
     """Keras `fit` on the IPU system (see `ExtensionBase.fit`)."""
     model._assert_compile_called("fit")
+    fit_checks.check_epochs(epochs, initial_epoch)
     epochs = _capped_epochs(epochs)
     options = options_of(model)
     placement = _placement(model, "fit", options, x)
     replicas = placement.replicas
     fit_checks.check_train_step(model, options, replicas, placement.plan)
+    fit_checks.check_targets(model, x, y, "fit")
     fit_checks.check_callbacks(callbacks, options, replicas)
     if validation_data is not None or validation_split:  # its validation runs test_step
         _check_function_not_overridden(model, "evaluate")
@@ -98,6 +100,7 @@ def fit(
     validation_source = None
     if validation_data is not None:
         val_x, val_y, val_sw = _unpack(validation_data)
+        fit_checks.check_targets(model, val_x, val_y, "evaluate", "validation_data")
         val_steps = replication.instance_steps(validation_steps, replicas, "validation_steps")
         validation_source = (val_x, val_steps, 1)
     fit_checks.check_before_reading(model, options, placement.plan, replicas.local_count,
@@ -250,6 +253,7 @@ def evaluate(
     placement = _placement(model, "evaluate", options_of(model), x)
     replicas = placement.replicas
     programs.check_pipelined_overrides(model, "evaluate", placement.plan)
+    fit_checks.check_targets(model, x, y, "evaluate")
     feed = data.make_feed(
         x,
         y,
