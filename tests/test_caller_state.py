@@ -4,6 +4,7 @@ see on the thread of `fit`: the strategy scope and Keras' per-thread state."""
 from __future__ import annotations
 
 import threading
+import time
 
 import keras
 import numpy as np
@@ -76,8 +77,8 @@ _OWN_GENERATORS = {
 class OwnNoiseBatches(keras.utils.PyDataset):
     """Batches augmented from a random generator of the dataset's own."""
 
-    def __init__(self, x, y, kind):
-        super().__init__()
+    def __init__(self, x, y, kind, **options):
+        super().__init__(**options)
         make, self._draw = _OWN_GENERATORS[kind]
         self.x, self.y, self.generator = x, y, make()
 
@@ -100,6 +101,25 @@ def test_a_datasets_own_random_generator_gives_plain_kerases_batches(kind, strat
                            verbose=0).history for model in (plain, on_ipu)]
     assert_history_close(*histories)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights())
+
+
+class _SlowOwnNoiseBatches(OwnNoiseBatches):
+    def __getitem__(self, index):
+        time.sleep(0.01)  # workers are still drawing while the last batch is looked at
+        return super().__getitem__(index)
+
+
+def test_a_dataset_with_workers_draws_from_its_generator_as_in_plain_keras(strategy):
+    # Before: its generator was put back after the look at its last batch while its
+    # workers drew from it, undoing their draws (batches with the same noise).
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2, optimizer="sgd")
+    x, y = data_for("sequential", samples=64)
+    states = []
+    for model in (plain, on_ipu):
+        dataset = _SlowOwnNoiseBatches(x, y, "numpy_generator", workers=2)
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+        states.append(dataset.generator.bit_generator.state["state"])
+    assert states[0] == states[1]  # as many draws, whichever batch each went to
 
 
 def test_the_infeed_thread_sees_the_callers_dtype_policy(strategy):

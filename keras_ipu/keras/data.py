@@ -479,6 +479,8 @@ class AdapterFeed:
         """
         if self._first is None:
             dataset = getattr(self._adapter, "py_dataset", None)
+            # With workers, looked at before they start: they draw from its generators too.
+            last = self._last_batch() if getattr(self._adapter, "enqueuer", None) else None
             if self._role == "validation" and dataset is not None:
                 # Read where Keras reads none, before training: by index, in a pass of
                 # the dataset's own (the adapter's would start its workers, whose queue
@@ -494,25 +496,26 @@ class AdapterFeed:
                 # A copy: kept while the source goes on, which may refill what it yielded.
                 self._first = jax.tree_util.tree_map(np.copy, self._next_batch())
                 self._pending.append(self._first)
-            self._check_last_batch()
+            self._check_last_batch(last if last is not None else self._last_batch())
         return self._first
 
-    def _check_last_batch(self) -> None:
-        """Refuses a `PyDataset` whose last batch is partial before any execution runs.
-
-        A `PyDataset` can be read out of order, so its last batch is looked
-        at once here, when the run may read it (shuffled, or the epochs reach
-        it); a generator's partial batch is only seen when it comes (and
-        refused then, by `_check_shapes`).
-        """
+    def _last_batch(self) -> Any:
+        """A `PyDataset`'s last batch when the run may read it (shuffled, or the epochs reach
+        it), else `None`: it can be read out of order, so it is looked at once, before
+        any execution (a generator's partial batch is refused as it comes)."""
         dataset, plan = getattr(self._adapter, "py_dataset", None), self.plan
         reads = plan.steps * plan.replicas * self._epochs
         if dataset is None or not plan.num_batches or not (
                 getattr(self._adapter, "shuffle", False) or reads >= plan.num_batches):
+            return None
+        return host_data.read_by_index(dataset, plan.num_batches - 1)
+
+    def _check_last_batch(self, last: Any) -> None:
+        """Refuses a `PyDataset` whose last batch is partial before any execution runs."""
+        if last is None:
             return
-        count = plan.num_batches
-        size = host_data.batch_size_of(self._first)
-        last_size = host_data.batch_size_of(host_data.read_by_index(dataset, count - 1))
+        count, size = self.plan.num_batches, host_data.batch_size_of(self._first)
+        last_size = host_data.batch_size_of(last)
         if last_size is not None and last_size != size:
             raise ValueError(
                 f"{ROLES[self._role].subject} has a partial batch: its last batch (index "
