@@ -71,7 +71,7 @@ def check_targets(model, x: Any, y: Any, mode: str, data_name: str = "x") -> Non
             or any(programs.overrides(model, name) for name in (step, "compute_loss"))):
         return
     raise ValueError(f"`{data_name}` comes without targets (`y` is None), but the model was "
-                     f"compiled with a loss, which compares predictions with targets. Give "
+                     f"compiled with a loss, which compares predictions with targets: give "
                      f"the targets, or compile without a loss.")
 
 
