@@ -190,6 +190,14 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
                            "--ipus-per-replica must be at least 1, got 0"),
                           (["--num-instances", "2", "--coordinator", "nonsense", "x.py"],
                            "--coordinator must be HOST:PORT"),
+                          # Before: each instance waited 2 minutes, then aborted (SIGABRT).
+                          (["--num-instances", "2", "--coordinator", "no-such.invalid:1234",
+                            "x.py"], "--coordinator no-such.invalid:1234: cannot resolve"),
+                          (["--num-instances", "2", "--coordinator", "192.0.2.1:1234", "x.py"],
+                           "'192.0.2.1' (192.0.2.1) is not an address of this machine"),
+                          # Before: accepted, then each instance asked for no IPU.
+                          (["--num-instances", "2", "--ipus-per-replica", "2", "x.py"],
+                           "--ipus-per-replica (2) needs --num-replicas"),
                           # Before: each instance printed Python's usage, or a traceback.
                           (["--num-instances", "2", "--coordinatr", "h:1", "x.py"],
                            "unknown option --coordinatr (the launcher's: --num-instances"),

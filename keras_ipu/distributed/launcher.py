@@ -199,6 +199,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: --ipus-per-replica must be at least 1, got {args.ipus_per_replica}",
               file=sys.stderr)
         return 2
+    if args.ipus_per_replica is not None and args.num_replicas is None:
+        print(f"error: --ipus-per-replica ({args.ipus_per_replica}) needs --num-replicas: "
+              f"the IPUs each instance takes are its replicas times their IPUs",
+              file=sys.stderr)
+        return 2
     if args.num_replicas is not None and (
             args.num_replicas < 1 or args.num_replicas % args.num_instances):
         print(f"error: --num-replicas ({args.num_replicas}) must be a positive multiple of "
@@ -208,6 +213,10 @@ def main(argv: Sequence[str]) -> int:
     if args.coordinator is not None and not _is_host_and_port(args.coordinator):
         print(f"error: --coordinator must be HOST:PORT (a port from 1 to 65535), got "
               f"{args.coordinator!r}", file=sys.stderr)
+        return 2
+    unreachable = args.coordinator and _not_local(args.coordinator.rpartition(":")[0])
+    if unreachable:  # else every instance waits 2 minutes for it, then aborts
+        print(f"error: --coordinator {args.coordinator}: {unreachable}", file=sys.stderr)
         return 2
     if args.coordinator is not None and port_in_use(int(args.coordinator.rpartition(":")[2])):
         # Instance 0 would fail to start its coordination service (a crash, SIGSEGV).
@@ -226,6 +235,22 @@ def main(argv: Sequence[str]) -> int:
 def _is_host_and_port(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _not_local(host: str) -> str | None:
+    """Why instances on this machine cannot reach a coordinator on `host`, or `None`."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), 0,
+                                                      type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        return f"cannot resolve {host!r} ({error.strerror})"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(address)
+        except OSError:
+            return (f"{host!r} ({address[0]}) is not an address of this machine, where the "
+                    f"launcher starts every instance")
+    return None
 
 
 def _signal_session(process: subprocess.Popen, signum: int) -> None:
