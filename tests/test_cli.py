@@ -263,6 +263,25 @@ def test_a_damaged_export_is_one_line_and_status_2(export_dir, tmp_path, capsys)
         assert cli.main(["show", "--dir", str(copy)]) == 2
         error = capsys.readouterr().err
         assert "holds a damaged keras_ipu export" in error and len(error.splitlines()) == 1
+    # Before: AttributeError ('list' object has no attribute 'get') and KeyError ('platforms').
+    import json
+
+    for metadata, message in (([], "holds a JSON list, not an export's metadata"),
+                              (None, "holds a JSON NoneType")):
+        copy = tmp_path / f"metadata_{type(metadata).__name__}"
+        shutil.copytree(export_dir, copy)
+        (copy / "metadata.json").write_text(json.dumps(metadata))
+        for command in ("show", "run"):
+            assert cli.main([command, "--dir", str(copy)]) == 2
+            error = capsys.readouterr().err
+            assert message in error and len(error.splitlines()) == 1, error
+    copy = tmp_path / "no_platforms"
+    shutil.copytree(export_dir, copy)
+    metadata = json.loads((copy / "metadata.json").read_text())
+    del metadata["platforms"]
+    (copy / "metadata.json").write_text(json.dumps(metadata))
+    assert cli.main(["show", "--dir", str(copy)]) == 0
+    assert "platforms: ?" in capsys.readouterr().out
 
 
 def test_run_takes_a_dict_inputs_key_as_its_name(tmp_path, capsys):
@@ -288,7 +307,20 @@ def test_serve_refuses_a_model_name_its_paths_cannot_hold(export_dir, capsys):
     from keras_ipu import cli
 
     assert cli.main(["serve", "--dir", str(export_dir), "--model_name", "resnet:v1"]) == 2
-    assert "no '/' or ':'" in capsys.readouterr().err
+    assert "has no '/', ':', '?', '#' or '%'" in capsys.readouterr().err
+    # Before: accepted, and clients dropped what follows '?' or rewrote '.' out of the path.
+    for name in ("resnet?v2", "a#b", ".", ".."):
+        assert cli.main(["serve", "--dir", str(export_dir), "--model_name", name]) == 2
+        assert f"--model_name {name!r}: a model name needs" in capsys.readouterr().err
+
+
+def test_serve_names_the_model_after_its_folder_given_as_dot(export_dir, monkeypatch):
+    # Before: `--dir .` served the model as '.', a path no client keeps.
+    from keras_ipu.serving import commands
+
+    monkeypatch.chdir(export_dir)
+    assert commands._served_name(None, ".") == export_dir.name
+    assert commands._served_name(None, str(export_dir) + "/") == export_dir.name
 
 
 def test_serve_names_a_host_it_cannot_resolve(export_dir, capsys):

@@ -114,6 +114,16 @@ def serve_main(argv: Sequence[str]) -> int:
     return _guarded(lambda: _serve(args))
 
 
+def _served_name(model_name: str | None, export_dir: str) -> str:
+    """The REST name: `--model_name`, or the export folder's own (`--dir .` too)."""
+    name = model_name or os.path.basename(os.path.abspath(export_dir))
+    if name in ("", ".", "..") or set(name) & set("/:?#%"):  # clients rewrite such paths
+        raise CommandError(f"--model_name {name!r}: a model name needs a character, is not '.' "
+                           f"or '..', and has no '/', ':', '?', '#' or '%' (the REST paths' "
+                           f"separators and URL syntax); give --model_name")
+    return name
+
+
 def _serve(args: argparse.Namespace) -> None:
     import asyncio
 
@@ -123,10 +133,7 @@ def _serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535 or not 0 <= args.max_batch_delay_ms < math.inf:
         raise CommandError("--port must be 0-65535 and --max_batch_delay_ms a finite "
                            f"number >= 0; got {args.port} and {args.max_batch_delay_ms}")
-    name = args.model_name or os.path.basename(os.path.normpath(args.dir))
-    if not name or set(name) & set("/:"):  # the REST paths' separators
-        raise CommandError(f"--model_name {name!r}: a model name needs a character and no '/' "
-                           f"or ':' (the REST paths' separators); give --model_name")
+    name = _served_name(args.model_name, args.dir)
     runtime = _load(args.dir)
     try:
         asyncio.run(server.serve(runtime, name, args.host, args.port, args.max_batch_delay_ms,
@@ -387,7 +394,7 @@ def _describe(runtime) -> str:
         f"iterations per device call (run_many): {meta['iterations']}",
         f"IPUs: {meta.get('num_ipus', 1)}; pipeline stages: {meta.get('pipeline_stages', 1)}; "
         f"stage -> IPU: {meta.get('device_mapping', [0])}",
-        f"platforms: {', '.join(meta['platforms'])}",
+        f"platforms: {', '.join(meta.get('platforms', ['?']))}",
         "inputs:", *entries(meta["inputs"]),
         "outputs:", *entries(meta["outputs"]),
     ]

@@ -419,6 +419,9 @@ def _read_metadata(export_dir: str) -> dict:
             metadata = json.load(f)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path!r} is not JSON: {error}.") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(metadata).__name__}, not an export's "
+                         f"metadata (an object): the export is damaged.")
     if metadata.get("format") != FORMAT:
         raise ValueError(
             f"{export_dir!r} holds an export of format {metadata.get('format')!r}; this "
