@@ -60,6 +60,10 @@ def _dispatch(argv: list[str]) -> int:
     module, function = _COMMANDS[argv[0]]
     if argv[0] == "run" and _launches(argv[1:]):
         module, function = "keras_ipu.distributed.launcher", "main"
+    else:  # a tool of one process, even when a job's instance starts it
+        from keras_ipu.distributed import runtime
+
+        runtime.leave_job_environment()
     return getattr(importlib.import_module(module), function)(argv[1:])
 
 

@@ -147,6 +147,23 @@ def test_bad_options_are_one_line_errors(args, message, saved_mlp, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_convert_started_by_an_instance_of_a_job_runs_as_a_process_of_its_own(
+        saved_mlp, tmp_path):
+    # Before: it inherited the instance's job variables and joined the job as a member
+    # nobody waited for: it hung (also in a SLURM allocation of several tasks).
+    from keras_ipu.distributed import launcher
+
+    path, x, expected = saved_mlp
+    env = {**fresh_process_env(), "KERAS_IPU_NUM_INSTANCES": "2", "SLURM_NTASKS": "2",
+           "KERAS_IPU_INSTANCE_INDEX": "1",
+           "KERAS_IPU_COORDINATOR": f"127.0.0.1:{launcher.free_port()}"}
+    result = subprocess.run([sys.executable, "-m", "keras_ipu", "convert", "--model", str(path),
+                             "--dir", str(tmp_path / "export"), "--batch_size", str(BATCH)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(_run_export(tmp_path / "export", x), expected, atol=1e-5)
+
+
 def test_an_export_directory_it_cannot_write_is_refused_before_any_work(saved_mlp, tmp_path):
     # Before: "--model mlp.keras: [Errno 17] File exists: 'afile'", and a solution_dir that
     # is the export directory was written, then the export refused the directory.

@@ -235,6 +235,25 @@ def test_the_metadata_names_unsigned_and_complex_types_as_tensorflow_does():
     assert signature["outputs"]["out"]["dtype"] == "DT_COMPLEX128"
 
 
+def test_ctrl_c_while_the_export_loads_stops_serve_before_it_serves(monkeypatch, capsys):
+    # Before: loading ran under Python's own handler, and a Ctrl-C landing in JAX's
+    # garbage-collection callback was dropped ("Exception ignored"): the server then served.
+    from keras_ipu.serving import commands, server
+
+    loaded, served_with = [], []
+
+    def load_interrupted(export_dir):
+        signal.raise_signal(signal.SIGINT)  # held back until the load has ended
+        loaded.append(export_dir)
+        return object()
+
+    monkeypatch.setattr(commands, "_load", load_interrupted)
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: served_with.append(args))
+    assert commands.serve_main(["--dir", "adder", "--port", "0"]) == 0
+    assert loaded == ["adder"] and served_with == []
+    assert "keras-ipu serve: stopped" in capsys.readouterr().out
+
+
 def test_ctrl_c_stops_the_server_cleanly(served):
     _, _, process = served
     process.send_signal(signal.SIGINT)

@@ -126,6 +126,25 @@ def _cluster_detected() -> bool:
     return any(int(os.environ.get(name, "1") or 1) > 1 for name in _CLUSTER_SIZE_VARIABLES)
 
 
+def leave_job_environment() -> None:
+    """Makes this process a process of its own, outside the job its environment names.
+
+    For the one-process tools (`keras-ipu convert`, `run`, `show`, `serve`)
+    started from inside a job (by an instance, or in a SLURM allocation of
+    several tasks): they inherit the job's variables, and would otherwise
+    join the job as a member it never waits for, and hang.
+
+    Example:
+
+    >>> leave_job_environment()   # in `keras-ipu convert`, started by an instance
+    >>> launcher_environment() is None
+    True
+    """
+    for name in (COORDINATOR_ENV, NUM_INSTANCES_ENV, INSTANCE_INDEX_ENV, NUM_REPLICAS_ENV,
+                 IPUS_PER_REPLICA_ENV, *_CLUSTER_SIZE_VARIABLES):
+        os.environ.pop(name, None)
+
+
 def is_initialized() -> bool:
     """Whether this process has joined a distributed job (of any size)."""
     return jax.distributed.is_initialized()

@@ -127,15 +127,20 @@ def _served_name(model_name: str | None, export_dir: str) -> str:
 def _serve(args: argparse.Namespace) -> None:
     import asyncio
 
-    from keras_ipu.serving import server
+    from keras_ipu.device import interrupts
 
     # Not `< 0`: NaN compares false, and a NaN or infinite delay never sends a batch.
     if not 0 <= args.port <= 65535 or not 0 <= args.max_batch_delay_ms < math.inf:
         raise CommandError("--port must be 0-65535 and --max_batch_delay_ms a finite "
                            f"number >= 0; got {args.port} and {args.max_batch_delay_ms}")
     name = _served_name(args.model_name, args.dir)
-    runtime = _load(args.dir)
     try:
+        # Held back while JAX starts and the export loads: a Ctrl-C that lands in JAX's
+        # garbage-collection callback is dropped there, and the server went on to serve.
+        with interrupts.deferred():
+            from keras_ipu.serving import server
+
+            runtime = _load(args.dir)
         asyncio.run(server.serve(runtime, name, args.host, args.port, args.max_batch_delay_ms,
                                  announce=lambda line: print(line, flush=True)))
     except KeyboardInterrupt:
