@@ -272,7 +272,7 @@ def _own_generators_kept(dataset: Any) -> Iterator[None]:
     from keras.random import SeedGenerator
 
     kept = []
-    for value in vars(dataset).values():
+    for value in getattr(dataset, "__dict__", {}).values():  # none with __slots__ alone
         if isinstance(value, SeedGenerator):
             kept.append((value, value.state.value, lambda g, state: g.state.assign(state)))
         for kind, get_state, set_state in _GENERATOR_STATES:
