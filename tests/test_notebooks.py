@@ -79,6 +79,10 @@ def test_interrupting_the_kernel_during_fit_leaves_the_model_usable(tmp_path, mo
         reply = _shell_reply(client, manager, stacks)
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
         check = run(_AFTER)
+        if check["status"] == "aborted":
+            # ipykernel aborts what arrives while it still clears the interrupted cell's
+            # queue (seen under load): the cell never ran, and a user runs it again.
+            check = run(_AFTER)
         assert check["status"] == "ok", check.get("traceback")
     finally:
         client.stop_channels()
