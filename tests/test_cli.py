@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -344,3 +345,19 @@ def test_serve_refuses_a_batch_delay_that_never_sends_a_batch(delay, export_dir,
         capsys.readouterr().err)
     with pytest.raises(ValueError, match="max_batch_delay_ms must be a finite number >= 0"):
         DynamicBatcher(load(str(export_dir)), float(delay))
+
+
+@pytest.mark.parametrize("argv, leaves", [
+    (["show", "--dir", "no_such_export"], True),
+    (["run", "--dir", "no_such_export"], True),
+    (["run", "--num-instances", "0", "job.py"], False),  # the launcher: the job is its own
+])
+def test_one_process_tools_leave_the_job_they_were_started_in(argv, leaves, monkeypatch):
+    from keras_ipu import cli
+
+    job = {"KERAS_IPU_NUM_INSTANCES": "2", "KERAS_IPU_INSTANCE_INDEX": "1",
+           "KERAS_IPU_COORDINATOR": "127.0.0.1:1", "SLURM_NTASKS": "4"}
+    for name, value in job.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(argv) == 2
+    assert all((name in os.environ) != leaves for name in job)

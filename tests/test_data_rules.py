@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import sys
@@ -143,6 +144,28 @@ def test_data_mistakes_that_keras_meets_deep_inside_are_named_up_front(strategy)
         model.evaluate(x, batch_size=8, verbose=0)
     assert_weights_close(before, model.get_weights(), atol=0)
     model.fit(x, y, batch_size=8, epochs=np.int64(1), verbose=0)  # NumPy integers count
+
+
+def test_a_model_computing_its_loss_itself_fits_without_targets(strategy):
+    # The escape of the missing-targets check: its own compute_loss reads no targets.
+    class Autoencoding(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                         training=True):
+            return keras.ops.mean((y_pred - x[:, :3]) ** 2)
+
+    keras.utils.set_random_seed(0)
+    x, _ = data_for("sequential", samples=32)
+    models = []
+    for scope in (contextlib.nullcontext(), strategy.scope()):
+        with scope:
+            model = Autoencoding([keras.Input((x.shape[1],)), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+        models.append(model)
+    models[1].set_weights(models[0].get_weights())
+    histories = [model.fit(x, batch_size=8, shuffle=False, verbose=0).history
+                 for model in models]
+    np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], rtol=1e-5)
+    assert_weights_close(models[0].get_weights(), models[1].get_weights())
 
 
 def test_integer_scalars_count_as_integers(strategy):

@@ -609,3 +609,14 @@ def test_a_multi_instance_reduce_inside_run_is_this_instances_and_outside_every_
     inside = strategy.run(lambda: strategy.reduce("SUM", np.float32(1.0)))
     assert float(inside) == 1.0 and calls == []
     assert float(strategy.reduce("MEAN", np.float32(1.0))) == 2.0 and calls == ["mean"]
+
+
+def test_a_coordinator_host_is_local_when_any_of_its_addresses_is(monkeypatch):
+    # `localhost` may resolve to an IPv6 address first where IPv6 is off: before, only the
+    # first address was tried, and a valid --coordinator was refused.
+    unbindable = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fe80::1:2:3:4", 0, 0, 0))
+    local = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: [unbindable, local])
+    assert launcher._not_local("localhost") is None
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: [unbindable])
+    assert "is not an address of this machine" in launcher._not_local("localhost")

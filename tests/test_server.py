@@ -254,6 +254,24 @@ def test_ctrl_c_while_the_export_loads_stops_serve_before_it_serves(monkeypatch,
     assert "keras-ipu serve: stopped" in capsys.readouterr().out
 
 
+def test_a_second_ctrl_c_while_the_export_loads_stops_serve_at_once(monkeypatch, capsys):
+    from keras_ipu.serving import commands, server
+
+    loaded, served_with = [], []
+
+    def load_interrupted_twice(export_dir):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # raises here: the load goes no further
+        loaded.append(export_dir)
+
+    monkeypatch.setattr(commands, "_load", load_interrupted_twice)
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: served_with.append(args))
+    assert commands.serve_main(["--dir", "adder", "--port", "0"]) == 0
+    assert loaded == [] and served_with == []
+    assert "keras-ipu serve: stopped" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_ctrl_c_stops_the_server_cleanly(served):
     _, _, process = served
     process.send_signal(signal.SIGINT)

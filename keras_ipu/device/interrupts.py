@@ -29,13 +29,21 @@ from typing import Any
 class deferred:  # noqa: N801 - used as a function: `with deferred():`
     """Holds back SIGINT inside the block; one that arrived is handled as the block ends.
 
+    Args:
+        second_raises: Whether a second SIGINT inside the block raises
+            `KeyboardInterrupt` at once (for a long block, such as loading
+            a program: a user who presses Ctrl-C again wants out now).
+
     Example:
 
     >>> with deferred():
     ...     state = run(state)
     """
 
-    __slots__ = ("_arrived", "_previous")
+    __slots__ = ("_arrived", "_previous", "_second_raises")
+
+    def __init__(self, second_raises: bool = False):
+        self._second_raises = second_raises
 
     def __enter__(self) -> None:
         self._previous = None
@@ -51,6 +59,9 @@ class deferred:  # noqa: N801 - used as a function: `with deferred():`
         _signal.signal(signal.SIGINT, self._record)
 
     def _record(self, signum: int, frame: Any) -> None:
+        if self._arrived and self._second_raises:
+            self._arrived.clear()  # raised here: not again as the block ends
+            raise KeyboardInterrupt
         self._arrived.append((signum, frame))
 
     def __exit__(self, *exc_info: Any) -> None:

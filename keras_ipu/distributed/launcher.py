@@ -240,17 +240,18 @@ def _is_host_and_port(address: str) -> bool:
 def _not_local(host: str) -> str | None:
     """Why instances on this machine cannot reach a coordinator on `host`, or `None`."""
     try:
-        family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), 0,
-                                                      type=socket.SOCK_STREAM)[0]
+        addresses = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
     except socket.gaierror as error:
         return f"cannot resolve {host!r} ({error.strerror})"
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(address)
-        except OSError:
-            return (f"{host!r} ({address[0]}) is not an address of this machine, where the "
-                    f"launcher starts every instance")
-    return None
+    for family, _, _, _, address in addresses:  # `localhost` may give ::1 where IPv6 is off
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(address)
+                return None
+            except OSError:
+                pass
+    return (f"{host!r} ({', '.join(a[4][0] for a in addresses)}) is not an address of this "
+            f"machine, where the launcher starts every instance")
 
 
 def _signal_session(process: subprocess.Popen, signum: int) -> None:

@@ -479,8 +479,6 @@ class AdapterFeed:
         """
         if self._first is None:
             dataset = getattr(self._adapter, "py_dataset", None)
-            # With workers, looked at before they start: they draw from its generators too.
-            last = self._last_batch() if getattr(self._adapter, "enqueuer", None) else None
             if self._role == "validation" and dataset is not None:
                 # Read where Keras reads none, before training: by index, in a pass of
                 # the dataset's own (the adapter's would start its workers, whose queue
@@ -496,7 +494,7 @@ class AdapterFeed:
                 # A copy: kept while the source goes on, which may refill what it yielded.
                 self._first = jax.tree_util.tree_map(np.copy, self._next_batch())
                 self._pending.append(self._first)
-            self._check_last_batch(last if last is not None else self._last_batch())
+            self._check_last_batch(self._last_batch())
         return self._first
 
     def _last_batch(self) -> Any:
@@ -508,7 +506,9 @@ class AdapterFeed:
         if dataset is None or not plan.num_batches or not (
                 getattr(self._adapter, "shuffle", False) or reads >= plan.num_batches):
             return None
-        return host_data.read_by_index(dataset, plan.num_batches - 1)
+        # Workers draw from the dataset's own generators meanwhile: those stay as they are.
+        return host_data.read_by_index(dataset, plan.num_batches - 1, own_generators=not getattr(
+            self._adapter, "enqueuer", None))
 
     def _check_last_batch(self, last: Any) -> None:
         """Refuses a `PyDataset` whose last batch is partial before any execution runs."""

@@ -46,7 +46,22 @@ def check_before_reading(model, options: IPUOptions, pipeline_plan, replicas: in
 
 
 def check_epochs(epochs: Any, initial_epoch: Any) -> None:
-    """Refuses, before any callback runs, epochs Keras' epoch loop would refuse at its start."""
+    """Refuses, before any callback runs, epochs Keras' epoch loop would refuse at its start.
+
+    Args:
+        epochs: `fit`'s `epochs`.
+        initial_epoch: `fit`'s `initial_epoch`.
+
+    Raises:
+        ValueError: For either that is not a non-negative integer (NumPy
+            integers count; bools and floats do not).
+
+    Example:
+
+    >>> check_epochs(1.5, 0)
+    Traceback (most recent call last):
+    ValueError: `epochs` must be a non-negative integer (a count of epochs), got 1.5.
+    """
     for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
         try:
             number = -1 if isinstance(value, bool) else operator.index(value)
@@ -57,13 +72,29 @@ def check_epochs(epochs: Any, initial_epoch: Any) -> None:
                              f"got {value!r}.")
 
 
-def check_targets(model, x: Any, y: Any, mode: str, data_name: str = "x") -> None:
+def check_targets(model: keras.Model, x: Any, y: Any, mode: str, data_name: str = "x") -> None:
     """Refuses array data without targets for a model whose compiled loss compares targets.
 
     Keras' own steps then fail inside the loss on `None` ("None is not a valid
     value for jnp.array"). A model that computes its loss itself (its own
     `train_step`, `test_step` or `compute_loss`, or losses added by layers
     alone) takes data without targets, and is let through.
+
+    Args:
+        model: The compiled model.
+        x: The inputs (checked only when they are arrays).
+        y: The targets, or `None`.
+        mode: `"fit"` (its `train_step` runs) or `"evaluate"` (`test_step`).
+        data_name: What the message calls the data (`"validation_data"`).
+
+    Raises:
+        ValueError: For arrays without targets and a compiled loss.
+
+    Example:
+
+    >>> check_targets(model, x, None, "fit")   # model.compile(loss="mse")
+    Traceback (most recent call last):
+    ValueError: `x` comes without targets (`y` is None), ...
     """
     step = "train_step" if mode == "fit" else "test_step"
     if (y is not None or getattr(model, "_compile_loss", None) is None

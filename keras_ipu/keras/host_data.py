@@ -236,7 +236,7 @@ def random_state_kept() -> Iterator[None]:
             generator.state.assign(seed_state)
 
 
-def read_by_index(dataset: Any, index: int) -> Any:
+def read_by_index(dataset: Any, index: int, own_generators: bool = True) -> Any:
     """A `PyDataset`'s batch `index`, as its adapter yields it, read with the global random
     state kept, and that of the random generators the dataset holds as attributes: a look
     at a batch that plain Keras does not read there.
@@ -244,6 +244,8 @@ def read_by_index(dataset: Any, index: int) -> Any:
     Args:
         dataset: A `keras.utils.PyDataset`.
         index: The batch's index.
+        own_generators: Whether to put the dataset's own generators back too
+            (not while its workers draw from them: that would undo their draws).
 
     Returns:
         The batch as a tuple of arrays (`as_tuple`, `batch_arrays`).
@@ -252,7 +254,7 @@ def read_by_index(dataset: Any, index: int) -> Any:
 
     >>> read_by_index(dataset, len(dataset) - 1)   # its last batch, for its shape
     """
-    with random_state_kept(), _own_generators_kept(dataset):
+    with random_state_kept(), _own_generators_kept(dataset if own_generators else None):
         return batch_arrays(as_tuple(dataset[index]))
 
 

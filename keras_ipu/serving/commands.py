@@ -135,9 +135,10 @@ def _serve(args: argparse.Namespace) -> None:
                            f"number >= 0; got {args.port} and {args.max_batch_delay_ms}")
     name = _served_name(args.model_name, args.dir)
     try:
-        # Held back while JAX starts and the export loads: a Ctrl-C that lands in JAX's
-        # garbage-collection callback is dropped there, and the server went on to serve.
-        with interrupts.deferred():
+        # Held back while JAX starts and the export loads (a second one stops it at once):
+        # a Ctrl-C that lands in JAX's garbage-collection callback is dropped there, and
+        # the server went on to serve.
+        with interrupts.deferred(second_raises=True):
             from keras_ipu.serving import server
 
             runtime = _load(args.dir)
