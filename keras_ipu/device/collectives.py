@@ -10,12 +10,12 @@ act as the single replica they then are: index 0, sums of one.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from keras_ipu.device import integers
 from keras_ipu.device.mesh import local_axis
 from keras_ipu.device.replicate import REPLICA_AXIS
 
@@ -172,10 +172,7 @@ def checked_group_size(group_size: Any) -> int | None:
     """
     if group_size is None:
         return None
-    try:
-        size = None if isinstance(group_size, bool) else operator.index(group_size)
-    except TypeError:
-        size = None
+    size = integers.integer_of(group_size)
     if size is None or size < 1:
         raise ReplicaGroupError(_group_message(group_size, replica_count()))
     return size

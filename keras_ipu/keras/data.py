@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ import numpy as np
 from keras import config as keras_config
 from keras.src.trainers import data_adapters
 
+from keras_ipu.device import integers
 from keras_ipu.keras import host_data, sample_weights
 from keras_ipu.keras.resident import ResidentPasses
 
@@ -684,11 +684,8 @@ def positive_int(name: str, value: Any) -> int:
     Integer scalars of any kind count: a 0-d NumPy or JAX integer array as
     well as an int (IPU TensorFlow code passes a data set's `cardinality()`).
     """
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else 0
-    except TypeError:
-        number = 0
-    if number < 1:
+    number = integers.integer_of(value)
+    if number is None or number < 1:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     return number
 

@@ -8,11 +8,11 @@ user's data as they were.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import keras
 
+from keras_ipu.device import integers
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import data, host_data, pipelined, programs
 from keras_ipu.keras.options import IPUOptions, ReplicatedMetricReductionMethod
@@ -63,11 +63,8 @@ def check_epochs(epochs: Any, initial_epoch: Any) -> None:
     ValueError: `epochs` must be a non-negative integer (a count of epochs), got 1.5.
     """
     for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
-        try:
-            number = -1 if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            number = -1
-        if number < 0:
+        number = integers.integer_of(value)
+        if number is None or number < 0:
             raise ValueError(f"`{name}` must be a non-negative integer (a count of epochs), "
                              f"got {value!r}.")
 

@@ -254,7 +254,8 @@ def read_by_index(dataset: Any, index: int, own_generators: bool = True) -> Any:
 
     >>> read_by_index(dataset, len(dataset) - 1)   # its last batch, for its shape
     """
-    with random_state_kept(), _own_generators_kept(dataset if own_generators else None):
+    kept = _own_generators_kept(dataset) if own_generators else contextlib.nullcontext()
+    with random_state_kept(), kept:
         return batch_arrays(as_tuple(dataset[index]))
 
 

@@ -11,14 +11,13 @@ everyone = all_to_all_op.all_gather(x, replication_factor=2)
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_ipu.device import collectives
+from keras_ipu.device import collectives, integers
 from keras_ipu.ops import symbolic
 
 
@@ -77,12 +76,8 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
     x = jnp.asarray(x)
     split = _dimension(split_dimension, x, "split_dimension")
     concat = _dimension(concat_dimension, x, "concat_dimension")
-    try:  # an int of any kind: a NumPy or 0-d JAX integer too
-        factor = operator.index(replication_factor) if not isinstance(
-            replication_factor, bool) else 0
-    except TypeError:
-        factor = 0
-    if factor < 1:
+    factor = integers.integer_of(replication_factor)  # a NumPy or 0-d JAX integer too
+    if factor is None or factor < 1:
         raise ValueError(f"all_to_all's replication_factor must be a positive int (replicas per "
                          f"group), got {replication_factor!r}.")
     replication_factor = factor

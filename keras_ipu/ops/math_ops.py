@@ -11,11 +11,12 @@ c = math_ops.serialized_matmul(a, b, 4, "a_columns")
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from keras_ipu.device import integers
 
 # Where a serialized multiply splits `a [..., m, k] @ b [..., k, n]`:
 # (axis of a, axis of b) split, or None; and how the parts combine.
@@ -99,12 +100,8 @@ def checked_factor(serialization_factor: Any, size: int, what: str) -> int:
     >>> checked_factor(2, 6, "the a_columns dimension")
     2
     """
-    try:
-        factor = 0 if isinstance(serialization_factor, bool) else operator.index(
-            serialization_factor)
-    except TypeError:
-        factor = 0
-    if factor < 1 or size % factor:
+    factor = integers.integer_of(serialization_factor)
+    if factor is None or factor < 1 or size % factor:
         raise ValueError(f"serialization_factor must be a positive integer dividing {what} "
                          f"({size}), got {serialization_factor!r}.")
     return factor
