@@ -539,3 +539,33 @@ def test_epochs_after_the_data_ran_out_end_with_the_last_logs_as_in_keras(strate
     assert actual.history["loss"][2] == actual.history["loss"][1] > 0  # not the reset metrics
     assert_history_close(expected.history, actual.history)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["fit", "validation", "evaluate", "predict"])
+def test_a_source_too_short_for_one_execution_is_refused_and_the_model_kept(call, strategy):
+    # Before: {} from evaluate, a History without loss or val_loss, and predict's
+    # "Expect x to be a non-empty array": the 3 batches read were dropped unseen.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=4)
+    x, y = data_for("sequential", samples=64)
+
+    def batches(count, targets=True):
+        for i in range(0, count * BATCH, BATCH):
+            yield (x[i:i + BATCH], y[i:i + BATCH]) if targets else (x[i:i + BATCH],)
+
+    calls = {
+        "fit": lambda: on_ipu.fit(batches(3), steps_per_epoch=8, verbose=0),
+        "validation": lambda: on_ipu.fit(batches(8), steps_per_epoch=8, verbose=0,
+                                         validation_data=batches(3), validation_steps=8),
+        "evaluate": lambda: on_ipu.evaluate(batches(3), steps=8, verbose=0),
+        "predict": lambda: on_ipu.predict(batches(3, targets=False), steps=8, verbose=0),
+    }
+    subject = "validation data" if call == "validation" else "set of data"
+    with pytest.raises(ValueError, match=rf"The provided {subject} ran out after 3 batches, "
+                                         rf"fewer than one execution takes .* = 4 batches\)"):
+        calls[call]()
+    # Untouched, or trained on the full epoch alone; then a fit as plain Keras'.
+    for model in (plain, on_ipu):
+        if call == "validation" and model is plain:
+            model.fit(batches(8), steps_per_epoch=8, verbose=0)
+        model.fit(batches(8), steps_per_epoch=8, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)

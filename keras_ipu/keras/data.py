@@ -465,6 +465,7 @@ class AdapterFeed:
         self._started = False
         self._in_pass = False  # between the adapter's `on_epoch_begin` and `on_epoch_end`
         self.ran_out_of_data = False
+        self._executions = 0  # taken from the source in this run
 
     @property
     def batch_size(self) -> int:
@@ -545,17 +546,12 @@ class AdapterFeed:
             except StopIteration:
                 self._iterator = None
                 self.ran_out_of_data = True
-                warnings.warn(
-                    "Your input ran out of data; interrupting the epoch. Make sure "
-                    "that your dataset or generator can generate at least "
-                    "`steps_per_epoch * epochs` batches (a last incomplete "
-                    "execution is dropped).",
-                    stacklevel=2,
-                )
+                host_data.ran_out(ROLES[self._role], plan, batches.added, self._executions)
                 return
             stacked = jax.tree_util.tree_map(
                 lambda a: a.reshape(*shape, *a.shape[1:]), batches.result
             )
+            self._executions += 1
             yield begin, begin + plan.steps_per_execution - 1, stacked
         if plan.num_batches is not None and self._seen + plan.steps * plan.replicas > (
             plan.num_batches

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +62,41 @@ class Stacked:
             rows = rows.astype(np.result_type(rows.dtype, value.dtype))
         rows[self._added] = value
         return rows
+
+    @property
+    def added(self) -> int:
+        """The batches stacked so far."""
+        return self._added
+
+
+def ran_out(role: Any, plan: Any, read: int, executions_before: int) -> None:
+    """Warns that a source ran out of data, which ends the pass; refuses it if nothing ran.
+
+    Args:
+        role: The run's `data.Role` (what its errors call the data and steps).
+        plan: The run's `data.FeedPlan`.
+        read: Batches read for the execution that could not be completed.
+        executions_before: Executions the feed completed before, in this run.
+
+    Raises:
+        ValueError: If the batches read are all the run would get: fewer than
+            one execution needs, and none ran before (plain Keras would have
+            run them; the run would report nothing).
+    """
+    if read and not executions_before:
+        raise ValueError(
+            f"{role.subject} ran out after {read} batches, fewer than one execution "
+            f"takes ({plan.steps_per_execution} steps per execution x {plan.replicas} "
+            f"replicas = {plan.batches_per_execution} batches): nothing was run. Provide "
+            f"at least {plan.batches_per_execution} batches (`{role.steps_argument}` of them), "
+            f"or compile with a smaller `steps_per_execution`."
+        )
+    warnings.warn(
+        "Your input ran out of data; interrupting the epoch. Make sure that your dataset or "
+        "generator can generate at least `steps_per_epoch * epochs` batches (a last "
+        "incomplete execution is dropped).",
+        stacklevel=3,
+    )
 
 
 def as_tuple(batch: Any) -> tuple:
