@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from keras_ipu.device import program_outfeeds, queues
+from keras_ipu.device import loop_state, program_outfeeds, queues
 
 # The compiled functions an outlined function keeps, one per distinct trace.
 _KEPT_TRACES = 32
@@ -134,7 +134,8 @@ def _traced_in_scope(fresh: Callable, args: tuple, outer: Any) -> tuple[Any, Any
     """`fresh` traced in the step's stateless scope, which is put back as it was."""
     records, losses = dict(outer.state_mapping), len(outer.losses)
     try:
-        closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
+        with loop_state.looking():  # what it assigns is put back: any trace may
+            closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
     finally:
         changed = outer.state_mapping.keys() != records.keys() or any(
             outer.state_mapping[k] is not v for k, v in records.items())

@@ -720,3 +720,76 @@ def test_a_keras_variable_enqueued_in_a_loop_body_outfeeds_each_iterations_value
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         ipu.ipu_compiler.compile(lambda: ipu.loops.repeat(3, body))
     np.testing.assert_array_equal(outfeed.dequeue(), [[1, 1], [2, 2], [3, 3]])
+
+
+def test_an_assignment_inside_a_jitted_step_in_a_loop_body_says_what_to_do(strategy):
+    # Before: the loop, traced again to carry the optimizer's variables, replayed the
+    # inner jit's trace, which assigned nothing: no weight changed, no error.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(
+        [(np.full((4, 3), i, np.float32), np.ones((4, 1), np.float32)) for i in range(3)])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    before = model.get_weights()
+
+    def step(x, y):
+        def loss(weights):
+            return jnp.mean((model.stateless_call(weights, [], x)[0] - y) ** 2)
+        value, gradients = jax.value_and_grad(loss)([v.value for v in model.trainable_variables])
+        optimizer.apply(gradients, model.trainable_variables)
+        return value
+
+    def loop(step):
+        def body(x, y):
+            step(x, y)
+        return lambda: ipu.loops.repeat(3, body, [], infeed)
+
+    with pytest.raises(RuntimeError, match=r"variable '.*kernel' was assigned inside a JAX "
+                                           r"transformation .* Call the function that assigns "
+                                           r"it directly"):
+        strategy.run(loop(jax.jit(step)))
+    for kept, now in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(kept, now)
+    assert int(optimizer.iterations.numpy()) == 0 and len(infeed.peek(10)) == 3
+    strategy.run(loop(step))  # the same step, called directly, trains
+    assert int(optimizer.iterations.numpy()) == 3
+    assert not np.allclose(before[0], model.get_weights()[0])
+
+
+def test_batch_statistics_assigned_inside_jax_grad_name_the_variable(strategy):
+    # Before: "Computation compiled for 10 inputs but called with 1".
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.BatchNormalization()])
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+
+    def gradient(x):
+        return jax.grad(lambda v: jnp.sum(model(v, training=True)))(x)
+
+    with pytest.raises(RuntimeError, match=r"variable '.*moving_mean' was assigned inside a "
+                                           r"JAX transformation .*stateless_call"):
+        strategy.run(gradient, args=(x,))
+    assert float(np.abs(model.get_weights()[2]).sum()) == 0.0  # moving mean kept
+
+
+@pytest.mark.parametrize("limit", [2.5, -1, True, 2**40, "3"])
+def test_a_while_loops_maximum_iterations_is_checked_before_it_takes_elements(limit):
+    # Before: 2.5 ran 3 iterations, -1 none, True one; 2**40 and "3" failed inside JAX.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(4)])
+    with pytest.raises(ValueError, match=rf"while_loop needs maximum_iterations from 0 to "
+                                         rf"2147483647, .* got {limit!r}\."):
+        ipu.loops.while_loop(lambda t: t < 10.0, lambda t, x: t + x, [np.float32(0)], infeed,
+                             maximum_iterations=limit)
+    assert len(infeed.peek(10)) == 4
+    total = ipu.loops.while_loop(lambda t: t < 10.0, lambda t, x: t + x, [np.float32(0)],
+                                 infeed, maximum_iterations=np.int64(3))
+    assert float(total) == 0 + 1 + 2
+
+
+def test_a_while_loops_condition_must_be_a_boolean_scalar():
+    # Before: "and does not accept dtype float32 at position 0", from keras_ipu's own code.
+    with pytest.raises(TypeError, match=r"condition must return a boolean scalar, got "
+                                        r"float32\[\]"):
+        ipu.loops.while_loop(lambda t: 10.0 - t, lambda t: t + 1.0, [np.float32(0)])
+    with pytest.raises(TypeError, match=r"boolean scalar, got bool\[2\]"):
+        ipu.loops.while_loop(lambda t: t < 3.0, lambda t: t + 1.0, [np.zeros(2, np.float32)])

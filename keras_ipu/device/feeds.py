@@ -35,7 +35,6 @@ takes them when it is built, as constants. The queues themselves are in
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +47,15 @@ from keras_ipu.device import (
     collectives,
     compiled_calls,
     elements,
+    integers,
     loop_state,
     program_outfeeds,
     queues,
     scopes,
     system,
 )
+
+_INT32_MAX = int(np.iinfo(np.int32).max)  # a while loop's iteration counter is an int32
 
 
 def compile(computation: Callable, inputs: Any = None) -> list:  # noqa: A001 - the seed's name
@@ -187,7 +189,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         def step(carry, element):
             carry, extra = carry
             loop_state.enter_body(keys, extra)
-            with queues.collect_enqueues() as enqueued:
+            with queues.collect_enqueues() as enqueued, loop_state.body_trace():
                 new = _called(body, carry, element)
             layout[:] = [(queue, block) for queue, _, block in enqueued.records]
             return ((_carried(new, len(carry)), loop_state.leave_body(keys)),
@@ -276,13 +278,31 @@ def _own_elements(data: Any, replicas: int) -> Any:
 
 
 def _iterations(n: Any) -> int:
-    try:
-        count = operator.index(n)
-    except TypeError:
-        count = None
-    if count is None or isinstance(n, bool) or count < 0:
+    count = integers.integer_of(n)
+    if count is None or count < 0:
         raise ValueError(f"repeat needs n >= 0 iterations, a Python or NumPy integer, got {n!r}.")
     return count
+
+
+def _iteration_limit(maximum_iterations: Any) -> int:
+    """The loop's bound on its iteration count (its counter is an int32)."""
+    if maximum_iterations is None:
+        return _INT32_MAX
+    count = integers.integer_of(maximum_iterations)
+    if count is None or not 0 <= count <= _INT32_MAX:
+        raise ValueError(f"while_loop needs maximum_iterations from 0 to {_INT32_MAX}, a "
+                         f"Python or NumPy integer (or None), got {maximum_iterations!r}.")
+    return count
+
+
+def _holds(condition: Callable, carry: tuple) -> Any:
+    """`condition(*carry)`, which must be a boolean scalar (as `tf.while_loop` requires)."""
+    holds = condition(*carry)
+    if jnp.shape(holds) != () or jnp.result_type(holds) != jnp.bool_:
+        raise TypeError(f"while_loop's condition must return a boolean scalar, got "
+                        f"{jnp.result_type(holds)}{list(jnp.shape(holds))}: compare its value "
+                        f"(`x < 10`), or reduce it (`jnp.all(...)`).")
+    return holds
 
 
 def while_loop(condition: Callable, body: Callable, inputs: Any = None,
@@ -319,20 +339,21 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
     >>> while_loop(lambda x: x < 10, lambda x: x + 3, [np.int32(0)])
     Array(12, dtype=int32)
     """
+    limit = _iteration_limit(maximum_iterations)
     element = None if infeed_queue is None else _streamed(infeed_queue)
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
-    limit = np.iinfo(np.int32).max if maximum_iterations is None else maximum_iterations
 
     def loop(keys: tuple, initial: list) -> tuple[Any, list]:
         def keep_going(values):
             count, carry, extra = values
             loop_state.enter_body(keys, extra)  # the condition may read them too
-            return (count < limit) & condition(*carry)
+            return (count < limit) & _holds(condition, carry)
 
         def step(values):
             count, carry, extra = values
             loop_state.enter_body(keys, extra)
-            with queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE):
+            with (queues.collect_enqueues(refusal=_WHILE_LOOP_ENQUEUE),
+                  loop_state.body_trace()):
                 new = _called(body, carry, None if element is None else element(count))
             return count + 1, _carried(new, len(carry)), loop_state.leave_body(keys)
 

@@ -22,6 +22,8 @@ import contextvars
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
+from keras_ipu.device import program_outfeeds
+
 
 class LoopState(Protocol):
     """What a loop needs of the state it carries: its entries, by hashable key."""
@@ -67,6 +69,60 @@ def carrying(state: LoopState) -> Iterator[LoopState]:
         yield state
     finally:
         _STATE.reset(token)
+
+
+# Trace-time context: the trace of the loop body being traced (what it assigns is carried),
+# or `_LOOKING` while a trace looks at what a function assigns and puts the state back.
+_BODY_TRACE: contextvars.ContextVar = contextvars.ContextVar("loop_body_trace", default=None)
+_LOOKING = object()
+
+
+@contextlib.contextmanager
+def _marked(trace: object) -> Iterator[None]:
+    token = _BODY_TRACE.set(trace)
+    try:
+        yield
+    finally:
+        _BODY_TRACE.reset(token)
+
+
+def body_trace() -> contextlib.AbstractContextManager:
+    """Marks the block as a loop body's trace: the state it assigns is carried by the loop.
+
+    Example:
+
+    >>> with body_trace():
+    ...     new = body(*carry)
+    """
+    return _marked(program_outfeeds.trace_state())
+
+
+def looking() -> contextlib.AbstractContextManager:
+    """Marks the block as a trace that only looks at what a function assigns (and puts
+    the state back after it): any trace may assign in it.
+
+    Example:
+
+    >>> with looking():
+    ...     jaxpr = jax.make_jaxpr(fn)(x)
+    """
+    return _marked(_LOOKING)
+
+
+def carried_here(computation_trace: object) -> bool:
+    """Whether state assigned now can leave the trace: made in the computation's own trace
+    (`computation_trace`) or a loop body's, not in a JAX transformation inside either
+    (`jax.grad`, an inner `jax.jit`), whose values exist only there.
+
+    Example:
+
+    >>> carried_here(program_outfeeds.trace_state())   # in the computation itself
+    True
+    """
+    body = _BODY_TRACE.get()
+    if body is _LOOKING:
+        return True
+    return program_outfeeds.trace_state() == (computation_trace if body is None else body)
 
 
 class _NewEntries(Exception):

@@ -32,6 +32,7 @@ from keras_ipu.device import (
     compiled_calls,
     interrupts,
     loop_state,
+    program_outfeeds,
 )
 from keras_ipu.device import system as ipu_system
 from keras_ipu.keras import batch_norm_groups, steps
@@ -105,6 +106,7 @@ class _Recording(stateless_scope.StatelessScope):
         self.known: dict[int, keras.Variable] = {}  # kept when a trace is abandoned
         # This replica's seed word (`steps.replica_seed_mask`), or None: one stream.
         self.seed_mask = seed_mask
+        self.trace = program_outfeeds.trace_state()  # the computation's
 
     def get_current_value(self, variable: Any) -> Any:
         value = super().get_current_value(variable)
@@ -127,6 +129,10 @@ class _Recording(stateless_scope.StatelessScope):
 
     def add_update(self, update: tuple) -> None:
         variable, _ = update
+        if not loop_state.carried_here(self.trace):
+            # Its value would leak that transformation's tracer; and an inner `jax.jit`
+            # traced again (a loop carrying more) replays its trace, assigning nothing.
+            raise RuntimeError(_INNER_ASSIGNMENT.format(path=variable.path))
         self.assigned.setdefault(id(variable), variable)
         self.known.setdefault(id(variable), variable)
         super().add_update(update)
@@ -154,6 +160,16 @@ class _Recording(stateless_scope.StatelessScope):
         for key, value in zip(keys, values, strict=True):
             self.assigned.setdefault(key, self.known[key])
             self.state_mapping[key] = value
+
+
+_INNER_ASSIGNMENT = (
+    "The Keras variable {path!r} was assigned inside a JAX transformation within the "
+    "computation (jax.grad, jax.vmap, an inner jax.jit): its new value exists only inside "
+    "that transformation and cannot leave it. Call the function that assigns it directly "
+    "(the computation is compiled as a whole: an inner jax.jit adds nothing), or return the "
+    "new values from it (`model.stateless_call` gives the non-trainable variables' values, "
+    "with has_aux=True under jax.grad) and assign them outside the transformation."
+)
 
 
 # What holds Keras state a computation may assign: a kept program is the same only for the
