@@ -907,6 +907,40 @@ def test_regularizers_and_added_losses_count_in_every_stage(schedule, strategy):
                                rtol=1e-5)
 
 
+def _shared_penalty_model(stage=lambda s: contextlib.nullcontext()):
+    """A `_Penalty` layer and an activity-regularized Dense, each called in both stages."""
+    inputs = keras.Input((6,))
+    penalty, shared = _Penalty(), keras.layers.Dense(
+        6, activation="tanh", activity_regularizer=keras.regularizers.L1(0.01))
+    with stage(0):
+        h = shared(penalty(keras.layers.Dense(6)(inputs)))
+    with stage(1):
+        outputs = keras.layers.Dense(3)(shared(penalty(keras.layers.Dense(6)(h))))
+    return keras.Model(inputs, outputs)
+
+
+def test_a_layer_called_in_two_stages_adds_its_last_calls_losses_as_in_keras(strategy):
+    # Keras counts a layer's added losses in its last call only; the pipeline counted both.
+    x, y = data_for("sequential", samples=64)
+    keras.utils.set_random_seed(2)
+    plain = _shared_penalty_model()
+    with strategy.scope():
+        model = _shared_penalty_model(ipu.keras.PipelineStage)
+    model.set_weights(plain.get_weights())
+    for m in (plain, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                 gradient_accumulation_reduction_method="mean",
+                                 device_mapping=[0, 0])  # the stages share the Dense
+    configure(1)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=MICRO, verbose=0),
+                               plain.evaluate(x, y, batch_size=MICRO * GA, verbose=0), rtol=1e-5)
+    expected = plain.fit(x, y, batch_size=MICRO * GA, shuffle=False, verbose=0).history["loss"]
+    history = model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(history, expected, rtol=1e-5)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 @pytest.mark.parametrize("penalty, reduction", [(False, "none"), (True, "sum_over_batch_size")])
 def test_evaluate_counts_the_stages_losses_only_when_they_add_one(penalty, reduction, strategy):
     # Without additional losses `model.losses` is empty, so a per-sample loss

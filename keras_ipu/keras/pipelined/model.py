@@ -44,7 +44,6 @@ REPLICA_AXIS = "replica"
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
 
-
 # --------------------------------------------------------------------------- packing
 
 
@@ -468,6 +467,7 @@ class StageRunner:
         self.n_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         self.seeds = (steps.seed_state_indices(model.non_trainable_variables)
                       if distinct_replicas else [])
+        self.loss_calls = pipelined.plan.last_calls()  # whose added losses count
         # Each regularized weight counts once, in the first stage that uses it
         # (Keras counts a layer's weight regularization once per model call).
         self.regularized: list[list] = []
@@ -539,7 +539,7 @@ class StageRunner:
             if hasattr(layer, "stateless_call"):
                 outputs, new_ntv, call_losses = self._call_layer(layer, tv, ntv, args, kwargs)
                 ntv.update(new_ntv)
-                losses.extend(call_losses)
+                losses.extend(call_losses if id(call) in self.loss_calls else [])
             else:  # a plain op in a functional graph
                 outputs = layer(*args, **kwargs)
             for key, value in zip(call.output_keys, tree.flatten(outputs)):

@@ -156,6 +156,21 @@ class PipelinePlan:
             seen.setdefault(id(call.operation), call.operation)
         return list(seen.values())
 
+    def last_calls(self) -> set[int]:
+        """The calls (by `id`) that are their operation's last in the model, over all stages.
+
+        Keras counts the losses a layer adds (`add_loss`, its activity
+        regularizer) in its last call only: each call of a layer clears those of
+        the one before (a shared layer, a nested model used twice).
+
+        Example:
+
+        >>> id(plan.stages[1][-1]) in plan.last_calls()
+        True
+        """
+        last = {id(call.operation): call for stage in self.stages for call in stage}
+        return {id(call) for call in last.values()}
+
 
 def call_arguments(
     call: StageCall, values: Mapping[TensorKey, Any], training: bool | None
