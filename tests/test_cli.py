@@ -157,8 +157,12 @@ def test_a_missing_array_or_an_unwritable_outdir_is_one_line_and_status_2(export
                                                                           tmp_path):
     np.savez(tmp_path / "inputs.npz", a=np.ones((1, 4), "float32"))
     (tmp_path / "a_file").touch()
+    (tmp_path / "inputs.json").write_text('{"x": [[1, 2, 3, 4]]}')
     for args, message in (
             (["--inputs", f"x={tmp_path / 'inputs.npz'}[b]"], "has no array 'b'; it has ['a']"),
+            # Before: NumPy's "contains pickled (object) data ... allow_pickle=" advice.
+            (["--inputs", f"x={tmp_path / 'inputs.json'}"],
+             f"'{tmp_path / 'inputs.json'}' is not a .npy or .npz file (--input_exprs"),
             (["--input_exprs", "x=np.ones((1, 4));y=np.ones((1, 4))", "--outdir",
               str(tmp_path / "a_file")],
              "cannot make the folder")):

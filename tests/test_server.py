@@ -137,6 +137,9 @@ def test_concurrent_clients_get_their_own_rows(served):
     # Before: "is an array of shape (0,), not a list of rows" (and, for rows of shape (),
     # 200 with no outputs, after a device call).
     (b'{"inputs": {"a": [], "b": []}}', 400, "Input 'a' has no rows"),
+    # Before: "is not float32 data: setting an array element with a sequence ...".
+    (b'{"inputs": {"a": [[1, 2, 3, 4], [1, 2, 3]], "b": [[1, 2], [1, 2]]}}', 400,
+     "Input 'a' has rows (or values in them) of different lengths: each row needs shape (4,)"),
 ])
 def test_bad_requests_get_4xx_and_the_server_goes_on(served, body, status, message):
     model, url, _ = served
@@ -290,12 +293,16 @@ def test_ctrl_c_stops_the_server_cleanly(served):
     # All significant digits before the point: "123456792." is no JSON number.
     np.array([[123456792.0, 1.5], [1e8, 999999936.0]], "float32"),
     np.array([12344.0, 65504.0], "float16"),
+    # 0-d (an output summed over the batch): it had a double's 17 digits.
+    np.array(2.8977053, "float32"), np.array(123456792.0, "float32"),
 ], ids=["float32", "float32-extremes", "float16", "float64", "non-finite", "int32", "bool",
-        "float32-integral", "float16-integral"])
+        "float32-integral", "float16-integral", "float32-0d", "float32-0d-integral"])
 def test_json_array_reads_back_exactly(array):
     from keras_ipu.serving.server import json_array
 
     text = json_array(array)
+    if array.shape == () and array.dtype == np.float32:
+        assert text in ("2.89770532", "123456792.0")  # 9 digits, a point
     values = json.loads(text)
     np.testing.assert_array_equal(np.asarray(values, array.dtype), array)
     if array.dtype.kind == "f":  # clients read floats, never ints
@@ -554,3 +561,45 @@ def test_an_ipv6_address_is_announced_in_brackets(pixels):
     # Before: "http://::1:PORT/...", which URL parsers read as host ":".
     assert re.fullmatch(r"keras-ipu serve: model 'm' at http://\[::1\]:\d+/v1/models/m",
                         announced[0])
+
+
+class _EchoRuntime:
+    """A runtime of batch size 1 that returns its input: the batcher alone, no device."""
+
+    batch_size = 1
+    inputs = [{"name": "x", "shape": [1, 2], "dtype": "float32"}]
+    outputs = [{"name": "y", "shape": [1, 2], "dtype": "float32"}]
+
+    def __call__(self, x):
+        return x
+
+    def by_output_name(self, outputs):
+        return {"y": outputs}
+
+
+def test_the_batcher_answers_a_many_batch_request_whole_and_drops_a_cancelled_one():
+    # A request was answered after summing the rows of all its delivered pieces at each
+    # piece (quadratic: minutes for a request of 350,000 batches); a cancelled one ran on.
+    from keras_ipu.serving.server import DynamicBatcher
+
+    rows = np.arange(4000, dtype=np.float32).reshape(2000, 2)
+
+    async def served():
+        batcher = DynamicBatcher(_EchoRuntime(), max_batch_delay_ms=0)
+        batcher.start()
+        try:
+            whole = await batcher.predict({"x": rows})
+            calls = batcher.device_calls
+            cancelled = asyncio.ensure_future(batcher.predict({"x": rows}))
+            while batcher.device_calls < calls + 10:
+                await asyncio.sleep(0)
+            cancelled.cancel()
+            after = await batcher.predict({"x": rows[:1]})
+            return whole, calls, batcher.device_calls - calls, after
+        finally:
+            await batcher.stop()
+
+    whole, calls, more, after = asyncio.run(served())
+    np.testing.assert_array_equal(whole["y"], rows)
+    assert calls == 2000 and more < 100  # the cancelled request's 1,990 batches never ran
+    np.testing.assert_array_equal(after["y"], rows[:1])

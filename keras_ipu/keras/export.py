@@ -432,16 +432,17 @@ class _ReturnedStructure:
         """One name per flat output.
 
         Raises:
-            ValueError: `given` does not name each output once, or dict keys
-                that are the same text (`1` and `"1"`) without `given`.
+            ValueError: `given` does not name each output once with a string,
+                or dict keys that are the same text (`1` and `"1"`) without `given`.
         """
         count = self._count
         if given is not None:
             given = [given] if isinstance(given, str) else list(given)
-            if len(given) != count or len(set(given)) != count:
+            if len(given) != count or len(set(given)) != count or not all(
+                    isinstance(name, str) for name in given):
                 raise ValueError(
-                    f"`output_names` must name each of the model's {count} outputs once"
-                    f"{self._keys_hint()}, got {given}.")
+                    f"`output_names` must name each of the model's {count} outputs once, "
+                    f"with a string{self._keys_hint()}, got {given}.")
         if self._keys is None:
             return given if given is not None else [f"output_{i}" for i in range(count)]
         if given is None and len(set(self._keys)) != count:

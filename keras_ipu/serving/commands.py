@@ -339,9 +339,11 @@ def _file_inputs(spec: str) -> dict:
             raise CommandError(f"--inputs {name}: no file {value!r}")
         try:
             loaded = np.load(value, allow_pickle=False)
-        except (ValueError, OSError) as error:
-            raise CommandError(
-                f"--inputs {name}: {value!r} is not a NumPy file ({error})") from None
+        except ValueError:  # NumPy's advice on unpickling is none for a shell user
+            raise CommandError(f"--inputs {name}: {value!r} is not a .npy or .npz file "
+                               f"(--input_exprs takes Python expressions)") from None
+        except OSError as error:
+            raise CommandError(f"--inputs {name}: cannot read {value!r} ({error})") from None
         if isinstance(loaded, np.lib.npyio.NpzFile):
             if key is None and len(loaded.files) != 1:
                 raise CommandError(f"--inputs {name}: name the array of {value!r}: {loaded.files}")

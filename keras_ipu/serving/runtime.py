@@ -214,12 +214,13 @@ class ServingRuntime:
             return {keys[key]: value for key, value in given.items()}
         aliases = {key: name for key, name in keys.items() if key not in names}
         named: dict[str, Any] = {}
+        spelled: dict[str, str] = {}  # name -> the key that gave it first
         for key, value in given.items():
             name = aliases.get(key, key)
             if name in named:
-                raise TypeError(f"Input {name!r} given twice (as {key!r} too); the export "
-                                f"expects {self.signature()}.")
-            named[name] = value
+                raise TypeError(f"Input {name!r} given twice (as {spelled[name]!r} and "
+                                f"{key!r}); the export expects {self.signature()}.")
+            named[name], spelled[name] = value, key
         return named
 
     def _checked(self, inputs: list[Any], leading: tuple[int, ...]) -> list[Any]:

@@ -53,6 +53,7 @@ class _Pending:
     count: int
     # first row -> (rows, outputs)
     done: dict[int, tuple[int, dict]] = dataclasses.field(default_factory=dict)
+    delivered: int = 0  # rows in `done`: counted as they come, not summed at each piece
 
 
 class DynamicBatcher:
@@ -118,7 +119,11 @@ class DynamicBatcher:
                     carry.append((await asyncio.wait_for(self._queue.get(), timeout), 0))
                 except TimeoutError:
                     break
-            pieces, carry = _take(carry, batch)
+            # A request that failed or was cancelled (its client went) runs no more batches.
+            pieces, carry = _take([(p, start) for p, start in carry if not p.future.done()],
+                                  batch)
+            if not pieces:
+                continue
             try:
                 await self._run_batch(pieces)
             except Exception as error:  # the batch's requests hear of it; the loop goes on
@@ -214,7 +219,8 @@ def _take(carry, batch: int):
 def _deliver(pending: _Pending, start: int, rows: int, part: dict[str, np.ndarray]) -> None:
     """Adds a piece's outputs to its request; resolves it when its rows are all done."""
     pending.done[start] = (rows, part)
-    if sum(count for count, _ in pending.done.values()) == pending.count:
+    pending.delivered += rows
+    if pending.delivered == pending.count:
         ordered = [pending.done[k][1] for k in sorted(pending.done)]
         result = ordered[0] if len(ordered) == 1 else {
             n: np.concatenate([p[n] for p in ordered]) for n in ordered[0]}
@@ -319,7 +325,7 @@ def _arrays(columns: dict[str, Any], runtime: ServingRuntime) -> dict[str, np.nd
         name = entry["name"]
         if isinstance(columns[name], list) and not columns[name]:  # before it reads as float
             raise RequestError(f"Input {name!r} has no rows: a request needs at least one.")
-        array = _cast(name, columns[name], np.dtype(entry["dtype"]))
+        array = _cast(name, columns[name], np.dtype(entry["dtype"]), tuple(entry["shape"][1:]))
         if array.ndim and not len(array):  # as `instances` must be a non-empty list
             raise RequestError(f"Input {name!r} has no rows: a request needs at least one.")
         _check_rows(name, array, tuple(entry["shape"][1:]), runtime)
@@ -349,15 +355,18 @@ def _check_rows(name: str, array: np.ndarray, row_shape: tuple, runtime: Serving
             f"({runtime.signature()}).")
 
 
-def _cast(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
+def _cast(name: str, values: Any, dtype: np.dtype, row_shape: tuple) -> np.ndarray:
     """A JSON input as an array of `dtype`, cast by the runtime's rule (`runtime.cast_input`).
 
     Raises:
-        RequestError: When the values are not `dtype` data.
+        RequestError: When the values are not `dtype` data, or rows of one shape.
     """
     try:
         array = np.asarray(values)
     except (TypeError, ValueError) as error:
+        if "inhomogeneous" in str(error):  # NumPy's word for nested lists of unequal lengths
+            raise RequestError(f"Input {name!r} has rows (or values in them) of different "
+                               f"lengths: each row needs shape {row_shape}.") from None
         raise RequestError(f"Input {name!r} is not {dtype} data: {error}") from None
     try:
         return cast_input(name, array, dtype)
@@ -410,12 +419,13 @@ def json_array(array: np.ndarray) -> str:
     '[[0.100000001,2.00000000]]'
     """
     fmt = _ROUND_TRIP_FORMATS.get(array.dtype)
-    if fmt is None or array.ndim == 0 or not np.isfinite(array).all():
+    if fmt is None or not np.isfinite(array).all():
         return json.dumps(array.tolist())
     text = _nested_template(array.shape, fmt) % tuple(array.ravel().tolist())
     # A value whose significant digits all precede the point (123456792.) keeps a bare
     # point, which JSON refuses: it gets a zero.
-    return text.replace(".,", ".0,").replace(".]", ".0]")
+    text = text.replace(".,", ".0,").replace(".]", ".0]")
+    return text + "0" if text.endswith(".") else text
 
 
 @functools.lru_cache(maxsize=64)
