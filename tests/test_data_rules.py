@@ -120,6 +120,20 @@ def test_bad_steps_per_execution_and_batch_size(strategy):
             model.fit(x, y, batch_size=8, verbose=0, **arguments)
 
 
+@pytest.mark.parametrize("steps", [0, -1, 2.5, "2"])
+def test_steps_per_execution_is_refused_by_compile_which_keeps_the_last_one(steps, strategy):
+    # Before, `compile` took it and the first fit, evaluate, predict or export refused it.
+    _, model = twin("sequential", strategy, steps_per_execution=2)
+    with pytest.raises(ValueError, match=rf"`steps_per_execution` must be a positive integer, "
+                                         rf"got {steps!r}"):
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps)
+    assert model.steps_per_execution == 2  # the model as it was compiled before
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=None)  # the reference's 1
+    assert model.steps_per_execution == 1
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=np.int64(4))
+    assert model.steps_per_execution == 4 and type(model.steps_per_execution) is int
+
+
 def test_data_mistakes_that_keras_meets_deep_inside_are_named_up_front(strategy):
     # Before: "Invalid dtype: str32", "None is not a valid value for jnp.array", and (after
     # `on_train_begin` had run) "'float' object cannot be interpreted as an integer".

@@ -562,8 +562,8 @@ IPU_CONFIG_SCHEMA = Category(
             "two IPUs each; `[1, 2]` one device with one IPU and one with two. The empty "
             "default means not set.",
             effect="the number of virtual IPUs of each device; every virtual IPU is mapped "
-            "onto one JAX device.",
-            checks=(each(at_least(1)),),
+            "onto one JAX device. At most 1024 a device, the largest IPU system (a Bow Pod1024).",
+            checks=(each(between(1, 1024)),),
         ),
         Option(
             "select_ipus",

@@ -32,6 +32,7 @@ from keras.src.utils import python_utils
 from keras_ipu.device import interrupts
 from keras_ipu.keras import (
     context,
+    fit_checks,
     model_config,
     options,
     run,
@@ -62,10 +63,12 @@ _ASSET_FILE = "ipu_options.json"
 class ExtensionBase:
     """Behaviour shared by the three extension classes."""
 
-    def compile(self, *args, **kwargs):
+    def compile(self, *args, steps_per_execution=1, **kwargs):
+        # Refused here, not at the first fit; None is 1, as the reference's `or 1`.
+        steps = fit_checks.steps_per_execution_of(steps_per_execution)
         self.jax_state_sync()  # called by a callback during a run: the device's state first
         run.forget_programs(self)
-        return super().compile(*args, **kwargs)
+        return super().compile(*args, steps_per_execution=steps, **kwargs)
 
     def set_gradient_accumulation_options(
         self,
@@ -472,8 +475,7 @@ class ExtensionBase:
 
 
 def _unpickle_model(buffer: Any, strategy: Any) -> Model:
-    """Loads a pickled IPU model back inside its strategy's scope (in another process too:
-    the hooks that make models IPU models are installed first)."""
+    """Loads a pickled IPU model in its strategy's scope (in another process: hooks first)."""
     install()
     scope = context.strategy_scope(strategy) if strategy is not None else contextlib.nullcontext()
     with scope:

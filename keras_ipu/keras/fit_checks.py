@@ -45,6 +45,28 @@ def check_before_reading(model, options: IPUOptions, pipeline_plan, replicas: in
                                  "validation")
 
 
+def steps_per_execution_of(value: Any) -> int:
+    """`compile`'s `steps_per_execution` as a Python int, checked when the model is compiled.
+
+    Args:
+        value: A positive integer of any kind, or `None` (1: IPU TensorFlow's
+            Keras compiled with `steps_per_execution or 1`).
+
+    Returns:
+        The steps.
+
+    Raises:
+        ValueError: For anything else (0, a negative number, a float, a
+            string), naming it.
+
+    Example:
+
+    >>> steps_per_execution_of(np.int64(4)), steps_per_execution_of(None)
+    (4, 1)
+    """
+    return 1 if value is None else data.positive_int("steps_per_execution", value)
+
+
 def check_epochs(epochs: Any, initial_epoch: Any) -> None:
     """Refuses, before any callback runs, epochs Keras' epoch loop would refuse at its start.
 

@@ -214,11 +214,8 @@ def gradient_accumulation_options(
     """
     steps = _check_steps(gradient_accumulation_steps_per_replica)
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
-    if not isinstance(use_v2_gradient_accumulation_optimizer, bool):
-        raise TypeError(
-            f"`use_v2_gradient_accumulation_optimizer` must be a bool, got "
-            f"{use_v2_gradient_accumulation_optimizer!r}."
-        )
+    use_v2 = _flag("use_v2_gradient_accumulation_optimizer",
+                   use_v2_gradient_accumulation_optimizer)
     kwargs = _accumulation_kwargs(gradient_accumulation_optimizer_kwargs)
     return dataclasses.replace(
         options,
@@ -226,7 +223,7 @@ def gradient_accumulation_options(
             steps if steps is not None else options.gradient_accumulation_steps_per_replica
         ),
         gradient_accumulation_reduction_method=method,
-        use_v2_gradient_accumulation_optimizer=use_v2_gradient_accumulation_optimizer,
+        use_v2_gradient_accumulation_optimizer=use_v2,
         gradient_accumulation_optimizer_kwargs=kwargs,
     )
 
@@ -312,8 +309,8 @@ def pipelining_options(
         )
     if device_mapping is not None:
         device_mapping = [int(i) for i in device_mapping]
-    if accumulate_outfeed is not None and not isinstance(accumulate_outfeed, bool):
-        raise TypeError(f"`accumulate_outfeed` must be a bool, got {accumulate_outfeed!r}.")
+    if accumulate_outfeed is not None:
+        accumulate_outfeed = _flag("accumulate_outfeed", accumulate_outfeed)
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
     kwargs = _pipelining_kwargs(pipelining_kwargs)
     return dataclasses.replace(
@@ -378,7 +375,7 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
                               _members(schedules.PipelineSchedule)),
         "recomputation_mode": (lambda v: isinstance(v, schedules.RecomputationMode),
                                _members(schedules.RecomputationMode)),
-        "continuous_weight_updates": (lambda v: isinstance(v, bool), "a bool"),
+        "continuous_weight_updates": (lambda v: isinstance(v, (bool, np.bool_)), "a bool"),
     }
     for key, (check, valid) in checks.items():
         if key in kwargs and not check(kwargs[key]):
@@ -583,9 +580,14 @@ def asynchronous_callbacks_option(options: IPUOptions, asynchronous: Any) -> IPU
     Raises:
         TypeError: When `asynchronous` is not a bool.
     """
-    if not isinstance(asynchronous, bool):
-        raise TypeError(f"`asynchronous` must be a bool, got {asynchronous!r}.")
-    return dataclasses.replace(options, asynchronous_callbacks=asynchronous)
+    return dataclasses.replace(options, asynchronous_callbacks=_flag("asynchronous", asynchronous))
+
+
+def _flag(name: str, value: Any) -> bool:
+    """`value` as a Python bool: a NumPy bool counts (read from an array, or a config)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}.")
+    return bool(value)
 
 
 def feed_queue_options(options: IPUOptions, infeed: Any = None, outfeed: Any = None) -> IPUOptions:

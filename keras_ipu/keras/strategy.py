@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_ipu.device import compiled_calls
 from keras_ipu.device import scopes as device_scopes
@@ -33,6 +34,10 @@ class IPUStrategy:
         enable_keras_extensions: Whether models created in the scope gain
             the IPU extensions. With `False`, models stay plain Keras models.
 
+    Raises:
+        ValueError: For an `ipu_device` that names no IPU device, or a flag
+            that is no bool (a string such as `"False"` was read as true).
+
     Example:
 
     >>> strategy = keras_ipu.ipu_strategy.IPUStrategy()
@@ -56,6 +61,10 @@ class IPUStrategy:
             )
         self.ipu_device = ipu_device
         self.cpu_device = cpu_device
+        for name, value in (("enable_dataset_iterators", enable_dataset_iterators),
+                            ("enable_keras_extensions", enable_keras_extensions)):
+            if not isinstance(value, (bool, np.bool_, int)) or value not in (0, 1):
+                raise ValueError(f"{name} must be a bool, got {value!r}.")
         self.enable_dataset_iterators = bool(enable_dataset_iterators)
         self.enable_keras_extensions = bool(enable_keras_extensions)
         # Models are redirected when they are created, and optimizers applied in a
