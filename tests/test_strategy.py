@@ -390,6 +390,44 @@ def test_run_and_compile_apply_the_keras_variable_updates_of_a_training_call(str
     assert int(keras.ops.convert_to_numpy(generator.state)[1]) == 2
 
 
+@pytest.mark.parametrize("optimizer", ["Adam", "Nadam", "Adafactor"])
+def test_a_custom_step_builds_its_optimizer_and_reads_model_losses_as_plain_keras(optimizer,
+                                                                                  strategy):
+    # Before: Nadam and Adafactor built at their first apply inside the program raised
+    # "attempting to create a variable while in a stateless scope", and `model.losses`
+    # with a weight regularizer "'NoneType' object has no attribute 'dtype'".
+    configure(1)
+    x, y = data_for("sequential", samples=8)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+            3, kernel_regularizer=keras.regularizers.L2(0.1))])
+        return model, getattr(keras.optimizers, optimizer)(0.01)
+
+    def step_of(model, opt):
+        def step(x, y):
+            def loss(weights):
+                out, _, losses = model.stateless_call(weights, [], x, return_losses=True)
+                return keras.ops.mean((out - y) ** 2) + sum(losses)
+            value, grads = jax.value_and_grad(loss)([v.value for v in model.trainable_variables])
+            regularization = sum(model.losses)  # in the program's scope, before any assign
+            opt.apply(grads, model.trainable_variables)
+            return value, regularization
+        return step
+
+    plain, plain_opt = build()
+    expected = [[float(v) for v in step_of(plain, plain_opt)(x, y)] for _ in range(2)]
+    with strategy.scope():
+        model, opt = build()
+    got = [[float(v) for v in strategy.run(step_of(model, opt), args=(x, y))]
+           for _ in range(2)]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+    assert_weights_close([v.numpy() for v in plain_opt.variables],
+                         [v.numpy() for v in opt.variables], atol=1e-6)
+
+
 def _compiled_on_ipu0(fn, x):
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [result] = ipu.ipu_compiler.compile(fn, [x])

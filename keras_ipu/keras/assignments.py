@@ -119,7 +119,9 @@ class _Recording(stateless_scope.StatelessScope):
             value = steps.xor_seed_words([own], [0], self.seed_mask)[0]
             self.known.setdefault(id(variable), variable)
             self.state_mapping[id(variable)] = value
-        return value
+        # One not assigned here is its own value, as `variable.value` reads it: Keras'
+        # weight regularization asks every variable here (a `stateless_call` maps all).
+        return variable._value if value is None else value
 
     def unmasked(self, variable: Any, value: Any) -> Any:
         """A value to give `variable` after the computation: a seed state's own word back."""

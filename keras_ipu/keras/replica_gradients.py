@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from keras_ipu.device import collectives, compiled_calls
+from keras_ipu.keras import assignments
 
 # Set while an optimizer applies summed gradients: an optimizer whose `apply` calls
 # another's (a wrapper's inner optimizer) does not sum them again.
@@ -92,7 +93,10 @@ def _applied_statelessly(optimizer: Any, grads: list, trainable_variables: Any) 
     stateless scope records them); False, doing nothing, for a subset of the variables
     the optimizer was built for (`stateless_apply` takes them all)."""
     if not optimizer.built:
-        optimizer.build(trainable_variables)
+        # Eagerly, as Keras builds it on its first apply: in the program's scope a
+        # variable with a constant initial value (Nadam's, Adafactor's) is refused.
+        with assignments.outside_traces():
+            optimizer.build(trainable_variables)
     built_for = optimizer._trainable_variables
     if trainable_variables is not None and (
             [id(v) for v in trainable_variables] != [id(v) for v in built_for]):
