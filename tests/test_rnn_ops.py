@@ -266,3 +266,31 @@ def test_a_model_with_an_augru_trains_on_an_ipu_as_in_plain_keras():
         model = build()
     model.fit((sequences, scores, lengths), y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-5)
+
+
+def test_a_stateful_layer_carries_its_state_in_strategy_run_not_in_predict_as_keras(strategy):
+    # As docs/porting.md says: Keras' state variables are none of the model's, so fit and
+    # predict start each batch from the traced state, in plain Keras 3 on JAX too.
+    x = np.random.default_rng(0).random((2, 3, 2), np.float32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input(batch_shape=(2, 3, 2))
+        return keras.Model(inputs, ipu.keras.layers.PopnnLSTM(4, stateful=True, name="rnn")(
+            inputs))
+
+    plain = build()
+    with strategy.scope():
+        model = build()
+    run = [np.asarray(strategy.run(model, args=(x,))) for _ in range(3)]
+    eager = [np.asarray(plain(x)) for _ in range(3)]  # Keras carries it eagerly
+    np.testing.assert_allclose(run, eager, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(run[0], run[1])  # carried
+    for m in (plain, model):
+        m.get_layer("rnn").reset_state()
+        m.compile(loss="mse", steps_per_execution=3)
+    three = np.concatenate([x, x, x])
+    expected = plain.predict(three, batch_size=2, verbose=0)
+    got = model.predict(three, batch_size=2, verbose=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:2], got[4:], rtol=1e-6)  # each batch from the start

@@ -521,6 +521,9 @@ class PopnnLSTM(_IPURecurrent, keras.layers.LSTM):
             meanings (`activation`, initializers, regularizers, constraints,
             `dropout`, `recurrent_dropout`, `return_sequences`,
             `return_state`, `go_backwards`, `stateful`, `unroll`, ...).
+            `stateful` state is carried in eager calls and `strategy.run`
+            programs, not in `fit`/`evaluate`/`predict` (as plain Keras 3
+            on JAX; docs/porting.md).
 
     Example:
 
