@@ -412,3 +412,33 @@ def test_a_ctrl_c_as_a_graph_programs_values_come_back_loses_none(mode):
     finally:
         sys.setprofile(None)
     np.testing.assert_array_equal(outfeed.dequeue(), totals[-1] if mode == "LAST" else totals)
+
+
+def test_a_ctrl_c_while_the_first_fit_builds_the_optimizer_leaves_it_whole(monkeypatch):
+    # Keras marks the optimizer built before it makes its slots: a Ctrl-C between two
+    # slots left SGD without its momentums, and every later fit raised AttributeError.
+    import signal
+
+    from keras.src.optimizers import base_optimizer
+
+    x, y = data_for("sequential", samples=4 * SPE * BATCH)
+    expected = _model("one_ipu")
+    expected.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model = _model("one_ipu")
+    made = base_optimizer.BaseOptimizer.add_variable_from_reference
+    slots = []
+
+    def ctrl_c_at_the_second_slot(self, *args, **kwargs):
+        slots.append(1)
+        if len(slots) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return made(self, *args, **kwargs)
+
+    monkeypatch.setattr(base_optimizer.BaseOptimizer, "add_variable_from_reference",
+                        ctrl_c_at_the_second_slot)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    monkeypatch.undo()
+    assert len(slots) == 4 and int(model.optimizer.iterations.numpy()) == 0  # 4 momentums
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(expected.get_weights(), model.get_weights(), atol=1e-6)

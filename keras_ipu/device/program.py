@@ -48,7 +48,6 @@ StepFn = Callable[[State, Batch], tuple[Outputs, State]]
 # one execution at a time anyway. A few in flight keep the device busy.
 DEFAULT_MAX_IN_FLIGHT = 4
 
-
 _STEP_FIRST_REASON = ("the step dispatched per step, while the on-device loop compiles on a "
                       "host thread (--background_loop_compile)")
 
@@ -210,12 +209,14 @@ class ExecutionProgram:
         finalize = finalize or (lambda outfeed: outfeed)
         self._finalize = jax.jit(finalize)
 
-        def execution(state, batches):
-            state, outfeed = replicated(state, batches)
-            return state, finalize(outfeed)
+        # Checked, the outfeed is `(outfeed, error)`; `finalize` is not: checkify cannot join
+        # its reduction over the replicas to their error, which has a shape per replica.
+        checked = floating_point_checks and floating_point.checked(replicated,
+                                                                   floating_point_checks)
 
-        if floating_point_checks:  # its outfeed becomes `(outfeed, error)`
-            execution = floating_point.checked(execution, floating_point_checks)
+        def execution(state, batches):
+            state, out = (checked or replicated)(state, batches)
+            return state, (finalize(out[0]), out[1]) if checked else finalize(out)
         self._jitted = jax.jit(execution, donate_argnums=0 if self.donates_state else ())
         self._executables: dict[Any, _Executable] = {}
         self._in_flight: collections.deque = collections.deque()
@@ -600,9 +601,8 @@ class ExecutionProgram:
                 cost: accounting.StepCost | Callable[[], accounting.StepCost] | None,
                 loop: loops.LoopChoice, seconds: float, options: str) -> ExecutionReport:
         """The execution report, from each IPU's memory and the cost of a step."""
-        # The cost is one batch's: each batch of the execution costs it. The
-        # replicas sum their gradients once per step (weight update), after
-        # its micro-batches.
+        # The cost is one batch's: each batch of the execution costs it. The replicas
+        # sum their gradients once per step (weight update), after its micro-batches.
         micro = self.micro_batches_per_step
         steps = _leading(batches) * micro
         all_reduce = all_reduce_cycles(self.exchange_bytes_per_step, self.replica_count,

@@ -128,7 +128,10 @@ def fit(
         replication.check_instance_steps(replicas, "fit", {
             "fit": feed.plan, "validation": validation.plan if validation else None},
             epochs=(epochs, initial_epoch))
-        model._symbolic_build(iterator=_BuildPass(feed))
+        # A Ctrl-C waits for the build: Keras marks the optimizer built before it makes its
+        # slots (a second one, for a source that never yields, stops it at once).
+        with interrupts.deferred(second_raises=True):
+            model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `fit`, after the build
         # Its batch size is read inside the first epoch.
         fit_checks.log_plan(model, feed, accumulation)
@@ -266,7 +269,10 @@ def evaluate(
     )
     with _closed_on_error(feed):
         replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
-        model._symbolic_build(iterator=_BuildPass(feed))
+        # A Ctrl-C waits for the build: Keras marks the optimizer built before it makes its
+        # slots (a second one, for a source that never yields, stops it at once).
+        with interrupts.deferred(second_raises=True):
+            model._symbolic_build(iterator=_BuildPass(feed))
         feed.reset()  # as Keras' `evaluate`, after the build
         run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
         attachment.check_attached("evaluate")
