@@ -194,7 +194,10 @@ def test_integer_scalars_count_as_integers(strategy):
     np.testing.assert_allclose(actual.history["loss"], expected.history["loss"], atol=1e-6)
     assert_weights_close(plain.get_weights(), model.get_weights())
     for bad in (np.array(2.0), np.array([2]), True, "2"):
-        model.compile(optimizer="sgd", loss="mse", steps_per_execution=bad)
+        with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive "
+                                             r"integer, got"):
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution=bad)
+        model.steps_per_execution = bad  # set past compile: fit refuses it too
         with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive "
                                              r"integer, got"):
             _weights_unchanged(model, lambda: model.fit(x, y, batch_size=8, verbose=0))

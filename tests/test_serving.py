@@ -726,8 +726,10 @@ def test_export_refuses_the_steps_per_execution_fit_refuses(steps, tmp_path):
     configure(1)
     with ipu.ipu_strategy.IPUStrategy().scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(steps_per_execution=steps)
-    with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive integer, "
-                                         rf"got {steps!r}"):
+    message = rf"`steps_per_execution` must be a positive integer, got {steps!r}"
+    with pytest.raises(ValueError, match=message):  # `compile` refuses it first
+        model.compile(steps_per_execution=steps)
+    model.steps_per_execution = steps  # set past compile: export refuses it too
+    with pytest.raises(ValueError, match=message):
         model.export_for_ipu_serving(str(tmp_path / "export"), batch_size=2)
     assert not (tmp_path / "export").exists()

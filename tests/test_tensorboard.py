@@ -116,3 +116,31 @@ def test_bad_arguments_raise():
         ipu.keras.callbacks.TensorBoard(update_freq="sometimes")
     with pytest.raises(ValueError, match="histogram_freq"):
         ipu.keras.callbacks.TensorBoard(histogram_freq=-1)
+
+
+def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_saves(
+        tmp_path):
+    # Before: no loss or metric at all (arrays were skipped, silently), and
+    # ModelCheckpoint(save_best_only=True) saved every epoch's model as the best.
+    configure(2)
+    x, y = data_for("sequential", samples=32)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], steps_per_execution=2)
+    model.set_replication_options("LIST")
+    best = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="loss",
+                                           save_best_only=True)
+    with pytest.raises(ValueError, match=r"ModelCheckpoint compares a log value as one number"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[best])
+    board = ipu.keras.callbacks.TensorBoard(tmp_path / "logs", update_freq="batch")
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y),
+                        callbacks=[board]).history
+    train, validation = _read(tmp_path / "logs" / "train"), _read(tmp_path / "logs" /
+                                                                   "validation")
+    for replica in range(2):
+        np.testing.assert_allclose(_values(train, f"epoch_loss/replica_{replica}"),
+                                   [epoch[replica] for epoch in history["loss"]], rtol=1e-6)
+        np.testing.assert_allclose(_values(validation, f"epoch_mae/replica_{replica}"),
+                                   [epoch[replica] for epoch in history["val_mae"]], rtol=1e-6)
+        assert len(_values(train, f"batch_loss/replica_{replica}")) == 4  # 2 executions x 2
+    assert not (tmp_path / "best.keras").exists()

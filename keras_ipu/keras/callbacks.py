@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from keras.src.callbacks.callback import Callback
 
+from keras_ipu.keras import options
+
 # Keras arguments accepted for ported code; the device model has nothing to
 # write for them.
 _NO_EFFECT = ("profile_batch", "embeddings_freq", "embeddings_metadata")
@@ -28,7 +30,8 @@ class TensorBoard(Callback):
 
     Scalars (per epoch: `epoch_<metric>`, with `val_` metrics in the
     `validation` run; per batch with `update_freq`: `batch_<metric>`, every
-    step with asynchronous callbacks), the learning rate, weight histograms
+    step with asynchronous callbacks; with `set_replication_options("LIST")`
+    one per replica, `epoch_<metric>/replica_<i>`), the learning rate, weight histograms
     (`histogram_freq`), kernels as images (`write_images`), the model summary
     as text (`write_graph`: there is no TensorFlow graph), and the IPUs of the
     execution report: `ipu/memory_bytes/ipu_<i>`,
@@ -124,14 +127,15 @@ class TensorBoard(Callback):
             return
         self._written_step = step
         writer = self._writer("train")
-        for name, value in _scalars(logs).items():
+        for name, value in _scalars(logs, _per_replica(self.model)).items():
             writer.add_scalar(f"batch_{name}", value, step)
 
     def on_epoch_end(self, epoch, logs=None):
         train, validation = self._writer("train"), None
         # The optimizer's rate replaces the logs' (a rate callback's, before it changed
         # the rate), as in Keras' TensorBoard: one value an epoch.
-        for name, value in {**_scalars(logs), **_learning_rates(self.model)}.items():
+        scalars = _scalars(logs, _per_replica(self.model))
+        for name, value in {**scalars, **_learning_rates(self.model)}.items():
             if name.startswith("val_"):
                 validation = validation or self._writer("validation")
                 validation.add_scalar(f"epoch_{name[4:]}", value, epoch)
@@ -177,16 +181,26 @@ class TensorBoard(Callback):
                                      dataformats="HW")
 
 
-def _scalars(logs: Any) -> dict[str, float]:
-    """The scalar entries of Keras logs, as floats."""
+def _scalars(logs: Any, per_replica: bool = False) -> dict[str, float]:
+    """The scalar entries of Keras logs, as floats; with `per_replica` (the LIST
+    reduction), a vector of the replicas' values as `<name>/replica_<i>`."""
     scalars = {}
     for name, value in (logs or {}).items():
-        if np.ndim(value) == 0:
-            try:
-                scalars[name] = float(value)
-            except (TypeError, ValueError):
-                continue
+        try:
+            values = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            continue
+        if values.ndim == 0:
+            scalars[name] = float(values)
+        elif values.ndim == 1 and per_replica:
+            scalars.update({f"{name}/replica_{i}": float(v) for i, v in enumerate(values)})
     return scalars
+
+
+def _per_replica(model: Any) -> bool:
+    """Whether the model's logs hold every replica's value (`set_replication_options("LIST")`)."""
+    method = options.options_of(model).replicated_metric_reduction_method
+    return method is options.ReplicatedMetricReductionMethod.LIST
 
 
 def _learning_rates(model: Any) -> dict[str, float]:

@@ -158,7 +158,9 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
             log value an array, one per replica) and `EarlyStopping`,
             `ReduceLROnPlateau` or `TerminateOnNaN` (or a subclass that reads
             the logs with their methods), which would fail at their first
-            comparison with NumPy's "truth value of an array" error.
+            comparison with NumPy's "truth value of an array" error; or
+            `ModelCheckpoint(save_best_only=True)`, which would save every
+            epoch's model as the best.
 
     Example:
 
@@ -169,7 +171,10 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
         return
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         base = next((kind for kind in _SCALAR_MONITORS if isinstance(callback, kind)), None)
-        if base is not None and all(
+        # Keras' ModelCheckpoint would save every epoch's model as the best one.
+        best_only = (isinstance(callback, keras.callbacks.ModelCheckpoint)
+                     and callback.save_best_only)
+        if best_only or base is not None and all(
                 getattr(type(callback), method, None) is getattr(base, method, None)
                 for method in _SCALAR_MONITORS[base]):
             raise ValueError(
