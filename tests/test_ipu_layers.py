@@ -479,6 +479,18 @@ def test_a_channels_axis_that_is_not_a_non_batch_axis_is_refused(axis):
             layer(np.ones((2, 3, 8), np.float32))
 
 
+def test_a_numpy_channels_axis_is_an_axis_and_a_bool_is_not():
+    # Before: np.int64(-1) was "not an axis ... valid are [1, 2, -2, -1]", True was axis 1.
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32)
+    for numpy_axis, layer_class in ((np.int64(-1), ipu.keras.layers.GroupNormalization),
+                                    (np.int32(2), ipu.keras.layers.InstanceNormalization)):
+        kwargs = {"groups": 2} if layer_class is ipu.keras.layers.GroupNormalization else {}
+        np.testing.assert_allclose(layer_class(channels_axis=numpy_axis, **kwargs)(x),
+                                   layer_class(channels_axis=-1, **kwargs)(x), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"channels_axis True is not an axis"):
+        ipu.keras.layers.GroupNormalization(groups=2, channels_axis=True)(x)
+
+
 @pytest.mark.parametrize("layer_class", [ipu.keras.layers.PopnnGRU, ipu.keras.layers.PopnnLSTM])
 def test_recurrent_layers_take_the_seeds_positional_order(layer_class):
     # The seed's call(inputs, training=None, initial_state=None): before, a ported

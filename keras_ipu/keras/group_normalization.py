@@ -23,6 +23,7 @@ import keras
 from keras import ops
 
 from keras_ipu import layer_registration
+from keras_ipu.device import integers
 from keras_ipu.keras.positional_call import PositionalArguments
 
 _register = keras.saving.register_keras_serializable(package="keras_ipu")
@@ -140,10 +141,12 @@ class GroupNormalization(PositionalArguments, keras.layers.Layer):
     def build(self, input_shape):
         rank = len(input_shape)
         valid = channel_axes(rank)
-        if not (isinstance(self.channels_axis, int) and self.channels_axis in valid):
+        given = integers.integer_of(self.channels_axis)  # a NumPy integer too, not a bool
+        if given not in valid:
             raise ValueError(f"{type(self).__name__}: channels_axis {self.channels_axis!r} is "
                              f"not an axis of the rank-{rank} input {tuple(input_shape)} "
                              f"other than the batch: valid are {valid}.")
+        self.channels_axis = given  # a Python int, for its config
         axis = self.channels_axis % rank
         channels = input_shape[axis]
         if channels is None:
