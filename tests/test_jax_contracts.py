@@ -107,6 +107,28 @@ def test_the_opaque_trace_state_tells_a_transformation_inside_a_trace():
     assert seen[0] == seen[1] and seen[2] != seen[0]
 
 
+def test_a_tracers_trace_is_named_as_the_opaque_trace_state_names_the_running_one():
+    # keras_ipu.device.program_outfeeds.trace_of: which trace made a value assigned inside
+    # jax.grad (a tangent's: refused) or handed back to the enclosing one (a count: kept).
+    from jax._src import core
+
+    seen = {}
+
+    def computation(x):
+        seen["outer"] = core.get_opaque_trace_state(convention="nnx")
+
+        def inner(y):
+            seen["inner"] = core.get_opaque_trace_state(convention="nnx")
+            seen["tangent"] = core.OpaqueTraceState((y * 2)._trace._weakref)
+            seen["handed_back"] = core.OpaqueTraceState((x + 1)._trace._weakref)
+            return (y * 2).sum()
+
+        return jax.grad(inner)(x)
+
+    jax.jit(computation)(jax.numpy.ones(2))
+    assert seen["tangent"] == seen["inner"] != seen["outer"] == seen["handed_back"]
+
+
 def test_conv_transpose_calls_its_modules_conv_general_dilated(monkeypatch):
     # keras_ipu.device.convolutions routes lax.conv_transpose (Keras' Conv*Transpose)
     # through its canonical convolutions by replacing this module's function.

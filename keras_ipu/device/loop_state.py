@@ -109,20 +109,24 @@ def looking() -> contextlib.AbstractContextManager:
     return _marked(_LOOKING)
 
 
-def carried_here(computation_trace: object) -> bool:
-    """Whether state assigned now can leave the trace: made in the computation's own trace
-    (`computation_trace`) or a loop body's, not in a JAX transformation inside either
-    (`jax.grad`, an inner `jax.jit`), whose values exist only there.
+def carried_here(computation_trace: object, value: Any) -> bool:
+    """Whether `value`, assigned to state now, can leave the trace: it is not made by a JAX
+    transformation inside the computation (`jax.grad`, `jax.vmap`, an inner `jax.jit`) or
+    a loop body, whose values exist only there.
+
+    Inside one, a value JAX computed in the enclosing trace (no tangent or batch axis: a
+    seed generator's next state, a count) is the enclosing trace's, and can.
 
     Example:
 
-    >>> carried_here(program_outfeeds.trace_state())   # in the computation itself
+    >>> carried_here(program_outfeeds.trace_state(), x + 1)   # in the computation itself
     True
     """
     body = _BODY_TRACE.get()
-    if body is _LOOKING:
+    now = program_outfeeds.trace_state()
+    if body is _LOOKING or now == (computation_trace if body is None else body):
         return True
-    return program_outfeeds.trace_state() == (computation_trace if body is None else body)
+    return program_outfeeds.trace_of(value) != now
 
 
 class _NewEntries(Exception):

@@ -85,6 +85,16 @@ def trace_state() -> object:
     return core.get_opaque_trace_state(convention="nnx")
 
 
+def trace_of(value: object) -> object | None:
+    """JAX's identity of the trace that made `value` (as `trace_state`), or `None` for a
+    value of no trace (a concrete array)."""
+    from jax._src import core
+
+    if not isinstance(value, core.Tracer):
+        return None
+    return core.OpaqueTraceState(value._trace._weakref)
+
+
 def check_in_trace(trace: object) -> None:
     """Refuses an outfeed value made in another trace than `trace` (the program's or loop
     body's): one of a JAX transformation inside it exists only there.

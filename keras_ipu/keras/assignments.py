@@ -130,8 +130,8 @@ class _Recording(stateless_scope.StatelessScope):
         return steps.xor_seed_words([value], [0], self.seed_mask)[0]
 
     def add_update(self, update: tuple) -> None:
-        variable, _ = update
-        if not loop_state.carried_here(self.trace):
+        variable, value = update
+        if not loop_state.carried_here(self.trace, value):
             # Its value would leak that transformation's tracer; and an inner `jax.jit`
             # traced again (a loop carrying more) replays its trace, assigning nothing.
             raise RuntimeError(_INNER_ASSIGNMENT.format(path=variable.path))
@@ -165,8 +165,8 @@ class _Recording(stateless_scope.StatelessScope):
 
 
 _INNER_ASSIGNMENT = (
-    "The Keras variable {path!r} was assigned inside a JAX transformation within the "
-    "computation (jax.grad, jax.vmap, an inner jax.jit): its new value exists only inside "
+    "The Keras variable {path!r} was assigned a value made by a JAX transformation within the "
+    "computation (jax.grad, jax.vmap, an inner jax.jit): it exists only inside "
     "that transformation and cannot leave it. Call the function that assigns it directly "
     "(the computation is compiled as a whole: an inner jax.jit adds nothing), or return the "
     "new values from it (`model.stateless_call` gives the non-trainable variables' values, "
