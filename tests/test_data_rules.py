@@ -134,6 +134,35 @@ def test_steps_per_execution_is_refused_by_compile_which_keeps_the_last_one(step
     assert model.steps_per_execution == 4 and type(model.steps_per_execution) is int
 
 
+class _TwoOptimizers(keras.Model):
+    """A model whose `compile` takes arguments of its own, as Keras' GAN example's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compile(self, first_optimizer, second_optimizer, loss_fn):
+        super().compile(loss=loss_fn)
+        self.optimizers_given = (first_optimizer, second_optimizer)
+
+
+def test_compile_checks_steps_by_position_and_leaves_a_models_own_compile_alone(strategy):
+    # The check's keyword broke both: "got multiple values for argument
+    # 'steps_per_execution'", and "unexpected keyword argument" for the model's own.
+    _, model = twin("sequential", strategy)
+    model.compile("sgd", "mse", None, None, None, False, np.int64(4))
+    assert model.steps_per_execution == 4
+    with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive integer"):
+        model.compile("sgd", "mse", None, None, None, False, 0)
+    with strategy.scope():
+        own = _TwoOptimizers()
+    own.compile("adam", "sgd", loss_fn="mse")
+    assert own.optimizers_given == ("adam", "sgd") and own.steps_per_execution == 1
+
+
 def test_data_mistakes_that_keras_meets_deep_inside_are_named_up_front(strategy):
     # Before: "Invalid dtype: str32", "None is not a valid value for jnp.array", and (after
     # `on_train_begin` had run) "'float' object cannot be interpreted as an integer".

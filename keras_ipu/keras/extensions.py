@@ -63,12 +63,12 @@ _ASSET_FILE = "ipu_options.json"
 class ExtensionBase:
     """Behaviour shared by the three extension classes."""
 
-    def compile(self, *args, steps_per_execution=1, **kwargs):
-        # Refused here, not at the first fit; None is 1, as the reference's `or 1`.
-        steps = fit_checks.steps_per_execution_of(steps_per_execution)
+    def compile(self, *args, **kwargs):
+        # A bad `steps_per_execution` is refused here, not at the first fit.
+        args, kwargs = fit_checks.compile_arguments(super().compile, args, kwargs)
         self.jax_state_sync()  # called by a callback during a run: the device's state first
         run.forget_programs(self)
-        return super().compile(*args, steps_per_execution=steps, **kwargs)
+        return super().compile(*args, **kwargs)
 
     def set_gradient_accumulation_options(
         self,

@@ -7,6 +7,7 @@ user's data as they were.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -43,6 +44,37 @@ def check_before_reading(model, options: IPUOptions, pipeline_plan, replicas: in
         x, steps, epochs = validation
         data.plan_before_reading(x, steps, model.steps_per_execution, epochs, replicas,
                                  "validation")
+
+
+def compile_arguments(compile_method: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of a model's `compile`, its `steps_per_execution` checked
+    (`steps_per_execution_of`) wherever it is given, by position too.
+
+    Args:
+        compile_method: The `compile` they go to (Keras', or the model's own:
+            one without `steps_per_execution` gets them as they are).
+        args: The positional arguments.
+        kwargs: The keyword arguments.
+
+    Returns:
+        `(args, kwargs)` to call it with.
+
+    Raises:
+        ValueError: For a bad `steps_per_execution`.
+
+    Example:
+
+    >>> compile_arguments(model.compile, ("sgd", "mse"), {"steps_per_execution": np.int64(4)})
+    (('sgd', 'mse'), {'steps_per_execution': 4})
+    """
+    try:
+        bound = inspect.signature(compile_method).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # the method itself will say what is wrong
+        return args, kwargs
+    if "steps_per_execution" in bound.arguments:
+        bound.arguments["steps_per_execution"] = steps_per_execution_of(
+            bound.arguments["steps_per_execution"])
+    return bound.args, bound.kwargs
 
 
 def steps_per_execution_of(value: Any) -> int:
