@@ -811,3 +811,40 @@ def test_a_compiled_loss_is_held_in_compile_loss_and_none_without_one():
     assert compiled()._compile_loss is None
     assert "self._compile_loss(y, y_pred, sample_weight)" in inspect.getsource(
         JAXTrainer.compute_loss)
+
+
+def test_model_checkpoint_decides_each_save_in_should_save_model(tmp_path):
+    # keras_ipu.keras.fit_checks.check_callbacks takes a ModelCheckpoint(save_best_only=True)
+    # with the LIST reduction when a subclass overrides this method (it reduces the values).
+    class Never(keras.callbacks.ModelCheckpoint):
+        def _should_save_model(self, epoch, batch, logs, filepath):
+            return False
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 2), np.float32)
+    for kind, saved in ((Never, False), (keras.callbacks.ModelCheckpoint, True)):
+        path = tmp_path / f"{kind.__name__}.keras"
+        model.fit(x, x[:, :1], verbose=0, callbacks=[kind(str(path), monitor="loss",
+                                                          save_best_only=True)])
+        assert path.exists() == saved
+
+
+def test_a_layers_added_losses_are_cleared_at_each_of_the_models_own_calls_of_it():
+    # keras_ipu.keras.stages.plan.counted_losses counts a pipelined model's added losses so:
+    # each call of a layer from the model itself (stateless_call runs `call`) starts anew;
+    # the calls inside one call of a nested model add up.
+    class Penalty(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x))
+            return x
+
+    penalty, inputs = Penalty(), keras.Input((1,))
+    top = keras.Model(inputs, penalty(penalty(inputs) * 2.0))
+    inner_inputs = keras.Input((1,))
+    inner = keras.Model(inner_inputs, penalty(penalty(inner_inputs) * 2.0))
+    nested = keras.Model(inputs, inner(inputs))
+    x = np.ones((1, 1), np.float32)
+    for model, counted in ((top, 2.0), (nested, 1.0 + 2.0)):
+        _, _, losses = model.stateless_call([], [], x, return_losses=True)
+        assert float(sum(losses)) == counted

@@ -907,25 +907,44 @@ def test_regularizers_and_added_losses_count_in_every_stage(schedule, strategy):
                                rtol=1e-5)
 
 
-def _shared_penalty_model(stage=lambda s: contextlib.nullcontext()):
-    """A `_Penalty` layer and an activity-regularized Dense, each called in both stages."""
+def _shared_penalty_model(kind, stage=lambda s: contextlib.nullcontext()):
+    """Layers that add losses, called more than once: at the top level in both stages; twice
+    inside a nested model whose calls span both stages; in a nested model called twice."""
     inputs = keras.Input((6,))
     penalty, shared = _Penalty(), keras.layers.Dense(
         6, activation="tanh", activity_regularizer=keras.regularizers.L1(0.01))
+    if kind == "top_level":
+        with stage(0):
+            h = shared(penalty(keras.layers.Dense(6)(inputs)))
+        with stage(1):
+            outputs = keras.layers.Dense(3)(shared(penalty(keras.layers.Dense(6)(h))))
+        return keras.Model(inputs, outputs)
+    inner_inputs = keras.Input((6,))
+    if kind == "inside_nested":  # one call of the nested model: both inner calls count
+        with stage(0):
+            h = shared(penalty(inner_inputs))
+        with stage(1):
+            inner_outputs = shared(h)
+        features = keras.Model(inner_inputs, inner_outputs)(inputs)  # its layers' stages
+        with stage(1):
+            return keras.Model(inputs, keras.layers.Dense(3)(features))
+    inner = keras.Model(inner_inputs, shared(penalty(inner_inputs)))  # "siamese"
     with stage(0):
-        h = shared(penalty(keras.layers.Dense(6)(inputs)))
+        first, second = inner(inputs), inner(keras.layers.Dense(6)(inputs))
     with stage(1):
-        outputs = keras.layers.Dense(3)(shared(penalty(keras.layers.Dense(6)(h))))
-    return keras.Model(inputs, outputs)
+        return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Subtract()(
+            [first, second])))
 
 
-def test_a_layer_called_in_two_stages_adds_its_last_calls_losses_as_in_keras(strategy):
-    # Keras counts a layer's added losses in its last call only; the pipeline counted both.
+@pytest.mark.parametrize("kind", ["top_level", "inside_nested", "siamese"])
+def test_a_layer_called_again_adds_the_losses_keras_counts(kind, strategy):
+    # Keras clears a layer's added losses at each of the model's own calls of it (or of a
+    # nested model holding it): the pipeline counted every call's.
     x, y = data_for("sequential", samples=64)
     keras.utils.set_random_seed(2)
-    plain = _shared_penalty_model()
+    plain = _shared_penalty_model(kind)
     with strategy.scope():
-        model = _shared_penalty_model(ipu.keras.PipelineStage)
+        model = _shared_penalty_model(kind, ipu.keras.PipelineStage)
     model.set_weights(plain.get_weights())
     for m in (plain, model):
         m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=8)

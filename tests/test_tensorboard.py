@@ -130,8 +130,18 @@ def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_s
     model.set_replication_options("LIST")
     best = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="loss",
                                            save_best_only=True)
-    with pytest.raises(ValueError, match=r"ModelCheckpoint compares a log value as one number"):
+    with pytest.raises(ValueError, match=r"ModelCheckpoint compares a log value as one number"
+                                         r".*`save_best_only=False`"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[best])
+
+    class MeanCheckpoint(keras.callbacks.ModelCheckpoint):  # reduces the values itself
+        def _should_save_model(self, epoch, batch, logs, filepath):
+            return super()._should_save_model(
+                epoch, batch, {k: float(np.mean(v)) for k, v in logs.items()}, filepath)
+
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[MeanCheckpoint(
+        str(tmp_path / "mean.keras"), monitor="loss", save_best_only=True)])
+    assert (tmp_path / "mean.keras").exists()
     board = ipu.keras.callbacks.TensorBoard(tmp_path / "logs", update_freq="batch")
     history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y),
                         callbacks=[board]).history
@@ -144,3 +154,12 @@ def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_s
                                    [epoch[replica] for epoch in history["val_mae"]], rtol=1e-6)
         assert len(_values(train, f"batch_loss/replica_{replica}")) == 4  # 2 executions x 2
     assert not (tmp_path / "best.keras").exists()
+
+
+def test_only_numbers_become_scalars():
+    from keras_ipu.keras.callbacks import _scalars
+
+    logs = {"acc": np.float32(0.5), "none": None, "name": "x", "steps": 3, "flag": True,
+            "per_replica": np.array([1.0, 2.0])}
+    assert _scalars(logs) == {"acc": 0.5, "steps": 3.0, "flag": 1.0}  # None was NaN
+    assert _scalars(logs, per_replica=True)["per_replica/replica_1"] == 2.0

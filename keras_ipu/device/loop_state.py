@@ -89,6 +89,9 @@ def _marked(trace: object) -> Iterator[None]:
 def body_trace() -> contextlib.AbstractContextManager:
     """Marks the block as a loop body's trace: the state it assigns is carried by the loop.
 
+    Returns:
+        The context manager.
+
     Example:
 
     >>> with body_trace():
@@ -100,6 +103,9 @@ def body_trace() -> contextlib.AbstractContextManager:
 def looking() -> contextlib.AbstractContextManager:
     """Marks the block as a trace that only looks at what a function assigns (and puts
     the state back after it): any trace may assign in it.
+
+    Returns:
+        The context manager.
 
     Example:
 
@@ -116,6 +122,14 @@ def carried_here(computation_trace: object, value: Any) -> bool:
 
     Inside one, a value JAX computed in the enclosing trace (no tangent or batch axis: a
     seed generator's next state, a count) is the enclosing trace's, and can.
+
+    Args:
+        computation_trace: The computation's trace (`program_outfeeds.trace_state()`
+            when it began).
+        value: The value assigned.
+
+    Returns:
+        Whether the assignment can stand.
 
     Example:
 

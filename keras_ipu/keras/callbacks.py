@@ -186,9 +186,8 @@ def _scalars(logs: Any, per_replica: bool = False) -> dict[str, float]:
     reduction), a vector of the replicas' values as `<name>/replica_<i>`."""
     scalars = {}
     for name, value in (logs or {}).items():
-        try:
-            values = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError):
+        values = np.asarray(value)
+        if values.dtype.kind not in "biuf":  # not a number (None would read as NaN)
             continue
         if values.ndim == 0:
             scalars[name] = float(values)

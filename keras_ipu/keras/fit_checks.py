@@ -174,6 +174,8 @@ _SCALAR_MONITORS = {
     keras.callbacks.EarlyStopping: ("on_epoch_end", "get_monitor_value", "_is_improvement"),
     keras.callbacks.ReduceLROnPlateau: ("on_epoch_end", "_reset"),
     keras.callbacks.TerminateOnNaN: ("on_batch_end", "on_train_batch_end"),
+    # With `save_best_only`: Keras' would save every epoch's model as the best one.
+    keras.callbacks.ModelCheckpoint: ("_should_save_model",),
 }
 
 
@@ -203,17 +205,18 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
         return
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         base = next((kind for kind in _SCALAR_MONITORS if isinstance(callback, kind)), None)
-        # Keras' ModelCheckpoint would save every epoch's model as the best one.
-        best_only = (isinstance(callback, keras.callbacks.ModelCheckpoint)
-                     and callback.save_best_only)
-        if best_only or base is not None and all(
+        if base is keras.callbacks.ModelCheckpoint and not callback.save_best_only:
+            continue  # it compares nothing
+        if base is not None and all(
                 getattr(type(callback), method, None) is getattr(base, method, None)
                 for method in _SCALAR_MONITORS[base]):
+            hint = (", `save_best_only=False`" if base is keras.callbacks.ModelCheckpoint
+                    else "")
             raise ValueError(
                 f"{type(callback).__name__} compares a log value as one number, but "
                 f"`set_replication_options('LIST')` makes every log value an array of the "
                 f"{replicas.count} replicas' values. Use the MEAN, SUM or NONE reduction "
-                f"with this callback, or leave the callback out.")
+                f"with this callback{hint}, or leave the callback out.")
 
 
 def check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:

@@ -82,6 +82,10 @@ def ran_out(role: Any, plan: Any, read: int, executions_before: int) -> None:
         ValueError: If the batches read are all the run would get: fewer than
             one execution needs, and none ran before (plain Keras would have
             run them; the run would report nothing).
+
+    Example:
+
+    >>> ran_out(ROLES["evaluate"], plan, read=3, executions_before=0)   # spe 4: raises
     """
     if read and not executions_before:
         raise ValueError(

@@ -35,8 +35,8 @@ class IPUStrategy:
             the IPU extensions. With `False`, models stay plain Keras models.
 
     Raises:
-        ValueError: For an `ipu_device` that names no IPU device, or a flag
-            that is no bool (a string such as `"False"` was read as true).
+        ValueError: For an `ipu_device` that names no IPU device.
+        TypeError: For a flag that is no bool.
 
     Example:
 
@@ -63,8 +63,8 @@ class IPUStrategy:
         self.cpu_device = cpu_device
         for name, value in (("enable_dataset_iterators", enable_dataset_iterators),
                             ("enable_keras_extensions", enable_keras_extensions)):
-            if not isinstance(value, (bool, np.bool_, int)) or value not in (0, 1):
-                raise ValueError(f"{name} must be a bool, got {value!r}.")
+            if not isinstance(value, (bool, np.bool_)):  # "False" was read as true
+                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
         self.enable_dataset_iterators = bool(enable_dataset_iterators)
         self.enable_keras_extensions = bool(enable_keras_extensions)
         # Models are redirected when they are created, and optimizers applied in a

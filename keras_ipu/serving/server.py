@@ -104,6 +104,8 @@ class DynamicBatcher:
         batch = self.runtime.batch_size
         carry: list[tuple[_Pending, int]] = []  # (request, first row not yet run)
         while True:
+            # A request that failed or was cancelled (its client went) runs no more batches.
+            carry = [(pending, start) for pending, start in carry if not pending.future.done()]
             if not carry:
                 first = await self._queue.get()
                 carry.append((first, 0))
@@ -119,7 +121,6 @@ class DynamicBatcher:
                     carry.append((await asyncio.wait_for(self._queue.get(), timeout), 0))
                 except TimeoutError:
                     break
-            # A request that failed or was cancelled (its client went) runs no more batches.
             pieces, carry = _take([(p, start) for p, start in carry if not p.future.done()],
                                   batch)
             if not pieces:

@@ -467,7 +467,7 @@ class StageRunner:
         self.n_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         self.seeds = (steps.seed_state_indices(model.non_trainable_variables)
                       if distinct_replicas else [])
-        self.loss_calls = pipelined.plan.last_calls()  # whose added losses count
+        self.loss_calls = pipelined.plan.loss_calls  # whose added losses count
         # Each regularized weight counts once, in the first stage that uses it
         # (Keras counts a layer's weight regularization once per model call).
         self.regularized: list[list] = []

@@ -94,6 +94,8 @@ class PipelinePlan:
         standardize_inputs: A Functional model's own standardization of the
             data it is given (`None` for a subclassed model, which takes it
             as it comes).
+        loss_calls: The calls (by `id`) whose added losses (`add_loss`, activity
+            regularizers) count, as Keras counts them (`counted_losses`).
 
     Example:
 
@@ -116,6 +118,7 @@ class PipelinePlan:
     stage_outputs: tuple[tuple[TensorKey, ...], ...]
     live_after: tuple[tuple[TensorKey, ...], ...]
     standardize_inputs: Any = None
+    loss_calls: frozenset = frozenset()
 
     def flat_inputs(self, x: Any) -> list:
         """The values of the model inputs in `input_keys` order, as the model takes them.
@@ -155,21 +158,6 @@ class PipelinePlan:
         for call in self.stages[stage]:
             seen.setdefault(id(call.operation), call.operation)
         return list(seen.values())
-
-    def last_calls(self) -> set[int]:
-        """The calls (by `id`) that are their operation's last in the model, over all stages.
-
-        Keras counts the losses a layer adds (`add_loss`, its activity
-        regularizer) in its last call only: each call of a layer clears those of
-        the one before (a shared layer, a nested model used twice).
-
-        Example:
-
-        >>> id(plan.stages[1][-1]) in plan.last_calls()
-        True
-        """
-        last = {id(call.operation): call for stage in self.stages for call in stage}
-        return {id(call) for call in last.values()}
 
 
 def call_arguments(
@@ -237,12 +225,12 @@ def make_plan(
     stages: list[list[StageCall]] = [[] for _ in range(num_stages)]
     produced_in: dict[int, int] = {}
     last_use: dict[int, int] = {key: num_stages for key in output_keys}
+    ordered: list[tuple[tree.Leaf, StageCall]] = []
     for leaf in leaves:
         stage = leaf.entry.stage
-        stages[stage].append(
-            StageCall(leaf.entry.node, stage, leaf.input_keys, leaf.output_keys, leaf.path,
-                      leaf.training)
-        )
+        ordered.append((leaf, StageCall(leaf.entry.node, stage, leaf.input_keys,
+                                        leaf.output_keys, leaf.path, leaf.training)))
+        stages[stage].append(ordered[-1][1])
         for key in leaf.input_keys:
             last_use[key] = max(last_use.get(key, -1), stage)
         produced_in.update({key: stage for key in leaf.output_keys})
@@ -273,7 +261,42 @@ def make_plan(
         stage_outputs=tuple(map(tuple, stage_outputs)),
         live_after=tuple(map(tuple, live_after)),
         standardize_inputs=_standardization_of(model),
+        loss_calls=counted_losses(ordered),
     )
+
+
+def counted_losses(ordered: list[tuple[tree.Leaf, StageCall]]) -> frozenset:
+    """The calls (by `id`) whose added losses count, as Keras counts them.
+
+    Keras clears a layer's losses at each of its calls from the model itself
+    (`stateless_call` runs `call`: each top-level layer or nested model call
+    is an entry call). So a layer's calls inside one top-level call all count,
+    and those of an earlier top-level call than its last do not (a shared
+    layer, a nested model called twice).
+
+    Args:
+        ordered: The leaf calls in the model's order, with their `StageCall`s.
+
+    Returns:
+        The `id`s of the calls that count.
+
+    Example:
+
+    >>> id(plan.stages[0][0]) in counted_losses(ordered)   # a layer called once
+    True
+    """
+    groups: list[tuple[Any, list]] = []  # per top-level call: (nested model or None, calls)
+    for leaf, call in ordered:
+        top = leaf.path[0] if leaf.path else None
+        if (top is None or not groups or groups[-1][0] != top
+                or any(seen.node is call.node for _, seen in groups[-1][1])):
+            groups.append((top, []))  # a nested model's node again: its next call
+        groups[-1][1].append((leaf, call))
+    counted, later = set(), set()
+    for _, calls in reversed(groups):
+        counted.update(id(call) for _, call in calls if id(call.operation) not in later)
+        later.update(id(call.operation) for _, call in calls)
+    return frozenset(counted)
 
 
 def _standardization_of(model: Any) -> Any:
