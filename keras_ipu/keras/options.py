@@ -214,7 +214,7 @@ def gradient_accumulation_options(
     """
     steps = _check_steps(gradient_accumulation_steps_per_replica)
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
-    use_v2 = _flag("use_v2_gradient_accumulation_optimizer",
+    use_v2 = checked_flag("use_v2_gradient_accumulation_optimizer",
                    use_v2_gradient_accumulation_optimizer)
     kwargs = _accumulation_kwargs(gradient_accumulation_optimizer_kwargs)
     return dataclasses.replace(
@@ -310,7 +310,7 @@ def pipelining_options(
     if device_mapping is not None:
         device_mapping = [int(i) for i in device_mapping]
     if accumulate_outfeed is not None:
-        accumulate_outfeed = _flag("accumulate_outfeed", accumulate_outfeed)
+        accumulate_outfeed = checked_flag("accumulate_outfeed", accumulate_outfeed)
     method = GradientAccumulationReductionMethod.parse(gradient_accumulation_reduction_method)
     kwargs = _pipelining_kwargs(pipelining_kwargs)
     return dataclasses.replace(
@@ -580,11 +580,28 @@ def asynchronous_callbacks_option(options: IPUOptions, asynchronous: Any) -> IPU
     Raises:
         TypeError: When `asynchronous` is not a bool.
     """
-    return dataclasses.replace(options, asynchronous_callbacks=_flag("asynchronous", asynchronous))
+    asynchronous = checked_flag("asynchronous", asynchronous)
+    return dataclasses.replace(options, asynchronous_callbacks=asynchronous)
 
 
-def _flag(name: str, value: Any) -> bool:
-    """`value` as a Python bool: a NumPy bool counts (read from an array, or a config)."""
+def checked_flag(name: str, value: Any) -> bool:
+    """`value` as a Python bool: a NumPy bool counts (read from an array, or a config).
+
+    Args:
+        name: The argument's name, for the error.
+        value: Its value.
+
+    Returns:
+        The bool.
+
+    Raises:
+        TypeError: For anything else (a string such as `"False"`, an int).
+
+    Example:
+
+    >>> checked_flag("asynchronous", np.True_)
+    True
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be a bool, got {value!r}.")
     return bool(value)

@@ -7,12 +7,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
-import numpy as np
 
 from keras_ipu.device import compiled_calls
 from keras_ipu.device import scopes as device_scopes
 from keras_ipu.device import system as ipu_system
-from keras_ipu.keras import assignments, context, extensions, replica_gradients
+from keras_ipu.keras import assignments, context, extensions, options, replica_gradients
 
 
 class IPUStrategy:
@@ -61,12 +60,11 @@ class IPUStrategy:
             )
         self.ipu_device = ipu_device
         self.cpu_device = cpu_device
-        for name, value in (("enable_dataset_iterators", enable_dataset_iterators),
-                            ("enable_keras_extensions", enable_keras_extensions)):
-            if not isinstance(value, (bool, np.bool_)):  # "False" was read as true
-                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
-        self.enable_dataset_iterators = bool(enable_dataset_iterators)
-        self.enable_keras_extensions = bool(enable_keras_extensions)
+        # Checked: "False" was read as true.
+        self.enable_dataset_iterators = options.checked_flag("enable_dataset_iterators",
+                                                             enable_dataset_iterators)
+        self.enable_keras_extensions = options.checked_flag("enable_keras_extensions",
+                                                            enable_keras_extensions)
         # Models are redirected when they are created, and optimizers applied in a
         # replicated `run` reduce their gradients: hooks installed when a strategy exists.
         _install_hooks()

@@ -128,10 +128,7 @@ def fit(
         replication.check_instance_steps(replicas, "fit", {
             "fit": feed.plan, "validation": validation.plan if validation else None},
             epochs=(epochs, initial_epoch))
-        # A Ctrl-C waits for the build: Keras marks the optimizer built before it makes its
-        # slots (a second one, for a source that never yields, stops it at once).
-        with interrupts.deferred(second_raises=True):
-            model._symbolic_build(iterator=_BuildPass(feed))
+        _symbolic_build(model, feed)
         feed.reset()  # as Keras' `fit`, after the build
         # Its batch size is read inside the first epoch.
         fit_checks.log_plan(model, feed, accumulation)
@@ -212,6 +209,15 @@ def _closed_on_error(*closables):
         raise
 
 
+def _symbolic_build(model, feed) -> None:
+    """Keras' symbolic build of the model, its metrics, loss and optimizer, on `feed`'s
+    first batch."""
+    # A Ctrl-C waits for the build: Keras marks the optimizer built before it makes its
+    # slots (a second one, for a source that never yields, stops it at once).
+    with interrupts.deferred(second_raises=True):
+        model._symbolic_build(iterator=_BuildPass(feed))
+
+
 class _BuildPass:
     """The first batch for Keras' symbolic build, given as its epoch iterator gives it.
 
@@ -269,10 +275,7 @@ def evaluate(
     )
     with _closed_on_error(feed):
         replication.check_instance_steps(replicas, "evaluate", {"evaluate": feed.plan})
-        # A Ctrl-C waits for the build: Keras marks the optimizer built before it makes its
-        # slots (a second one, for a source that never yields, stops it at once).
-        with interrupts.deferred(second_raises=True):
-            model._symbolic_build(iterator=_BuildPass(feed))
+        _symbolic_build(model, feed)
         feed.reset()  # as Keras' `evaluate`, after the build
         run = programs.prepare(model, "evaluate", placement, feed, options_of(model))
         attachment.check_attached("evaluate")

@@ -104,8 +104,7 @@ class DynamicBatcher:
         batch = self.runtime.batch_size
         carry: list[tuple[_Pending, int]] = []  # (request, first row not yet run)
         while True:
-            # A request that failed or was cancelled (its client went) runs no more batches.
-            carry = [(pending, start) for pending, start in carry if not pending.future.done()]
+            carry = _live(carry)
             if not carry:
                 first = await self._queue.get()
                 carry.append((first, 0))
@@ -121,8 +120,7 @@ class DynamicBatcher:
                     carry.append((await asyncio.wait_for(self._queue.get(), timeout), 0))
                 except TimeoutError:
                     break
-            pieces, carry = _take([(p, start) for p, start in carry if not p.future.done()],
-                                  batch)
+            pieces, carry = _take(_live(carry), batch)  # one may have gone while it waited
             if not pieces:
                 continue
             try:
@@ -196,6 +194,11 @@ def _fail(pieces, error: Exception) -> None:
     for pending, _, _ in pieces:
         if not pending.future.done():
             pending.future.set_exception(error)
+
+
+def _live(carry: list[tuple[_Pending, int]]) -> list[tuple[_Pending, int]]:
+    # A request that failed or was cancelled (its client went) runs no more batches.
+    return [(pending, start) for pending, start in carry if not pending.future.done()]
 
 
 def _rows_waiting(carry: list[tuple[_Pending, int]]) -> int:
