@@ -428,6 +428,25 @@ def test_a_custom_step_builds_its_optimizer_and_reads_model_losses_as_plain_kera
                          [v.numpy() for v in opt.variables], atol=1e-6)
 
 
+def test_model_losses_of_a_layer_first_built_inside_the_computation(strategy):
+    # Before: a regularized layer built by its first call inside `strategy.run` had no
+    # value yet, and `model.losses` raised "'NoneType' object has no attribute 'dtype'".
+    configure(1)
+    x, _ = data_for("sequential", samples=4)
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(
+            3, kernel_regularizer=keras.regularizers.L2(0.1))])
+
+        def step(x):
+            return keras.ops.sum(model(x)), sum(model.losses)
+
+        output, regularization = strategy.run(step, args=(x,))
+    # The program read the initial weights the variables were given after it ran.
+    assert float(regularization) > 0
+    np.testing.assert_allclose(float(regularization), float(sum(model.losses)), rtol=1e-5)
+    np.testing.assert_allclose(float(output), float(keras.ops.sum(model(x))), rtol=1e-5)
+
+
 def _compiled_on_ipu0(fn, x):
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [result] = ipu.ipu_compiler.compile(fn, [x])

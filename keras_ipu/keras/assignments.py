@@ -121,7 +121,13 @@ class _Recording(stateless_scope.StatelessScope):
             self.state_mapping[id(variable)] = value
         # One not assigned here is its own value, as `variable.value` reads it: Keras'
         # weight regularization asks every variable here (a `stateless_call` maps all).
-        return variable._value if value is None else value
+        if value is None:
+            value = variable._value
+        if value is None and getattr(variable, "_initializer", None) is not None:
+            # Made inside and not initialized yet: the initial value its layer's call
+            # read (`variable.value`'s placeholder, the same draw: a fixed seed).
+            value = variable._initializer(variable._shape, dtype=variable._dtype)
+        return value
 
     def unmasked(self, variable: Any, value: Any) -> Any:
         """A value to give `variable` after the computation: a seed state's own word back."""
