@@ -442,6 +442,57 @@ def test_a_helper_function_defined_again_gets_a_new_program_not_the_kept_one():
     assert results == [[3.0, 3.0], [4.0, 4.0]]
 
 
+_FACTOR = 2.0
+
+
+class _ScaledByGlobal(keras.layers.Layer):
+    def call(self, inputs):
+        return inputs * _FACTOR
+
+
+def _scaled_5(v):
+    return v * _FACTOR
+
+
+def _scaled_4(v):
+    return _scaled_5(v)
+
+
+def _scaled_3(v):
+    return _scaled_4(v)
+
+
+def _scaled_2(v):
+    return _scaled_3(v)
+
+
+def _scaled_1(v):
+    return _scaled_2(v)
+
+
+def _six_deep(v):  # six calls down before `_FACTOR` is read
+    return _scaled_1(v)
+
+
+def test_a_global_read_in_a_custom_layers_call_or_calls_deep_gets_a_new_program():
+    # A notebook cell changing a global the step reads through a custom layer or a chain of
+    # helper calls (before: the kept program gave the first value, [2, 2], again).
+    global _FACTOR
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    layer = _ScaledByGlobal()
+    ones = np.ones(2, np.float32)
+    for step in (_six_deep, lambda v: layer(v)):
+        results = []
+        for factor in (2.0, 7.0):
+            _FACTOR = factor
+            with strategy.scope():
+                results.append(strategy.run(step, args=(ones,)).tolist())
+            with ipu.scopes.ipu_scope("/device:IPU:0"):
+                results.append(ipu.ipu_compiler.compile(step, [ones])[0].tolist())
+        assert results == [[2.0, 2.0]] * 2 + [[7.0, 7.0]] * 2
+    _FACTOR = 2.0
+
+
 def test_queues_made_again_get_a_new_program_not_the_kept_one():
     # A notebook cell making the queues run again: the kept program must not take from, or
     # fill, the queues of its trace.
