@@ -5,6 +5,8 @@ The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
 
 from __future__ import annotations
 
+import enum
+import functools
 import warnings
 
 import jax
@@ -491,6 +493,111 @@ def test_a_global_read_in_a_custom_layers_call_or_calls_deep_gets_a_new_program(
                 results.append(ipu.ipu_compiler.compile(step, [ones])[0].tolist())
         assert results == [[2.0, 2.0]] * 2 + [[7.0, 7.0]] * 2
     _FACTOR = 2.0
+
+
+class _Ops:
+    @staticmethod
+    def scaled(v):
+        return v * _FACTOR
+
+    @property
+    def factor(self):
+        return _FACTOR
+
+
+def _loss(w):
+    return jnp.sum(w * w) * _FACTOR
+
+
+_GRAD = jax.grad(_loss)
+
+
+def test_globals_read_through_methods_properties_and_jax_transforms_get_a_new_program():
+    global _FACTOR
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    ones = np.ones(2, np.float32)
+    steps = {"static method": lambda v: _Ops.scaled(v),
+             "property": lambda v: v * _Ops().factor,
+             "jax.grad": lambda v: _GRAD(v)}
+    for name, step in steps.items():
+        results = []
+        for factor in (2.0, 7.0):
+            _FACTOR = factor
+            with strategy.scope():
+                results.append(strategy.run(step, args=(ones,)).tolist())
+        assert results == [[2.0, 2.0], [7.0, 7.0]] if name != "jax.grad" else [
+            [4.0, 4.0], [14.0, 14.0]], name
+    _FACTOR = 2.0
+
+
+_ACTIVATION = keras.activations.relu
+_PARTIAL = None
+
+
+class _Mode(enum.Enum):
+    DOUBLE = 2.0
+    TRIPLE = 3.0
+
+
+_MODE = _Mode.DOUBLE
+
+
+def _activated(v):
+    return _ACTIVATION(v)
+
+
+def _partially(v):
+    return _PARTIAL(v)
+
+
+def _by_mode(v):
+    return v * _MODE.value
+
+
+def _sign_of(v, zero):
+    return jnp.copysign(jnp.ones_like(v), zero)
+
+
+def test_rebound_callables_enums_and_signed_zeros_get_a_new_program():
+    # The same function each time: before, each second call was the same key as the first
+    # (its kept program ran again).
+    global _ACTIVATION, _PARTIAL, _MODE
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    x = np.array([-1.0, 2.0], np.float32)
+
+    def run(fn, *args):
+        with strategy.scope():
+            return np.asarray(strategy.run(fn, args=(x, *args)))
+
+    assert run(_activated).tolist() == [0.0, 2.0]
+    _ACTIVATION = keras.activations.tanh  # a library function bound again
+    np.testing.assert_allclose(run(_activated), np.tanh(x), rtol=1e-6)
+    got = []
+    for k in (2.0, 3.0):
+        _PARTIAL = functools.partial(lambda v, k: v * k, k=k)
+        got.append(run(_partially).tolist())
+    for mode in _Mode:
+        _MODE = mode
+        got.append(run(_by_mode).tolist())
+    assert got == [[-2.0, 4.0], [-3.0, 6.0]] * 2
+    _MODE, _ACTIVATION = _Mode.DOUBLE, keras.activations.relu
+    assert [run(_sign_of, zero).tolist() for zero in (0.0, -0.0)] == [[1.0, 1.0], [-1.0, -1.0]]
+
+
+class _AttributeDict(dict):
+    def __getattr__(self, name):
+        return self[name]  # a KeyError, not an AttributeError, for a missing name
+
+
+_CONFIG = _AttributeDict(scale=2.0)
+
+
+def test_an_object_answering_attribute_lookups_with_other_errors_is_read_as_eagerly():
+    # Before: the walk of what the function reads raised "KeyError: '__code__'".
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        got = strategy.run(lambda v: v * _CONFIG.scale, args=(np.ones(2, np.float32),))
+    assert got.tolist() == [2.0, 2.0]
 
 
 def test_queues_made_again_get_a_new_program_not_the_kept_one():

@@ -145,3 +145,14 @@ def test_conv_transpose_calls_its_modules_conv_general_dilated(monkeypatch):
     jax.lax.conv_transpose(jax.numpy.ones((1, 4, 4, 2)), jax.numpy.ones((3, 3, 2, 2)),
                            (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     assert len(calls) == 1
+
+
+def test_jaxs_transformations_name_the_function_they_wrap():
+    # device/closures.py: a kept program's key follows `__wrapped__` from `jax.grad`,
+    # `value_and_grad`, `vmap` and `jit` to the user's function, whose globals it compares.
+    def loss(w):
+        return jnp.sum(w * w)
+
+    for transformed in (jax.grad(loss), jax.value_and_grad(loss), jax.vmap(loss),
+                        jax.jit(loss)):
+        assert transformed.__wrapped__ is loss

@@ -123,6 +123,22 @@ def test_a_computation_on_two_shards_of_two_ipus_is_not_replicated():
     assert len(infeed.peek(10)) == 6 and outfeed.dequeue() == []
 
 
+def test_the_replicas_are_learnt_per_program_not_per_function():
+    # Before: the shards a function used were remembered for the function, so the same
+    # function called with another shard count ran the first call's replicas ([5, 5]).
+    configure(2)
+
+    def fn(x, shards):
+        for shard in range(shards):
+            with ipu.scopes.ipu_shard(shard):
+                x = x + 1
+        return x + cross_replica_ops.cross_replica_sum(jnp.float32(1))  # + the replicas
+
+    ones = np.ones(2, np.float32)
+    got = [_compiled(fn, [ones, shards])[0].tolist() for shards in (1, 2, 1)]
+    assert got == [[4, 4], [4, 4], [4, 4]]  # 1 shard: 2 replicas; 2 shards: 1 replica
+
+
 def _collectives_run():
     """Index, sum, gather, all-to-all and reduce-scatter of 4 replicas, outfed per iteration."""
     infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(

@@ -9,12 +9,14 @@ its own classes whose objects it reads).
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import site
 import sys
 import sysconfig
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +26,7 @@ from keras_ipu.device import queues
 
 # Host values a traced function may read and fix in its program: a kept program is run
 # again only while those it reads from its closure and globals are unchanged.
-_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+_HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic, enum.Enum)
 # The queues a traced function may read: its program takes from and fills those of its trace.
 _QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
 # Whose functions' globals are their own constants: not walked.
@@ -56,70 +58,135 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
     seen: set = set()
 
     def visit(function: Any, depth: int) -> Iterator[Any]:
-        if isinstance(function, functools.partial):
-            function = function.func
-        if not hasattr(function, "__code__") and hasattr(function, "__wrapped__"):
-            function = function.__wrapped__  # a callable wrapper's function
-        owner = getattr(function, "__self__", None)
-        function = getattr(function, "__func__", function)  # a bound method's function
-        code = getattr(function, "__code__", None)
-        if depth < 0 or id(function) in seen or _of_library(function):
+        if depth < 0 or id(function) in seen:
             return
         seen.add(id(function))
-        if code is None:  # an object: its class's methods read globals as its functions do
+        try:  # an object's `__getattr__` may raise anything for these names
+            wrapped = getattr(function, "__wrapped__", None)  # a wrapper's (jit, grad) function
+            owner = getattr(function, "__self__", None)
+            inner = getattr(function, "__func__", function)  # a bound method's function
+        except Exception:  # noqa: BLE001 - an object that answers no question: opaque
+            return
+        if isinstance(function, functools.partial):  # its bound arguments, then its function
+            yield from read((*function.args, *function.keywords.values()), depth)
+            yield from visit(function.func, depth - 1)
+            return
+        if wrapped is not None:
+            yield from visit(wrapped, depth - 1)
+        if not isinstance(inner, types.FunctionType):  # an object or a class: its own
+            # methods read globals as functions do
             for method in _own_methods(function):
                 yield from visit(method, depth - 1)
             return
+        if _of_library(inner):
+            return
         if owner is not None:
-            yield owner
+            yield from read((owner,), depth)
         cells = []
-        for cell in function.__closure__ or ():
+        for cell in inner.__closure__ or ():
             try:
                 cells.append(cell.cell_contents)
             except ValueError:  # a cell not filled yet
                 continue
-        found = function.__globals__
-        for value in cells + [found[name] for name in _global_names(code) if name in found]:
+        found = inner.__globals__
+        names = _global_names(inner.__code__)
+        yield from read(cells + [found[name] for name in names if name in found], depth)
+
+    def read(values: Any, depth: int) -> Iterator[Any]:
+        for value in values:
             yield value
-            if (callable(value) and not isinstance(value, type)) or _own_methods(value):
+            if not isinstance(value, _HOST_SCALARS):
                 yield from visit(value, depth - 1)
 
     return visit(fn, depth)
 
 
 def host_values(fn: Callable, depth: int = 8) -> tuple:
-    """The numbers, strings, queues and functions `fn` (and what it calls) reads from
-    closures and globals: part of a kept program's key.
+    """The numbers, strings, enum members, queues, callables and the user's objects `fn`
+    (and what it calls) reads from closures and globals: part of a kept program's key.
 
     Values read from objects' attributes are not seen: a kept program keeps
-    those of its trace, as `tf.function` does. Queues and functions count by
-    identity: a queue made again (a notebook cell run again) is another
-    program's, as the kept one would take from, and fill, the old queue; a
-    helper function defined again is traced again (its code may differ).
+    those of its trace, as `tf.function` does. Queues, callables, classes and
+    the user's objects count by identity: a queue made again (a notebook cell
+    run again) is another program's, as the kept one would take from, and
+    fill, the old queue; a helper function defined again, or a global bound to
+    another function or object, is traced again (its code may differ).
 
     Args:
         fn: The traced function.
         depth: How many calls deep to follow the functions it reads.
 
     Returns:
-        `(type, value)` per host value (a queue or function by identity, a
-        0-d array by its dtype and bytes), in the order read.
+        `host_key(value)` per host value, in the order read.
 
     Example:
 
     >>> scale = 2.0
     >>> host_values(lambda x: x * scale)
-    ((<class 'float'>, 2.0),)
+    ((<class 'float'>, '0x1.0000000000000p+1'),)
     """
-    return tuple(_host_key(value) for value in referenced_values(fn, depth)
-                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES))
-                 or _is_host_0d(value) or _is_own_function(value))
+    return tuple(host_key(value) for value in referenced_values(fn, depth)
+                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)) or _is_host_0d(value)
+                 or callable(value) or _own_methods(value))
+
+
+def host_key(value: Any) -> Any:
+    """A host value as a kept program's key tells it apart: numbers by their exact value
+    (`-0.0` is not `0.0`; a NaN equals itself), 0-d arrays by dtype and bytes, callables,
+    classes and the user's objects by identity.
+
+    Args:
+        value: A value the traced function reads, or a fixed argument.
+
+    Returns:
+        A hashable key (unhashable only for an unhashable value of another kind).
+
+    Example:
+
+    >>> host_key(-0.0) == host_key(0.0)
+    False
+    """
+    if _is_host_0d(value) or isinstance(value, np.generic):
+        return (type(value), value.dtype.str, value.tobytes())
+    if isinstance(value, float):
+        return (float, value.hex())
+    if isinstance(value, complex):
+        return (complex, value.real.hex(), value.imag.hex())
+    if isinstance(value, (*_HOST_SCALARS, *_QUEUES)):
+        return (type(value), value)
+    if callable(value) or _own_methods(value):
+        return _Same(value)
+    return (type(value), value)
+
+
+class _Same:
+    """An object in a key, equal only to itself while it lives: held weakly where it can be
+    (a key kept for a function must not keep the models its closure read alive), so a new
+    object that takes a dead one's `id` is not it."""
+
+    __slots__ = ("_held", "_id")
+
+    def __init__(self, value: Any):
+        self._id = id(value)
+        try:
+            self._held = weakref.ref(value)
+        except TypeError:  # not weakly referable: held
+            self._held = lambda: value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same) or other._id != self._id:
+            return False
+        value = self._held()
+        return value is not None and other._held() is value
+
+    def __hash__(self) -> int:
+        return self._id
 
 
 def _own_methods(value: Any) -> tuple:
-    """The functions the user's classes define for `value` (a custom layer's `call`): not
-    those of installed packages' or the standard library's classes."""
-    return _methods_of_class(type(value))
+    """The functions the user's classes define for `value` (an object, or a class read as a
+    global), properties' too: not those of installed packages' or the standard library's."""
+    return _methods_of_class(value if isinstance(value, type) else type(value))
 
 
 @functools.lru_cache(maxsize=512)  # a kept program's key is made at every call
@@ -129,9 +196,10 @@ def _methods_of_class(cls: type) -> tuple:
         if not _users_module(klass.__module__):
             continue
         for attribute in vars(klass).values():
-            attribute = getattr(attribute, "__func__", attribute)  # static and class methods
-            if isinstance(attribute, types.FunctionType):
-                methods.append(attribute)
+            parts = ((attribute.fget, attribute.fset, attribute.fdel)
+                     if isinstance(attribute, property)
+                     else (getattr(attribute, "__func__", attribute),))  # static, class methods
+            methods.extend(part for part in parts if isinstance(part, types.FunctionType))
     return tuple(methods)
 
 
@@ -156,11 +224,6 @@ _INSTALLED = tuple(sorted({os.path.realpath(path) for path in (
     *site.getsitepackages(), site.getusersitepackages())}))
 
 
-def _is_own_function(value: Any) -> bool:
-    # The user's functions the traced one calls: the libraries' are the same objects for ever.
-    return isinstance(value, types.FunctionType) and not _of_library(value)
-
-
 def _of_library(function: Any) -> bool:
     return (getattr(function, "__module__", None) or "").partition(".")[0] in _LIBRARIES
 
@@ -168,12 +231,6 @@ def _of_library(function: Any) -> bool:
 def _is_host_0d(value: Any) -> bool:
     # JAX writes a 0-d NumPy array into the program as a literal, not as a constant.
     return isinstance(value, np.ndarray) and value.ndim == 0
-
-
-def _host_key(value: Any) -> tuple:
-    if _is_host_0d(value):
-        return (np.ndarray, value.dtype.str, value.tobytes())
-    return (type(value), value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -186,4 +243,4 @@ def _global_names(code: Any) -> frozenset:
     return frozenset(names)
 
 
-__all__ = ["host_values", "referenced_values"]
+__all__ = ["host_key", "host_values", "referenced_values"]

@@ -186,17 +186,19 @@ def call_compiled(fn: Callable, ipus: Sequence[system.VirtualIPU], args: Any = (
     ipus = tuple(ipus)
     arrays, fixed, treedef = _split_arguments((tuple(args), dict(kwargs or {})))
     programs = system.require().programs
-    # `1`, `1.0` and `True` are equal keys: their types tell them apart.
-    typed = tuple(leaf if leaf is _ARRAY else (type(leaf), leaf) for leaf in fixed)
-    key = (fn, outputs, ipus, shard, treedef, typed, closures.host_values(fn))
+    # `1`, `1.0` and `True` are equal keys, and so are `0.0` and `-0.0`: not as host keys.
+    typed = tuple(leaf if leaf is _ARRAY else closures.host_key(leaf) for leaf in fixed)
+    traced_with = (ipus, shard, treedef, typed, closures.host_values(fn))
+    key = (fn, outputs, *traced_with)
     try:
         program = programs.pop(key, None)
     except TypeError:  # an unhashable fixed argument: a program for this call only
         key, program = None, None
     if program is None:
+        # Learnt per program: other fixed values or host values may use other shards.
         program = _Program(fn, outputs, treedef, fixed, ipus, shard,
                            _ShardMemo(system.require().shard_counts,
-                                      getattr(fn, "computation", fn), (ipus, shard)),
+                                      getattr(fn, "computation", fn), traced_with),
                            name=name)
     if key is not None:
         programs[key] = program  # most recently used last
