@@ -420,9 +420,10 @@ def test_instances_with_different_numbers_of_batches_fail_at_once_and_say_so(tmp
     assert elapsed < 60, elapsed
 
 
-def test_callbacks_that_change_the_run_in_one_instance_only_are_told_so():
+def test_what_would_stop_one_instance_only_is_told_or_stops_every_instance():
     # EarlyStopping (model.stop_training) in instance 0 alone hung the job; validation_freq
-    # differing aborted it in gloo ("collective mismatch").
+    # differing aborted it in gloo ("collective mismatch"); so did generators of unequal
+    # lengths, or hung it.
     done = launch("--num-instances", "2", "--num-replicas", "4", "--", "disagree_job.py")
     assert done.returncode == 0, done.stdout + done.stderr
     for index in (0, 1):
@@ -437,6 +438,14 @@ def test_callbacks_that_change_the_run_in_one_instance_only_are_told_so():
             assert (f"{run} stop raised: `{mode}` across 2 instances: they disagree on "
                     f"model.stop_{flag} (instance 0: [0]; instance 1: [1])") in lines, lines
         assert "agreeing fit ran 2 epochs" in lines
+        # Unequal generators: one execution each (4 batches of each instance's 2 replicas).
+        assert "generator fit ran 2 steps" in lines, lines
+        assert "generator predict (16, 3)" in lines and "generator validation ['loss', " \
+            "'val_loss']" in lines
+    evaluated = {re.search(r"generator evaluate (\S+)", lines_of(done.stdout, i))[1]
+                 for i in (0, 1)}
+    assert len(evaluated) == 1  # the same global loss in both
+    assert "The input of another instance of the job ran out of data" in done.stderr
 
 
 def test_instances_configured_with_different_ipus_are_told_so():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -309,6 +310,39 @@ def any_instance(replicas: Replicas, mine: bool) -> bool:
 
     return bool(np.asarray(multihost_utils.process_allgather(
         np.asarray([int(bool(mine))], np.int64))).any())
+
+
+def agreed_executions(replicas: Replicas, executions: Iterable) -> Iterator:
+    """Across instances: the executions of a feed of unknown length while every instance
+    has its own; once one instance's runs out, every instance ends the pass there.
+
+    An instance whose generator ran out ends its pass (as one process does); the
+    others would wait in the next execution's collectives for ever. Each
+    execution costs one gather of a flag across the instances.
+
+    Args:
+        replicas: The run's replicas (nothing is gathered within one process).
+        executions: This instance's executions (an infeed).
+
+    Returns:
+        An iterator over the executions that every instance has.
+
+    Example:
+
+    >>> for begin, end, batches in agreed_executions(replicas, infeed):
+    ...     state, logs = program(state, batches)
+    """
+    executions = iter(executions)
+    while True:
+        execution = next(executions, None)
+        if any_instance(replicas, execution is None):
+            if execution is not None:
+                warnings.warn(
+                    "The input of another instance of the job ran out of data; interrupting "
+                    "the epoch in every instance (this instance's batches for the execution "
+                    "are dropped). Give every instance as many batches.", stacklevel=2)
+            return
+        yield execution
 
 
 def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch: Any,

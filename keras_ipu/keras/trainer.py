@@ -416,8 +416,12 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     try:
         if infeed is None:
             infeed = infeeds.open_infeed(model, run, feed)
+        executions = infeed
+        if run.program.replicas.spans_processes and feed.plan.num_batches is None:
+            # A generator of each instance's own: they stop where the first runs out.
+            executions = replication.agreed_executions(run.program.replicas, infeed)
         with infeed:
-            for begin, end, batches in infeed:
+            for begin, end, batches in executions:
                 programs.check_current(model, mode)  # an option set by a callback?
                 if hooks is None:
                     on_begin(begin)

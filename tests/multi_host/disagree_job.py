@@ -53,3 +53,22 @@ for name, (method, arguments) in runs.items():
         say(name, "raised:", error)
 history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
 say("agreeing fit ran", len(history.history["loss"]), "epochs")
+
+# Generators of unequal lengths (instance 0: 8 batches, instance 1: 4): every instance stops
+# where the first runs out (before: the other waited in the next execution for ever).
+batches = 8 if index == 0 else 4
+
+
+def generator():
+    for i in range(batches):
+        yield x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]
+
+
+before = int(model.optimizer.iterations.numpy())
+model.fit(generator(), steps_per_epoch=16, verbose=0)
+say("generator fit ran", int(model.optimizer.iterations.numpy()) - before, "steps")
+say("generator evaluate", round(float(model.evaluate(generator(), steps=16, verbose=0)), 6))
+say("generator predict", model.predict(generator(), steps=16, verbose=0).shape)
+history = model.fit(x, y, batch_size=4, validation_data=generator(), validation_steps=16,
+                    verbose=0)
+say("generator validation", sorted(history.history))
