@@ -921,6 +921,30 @@ def test_configure_reads_flags(device, monkeypatch, tmp_path):
     ipu_config.reset_ipu_configuration()  # Puts the suite's JAX cache back.
 
 
+def test_a_multi_replica_distribution_that_is_not_the_jobs_is_refused(device, monkeypatch):
+    # Before: ignored, so a PopDist port started with plain `python` trained alone, with a
+    # quarter of the global batch its configuration asked for.
+    from keras_ipu.distributed import runtime
+
+    ipu_config.configure_ipu_system(_config(auto_select_ipus=1))
+    config = _config(auto_select_ipus=2)
+    config.experimental.multi_replica_distribution.process_count = 4
+    config.experimental.multi_replica_distribution.process_index = 3
+    with pytest.raises(ValueError, match=r"says process 3 of 4, but this is instance 0 of a "
+                                         r"job of 1 instance\(s\)\. Start the job with "
+                                         r"`keras-ipu run --num-instances 4"):
+        config.configure_ipu_system()
+    assert device.hardware == [("ipu2", 0)]  # the system configured before is kept
+    monkeypatch.setattr(runtime, "num_instances", lambda: 4)
+    monkeypatch.setattr(runtime, "instance_index", lambda: 1)
+    with pytest.raises(ValueError, match="this is instance 1 of a job of 4 .* Set "
+                                         "process_index to each instance's own"):
+        config.configure_ipu_system()
+    config.experimental.multi_replica_distribution.process_index = 1
+    config.configure_ipu_system()  # this job's: taken
+    assert device.hardware == [("ipu2", 0), ("ipu2", 0)]
+
+
 def test_get_ipu_config_returns_a_copy_of_the_configured_config(device):
     config = _config(auto_select_ipus=[1, 2])
     ipu_config.configure_ipu_system(config)

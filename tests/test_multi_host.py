@@ -330,6 +330,7 @@ def test_helpers_across_two_instances():
         assert "bcast 5.0 6.0" in out
         assert "ipus [0, 1, 2, 3]" in out  # the job's IPUs, numbered one by one
         assert f"hvd 1.5 3.0 [0, 1, 1] 6.0 {index} 2" in out
+        assert "hvd lists [0, 1] [1.0, 2.5] [1, 2]" in out
         assert "wide 2199023255553 int64 float64 [1099511627776, 1099511627777] True" in out
         # Before: garbage in one instance, and a hang.
         assert ("mismatch dtype allreduce needs the same structure, dtypes and shapes on "

@@ -123,6 +123,13 @@ _DEVICE_CONNECTION = Category(
     ),
 )
 
+# The job's instances are its processes (`keras-ipu run --num-instances N`): a configuration
+# describing another job would train with another global batch, so it is refused.
+_JOB_CHECKED = ("checked against the job when a system that runs programs is configured: "
+                "with process_count set, it must equal the job's instances (keras-ipu run "
+                "--num-instances) and process_index this instance's index (PRE_COMPILE and "
+                "NEVER accept any).")
+
 _MULTI_REPLICA_DISTRIBUTION = Category(
     "multi_replica_distribution",
     "Sub-category containing configuration options controlling multi replica distribution. "
@@ -131,20 +138,22 @@ _MULTI_REPLICA_DISTRIBUTION = Category(
     "replicas each. The total global replication factor will be equal to the local "
     "replication factor multiplied by the process_count.",
     (
-        _ignored(
+        Option(
             "process_index",
             int,
             0,
             "The index of the current process being configured.",
-            (at_least(0),),
+            effect=_JOB_CHECKED,
+            checks=(at_least(0),),
         ),
-        _ignored(
+        Option(
             "process_count",
             int,
             0,
             "The total number of processes. When set to 0 (default), multi-replica "
             "distribution will not be used.",
-            (at_least(0),),
+            effect=_JOB_CHECKED,
+            checks=(at_least(0),),
         ),
     ),
 )

@@ -103,6 +103,8 @@ def configure_ipu_system(
     # An instance of a multi-instance job joins it before its devices start:
     # its IPUs are then its own devices, and replicas span all instances'.
     runtime.initialize()
+    if config.device_connection.type.name not in ("NEVER", "PRE_COMPILE"):  # runs programs
+        _check_job(config.experimental.multi_replica_distribution, runtime)
 
     if not reset_configuration and system.current() is not None:
         raise RuntimeError(
@@ -234,6 +236,25 @@ _COMBINATION_RULES: tuple[tuple[Callable[[IPUConfig], bool], Callable[[IPUConfig
                f"[0, process_count) = [0, "
                f"{c.experimental.multi_replica_distribution.process_count})."),
 )
+
+
+def _check_job(distribution: Any, runtime: Any) -> None:
+    """Refuses a multi-replica distribution that is not this job's (a PopDist port started
+    with plain `python` would train alone, with a smaller global batch)."""
+    count, index = int(distribution.process_count), int(distribution.process_index)
+    if not count:
+        return
+    instances, instance = runtime.num_instances(), runtime.instance_index()
+    if (count, index) == (instances, instance):
+        return
+    remedy = (f"Start the job with `keras-ipu run --num-instances {count} ...`, or leave "
+              f"process_count at 0 for one process" if count != instances else
+              "Set process_index to each instance's own, "
+              "`keras_ipu.distributed.instance_index()`")
+    raise ValueError(
+        f"experimental.multi_replica_distribution says process {index} of {count}, but this "
+        f"is instance {instance} of a job of {instances} instance(s). {remedy} "
+        f"(`keras_ipu.distributed.update_ipu_config(config)` sets both from the job).")
 
 
 def _check_combinations(config: IPUConfig) -> None:

@@ -384,7 +384,7 @@ def allgather(value: Any) -> Any:
     _check_alike(value, "allgather", first_axis_free=True)  # before raising alone
     if any(not np.ndim(leaf) for leaf in jax.tree_util.tree_leaves(value)):
         raise ValueError("allgather concatenates along the first axis: give arrays of at least "
-                         "one dimension (a scalar `x` as `[x]`).")
+                         "one dimension (a scalar `x` as `np.atleast_1d(x)`).")
     if num_instances() == 1:
         return jax.tree_util.tree_map(np.asarray, value)
     from jax.experimental import multihost_utils

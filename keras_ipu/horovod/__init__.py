@@ -2,8 +2,9 @@
 
 The collectives take the seed's signatures (`allreduce(tensor, op=None)`
 averages by default, as Horovod does; `op` is one of `Average`, `Sum`,
-`Min`, `Max`) and work on host values (NumPy arrays and trees of them) of
-every instance of a `keras-ipu run --num-instances N` job.
+`Min`, `Max`) and work on host values (NumPy arrays and trees of them; a
+list of numbers is one tensor, as Horovod makes it) of every instance of a
+`keras-ipu run --num-instances N` job.
 
 Example:
 
@@ -19,6 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
+
 from keras_ipu.distributed import runtime
 from keras_ipu.distributed.runtime import instance_index as rank
 from keras_ipu.distributed.runtime import num_instances as size
@@ -28,6 +32,16 @@ Average = "average"
 Sum = "sum"
 Min = "min"
 Max = "max"
+
+
+def _as_tensor(tensor: Any) -> Any:
+    """A list or tuple of numbers as the one tensor Horovod makes of it (`[5]`, `[1.0, 2.0]`);
+    anything else as it is (an array, or a tree of arrays)."""
+    if isinstance(tensor, (list, tuple)) and all(
+            np.ndim(leaf) == 0 and not isinstance(leaf, (list, tuple, dict))
+            for leaf in jax.tree_util.tree_leaves(tensor)):
+        return np.asarray(tensor)
+    return tensor
 
 
 def init() -> None:
@@ -59,7 +73,7 @@ def allreduce(tensor: Any, op: str | None = None) -> Any:
     >>> hvd.allreduce(np.float32(hvd.rank()))   # 2 instances
     0.5
     """
-    return runtime.allreduce(tensor, op=Average if op is None else op)
+    return runtime.allreduce(_as_tensor(tensor), op=Average if op is None else op)
 
 
 def allgather(tensor: Any, name: str | None = None) -> Any:
@@ -78,7 +92,7 @@ def allgather(tensor: Any, name: str | None = None) -> Any:
     >>> hvd.allgather(np.full((hvd.rank() + 1,), hvd.rank()))   # 2 instances
     array([0, 1, 1])
     """
-    return runtime.allgather(tensor)
+    return runtime.allgather(_as_tensor(tensor))
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
@@ -100,7 +114,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
     >>> hvd.broadcast(np.float32(hvd.rank()), 0)   # 2 instances
     0.0
     """
-    return runtime.broadcast(tensor, root_rank)
+    return runtime.broadcast(_as_tensor(tensor), root_rank)
 
 
 __all__ = ["Average", "Max", "Min", "Sum", "allgather", "allreduce", "broadcast", "init",

@@ -26,6 +26,9 @@ hvd.init()
 say("hvd", hvd.allreduce(tensor=np.float32(i + 1)), hvd.allreduce(np.float32(i + 1), op=hvd.Sum),
     hvd.allgather(tensor=np.full((i + 1,), i), name="g").tolist(),
     hvd.broadcast(np.float32(i + 5), 1, name="b"), hvd.rank(), hvd.size())
+# A list of numbers is one tensor, as Horovod makes it (before: a tree of scalars, refused).
+say("hvd lists", hvd.allgather([i]).tolist(), hvd.allreduce([1.0, 2.0 + i]).tolist(),
+    hvd.broadcast([i, i + 1], 1).tolist())
 # 64-bit values keep their width across instances (JAX without x64 would cut them).
 wide = dist.allreduce(np.int64(2**40 + i), op="sum")
 say("wide", int(wide), wide.dtype, dist.broadcast(np.float64(0.1)).dtype,
