@@ -5,6 +5,7 @@ The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import warnings
@@ -582,6 +583,60 @@ def test_rebound_callables_enums_and_signed_zeros_get_a_new_program():
     assert got == [[-2.0, 4.0], [-3.0, 6.0]] * 2
     _MODE, _ACTIVATION = _Mode.DOUBLE, keras.activations.relu
     assert [run(_sign_of, zero).tolist() for zero in (0.0, -0.0)] == [[1.0, 1.0], [-1.0, -1.0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    factor: float
+
+
+class _Helper:
+    def scaled(self, v):
+        return v * _FACTOR
+
+
+def test_equal_fixed_arguments_share_a_program_and_a_replaced_method_gets_a_new_one():
+    # Equal values made anew at each call (a dataclass, a bound method) are one program
+    # (they were traced at every call for a while today); a method replaced on its class is
+    # compared as a function defined again.
+    global _FACTOR
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    traced = []
+    helper = _Helper()
+
+    def fn(v, settings, method):
+        traced.append(1)
+        return method(v) * settings.factor
+
+    ones = np.ones(2, np.float32)
+    with strategy.scope():
+        got = [strategy.run(fn, args=(ones, _Settings(3.0), helper.scaled)).tolist()
+               for _ in range(3)]
+    assert got == [[6.0, 6.0]] * 3 and len(traced) == 1
+    original = _Helper.scaled
+    try:
+        _Helper.scaled = lambda self, v: v * _FACTOR * 10
+        _FACTOR = 1.0
+        with strategy.scope():
+            replaced = strategy.run(lambda v: helper.scaled(v), args=(ones,)).tolist()
+            _FACTOR = 2.0
+            again = strategy.run(lambda v: helper.scaled(v), args=(ones,)).tolist()
+    finally:
+        _Helper.scaled, _FACTOR = original, 2.0
+    assert (replaced, again) == ([10.0, 10.0], [20.0, 20.0])
+
+
+def test_the_key_walks_a_bounded_part_of_a_large_helper_library():
+    # A function reaching hundreds of helpers: the key is made at every call (it walked
+    # them all, eight calls deep: milliseconds per call).
+    from keras_ipu.device import closures
+
+    namespace = {"EPS": 1.0}
+    for i in range(600):
+        exec(f"def h{i}(x, d=0):\n    return h{(3 * i + 1) % 600}(x) + h{(7 * i + 2) % 600}(x) "
+             f"+ EPS", namespace)
+    key = closures.host_values(namespace["h0"])
+    assert len(key) <= 4 * closures._FUNCTIONS_WALKED
 
 
 class _AttributeDict(dict):

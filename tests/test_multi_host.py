@@ -305,6 +305,15 @@ def test_allreduce_keeps_the_shape_and_dtype_as_horovod():
     truths = np.array([[True, True, False], [True, False, False]])
     reduced = runtime.reduce_stacked(truths, "mean")
     assert reduced.dtype == bool and reduced.tolist() == [True, True, False]
+    # An int64 mean past 2**53 is exact (a float64 quotient gave ...976).
+    big = np.array([2**60 + 1, 2**60 + 1], np.int64)
+    assert int(runtime.reduce_stacked(big, "mean")) == 2**60 + 1
+    # A list of Python numbers is one tensor with TensorFlow's dtypes; NumPy scalars in a
+    # tuple stay a tree (an int64 among them kept its value).
+    assert ipu.horovod.allreduce([1.0, 2.0]).dtype == np.float32
+    assert ipu.horovod.allgather([5]).dtype == np.int32
+    pair = ipu.horovod.broadcast((np.float32(1.5), np.int64(2**60 + 1)), 0)
+    assert int(pair[1]) == 2**60 + 1 and pair[0].dtype == np.float32
 
 
 def test_the_replica_counts_follow_the_launchers_ipus_per_replica(monkeypatch):

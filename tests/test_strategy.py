@@ -428,21 +428,31 @@ def test_a_custom_step_builds_its_optimizer_and_reads_model_losses_as_plain_kera
                          [v.numpy() for v in opt.variables], atol=1e-6)
 
 
-def test_model_losses_of_a_layer_first_built_inside_the_computation(strategy):
+@pytest.mark.parametrize("initializer", [
+    "glorot_uniform",
+    # Each call draws anew: the program's draw must be the one every read and the
+    # variable get (before: model.losses read another draw, or the variable did).
+    lambda: keras.initializers.RandomNormal(seed=keras.random.SeedGenerator(3)),
+    lambda: lambda shape, dtype=None: np.random.normal(size=shape).astype("float32"),
+])
+def test_model_losses_of_a_layer_first_built_inside_the_computation(initializer, strategy):
     # Before: a regularized layer built by its first call inside `strategy.run` had no
     # value yet, and `model.losses` raised "'NoneType' object has no attribute 'dtype'".
     configure(1)
     x, _ = data_for("sequential", samples=4)
     with strategy.scope():
         model = keras.Sequential([keras.layers.Dense(
-            3, kernel_regularizer=keras.regularizers.L2(0.1))])
+            3, kernel_initializer=initializer if isinstance(initializer, str)
+            else initializer(), kernel_regularizer=keras.regularizers.L2(0.1))])
 
         def step(x):
             return keras.ops.sum(model(x)), sum(model.losses)
 
         output, regularization = strategy.run(step, args=(x,))
     # The program read the initial weights the variables were given after it ran.
+    kernel = model.layers[0].kernel.numpy()
     assert float(regularization) > 0
+    np.testing.assert_allclose(float(regularization), 0.1 * np.sum(kernel ** 2), rtol=1e-5)
     np.testing.assert_allclose(float(regularization), float(sum(model.losses)), rtol=1e-5)
     np.testing.assert_allclose(float(output), float(keras.ops.sum(model(x))), rtol=1e-5)
 

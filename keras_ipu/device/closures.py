@@ -29,6 +29,12 @@ from keras_ipu.device import queues
 _HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic, enum.Enum)
 # The queues a traced function may read: its program takes from and fills those of its trace.
 _QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
+# The methods a library calls on an object of the user's it is given: `obj(...)` runs
+# `__call__`, and a layer's (library) `__call__` runs its `call`.
+_ENTRY_METHODS = frozenset({"__call__", "call"})
+# The most functions one key walks (a large helper library of the user's would cost
+# milliseconds at every call): those further away are not compared.
+_FUNCTIONS_WALKED = 64
 # Whose functions' globals are their own constants: not walked.
 _LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtypes", "optree"})
 
@@ -36,15 +42,19 @@ _LIBRARIES = frozenset({"jax", "jaxlib", "keras", "keras_ipu", "numpy", "ml_dtyp
 def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
     """What `fn` (and the functions it calls) reads from closures and globals.
 
-    Bound methods give their object too, and an object read there has the
-    methods of its own class walked (a custom layer's `call`, which reads
-    globals as a function does); functions and classes of the libraries in
-    `_LIBRARIES` are not walked (their globals are their own constants), nor
-    are values read from objects' attributes.
+    Bound methods give their object too. An object (or class) of the user's
+    own modules has the methods walked that the code reading it names (`H.scale`,
+    `self.helper()`), and `__call__` and `call` (a custom layer's, which Keras'
+    `__call__` runs): they read globals as functions do. Functions and classes
+    of the libraries in `_LIBRARIES` and of installed packages are not walked
+    (their globals are their own constants), nor are values read from
+    objects' attributes.
 
     Args:
         fn: A function.
-        depth: How many calls deep to follow the functions it reads.
+        depth: How many calls deep to follow the functions it reads (of
+            `_FUNCTIONS_WALKED` functions at most, the nearest first in each
+            branch).
 
     Returns:
         An iterator over the values, each function's once.
@@ -56,32 +66,37 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
     [2.0]
     """
     seen: set = set()
+    walked = [0]  # functions walked: the key is made at every call
 
-    def visit(function: Any, depth: int) -> Iterator[Any]:
-        if depth < 0 or id(function) in seen:
+    def visit(value: Any, depth: int, names: frozenset = frozenset(),
+              owner: Any = None) -> Iterator[Any]:
+        # `names`: the names the code that read `value` uses, among them the methods it
+        # calls on it; `owner`: the object whose method `value` is.
+        if depth < 0 or id(value) in seen or walked[0] >= _FUNCTIONS_WALKED:
             return
-        seen.add(id(function))
+        seen.add(id(value))
         try:  # an object's `__getattr__` may raise anything for these names
-            wrapped = getattr(function, "__wrapped__", None)  # a wrapper's (jit, grad) function
-            owner = getattr(function, "__self__", None)
-            inner = getattr(function, "__func__", function)  # a bound method's function
+            wrapped = getattr(value, "__wrapped__", None)  # a wrapper's (jit, grad) function
+            bound_to = getattr(value, "__self__", None)
+            inner = getattr(value, "__func__", value)  # a bound method's function
         except Exception:  # noqa: BLE001 - an object that answers no question: opaque
             return
-        if isinstance(function, functools.partial):  # its bound arguments, then its function
-            yield from read((*function.args, *function.keywords.values()), depth)
-            yield from visit(function.func, depth - 1)
+        if isinstance(value, functools.partial):  # its bound arguments, then its function
+            yield from read((*value.args, *value.keywords.values()), depth, names)
+            yield from visit(value.func, depth - 1, names)
             return
         if wrapped is not None:
-            yield from visit(wrapped, depth - 1)
-        if not isinstance(inner, types.FunctionType):  # an object or a class: its own
-            # methods read globals as functions do
-            for method in _own_methods(function):
-                yield from visit(method, depth - 1)
+            yield from visit(wrapped, depth - 1, names)
+        if not isinstance(inner, types.FunctionType):  # an object or a class
+            for method in _named_methods(value, names | _ENTRY_METHODS):
+                yield from visit(method, depth - 1, owner=value)
             return
         if _of_library(inner):
             return
-        if owner is not None:
-            yield from read((owner,), depth)
+        walked[0] += 1
+        if bound_to is not None:
+            yield bound_to
+            owner = bound_to
         cells = []
         for cell in inner.__closure__ or ():
             try:
@@ -89,14 +104,17 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
             except ValueError:  # a cell not filled yet
                 continue
         found = inner.__globals__
-        names = _global_names(inner.__code__)
-        yield from read(cells + [found[name] for name in names if name in found], depth)
+        code_names = _global_names(inner.__code__)
+        yield from read(cells + [found[n] for n in code_names if n in found], depth, code_names)
+        if owner is not None:  # the methods it calls on its own object (`self.helper()`)
+            for method in _named_methods(owner, code_names):
+                yield from visit(method, depth - 1, owner=owner)
 
-    def read(values: Any, depth: int) -> Iterator[Any]:
+    def read(values: Any, depth: int, names: frozenset) -> Iterator[Any]:
         for value in values:
             yield value
             if not isinstance(value, _HOST_SCALARS):
-                yield from visit(value, depth - 1)
+                yield from visit(value, depth - 1, names)
 
     return visit(fn, depth)
 
@@ -107,8 +125,8 @@ def host_values(fn: Callable, depth: int = 8) -> tuple:
 
     Values read from objects' attributes are not seen: a kept program keeps
     those of its trace, as `tf.function` does. Queues, callables, classes and
-    the user's objects count by identity: a queue made again (a notebook cell
-    run again) is another program's, as the kept one would take from, and
+    the user's objects count (see `host_key`): a queue made again (a notebook
+    cell run again) is another program's, as the kept one would take from, and
     fill, the old queue; a helper function defined again, or a global bound to
     another function or object, is traced again (its code may differ).
 
@@ -127,13 +145,14 @@ def host_values(fn: Callable, depth: int = 8) -> tuple:
     """
     return tuple(host_key(value) for value in referenced_values(fn, depth)
                  if isinstance(value, (*_HOST_SCALARS, *_QUEUES)) or _is_host_0d(value)
-                 or callable(value) or _own_methods(value))
+                 or callable(value) or _is_users_object(value))
 
 
 def host_key(value: Any) -> Any:
     """A host value as a kept program's key tells it apart: numbers by their exact value
-    (`-0.0` is not `0.0`; a NaN equals itself), 0-d arrays by dtype and bytes, callables,
-    classes and the user's objects by identity.
+    (`-0.0` is not `0.0`; a NaN equals itself), 0-d arrays by dtype and bytes, objects
+    compared by identity (functions, classes, layers) by identity, held weakly, and others
+    by value (equal dataclasses, the same bound method).
 
     Args:
         value: A value the traced function reads, or a fixed argument.
@@ -154,7 +173,11 @@ def host_key(value: Any) -> Any:
         return (complex, value.real.hex(), value.imag.hex())
     if isinstance(value, (*_HOST_SCALARS, *_QUEUES)):
         return (type(value), value)
-    if callable(value) or _own_methods(value):
+    if type(value).__eq__ is object.__eq__:  # compared by identity: held weakly
+        return _Same(value)
+    try:  # by value (a dataclass, a bound method): equal ones share a program
+        hash(value)
+    except TypeError:
         return _Same(value)
     return (type(value), value)
 
@@ -183,24 +206,28 @@ class _Same:
         return self._id
 
 
-def _own_methods(value: Any) -> tuple:
-    """The functions the user's classes define for `value` (an object, or a class read as a
-    global), properties' too: not those of installed packages' or the standard library's."""
-    return _methods_of_class(value if isinstance(value, type) else type(value))
-
-
-@functools.lru_cache(maxsize=512)  # a kept program's key is made at every call
-def _methods_of_class(cls: type) -> tuple:
+def _named_methods(value: Any, names: frozenset) -> list:
+    """The functions the user's own classes define for `value` (an object, or a class read
+    as a global) under `names`, properties' too; not those of installed packages' or the
+    standard library's classes. Looked up at every call: a method replaced on its class
+    counts from then on."""
+    mro = (value if isinstance(value, type) else type(value)).__mro__
     methods = []
-    for klass in cls.__mro__:
-        if not _users_module(klass.__module__):
+    for name in names:
+        klass = next((klass for klass in mro if name in vars(klass)), None)
+        if klass is None or not _users_module(klass.__module__):
             continue
-        for attribute in vars(klass).values():
-            parts = ((attribute.fget, attribute.fset, attribute.fdel)
-                     if isinstance(attribute, property)
-                     else (getattr(attribute, "__func__", attribute),))  # static, class methods
-            methods.extend(part for part in parts if isinstance(part, types.FunctionType))
-    return tuple(methods)
+        attribute = vars(klass)[name]
+        parts = ((attribute.fget, attribute.fset, attribute.fdel)
+                 if isinstance(attribute, property)
+                 else (getattr(attribute, "__func__", attribute),))  # static, class methods
+        methods.extend(part for part in parts if isinstance(part, types.FunctionType))
+    return methods
+
+
+def _is_users_object(value: Any) -> bool:
+    """Whether `value` is an object (or a class) of the user's own modules."""
+    return _users_module((value if isinstance(value, type) else type(value)).__module__)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -351,6 +351,10 @@ class _FeedProbe(_FeedReads):
         return jax.tree_util.tree_map(zeros, ahead[0])
 
 
+# Shard counts kept per function, for its calls with different fixed and host values.
+_SHARD_COUNTS_KEPT = 16
+
+
 class _ShardMemo:
     """The shards a computation uses, learnt once for a program that is not kept.
 
@@ -370,9 +374,12 @@ class _ShardMemo:
 
     def put(self, shards: int) -> None:
         try:
-            self.counts.setdefault(self.computation, {})[self.key] = shards
+            table = self.counts.setdefault(self.computation, {})
+            table[self.key] = shards
         except TypeError:
             return
+        while len(table) > _SHARD_COUNTS_KEPT:  # keys of objects since gone never match
+            table.pop(next(iter(table)))
 
 
 class _Program:

@@ -329,7 +329,8 @@ def reduce_stacked(stacked: np.ndarray, op: str) -> np.ndarray:
         reduced = np.mean(stacked, axis=0) >= 0.5
     elif op in ("mean", "average") and not jnp.issubdtype(stacked.dtype, jnp.inexact):
         total = np.sum(stacked, axis=0, dtype=stacked.dtype)
-        reduced = np.trunc(total / stacked.shape[0])
+        # Truncated toward zero in integers: a float64 quotient loses int64s past 2**53.
+        reduced = np.sign(total) * (np.abs(total) // stacked.shape[0])
     elif op in ("mean", "average") and stacked.dtype.itemsize < 4:  # bfloat16, float16
         reduced = np.mean(stacked.astype(np.float32), axis=0)
     else:

@@ -35,13 +35,20 @@ Max = "max"
 
 
 def _as_tensor(tensor: Any) -> Any:
-    """A list or tuple of numbers as the one tensor Horovod makes of it (`[5]`, `[1.0, 2.0]`);
-    anything else as it is (an array, or a tree of arrays)."""
-    if isinstance(tensor, (list, tuple)) and all(
-            np.ndim(leaf) == 0 and not isinstance(leaf, (list, tuple, dict))
-            for leaf in jax.tree_util.tree_leaves(tensor)):
-        return np.asarray(tensor)
-    return tensor
+    """A (nested) list or tuple of Python numbers as the one tensor Horovod makes of it
+    (`[5]`, `[1.0, 2.0]`), with TensorFlow's dtypes: float32, int32 (int64 past its
+    range), bool; anything else as it is (an array, a tree of arrays or NumPy scalars)."""
+    if not isinstance(tensor, (list, tuple)):
+        return tensor
+    leaves = jax.tree_util.tree_leaves(tensor)
+    if not leaves or not all(type(leaf) in (bool, int, float) for leaf in leaves):
+        return tensor
+    array = np.asarray(tensor)
+    if array.dtype.kind == "f":
+        return array.astype(np.float32)
+    if array.dtype.kind == "i" and np.all(np.abs(array) <= np.iinfo(np.int32).max):
+        return array.astype(np.int32)
+    return array
 
 
 def init() -> None:

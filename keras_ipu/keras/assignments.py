@@ -124,9 +124,19 @@ class _Recording(stateless_scope.StatelessScope):
         if value is None:
             value = variable._value
         if value is None and getattr(variable, "_initializer", None) is not None:
-            # Made inside and not initialized yet: the initial value its layer's call
-            # read (`variable.value`'s placeholder, the same draw: a fixed seed).
-            value = variable._initializer(variable._shape, dtype=variable._dtype)
+            value = self._initial_value(variable)
+        return value
+
+    def _initial_value(self, variable: Any) -> Any:
+        """A variable made inside and not initialized yet: its initializer's value, drawn
+        once. Every read inside gets that draw (its layer's call, `model.losses`; an
+        initializer drawing from a `SeedGenerator` draws anew at each call), and the
+        variable takes it once the computation has run, as an assignment."""
+        value = variable._initializer(variable._shape, dtype=variable._dtype)
+        if loop_state.carried_here(self.trace, value):  # not an inner transformation's
+            self.assigned.setdefault(id(variable), variable)
+            self.known.setdefault(id(variable), variable)
+            self.state_mapping[id(variable)] = value
         return value
 
     def unmasked(self, variable: Any, value: Any) -> Any:
