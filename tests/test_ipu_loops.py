@@ -453,28 +453,40 @@ class _ScaledByGlobal(keras.layers.Layer):
         return inputs * _FACTOR
 
 
-def _scaled_5(v):
+def _chain_8(v):
     return v * _FACTOR
 
 
-def _scaled_4(v):
-    return _scaled_5(v)
+def _chain_7(v):
+    return _chain_8(v)
 
 
-def _scaled_3(v):
-    return _scaled_4(v)
+def _chain_6(v):
+    return _chain_7(v)
 
 
-def _scaled_2(v):
-    return _scaled_3(v)
+def _chain_5(v):
+    return _chain_6(v)
 
 
-def _scaled_1(v):
-    return _scaled_2(v)
+def _chain_4(v):
+    return _chain_5(v)
 
 
-def _six_deep(v):  # six calls down before `_FACTOR` is read
-    return _scaled_1(v)
+def _chain_3(v):
+    return _chain_4(v)
+
+
+def _chain_2(v):
+    return _chain_3(v)
+
+
+def _chain_1(v):
+    return _chain_2(v)
+
+
+def _chain_0(v):  # the computation: `_FACTOR` is read eight calls below it
+    return _chain_1(v)
 
 
 def test_a_global_read_in_a_custom_layers_call_or_calls_deep_gets_a_new_program():
@@ -484,7 +496,7 @@ def test_a_global_read_in_a_custom_layers_call_or_calls_deep_gets_a_new_program(
     strategy = ipu.ipu_strategy.IPUStrategy()
     layer = _ScaledByGlobal()
     ones = np.ones(2, np.float32)
-    for step in (_six_deep, lambda v: layer(v)):
+    for step in (_chain_0, lambda v: layer(v)):
         results = []
         for factor in (2.0, 7.0):
             _FACTOR = factor
@@ -613,17 +625,22 @@ def test_equal_fixed_arguments_share_a_program_and_a_replaced_method_gets_a_new_
         got = [strategy.run(fn, args=(ones, _Settings(3.0), helper.scaled)).tolist()
                for _ in range(3)]
     assert got == [[6.0, 6.0]] * 3 and len(traced) == 1
+    def scaled(v):  # the same function at each call
+        return helper.scaled(v)
+
     original = _Helper.scaled
+    got = []
     try:
-        _Helper.scaled = lambda self, v: v * _FACTOR * 10
-        _FACTOR = 1.0
         with strategy.scope():
-            replaced = strategy.run(lambda v: helper.scaled(v), args=(ones,)).tolist()
-            _FACTOR = 2.0
-            again = strategy.run(lambda v: helper.scaled(v), args=(ones,)).tolist()
+            got.append(strategy.run(scaled, args=(ones,)).tolist())
+            _Helper.scaled = lambda self, v: v * _FACTOR * 5  # reads the same global
+            got.append(strategy.run(scaled, args=(ones,)).tolist())
+            _Helper.scaled = lambda self, v: v * _FACTOR * 100
+            _FACTOR = 3.0
+            got.append(strategy.run(scaled, args=(ones,)).tolist())
     finally:
         _Helper.scaled, _FACTOR = original, 2.0
-    assert (replaced, again) == ([10.0, 10.0], [20.0, 20.0])
+    assert got == [[2.0, 2.0], [10.0, 10.0], [300.0, 300.0]]
 
 
 def test_the_key_walks_a_bounded_part_of_a_large_helper_library():
@@ -637,6 +654,23 @@ def test_the_key_walks_a_bounded_part_of_a_large_helper_library():
              f"+ EPS", namespace)
     key = closures.host_values(namespace["h0"])
     assert len(key) <= 4 * closures._FUNCTIONS_WALKED
+
+
+def _with_default_helper(v, helper=_chain_8):
+    return helper(v)
+
+
+def test_a_helper_given_as_a_default_argument_is_walked():
+    global _FACTOR
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    got = []
+    for factor in (2.0, 5.0):
+        _FACTOR = factor
+        with strategy.scope():
+            got.append(strategy.run(_with_default_helper, args=(np.ones(2, np.float32),)
+                                    ).tolist())
+    _FACTOR = 2.0
+    assert got == [[2.0, 2.0], [5.0, 5.0]]
 
 
 class _AttributeDict(dict):

@@ -85,11 +85,10 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
             yield from read((*value.args, *value.keywords.values()), depth, names)
             yield from visit(value.func, depth - 1, names)
             return
-        if wrapped is not None:
-            yield from visit(wrapped, depth - 1, names)
+        if wrapped is not None:  # the same call, one wrapper further
+            yield from visit(wrapped, depth, names)
         if not isinstance(inner, types.FunctionType):  # an object or a class
-            for method in _named_methods(value, names | _ENTRY_METHODS):
-                yield from visit(method, depth - 1, owner=value)
+            yield from methods(value, names | _ENTRY_METHODS, depth)
             return
         if _of_library(inner):
             return
@@ -105,10 +104,18 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
                 continue
         found = inner.__globals__
         code_names = _global_names(inner.__code__)
-        yield from read(cells + [found[n] for n in code_names if n in found], depth, code_names)
+        defaults = (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values())
+        yield from read([*cells, *defaults, *(found[n] for n in code_names if n in found)],
+                        depth, code_names)
         if owner is not None:  # the methods it calls on its own object (`self.helper()`)
-            for method in _named_methods(owner, code_names):
-                yield from visit(method, depth - 1, owner=owner)
+            yield from methods(owner, code_names, depth)
+
+    def methods(owner: Any, names: frozenset, depth: int) -> Iterator[Any]:
+        # Each method counts as the function it is now (one replaced on its class is
+        # another), and what it reads.
+        for method in _named_methods(owner, names):
+            yield method
+            yield from visit(method, depth - 1, owner=owner)
 
     def read(values: Any, depth: int, names: frozenset) -> Iterator[Any]:
         for value in values:
