@@ -203,6 +203,40 @@ def test_replicas_look_up_and_update_the_one_host_table():
     np.testing.assert_allclose(embedding.get_embedding_tensor(), expected, rtol=1e-5, atol=1e-6)
 
 
+class _UnclippedLookup(_HostLookup):
+    def call(self, ids):
+        return self.embedding.lookup(ids, clip_indices=False)
+
+
+def test_an_index_out_of_range_in_one_replica_fails_every_replica_at_once():
+    # Before: only that replica's host callback raised, the other waited in the gradients'
+    # all-reduce, and XLA ended the whole process a minute later.
+    configure(2)
+    table = _table()
+    embedding = embedding_ops.HostEmbedding(
+        "one_replica", table.copy(),
+        optimizer_spec=embedding_ops.HostEmbeddingOptimizerSpec(0.05))
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        inputs = keras.Input((2,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.Dense(1)(
+            keras.layers.Flatten()(_UnclippedLookup(embedding)(inputs))))
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    ids = np.zeros((8, 2), np.int32)
+    ids[5, 0] = TOKENS + 2  # the second replica's sample of the third step
+    with embedding.register():
+        # One replica's own message, or the other's: "another replica looked up indices".
+        with pytest.raises(Exception, match=rf"indices (\[{TOKENS + 2}\] )?outside "
+                                            rf"\[0, {TOKENS - 1}\]"):
+            model.fit(ids, np.ones((8, 1), np.float32), batch_size=1, shuffle=False,
+                      verbose=0)
+    # The process goes on (the model's state, with the embedding's handle, is lost, as
+    # documented for a failed execution): another embedding's registration and lookups run.
+    other = embedding_ops.HostEmbedding("after_the_failure", table.copy())
+    with other.register():
+        rows = jax.jit(other.lookup)(ids[:2])
+    np.testing.assert_array_equal(rows, table[ids[:2]])
+
+
 def test_lookups_outside_register_and_bad_arguments_say_what_is_valid():
     embedding = embedding_ops.HostEmbedding("outside", _table())
     with pytest.raises(Exception, match=r"'outside' is not registered: look it up inside "

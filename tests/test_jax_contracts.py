@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from keras_ipu.device import lowering
 
@@ -156,3 +157,31 @@ def test_jaxs_transformations_name_the_function_they_wrap():
     for transformed in (jax.grad(loss), jax.value_and_grad(loss), jax.vmap(loss),
                         jax.jit(loss)):
         assert transformed.__wrapped__ is loss
+
+
+def test_a_failed_callback_stays_in_the_runtime_tokens_until_they_are_cleared():
+    # ops/host_embedding.py: leaving `register()` waits with `jax.effects_barrier()`; the
+    # error of a program whose host callback failed on several devices stays in
+    # `dispatch.runtime_tokens` (every later barrier raised it) until `clear()`.
+    from jax._src import dispatch
+    from jax.experimental import io_callback
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    def host(x):
+        if x.sum() > 100:
+            raise ValueError("a failing callback")
+        return x
+
+    def fetch(x):
+        return io_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=False)
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("replica",))
+    program = jax.jit(jax.shard_map(fetch, mesh=mesh, in_specs=P("replica"),
+                                    out_specs=P("replica")))
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        jax.block_until_ready(program(jnp.array([1.0, 1000.0])))
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        jax.effects_barrier()
+    dispatch.runtime_tokens.clear()
+    jax.effects_barrier()

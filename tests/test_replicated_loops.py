@@ -139,6 +139,31 @@ def test_the_replicas_are_learnt_per_program_not_per_function():
     assert got == [[4, 4], [4, 4], [4, 4]]  # 1 shard: 2 replicas; 2 shards: 1 replica
 
 
+def test_a_replicated_loop_that_fails_while_it_runs_raises_and_takes_nothing():
+    # Before: the replicated run returned before it ran, so its failure surfaced at a later
+    # unrelated call, and its infeed elements were gone.
+    configure(2)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(i) for i in range(8)])
+    failing = [True]
+
+    def host(value):
+        if failing[0] and value >= 1:
+            raise RuntimeError(f"failed at element {value}")
+
+    def body(total, element):
+        jax.debug.callback(host, element)
+        return total + element
+
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope(), pytest.raises(Exception, match="failed at element"):
+        strategy.run(lambda: ipu.loops.repeat(3, body, [jnp.float32(0)], infeed))
+    assert len(infeed.peek(10)) == 8  # nothing taken
+    failing[0] = False
+    with strategy.scope():
+        total = strategy.run(lambda: ipu.loops.repeat(1, body, [jnp.float32(0)], infeed))
+    assert float(total) == 0.0  # replica 0 read element 0
+
+
 def _collectives_run():
     """Index, sum, gather, all-to-all and reduce-scatter of 4 replicas, outfed per iteration."""
     infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(

@@ -510,9 +510,11 @@ class _Program:
                                                                      arrays, feed_data)
                     if not attachment.runs_programs():  # nothing ran: nothing was taken
                         _put_back(self.plan, taken)
-                    if streams:
-                        # Its while loops take infeed elements on the host as they run:
-                        # the queue, and a loop's failure, are the call's when it returns.
+                    if streams or any(len(elements) for elements in taken):
+                        # It took infeed elements (its while loops, as they run): whether
+                        # it ran, and so whether they are gone, is known when it returns,
+                        # as a session's run (a replicated run is dispatched before it
+                        # runs, and a failure there would lose them).
                         jax.block_until_ready((result, outfed))
                 self._raise_trapped(error, streamed)  # the elements it took go back
             except _MadeInTrace:

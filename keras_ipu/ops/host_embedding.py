@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
+from jax._src import dispatch as jax_dispatch
 from jax.experimental import io_callback
 
 from keras_ipu.device import collectives
@@ -59,6 +60,9 @@ OPTIMIZERS = ("SGD", "SGD+GA")
 
 # Host callbacks of several replicas (device threads) reach the host ends at once.
 _LOCK = threading.Lock()
+# The index a replica looks up when another replica's indices are out of range: its host
+# end then raises too (see `_failing_together`).
+_ELSEWHERE = int(np.iinfo(np.int32).min)
 
 
 def _registry() -> dict:
@@ -80,8 +84,10 @@ class _HostEnd:
         tokens = self.table.shape[0]
         outside = indices[(indices < 0) | (indices >= tokens)]
         if outside.size:
-            raise IndexError(f"Host embedding lookup of indices {outside[:8].tolist()} outside "
-                             f"[0, {tokens - 1}]; look up with clip_indices=True to clip them.")
+            where = ("another replica looked up indices" if (outside == _ELSEWHERE).all()
+                     else f"lookup of indices {outside[:8].tolist()}")
+            raise IndexError(f"Host embedding {where} outside [0, {tokens - 1}]; look up "
+                             f"with clip_indices=True to clip them.")
         return self.table[indices]
 
     def update(self, replica: int, indices: np.ndarray, gradients: np.ndarray) -> None:
@@ -149,6 +155,17 @@ def _trainable_fetch(name: str, table: np.ndarray, indices: jax.Array,
 
     lookup.defvjp(forward, backward)
     return lookup(handle, indices)
+
+
+def _failing_together(indices: jax.Array, tokens: int) -> jax.Array:
+    """Traced, replicated: every replica's lookup fails when one replica's indices are out
+    of range. A replica whose host callback raised alone would leave the others waiting in
+    the program's next collective until XLA stopped the whole process."""
+    if collectives.replica_count() == 1:
+        return indices
+    outside = jnp.any((indices < 0) | (indices >= tokens))
+    anywhere = collectives.cross_replica_sum(outside.astype(jnp.int32)) > 0
+    return jnp.where(anywhere & ~outside, jnp.full_like(indices, _ELSEWHERE), indices)
 
 
 def check_loss_unscaled(model: Any) -> None:
@@ -311,7 +328,13 @@ class HostEmbeddingOptimizerSpec:
         Returns:
             The host table.
         """
-        jax.effects_barrier()
+        try:
+            jax.effects_barrier()
+        except jax.errors.JaxRuntimeError:
+            # A program that failed while it ran (a lookup out of range) raised its error
+            # to its caller; its devices' runtime tokens keep the error, and every later
+            # barrier of the process would raise it again.
+            jax_dispatch.runtime_tokens.clear()
         with _LOCK:
             _registry().pop(name, None)
         return embedding_tensor
@@ -452,7 +475,9 @@ class HostEmbedding:
         Args:
             indices: Integer indices, any shape.
             clip_indices: Clip them to `[0, tokens - 1]`. When `False`, an
-                index out of range makes the host raise `IndexError`.
+                index out of range makes the host raise `IndexError` (in every
+                replica of a replicated program, where one replica's
+                failure alone would leave the others waiting).
 
         Returns:
             `[*indices.shape, width]`, of the table's type.
@@ -467,11 +492,13 @@ class HostEmbedding:
         indices = jnp.asarray(indices)
         if not jnp.issubdtype(indices.dtype, jnp.integer):
             raise ValueError(f"Host embedding indices must be integers, got {indices.dtype}.")
+        flat = indices.reshape(-1).astype(jnp.int32)
         if clip_indices:
-            indices = jnp.clip(indices, 0, self._table.shape[0] - 1)
+            flat = jnp.clip(flat, 0, self._table.shape[0] - 1)
+        else:
+            flat = _failing_together(flat, self._table.shape[0])
         rows = self._optimizer_spec.create_lookup_instruction(
-            self._table, indices.reshape(-1).astype(jnp.int32), self._slot_vars,
-            self._partition_strategy, self._name)
+            self._table, flat, self._slot_vars, self._partition_strategy, self._name)
         return rows.reshape(*indices.shape, self._table.shape[1])
 
 
