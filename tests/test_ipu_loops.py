@@ -673,6 +673,92 @@ def test_a_helper_given_as_a_default_argument_is_walked():
     assert got == [[2.0, 2.0], [5.0, 5.0]]
 
 
+_SHIFT = 0.0
+
+
+class _Base:
+    def scaled(self, v):
+        return v * _FACTOR
+
+
+class _Shared(_Base):
+    def scaled(self, v):  # an override reaching its base's through super()
+        return super().scaled(v) + 0.0
+
+    def shifted(self, v):
+        return v + _SHIFT
+
+
+def _logged(method):
+    @functools.wraps(method)
+    def wrapper(self, v):
+        return method(self, v)
+    return wrapper
+
+
+class _Decorated:
+    @_logged
+    def step(self, v):
+        return self.helper(v)
+
+    def helper(self, v):
+        return v * _FACTOR
+
+
+_SHARED, _DECORATED = _Shared(), _Decorated()
+
+
+def _shifted_after(v):
+    return _SHARED.shifted(v)
+
+
+def _two_methods_of_one_object(v):  # each function names another method of `_SHARED`
+    return _shifted_after(_SHARED.scaled(v))
+
+
+def _through_a_partial(v):
+    return _PARTIAL_HELPER(v)
+
+
+_PARTIAL_HELPER = functools.partial(_chain_1)  # `_FACTOR` is read eight calls below
+
+
+def test_methods_reached_by_super_decorators_shared_objects_partials_and_modules_count(
+        tmp_path, monkeypatch):
+    # Each was stale (the kept program of the first values ran again).
+    global _FACTOR, _SHIFT
+    (tmp_path / "_user_helpers.py").write_text(
+        "SCALE = 2.0\n\ndef scaled(v):\n    return v * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import _user_helpers
+
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    ones = np.ones(2, np.float32)
+
+    def run(fn):
+        with strategy.scope():
+            return strategy.run(fn, args=(ones,)).tolist()
+
+    try:
+        for step in (_two_methods_of_one_object, lambda v: _DECORATED.step(v),
+                     _through_a_partial):
+            _FACTOR, _SHIFT = 2.0, 0.0
+            first = run(step)
+            _FACTOR = 3.0
+            second = run(step)
+            _SHIFT = 10.0
+            third = run(step)
+            expected = [[2.0] * 2, [3.0] * 2,
+                        [13.0] * 2 if step is _two_methods_of_one_object else [3.0] * 2]
+            assert [first, second, third] == expected, step
+        module_step = lambda v: _user_helpers.scaled(v)  # noqa: E731
+        first = run(module_step)
+        _user_helpers.SCALE = 5.0
+        assert (first, run(module_step)) == ([2.0] * 2, [5.0] * 2)
+    finally:
+        _FACTOR, _SHIFT = 2.0, 0.0
+
+
 class _AttributeDict(dict):
     def __getattr__(self, name):
         return self[name]  # a KeyError, not an AttributeError, for a missing name

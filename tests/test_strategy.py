@@ -457,6 +457,26 @@ def test_model_losses_of_a_layer_first_built_inside_the_computation(initializer,
     np.testing.assert_allclose(float(output), float(keras.ops.sum(model(x))), rtol=1e-5)
 
 
+def test_replicas_compute_with_the_one_draw_a_variable_built_inside_takes():
+    # Before: with a SeedGenerator initializer each replica drew from its own stream, and
+    # only replica 0's draw became the weight: the replicas' gradients were of other weights.
+    configure(2)
+    x, _ = data_for("sequential", samples=4)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(3, kernel_initializer=(
+            keras.initializers.RandomNormal(seed=keras.random.SeedGenerator(3))))])
+
+        def step(x):
+            out = keras.ops.sum(model(x))  # every replica has the same x
+            mean = ipu.ops.cross_replica_ops.cross_replica_sum(out) / 2
+            return out, mean
+
+        out, mean = strategy.run(step, args=(x,))
+    np.testing.assert_allclose(float(mean), float(out), rtol=1e-6)
+    np.testing.assert_allclose(float(out), float(keras.ops.sum(model(x))), rtol=1e-5)
+
+
 def _compiled_on_ipu0(fn, x):
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [result] = ipu.ipu_compiler.compile(fn, [x])

@@ -32,6 +32,8 @@ _QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
 # The methods a library calls on an object of the user's it is given: `obj(...)` runs
 # `__call__`, and a layer's (library) `__call__` runs its `call`.
 _ENTRY_METHODS = frozenset({"__call__", "call"})
+# What reads the same whoever reads it: visited once (an object or module by the names read).
+_NAMELESS = (types.FunctionType, types.MethodType, functools.partial)
 # The most functions one key walks (a large helper library of the user's would cost
 # milliseconds at every call): those further away are not compared.
 _FUNCTIONS_WALKED = 64
@@ -65,16 +67,19 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
     >>> list(referenced_values(lambda x: x * scale))
     [2.0]
     """
-    seen: set = set()
+    # What was visited, with the depth left then: met again with more depth left (a
+    # shorter path) or, for an object, with other names, it is visited again.
+    seen: dict = {}
     walked = [0]  # functions walked: the key is made at every call
 
     def visit(value: Any, depth: int, names: frozenset = frozenset(),
               owner: Any = None) -> Iterator[Any]:
         # `names`: the names the code that read `value` uses, among them the methods it
         # calls on it; `owner`: the object whose method `value` is.
-        if depth < 0 or id(value) in seen or walked[0] >= _FUNCTIONS_WALKED:
+        mark = (id(value), None if isinstance(value, _NAMELESS) else names)
+        if depth < 0 or seen.get(mark, -1) >= depth or walked[0] >= _FUNCTIONS_WALKED:
             return
-        seen.add(id(value))
+        seen[mark] = depth
         try:  # an object's `__getattr__` may raise anything for these names
             wrapped = getattr(value, "__wrapped__", None)  # a wrapper's (jit, grad) function
             bound_to = getattr(value, "__self__", None)
@@ -83,10 +88,16 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
             return
         if isinstance(value, functools.partial):  # its bound arguments, then its function
             yield from read((*value.args, *value.keywords.values()), depth, names)
-            yield from visit(value.func, depth - 1, names)
+            yield from visit(value.func, depth, names, owner)
             return
-        if wrapped is not None:  # the same call, one wrapper further
-            yield from visit(wrapped, depth, names)
+        if wrapped is not None:  # the same call, one wrapper further (a method's too)
+            yield from visit(wrapped, depth, names, owner if bound_to is None else bound_to)
+        if isinstance(value, types.ModuleType):  # the functions and values of the user's
+            # own module that the code names (`helpers.scale(x)`)
+            if _users_module(value.__name__):
+                members = vars(value)
+                yield from read([members[n] for n in names if n in members], depth, names)
+            return
         if not isinstance(inner, types.FunctionType):  # an object or a class
             yield from methods(value, names | _ENTRY_METHODS, depth)
             return
@@ -115,7 +126,7 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
         # another), and what it reads.
         for method in _named_methods(owner, names):
             yield method
-            yield from visit(method, depth - 1, owner=owner)
+            yield from visit(method, depth - 1, frozenset(), owner)
 
     def read(values: Any, depth: int, names: frozenset) -> Iterator[Any]:
         for value in values:
@@ -221,14 +232,15 @@ def _named_methods(value: Any, names: frozenset) -> list:
     mro = (value if isinstance(value, type) else type(value)).__mro__
     methods = []
     for name in names:
-        klass = next((klass for klass in mro if name in vars(klass)), None)
-        if klass is None or not _users_module(klass.__module__):
-            continue
-        attribute = vars(klass)[name]
-        parts = ((attribute.fget, attribute.fset, attribute.fdel)
-                 if isinstance(attribute, property)
-                 else (getattr(attribute, "__func__", attribute),))  # static, class methods
-        methods.extend(part for part in parts if isinstance(part, types.FunctionType))
+        # Every definition along the classes, an override's `super().name()` reaches them.
+        for klass in mro:
+            attribute = vars(klass).get(name)
+            if attribute is None or not _users_module(klass.__module__):
+                continue
+            parts = ((attribute.fget, attribute.fset, attribute.fdel)
+                     if isinstance(attribute, property)
+                     else (getattr(attribute, "__func__", attribute),))  # static, class methods
+            methods.extend(part for part in parts if isinstance(part, types.FunctionType))
     return methods
 
 

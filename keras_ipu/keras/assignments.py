@@ -132,7 +132,13 @@ class _Recording(stateless_scope.StatelessScope):
         once. Every read inside gets that draw (its layer's call, `model.losses`; an
         initializer drawing from a `SeedGenerator` draws anew at each call), and the
         variable takes it once the computation has run, as an assignment."""
-        value = variable._initializer(variable._shape, dtype=variable._dtype)
+        # Drawn from the seed generators' own streams, not this replica's: every replica
+        # computes with the one value the variable takes (replica 0's).
+        mask, self.seed_mask = self.seed_mask, None
+        try:
+            value = variable._initializer(variable._shape, dtype=variable._dtype)
+        finally:
+            self.seed_mask = mask
         if loop_state.carried_here(self.trace, value):  # not an inner transformation's
             self.assigned.setdefault(id(variable), variable)
             self.known.setdefault(id(variable), variable)
