@@ -5,6 +5,7 @@ The seed's programs (18.4-18.8) with `jax.numpy` for TensorFlow's graph code.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import functools
@@ -757,6 +758,41 @@ def test_methods_reached_by_super_decorators_shared_objects_partials_and_modules
         assert (first, run(module_step)) == ([2.0] * 2, [5.0] * 2)
     finally:
         _FACTOR, _SHIFT = 2.0, 0.0
+
+
+class _Trainer:
+    def __init__(self):
+        self.loss = lambda v: v * 2.0
+
+    def step(self, v):
+        return self.loss(v)
+
+
+loss = 0.0  # a global named as `_Trainer`'s attribute
+_ARGS = argparse.Namespace(scale=2.0)
+
+
+def test_an_attribute_named_as_a_global_is_not_it_and_a_namespace_bound_again_counts():
+    # Before: the global `loss`, changed by the user's loop, recompiled every call; and an
+    # argparse configuration parsed again kept the old program.
+    global loss, _ARGS
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    trainer, traced = _Trainer(), []
+    ones = np.ones(2, np.float32)
+
+    def step(v):
+        traced.append(1)
+        return trainer.step(v) * _ARGS.scale
+
+    got = []
+    with strategy.scope():
+        for i in range(3):
+            loss = float(i)
+            got.append(strategy.run(step, args=(ones,)).tolist())
+        _ARGS = argparse.Namespace(scale=5.0)
+        got.append(strategy.run(step, args=(ones,)).tolist())
+    _ARGS, loss = argparse.Namespace(scale=2.0), 0.0
+    assert got == [[4.0, 4.0]] * 3 + [[10.0, 10.0]] and len(traced) == 2
 
 
 class _AttributeDict(dict):

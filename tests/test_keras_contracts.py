@@ -848,3 +848,21 @@ def test_a_layers_added_losses_are_cleared_at_each_of_the_models_own_calls_of_it
     for model, counted in ((top, 2.0), (nested, 1.0 + 2.0)):
         _, _, losses = model.stateless_call([], [], x, return_losses=True)
         assert float(sum(losses)) == counted
+
+
+def test_a_variable_made_in_a_stateless_scope_waits_and_takes_a_value_by_initialize():
+    # keras_ipu.keras.assignments: a variable made inside a computation (a layer first
+    # built there) has no `_value`, waits in `uninitialized_variables`, draws with
+    # `_initializer(_shape, dtype=_dtype)`; `_initialize(value)` gives it the program's draw.
+    from keras.src.backend.common import global_state
+
+    pending = list(global_state.get_global_attribute("uninitialized_variables") or [])
+    with keras.StatelessScope(initialize_variables=False):
+        variable = keras.Variable(initializer="ones", shape=(2,), dtype="float32", name="v")
+    waiting = global_state.get_global_attribute("uninitialized_variables")
+    assert variable._value is None and waiting[len(pending):] == [variable]
+    drawn = variable._initializer(variable._shape, dtype=variable._dtype)
+    np.testing.assert_array_equal(drawn, [1.0, 1.0])
+    global_state.set_global_attribute("uninitialized_variables", pending)
+    variable._initialize(np.array([3.0, 4.0], np.float32))
+    np.testing.assert_array_equal(variable.numpy(), [3.0, 4.0])

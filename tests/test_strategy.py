@@ -477,6 +477,29 @@ def test_replicas_compute_with_the_one_draw_a_variable_built_inside_takes():
     np.testing.assert_allclose(float(out), float(keras.ops.sum(model(x))), rtol=1e-5)
 
 
+@pytest.mark.parametrize("ipus", [1, 2])
+def test_a_host_initializer_of_a_layer_built_inside_draws_once(ipus):
+    # Before: once per trace (the replicas' abstract trace too) and once more when the
+    # variable was initialized: NumPy's global stream moved on, the weights differed.
+    configure(ipus)
+    x, _ = data_for("sequential", samples=4)
+
+    def initializer(shape, dtype=None):
+        return np.random.normal(size=shape).astype("float32")
+
+    np.random.seed(5)
+    expected_kernel = np.random.normal(size=(6, 3)).astype("float32")
+    expected_next = np.random.normal()
+    np.random.seed(5)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(3, kernel_initializer=initializer)])
+        out = strategy.run(lambda x: keras.ops.sum(model(x)), args=(x,))
+    assert np.random.normal() == expected_next
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), expected_kernel)
+    np.testing.assert_allclose(float(out), float(keras.ops.sum(model(x))), rtol=1e-5)
+
+
 def _compiled_on_ipu0(fn, x):
     with ipu.scopes.ipu_scope("/device:IPU:0"):
         [result] = ipu.ipu_compiler.compile(fn, [x])

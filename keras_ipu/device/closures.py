@@ -9,6 +9,8 @@ its own classes whose objects it reads).
 
 from __future__ import annotations
 
+import argparse
+import dis
 import enum
 import functools
 import os
@@ -27,6 +29,9 @@ from keras_ipu.device import queues
 # Host values a traced function may read and fix in its program: a kept program is run
 # again only while those it reads from its closure and globals are unchanged.
 _HOST_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic, enum.Enum)
+# Configuration objects: one bound again (a notebook cell parsing its arguments again) is
+# another program's; their attributes, as any object's, stay those of the trace.
+_NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
 # The queues a traced function may read: its program takes from and fills those of its trace.
 _QUEUES = (queues.IPUInfeedQueue, queues.IPUOutfeedQueue)
 # The methods a library calls on an object of the user's it is given: `obj(...)` runs
@@ -114,9 +119,9 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
             except ValueError:  # a cell not filled yet
                 continue
         found = inner.__globals__
-        code_names = _global_names(inner.__code__)
+        global_names, code_names = _names(inner.__code__)
         defaults = (*(inner.__defaults__ or ()), *(inner.__kwdefaults__ or {}).values())
-        yield from read([*cells, *defaults, *(found[n] for n in code_names if n in found)],
+        yield from read([*cells, *defaults, *(found[n] for n in global_names if n in found)],
                         depth, code_names)
         if owner is not None:  # the methods it calls on its own object (`self.helper()`)
             yield from methods(owner, code_names, depth)
@@ -162,8 +167,8 @@ def host_values(fn: Callable, depth: int = 8) -> tuple:
     ((<class 'float'>, '0x1.0000000000000p+1'),)
     """
     return tuple(host_key(value) for value in referenced_values(fn, depth)
-                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES)) or _is_host_0d(value)
-                 or callable(value) or _is_users_object(value))
+                 if isinstance(value, (*_HOST_SCALARS, *_QUEUES, *_NAMESPACES))
+                 or _is_host_0d(value) or callable(value) or _is_users_object(value))
 
 
 def host_key(value: Any) -> Any:
@@ -258,8 +263,14 @@ def _users_module(name: str) -> bool:
     path = getattr(sys.modules.get(name), "__file__", None)
     if path is None or name.partition(".")[0] in _LIBRARIES:
         return False
+    return not _installed(path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _installed(path: str) -> bool:
+    """Whether a source file is the interpreter's library's or an installed package's."""
     path = os.path.realpath(path)
-    return not any(path.startswith(prefix + os.sep) for prefix in _INSTALLED)
+    return any(path.startswith(prefix + os.sep) for prefix in _INSTALLED)
 
 
 # Where the interpreter's own library and installed packages live: their classes' methods
@@ -271,7 +282,10 @@ _INSTALLED = tuple(sorted({os.path.realpath(path) for path in (
 
 
 def _of_library(function: Any) -> bool:
-    return (getattr(function, "__module__", None) or "").partition(".")[0] in _LIBRARIES
+    # By its code's file too: a wrapper (`jax.checkpoint`'s) takes the user's `__module__`.
+    if (getattr(function, "__module__", None) or "").partition(".")[0] in _LIBRARIES:
+        return True
+    return _installed(function.__code__.co_filename)
 
 
 def _is_host_0d(value: Any) -> bool:
@@ -280,13 +294,25 @@ def _is_host_0d(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _global_names(code: Any) -> frozenset:
-    """The global names a code object and the functions defined in it use."""
-    names = set(code.co_names)
+def _names(code: Any) -> tuple[frozenset, frozenset]:
+    """`(globals, names)` of a code object and the functions defined in it: the global names
+    it loads, and every name it uses (attributes too: the methods and module members it
+    may call). An attribute named as a global (`self.loss` beside a global `loss`) is not
+    that global."""
+    loaded, names = set(), set(code.co_names)
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in _GLOBAL_LOADS:
+            loaded.add(instruction.argval)
     for constant in code.co_consts:
         if hasattr(constant, "co_names"):
-            names |= _global_names(constant)
-    return frozenset(names)
+            inner_loaded, inner_names = _names(constant)
+            loaded |= inner_loaded
+            names |= inner_names
+    return frozenset(loaded), frozenset(names)
+
+
+# The instructions that read a global (module-level code, a notebook cell's, loads names).
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
 __all__ = ["host_key", "host_values", "referenced_values"]

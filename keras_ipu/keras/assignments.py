@@ -134,11 +134,17 @@ class _Recording(stateless_scope.StatelessScope):
         variable takes it once the computation has run, as an assignment."""
         # Drawn from the seed generators' own streams, not this replica's: every replica
         # computes with the one value the variable takes (replica 0's).
-        mask, self.seed_mask = self.seed_mask, None
-        try:
-            value = variable._initializer(variable._shape, dtype=variable._dtype)
-        finally:
-            self.seed_mask = mask
+        # A host draw (an initializer of NumPy's random numbers) is kept on the variable:
+        # the computation's other traces (its replicas' abstract trace) read it again.
+        value = vars(variable).get(_INITIAL_DRAW)
+        if value is None:
+            mask, self.seed_mask = self.seed_mask, None
+            try:
+                value = variable._initializer(variable._shape, dtype=variable._dtype)
+            finally:
+                self.seed_mask = mask
+            if not isinstance(value, jax.core.Tracer):
+                setattr(variable, _INITIAL_DRAW, value)
         if loop_state.carried_here(self.trace, value):  # not an inner transformation's
             self.assigned.setdefault(id(variable), variable)
             self.known.setdefault(id(variable), variable)
@@ -185,6 +191,10 @@ class _Recording(stateless_scope.StatelessScope):
             self.assigned.setdefault(key, self.known[key])
             self.state_mapping[key] = value
 
+
+# Where a variable made inside a computation keeps its initializer's host draw until the
+# computation has run and given it that value.
+_INITIAL_DRAW = "_keras_ipu_initial_draw"
 
 _INNER_ASSIGNMENT = (
     "The Keras variable {path!r} was assigned a value made by a JAX transformation within the "
@@ -284,6 +294,17 @@ def _assign(assigned: Sequence[keras.Variable], values: Sequence[Any]) -> None:
         # Variables made inside (an optimizer's slots, in a training step) wait for their
         # values; initialized now, eagerly, they take the computation's below. Left
         # waiting, the next stateless scope to close (any fit) would initialize them again.
+        # Those the computation read take its values, not another call of their
+        # initializer (an `np.random` one would move the global stream).
+        made = {id(variable): value for variable, value in zip(assigned, values, strict=True)
+                if variable._value is None}
+        waiting = global_state.get_global_attribute("uninitialized_variables") or []
+        global_state.set_global_attribute(
+            "uninitialized_variables", [v for v in waiting if id(v) not in made])
+        for variable in assigned:
+            if id(variable) in made:
+                variable._initialize(made[id(variable)])
+                vars(variable).pop(_INITIAL_DRAW, None)
         variables.initialize_all_variables()
     for variable, value in zip(assigned, values, strict=True):
         variable.assign(value)
