@@ -95,8 +95,10 @@ def referenced_values(fn: Callable, depth: int = 8) -> Iterator[Any]:
             yield from read((*value.args, *value.keywords.values()), depth, names)
             yield from visit(value.func, depth, names, owner)
             return
-        if wrapped is not None:  # the same call, one wrapper further (a method's too)
-            yield from visit(wrapped, depth, names, owner if bound_to is None else bound_to)
+        if wrapped is not None:  # the same call, one wrapper further (a method's too); an
+            # object that makes a new one for any name (a Mock) costs depth, to end
+            further = depth if isinstance(wrapped, _NAMELESS) else depth - 1
+            yield from visit(wrapped, further, names, owner if bound_to is None else bound_to)
         if isinstance(value, types.ModuleType):  # the functions and values of the user's
             # own module that the code names (`helpers.scale(x)`)
             if _users_module(value.__name__):
