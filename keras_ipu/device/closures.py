@@ -175,9 +175,9 @@ def host_values(fn: Callable, depth: int = 8) -> tuple:
 
 def host_key(value: Any) -> Any:
     """A host value as a kept program's key tells it apart: numbers by their exact value
-    (`-0.0` is not `0.0`; a NaN equals itself), 0-d arrays by dtype and bytes, objects
-    compared by identity (functions, classes, layers) by identity, held weakly, and others
-    by value (equal dataclasses, the same bound method).
+    (`-0.0` is not `0.0`; a NaN equals itself), 0-d arrays by dtype and bytes, objects of
+    default equality (functions, classes, layers) by identity, held weakly, and others by
+    value (equal dataclasses, the same bound method).
 
     Args:
         value: A value the traced function reads, or a fixed argument.

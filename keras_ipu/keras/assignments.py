@@ -132,12 +132,12 @@ class _Recording(stateless_scope.StatelessScope):
         once. Every read inside gets that draw (its layer's call, `model.losses`; an
         initializer drawing from a `SeedGenerator` draws anew at each call), and the
         variable takes it once the computation has run, as an assignment."""
-        # Drawn from the seed generators' own streams, not this replica's: every replica
-        # computes with the one value the variable takes (replica 0's).
         # A host draw (an initializer of NumPy's random numbers) is kept on the variable:
         # the computation's other traces (its replicas' abstract trace) read it again.
         value = vars(variable).get(_INITIAL_DRAW)
         if value is None:
+            # Drawn from the seed generators' own streams, not this replica's: every
+            # replica computes with the one value the variable takes (replica 0's).
             mask, self.seed_mask = self.seed_mask, None
             try:
                 value = variable._initializer(variable._shape, dtype=variable._dtype)
@@ -296,15 +296,15 @@ def _assign(assigned: Sequence[keras.Variable], values: Sequence[Any]) -> None:
         # waiting, the next stateless scope to close (any fit) would initialize them again.
         # Those the computation read take its values, not another call of their
         # initializer (an `np.random` one would move the global stream).
-        made = {id(variable): value for variable, value in zip(assigned, values, strict=True)
-                if variable._value is None}
+        made = [(variable, value) for variable, value in zip(assigned, values, strict=True)
+                if variable._value is None]
+        taken = {id(variable) for variable, _ in made}
         waiting = global_state.get_global_attribute("uninitialized_variables") or []
         global_state.set_global_attribute(
-            "uninitialized_variables", [v for v in waiting if id(v) not in made])
-        for variable in assigned:
-            if id(variable) in made:
-                variable._initialize(made[id(variable)])
-                vars(variable).pop(_INITIAL_DRAW, None)
+            "uninitialized_variables", [v for v in waiting if id(v) not in taken])
+        for variable, value in made:
+            variable._initialize(value)
+            vars(variable).pop(_INITIAL_DRAW, None)
         variables.initialize_all_variables()
     for variable, value in zip(assigned, values, strict=True):
         variable.assign(value)
