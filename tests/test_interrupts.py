@@ -370,7 +370,9 @@ def test_a_ctrl_c_stops_the_reading_of_a_slow_data_source_at_its_batch():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=SPE)
     source = batches()
-    timer = threading.Timer(0.5, release.set)
+    # The slow read ends after 3 s: time for the main thread to take the Ctrl-C, also on a
+    # loaded machine (with 0.5 s a busy CI run once let the reader go on first).
+    timer = threading.Timer(3.0, release.set)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
