@@ -8,15 +8,17 @@ at it before the results are kept, so the state stays that of the last
 execution that completed.
 
 - `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
-  NaN carried in from its operands, the data's say);
+  NaN carried in from its operands, the data's say, through a ReLU's max);
 - `div0`: a floating point division of a finite, non-zero number by zero
-  (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included;
+  (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included,
+  and a function's pole (log(0), log1p(-1), atanh(1), lgamma(0));
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
-  float32, say; a division by zero is `div0`'s).
+  float32, or 1e5 cast to float16, say; a division by zero is `div0`'s).
 
-checkify checks NaNs, not overflows, and its division check flags 0/0 too:
-importing this module adds an overflow rule and an IEEE division-by-zero rule
-to checkify's (process-wide) rule table. They check only when a checkified
+checkify checks NaNs only where an operation can make one, not overflows, and
+its division check flags 0/0 too: importing this module adds a NaN rule to the
+operations that pass a NaN on, an overflow rule and an IEEE division-by-zero
+rule to checkify's (process-wide) rule table. They check only when a checkified
 function asks for this module's errors, so other uses of checkify are
 unchanged.
 
@@ -45,6 +47,7 @@ from jax import lax
 # checkify's rule table and error plumbing: it checks NaNs and divisions but
 # not overflows, whose rule this module adds (contract-tested in
 # tests/test_floating_point.py).
+from jax._src import ad_util
 from jax._src import checkify as checkify_rules
 from jax.experimental import checkify
 
@@ -87,17 +90,37 @@ class _DivisionByZeroError(_IPUException):
     """
 
     def __str__(self) -> str:
-        return "division by zero."
+        return f"division by zero in primitive: {self.prim}."
 
 
 _OPTION_ERRORS = {"inv": checkify.nan_checks, "div0": frozenset({_DivisionByZeroError}),
                   "oflo": frozenset({_OverflowError})}
 
-# The operations that can overflow finite operands.
+# The operations that can overflow finite operands. A narrowing cast among
+# them: JAX adds 16-bit values up in float32 (a sum, a mean, a pooling window)
+# and the infinity appears where it casts the result back. `add_any` adds a
+# value's gradients where it fans out.
 _OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
                 lax.conv_general_dilated_p, lax.exp_p, lax.exp2_p, lax.expm1_p, lax.pow_p,
                 lax.integer_pow_p, lax.cosh_p, lax.sinh_p, lax.reduce_sum_p, lax.reduce_prod_p,
-                lax.cumsum_p, lax.cumprod_p, lax.square_p)
+                lax.cumsum_p, lax.cumprod_p, lax.square_p, lax.convert_element_type_p,
+                lax.reduce_precision_p, lax.reduce_window_sum_p, lax.scatter_add_p,
+                lax.scatter_mul_p, lax.select_and_scatter_add_p, lax.psum_p, lax.lgamma_p,
+                lax.reduce_window_p, lax.reduce_p, ad_util.add_jaxvals_p)
+
+# The operations that pass a NaN of their operands on and that checkify's own
+# NaN check (`checkify.nan_checks`, which covers those that can make one) leaves
+# out: with them, a NaN in the data is caught at the first operation whose result
+# holds it, a ReLU's or a max pooling's say. Moving values (a reshape, a slice, a
+# gather) is not an operation on them.
+_CARRYING_NAN = (lax.max_p, lax.min_p, lax.abs_p, lax.neg_p, lax.sign_p, lax.clamp_p,
+                 lax.round_p, lax.floor_p, lax.ceil_p, lax.exp2_p, lax.square_p,
+                 lax.nextafter_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_window_max_p,
+                 lax.reduce_window_min_p, lax.reduce_precision_p, lax.convert_element_type_p,
+                 lax.select_n_p, lax.sort_p, lax.top_k_p, lax.pmax_p, lax.pmin_p,
+                 lax.scatter_add_p, lax.scatter_mul_p, lax.select_and_scatter_add_p,
+                 lax.select_and_gather_add_p, lax.polygamma_p, lax.zeta_p,
+                 ad_util.add_jaxvals_p)
 
 
 
@@ -221,6 +244,8 @@ def _where(exception: Any) -> str:
 
 def _add_rules() -> None:
     """Adds the overflow and division checks to the rules of their operations."""
+    for primitive in _CARRYING_NAN:
+        _extend_rule(primitive, checkify_rules.NaNError, _holds_nan)
     for primitive in _OVERFLOWING:
         _extend_rule(primitive, _OverflowError, _made_infinity)
     for primitive in _DIVIDING:
@@ -263,13 +288,23 @@ def _without(rule: Callable, error_name: str) -> Callable:
     return _checked_rule(_without(inner, error_name), primitive, error_type, raised)
 
 
-# IEEE 754's division by zero: an exact infinity from finite operands, per operation.
+def _at_non_positive_integer(operands: tuple, params: dict) -> jax.Array:
+    return (operands[0] <= 0) & (operands[0] == jnp.floor(operands[0]))
+
+
+# IEEE 754's division by zero: an exact infinity from finite operands, per
+# operation; the poles of functions are its too (log(0), atanh(1): IEEE 754 9.2).
 _DIVIDING = {
     lax.div_p: lambda operands, params: ((operands[1] == 0) & (operands[0] != 0)
                                          & jnp.isfinite(operands[0])),
     lax.integer_pow_p: lambda operands, params: (operands[0] == 0) & (params["y"] < 0),
     lax.pow_p: lambda operands, params: (operands[0] == 0) & (operands[1] < 0),
     lax.rsqrt_p: lambda operands, params: operands[0] == 0,
+    lax.log_p: lambda operands, params: operands[0] == 0,
+    lax.log1p_p: lambda operands, params: operands[0] == -1,
+    lax.atanh_p: lambda operands, params: jnp.abs(operands[0]) == 1,
+    lax.erf_inv_p: lambda operands, params: jnp.abs(operands[0]) == 1,
+    lax.lgamma_p: _at_non_positive_integer,
 }
 
 
@@ -290,6 +325,16 @@ def _made_infinity(primitive, operands: tuple, params: dict, out: Any) -> jax.Ar
     if primitive in _DIVIDING:  # a division by zero is div0's
         finite.append(~jnp.any(_DIVIDING[primitive](operands, params)))
     return infinite & jnp.all(jnp.stack(finite)) if finite else infinite
+
+
+def _holds_nan(primitive, operands: tuple, params: dict, out: Any) -> jax.Array:
+    """Whether a floating point result holds a NaN (a cast to its own dtype is no operation)."""
+    results = [leaf for leaf in jax.tree_util.tree_leaves(out) if _is_float(leaf)]
+    if primitive is lax.convert_element_type_p and operands[0].dtype == out.dtype:
+        results = []
+    if not results:
+        return jnp.bool_(False)
+    return jnp.any(jnp.stack([jnp.isnan(leaf).any() for leaf in results]))
 
 
 def _is_float(x: Any) -> bool:
