@@ -479,6 +479,24 @@ def test_an_ipus_predict_temporaries_do_not_grow_with_the_replicas():
         assert abs(shared - two) <= 64, (replicas, steps, shared, two)
 
 
+def test_a_one_step_replicated_predict_keeps_its_temporaries():
+    # A program of one step hands its replicas' predictions out as they are: the stack
+    # that a loop builds was taken off anyway, and 2 replicas reported 0 bytes, where
+    # one replica holds its hidden activations (64 x 256 float32).
+    def temporaries(replicas):
+        configure(replicas)
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, "relu"),
+                                      keras.layers.Dense(256)])
+        model.compile(steps_per_execution=1)
+        model.predict(np.zeros((replicas * 64, 256), "float32"), batch_size=64, verbose=0)
+        return ipu.utils.execution_report(model, "predict").ipus[0].temporary_bytes
+
+    one = temporaries(1)
+    assert one >= 64 * 256 * 4
+    assert temporaries(2) == one
+
+
 def test_a_replicated_fit_whose_state_is_not_donated_keeps_its_temporaries():
     # With floating-point traps the state is not donated: its new values were taken off
     # the temporaries as if they were the outfeed's copy (2 replicas: less than one).

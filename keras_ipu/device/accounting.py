@@ -196,7 +196,7 @@ def memory_use(compiled: Any, *, state_bytes: int, io_bytes: int,
 
 def without_streamed_outfeed(use: MemoryUse, *, outfeed_bytes: int, steps: int,
                              replicas: int, ipus_per_device: int, platform: str,
-                             batched_copy: bool = True) -> MemoryUse:
+                             batched_copy: bool = True, looped: bool = True) -> MemoryUse:
     """`use` without the copies of its execution's outfeed that XLA:CPU makes for replicas.
 
     A replicated program returns its outfeed stacked with a replica axis;
@@ -217,17 +217,20 @@ def without_streamed_outfeed(use: MemoryUse, *, outfeed_bytes: int, steps: int,
         batched_copy: Whether a device that IPUs share stacks its own IPUs'
             outfeed first (a replicated step's does; a pipeline's program is
             not measured to).
+        looped: Whether the program loops over steps: a program of one step
+            (the `host` loop form's, or `steps_per_execution=1`) hands its
+            replicas' outfeed out as it is, with no stack to take off.
 
     Returns:
         `use`, its temporaries without those copies (unchanged for one
-        replica, or on other platforms).
+        replica, a program of one step, or on other platforms).
 
     Example:
 
     >>> without_streamed_outfeed(use, outfeed_bytes=2**23, steps=64, replicas=2,
     ...                          ipus_per_device=1, platform="cpu").temporary_bytes
     """
-    if replicas < 2 or platform != "cpu":
+    if replicas < 2 or platform != "cpu" or not looped:
         return use
     one = outfeed_bytes // (max(steps, 1) * replicas)  # a step of one replica
     held = outfeed_bytes

@@ -562,7 +562,8 @@ class ExecutionProgram:
         memory = accounting.without_streamed_outfeed(
             memory, outfeed_bytes=accounting.tree_bytes(lowered.out_info[1]),
             steps=compiled_steps, replicas=count, ipus_per_device=sharing,
-            platform=self.device.platform, batched_copy=self._pipeline is None)
+            platform=self.device.platform, batched_copy=self._pipeline is None,
+            looped=_leading(compiled_batches) > 1)
         per_ipu = (memory,) * count
         if self._state_bytes is not None:  # IPUs that hold different state (a pipeline's)
             per_ipu = tuple(accounting.MemoryUse(0, 0, 0) if b is None
