@@ -286,6 +286,19 @@ def test_steps_count_global_batches_and_drop_the_remainder(strategy):
     assert seen == [0]
 
 
+def test_steps_that_the_replicas_round_down_are_named_in_the_remedy(strategy):
+    # Before: "choose `steps_per_epoch` dividing 10" when 5 did: 2 replicas run 4 of them.
+    configure(2)
+    _, on_ipu = pair("sequential", strategy)
+    on_ipu.compile(**compile_args("sequential", 1))
+    x, y = data_for("sequential", samples=40)  # 10 batches of 4
+    with pytest.warns(UserWarning, match=r"`steps_per_epoch` \(5\) is being evenly distributed"):
+        with pytest.raises(ValueError, match=r"choose `steps_per_epoch` a multiple of the 2 "
+                                             r"replicas that divides 10 \(2 or 10; 5 runs 4 "
+                                             r"batches an epoch on 2 replicas\)\.$"):
+            on_ipu.fit(x, y, batch_size=4, steps_per_epoch=5, epochs=3, verbose=0)
+
+
 def test_too_little_data_for_all_replicas(strategy):
     configure(4)
     _, on_ipu = pair("sequential", strategy)

@@ -187,6 +187,17 @@ def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epo
     return plan_steps(None, steps, steps_per_execution, epochs, replicas, role, warn=False)
 
 
+def _dividing(num_batches: int, steps: int, replicas: int) -> str:
+    """The remedy's choice of steps: dividing the data, a multiple of the replicas."""
+    if replicas == 1:
+        return f"dividing {num_batches}"
+    choices = [n for n in range(replicas, num_batches + 1, replicas) if num_batches % n == 0]
+    named = " or ".join(map(str, choices)) or f"none: give a multiple of {replicas} batches"
+    ran = (f"; {steps} runs {steps - steps % replicas} batches an epoch on {replicas} "
+           f"replicas" if steps % replicas else "")
+    return f"a multiple of the {replicas} replicas that divides {num_batches} ({named}{ran})"
+
+
 def plan_steps(
     num_batches: int | None,
     steps: int | None,
@@ -228,8 +239,10 @@ def plan_steps(
             f"least {replicas} items (batches of `{ROLES[role].batch_argument}`)."
         )
     if dropped and warn:
+        # `steps` is the steps argument when epochs continue, else the data's length.
+        counted = f"`{steps_argument}` ({steps})" if continues else f"Dataset of length {steps}"
         warnings.warn(
-            f"Dataset of length {steps} is being evenly distributed between {replicas} "
+            f"{counted} is being evenly distributed between {replicas} "
             f"replicas. The remaining {dropped} batch{'es' if dropped > 1 else ''} "
             f"will be dropped.",
             stacklevel=3,
@@ -248,7 +261,7 @@ def plan_steps(
             f"Your input does not have enough data. Make sure that your dataset "
             f"or generator can generate at least {consumed * epochs} batches "
             f"(currently it can only generate {num_batches} batches), or choose "
-            f"`{steps_argument}` dividing {num_batches}."
+            f"`{steps_argument}` {_dividing(num_batches, steps, replicas)}."
         )
     to_this_replica = " to this replica" if replicas > 1 else ""
     if steps_per_execution > per_replica:
