@@ -66,6 +66,7 @@ def outlined_function(func: Callable | None = None, unique_sharding: bool = Fals
 
     Raises:
         TypeError: When `func` is given and is not callable.
+        ValueError: When the outlined function, called, returns no array.
 
     Example:
 
@@ -86,6 +87,9 @@ def outlined_function(func: Callable | None = None, unique_sharding: bool = Fals
             if traced is None:  # stateful: not reusable, so inlined
                 return function(*args)
             closed, out_tree = traced
+            if not closed.out_avals:  # IPU TensorFlow's outlined functions return tensors
+                raise ValueError(f"The outlined function {label!r} must return at least one "
+                                 f"array, got {out_tree.unflatten([])!r}.")
             flat_args, in_tree = jax.tree_util.tree_flatten(args)
             # The printed jaxpr does not show the Python functions its equations
             # call (a custom_vjp's backward, a host callback): they key it too.

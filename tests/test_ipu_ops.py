@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -60,6 +62,11 @@ def test_serialized_matmul_equals_matmul(dimension, transposed):
         math_ops.serialized_matmul(a, b, 5, dimension)
     with pytest.raises(ValueError, match="valid: a_columns"):
         math_ops.serialized_matmul(a, b, 2, "rows")
+    # Before: JAX's error naming a part's shape, which the user never passed.
+    for bad in (b[:, :6], np.concatenate([b, b, b])):
+        with pytest.raises(ValueError, match=r"a \[\.\.\., m, k\] by b \[\.\.\., k, n\] .* got "
+                                             + re.escape(f"a (2, 6, 8) and b {bad.shape}")):
+            math_ops.serialized_matmul(a, bad, 2, dimension)
     # Before: IndexError for a vector.
     with pytest.raises(ValueError, match=r"rank 2 or more \(matrices\), got shapes \(8,\)"):
         math_ops.serialized_matmul(a[0, 0], b[0], 2, dimension)
@@ -73,6 +80,9 @@ def test_embedding_lookup_equals_take(factor):
         embedding_ops.embedding_lookup(table, ids, serialization_factor=factor), table[ids])
     with pytest.raises(ValueError, match=r"dividing the embedding table's rows \(10\), got 3"):
         embedding_ops.embedding_lookup(table, ids, serialization_factor=3)
+    # Before: JAX's "indices must have an integer type".
+    with pytest.raises(TypeError, match="ids must be integer indices .* got float32"):
+        embedding_ops.embedding_lookup(table, ids.astype("float32"))
 
 
 @pytest.mark.parametrize("factor", [2.0, True, "2"])

@@ -51,6 +51,9 @@ def test_the_decorator_forms_and_bad_input():
     assert float(double(jnp.float32(2))) == 4.0
     with pytest.raises(TypeError, match="needs a function"):
         ipu.outlined_function(3)
+    # Before: the outlined call returned None.
+    with pytest.raises(ValueError, match="'<lambda>' must return at least one array, got None"):
+        ipu.outlined_function(lambda x: None)(jnp.float32(2))
 
 
 def test_layers_calling_one_outlined_function_train_on_an_ipu_as_in_plain_keras():

@@ -193,6 +193,18 @@ def test_sequence_lengths_are_checked(seq_len):
         rnn_ops.PopnnAUGRU(U)(x, np.array(seq_len, np.int32), np.ones(x.shape[:2], np.float32))
 
 
+@pytest.mark.parametrize("seq_len", [[2.7, 2, 1], [5, -1, 1]])
+def test_sequence_lengths_are_whole_steps(seq_len):
+    # Before: 2.7 ran as 2 steps, silently.
+    x, _ = _inputs()
+    with pytest.raises(ValueError, match=r"seq_len must be whole numbers of steps, 0 or more, "
+                                         + re.escape(f"got [{', '.join(map(str, seq_len))}]")):
+        rnn_ops.PopnnDynamicGRU(U)(x, np.array(seq_len, np.float32))
+    outputs, _ = rnn_ops.PopnnDynamicGRU(U, seed=1)(x, np.array([2.0, 2.0, 1.0], np.float32))
+    np.testing.assert_array_equal(outputs, rnn_ops.PopnnDynamicGRU(U, seed=1)(
+        x, np.array([2, 2, 1], np.int32))[0])
+
+
 def test_hard_sigmoid_is_poplars():
     x, _ = _inputs(4)
     layer = rnn_ops.PopnnGRU(U, recurrent_activation="hard_sigmoid")

@@ -105,6 +105,9 @@ def test_fixed_width_bins_span_the_inputs_and_histogram_counts_as_digitize():
     np.testing.assert_array_equal(hist, expected)
     assert hist.shape == (11,) and hist.dtype == jnp.float32 and float(hist.sum()) == 1000
     assert float(hist[0]) == 0 and float(hist[-1]) == 1  # only the largest is >= the last level
+    # Before: a matrix was taken (histogram refused it).
+    with pytest.raises(ValueError, match=r"expects a rank-1 array, got inputs of shape \(2, 2\)"):
+        statistics_ops.fixed_width_bins(np.ones((2, 2), np.float32), 3)
 
 
 def test_histogram_bins_by_numpys_digitize_rule_and_update_accumulates():

@@ -42,7 +42,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import jax
 import keras
+import numpy as np
 from keras import ops
 from keras.src.backend.common import masking
 
@@ -297,6 +299,12 @@ class _GRUBase(_PopnnRecurrent):
         if tuple(seq_len.shape) != (batch,):
             raise ValueError(f"{self.name}: seq_len must be [batch_size] = [{batch}], one length "
                              f"per sequence, got {list(seq_len.shape)}.")
+        # Where the values are known (not traced): whole steps, as an int32 tensor holds.
+        if isinstance(seq_len, jax.Array) and not isinstance(seq_len, jax.core.Tracer):
+            lengths = np.asarray(seq_len)
+            if (lengths != np.round(lengths)).any() or (lengths < 0).any():
+                raise ValueError(f"{self.name}: seq_len must be whole numbers of steps, 0 or "
+                                 f"more, got [{', '.join(f'{n:g}' for n in lengths.tolist())}].")
         return seq_len
 
     def get_config(self):

@@ -47,6 +47,7 @@ def embedding_lookup(params: Any, ids: Any, name: str | None = None,
 
     Raises:
         ValueError: When `serialization_factor` does not divide the vocabulary.
+        TypeError: For `ids` that are not integers.
 
     Example:
 
@@ -54,6 +55,8 @@ def embedding_lookup(params: Any, ids: Any, name: str | None = None,
     Array([[0., 0., 1.], [1., 0., 0.]], dtype=float32)
     """
     params, ids = jnp.asarray(params), jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"ids must be integer indices of the table's rows, got {ids.dtype}.")
     rows = params.shape[0]
     serialization_factor = math_ops.checked_factor(serialization_factor, rows,
                                                    "the embedding table's rows")

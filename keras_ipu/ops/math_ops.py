@@ -47,8 +47,9 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
         `a @ b`, of their type.
 
     Raises:
-        ValueError: For an unknown `serialization_dimension`, a vector, or a
-            factor that does not divide the dimension split.
+        ValueError: For an unknown `serialization_dimension`, a vector, shapes
+            that do not multiply, or a factor that does not divide the
+            dimension split.
 
     Example:
 
@@ -64,6 +65,7 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
                          f"shapes {a.shape} and {b.shape}.")
     a = jnp.swapaxes(a, -1, -2) if transpose_a else a
     b = jnp.swapaxes(b, -1, -2) if transpose_b else b
+    _check_shapes(a.shape, b.shape)
     (axis_a, axis_b), combine = _SPLITS[serialization_dimension]
     size = a.shape[axis_a] if axis_a is not None else b.shape[axis_b]
     serialization_factor = checked_factor(serialization_factor, size,
@@ -78,6 +80,18 @@ def serialized_matmul(a: Any, b: Any, serialization_factor: int, serialization_d
 
 
 __all__ = ["serialized_matmul"]
+
+
+def _check_shapes(a: tuple, b: tuple) -> None:
+    """Refuses shapes `a @ b` cannot take, named as given (the parts would name others)."""
+    try:
+        batch = jnp.broadcast_shapes(a[:-2], b[:-2])
+    except ValueError:
+        batch = None
+    if a[-1] != b[-2] or batch is None:
+        raise ValueError(f"serialized_matmul multiplies a [..., m, k] by b [..., k, n] with "
+                         f"broadcastable batch dimensions; got a {a} and b {b} (after "
+                         f"transpose_a/transpose_b).")
 
 
 def checked_factor(serialization_factor: Any, size: int, what: str) -> int:

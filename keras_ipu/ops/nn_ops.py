@@ -166,11 +166,9 @@ def _ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank
                          f"shape {labels.shape}.")
     lengths = {}
     data_length_name = {"logits": "logit_length", "data": "data_length"}[name]
-    for argument, value in (("label_length", label_length), (data_length_name, data_length)):
-        lengths[argument] = jnp.asarray(value)
-        if lengths[argument].shape != (data.shape[1],):
-            raise ValueError(f"{argument} must be [batch_size={data.shape[1]}], got shape "
-                             f"{lengths[argument].shape}.")
+    for argument, value, most in (("label_length", label_length, labels.shape[1]),
+                                  (data_length_name, data_length, data.shape[0])):
+        lengths[argument] = _checked_lengths(value, argument, data.shape[1], most)
     if out_dtype is None:  # the data's type, float32 for bfloat16 (no IPU type of the reference)
         out_dtype = data.dtype if data.dtype in (jnp.float16, jnp.float32) else jnp.float32
     out_dtype = jnp.dtype(out_dtype)
@@ -185,6 +183,22 @@ def _ctc_loss(labels: Any, data: Any, label_length: Any, data_length: Any, blank
     return loss.astype(out_dtype)
 
 
+def _checked_lengths(value: Any, argument: str, batch_size: int, most: int) -> jax.Array:
+    """A length per batch entry: integers from 0 to `most`, checked where the values are known."""
+    lengths = jnp.asarray(value)
+    if lengths.shape != (batch_size,):
+        raise ValueError(f"{argument} must be [batch_size={batch_size}], got shape "
+                         f"{lengths.shape}.")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{argument} must be integers, got {lengths.dtype}.")
+    if isinstance(lengths, jax.core.Tracer):
+        return lengths
+    known = np.asarray(lengths)
+    if known.size and (known.min() < 0 or known.max() > most):
+        raise ValueError(f"{argument} must be 0 to {most}, got {known.tolist()}.")
+    return lengths
+
+
 def _check_label_values(labels: jax.Array, label_length: jax.Array, num_classes: int,
                         blank: int) -> None:
     """Refuses labels the loss would silently score wrong: checked where the values are known.
@@ -195,14 +209,9 @@ def _check_label_values(labels: jax.Array, label_length: jax.Array, num_classes:
     """
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"labels must be integer class indices, got {labels.dtype}.")
-    if isinstance(label_length, jax.core.Tracer):
+    if isinstance(label_length, jax.core.Tracer) or isinstance(labels, jax.core.Tracer):
         return
     lengths = np.asarray(label_length)
-    if lengths.size and lengths.max() > labels.shape[1]:
-        raise ValueError(f"label_length {lengths.tolist()} exceeds the {labels.shape[1]} "
-                         f"labels of each entry (max_label_length).")
-    if isinstance(labels, jax.core.Tracer):
-        return
     used = np.arange(labels.shape[1])[None, :] < lengths[:, None]
     bad = np.asarray(labels)[used]
     bad = bad[(bad < 0) | (bad >= num_classes) | (bad == blank)]
@@ -238,9 +247,10 @@ def ctc_loss_v2(labels: Any, logits: Any, label_length: Any, logit_length: Any,
         ValueError: For mismatched shapes, a blank index outside the
             classes, float16 out of float32 logits, or (where their values
             are known, outside a compiled program) labels outside the
-            classes or equal to the blank, or a label length past the labels.
-        TypeError: For a blank index that is not an int, or labels that are
-            not integers.
+            classes or equal to the blank, or lengths outside 0 to the labels'
+            (the steps').
+        TypeError: For a blank index that is not an int, or labels or lengths
+            that are not integers.
 
     Example:
 
@@ -358,8 +368,10 @@ def ctc_beam_search_decoder_with_log_probs(
 
     Raises:
         ValueError: For a beam width below 1, `top_paths` outside 1 to
-            `beam_width`, or a blank index outside the classes.
-        TypeError: For a blank index that is not an int.
+            `beam_width`, a blank index outside the classes, or
+            `input_lengths` not `[batch_size]` or (where known) outside 0 to
+            `max_time`.
+        TypeError: For a blank index or lengths that are not ints.
 
     Example:
 
@@ -375,15 +387,17 @@ def ctc_beam_search_decoder_with_log_probs(
             raise ValueError(f"{argument} must be an int from {low}"
                              + (f" to beam_width={high}" if high is not None else " up")
                              + f", got {value!r}.")
+    input_lengths = _checked_lengths(input_lengths, "input_lengths", log_probs.shape[1],
+                                     log_probs.shape[0])
     paths, scores = keras.ops.ctc_decode(
-        jnp.swapaxes(log_probs, 0, 1), jnp.asarray(input_lengths), strategy="beam_search",
+        jnp.swapaxes(log_probs, 0, 1), input_lengths, strategy="beam_search",
         beam_width=int(beam_width), top_paths=int(top_paths),
         mask_index=_blank(blank_index, log_probs.shape[-1]))
     predictions = jnp.swapaxes(paths, 0, 1).astype(jnp.int32)
     neg_log_probs = -scores.astype(log_probs.dtype)
     # An entry of no time step decodes to the empty sequence, surely (Keras' search
     # takes a step of it anyway); its other paths are impossible.
-    empty = (jnp.asarray(input_lengths) == 0)[:, None]
+    empty = (input_lengths == 0)[:, None]
     predictions = jnp.where(empty[..., None], -1, predictions)
     neg_log_probs = jnp.where(empty, jnp.where(jnp.arange(top_paths) == 0, 0.0, jnp.inf),
                               neg_log_probs).astype(log_probs.dtype)

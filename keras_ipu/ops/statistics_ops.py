@@ -45,14 +45,14 @@ def fixed_width_bins(inputs: Any, n_bins: int) -> jax.Array:
     """`n_bins` evenly spaced levels from the smallest to the largest of `inputs`.
 
     Args:
-        inputs: The values.
+        inputs: The values, rank 1.
         n_bins: The number of levels, a Python int of at least 1.
 
     Returns:
         A rank-1 array: `linspace(min(inputs), max(inputs), n_bins)`.
 
     Raises:
-        ValueError: For `n_bins` below 1, or no values.
+        ValueError: For `n_bins` below 1, inputs not of rank 1, or no values.
 
     Example:
 
@@ -62,6 +62,9 @@ def fixed_width_bins(inputs: Any, n_bins: int) -> jax.Array:
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
         raise ValueError(f"n_bins must be an int of at least 1, got {n_bins!r}.")
     values = jnp.asarray(inputs)
+    if values.ndim != 1:  # as `histogram` takes them
+        raise ValueError(f"fixed_width_bins expects a rank-1 array, got inputs of shape "
+                         f"{values.shape}.")
     if values.size == 0:
         raise ValueError("fixed_width_bins needs at least one value.")
     return jnp.linspace(values.min(), values.max(), int(n_bins))
