@@ -142,19 +142,19 @@ def test_out_dtype_follows_the_seeds_rule():
     (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2] * 3, [4] * 3, -1),
      r"other than the blank \(2\), got \[2\]"),
     (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2, 3, 2], [4] * 3, 0),
-     r"label_length must be 0 to 2, got \[2, 3, 2\]"),
+     r"label_length must be whole numbers from 0 to 2, got \[2, 3, 2\]"),
     # Before, these gave a loss too: a negative length read as 0, past the steps as all.
     (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2, -1, 2], [4] * 3, 0),
-     r"label_length must be 0 to 2, got \[2, -1, 2\]"),
+     r"label_length must be whole numbers from 0 to 2, got \[2, -1, 2\]"),
     (lambda x: nn_ops.ctc_loss_with_log_probs(np.array([[1, 2]] * 3), x, [2] * 3, [4, 9, 4], 0),
-     r"data_length must be 0 to 4, got \[4, 9, 4\]"),
+     r"data_length must be whole numbers from 0 to 4, got \[4, 9, 4\]"),
     (lambda x: nn_ops.ctc_loss_v2(np.array([[1, 2]] * 3), x, [2] * 3, [4, -1, 4], 0),
-     r"logit_length must be 0 to 4, got \[4, -1, 4\]"),
+     r"logit_length must be whole numbers from 0 to 4, got \[4, -1, 4\]"),
     # Before, JAX's vmap or broadcasting error from inside Keras.
     (lambda x: nn_ops.ctc_beam_search_decoder(x, [4] * 2),
      r"input_lengths must be \[batch_size=3\], got shape \(2,\)"),
     (lambda x: nn_ops.ctc_beam_search_decoder(x, [4, 5, 4]),
-     r"input_lengths must be 0 to 4, got \[4, 5, 4\]"),
+     r"input_lengths must be whole numbers from 0 to 4, got \[4, 5, 4\]"),
 ])
 def test_bad_arguments_say_what_is_valid(call, message):
     with pytest.raises(ValueError, match=message):
@@ -163,8 +163,15 @@ def test_bad_arguments_say_what_is_valid(call, message):
 
 def test_labels_are_integers_and_unchecked_values_pass_inside_a_program():
     logits, lengths, _ = _data()
-    with pytest.raises(TypeError, match="label_length must be integers, got float32"):
-        nn_ops.ctc_loss_v2(np.ones((3, 2), np.int32), logits, [1.9] * 3, lengths, 0)
+    # Before: 1.9 was taken as 1. Whole numbers of any type are lengths.
+    with pytest.raises(ValueError, match=r"label_length must be whole numbers from 0 to 2, "
+                                         r"got \[1\.9, 1, 1\]"):
+        nn_ops.ctc_loss_v2(np.ones((3, 2), np.int32), logits, [1.9, 1, 1], lengths, 0)
+    with pytest.raises(TypeError, match="label_length must be integers, got bool"):
+        nn_ops.ctc_loss_v2(np.ones((3, 2), np.int32), logits, [True] * 3, lengths, 0)
+    np.testing.assert_array_equal(
+        nn_ops.ctc_loss_v2(np.ones((3, 2), np.int32), logits, [1.0] * 3, lengths, 0),
+        nn_ops.ctc_loss_v2(np.ones((3, 2), np.int32), logits, [1] * 3, lengths, 0))
     with pytest.raises(TypeError, match="labels must be integer class indices, got float32"):
         nn_ops.ctc_loss_v2(np.ones((3, 1), np.float32), logits, [1] * 3, lengths, 0)
     # Inside jit the values are not known: the program is made (as on the IPU).

@@ -189,14 +189,16 @@ def _checked_lengths(value: Any, argument: str, batch_size: int, most: int) -> j
     if lengths.shape != (batch_size,):
         raise ValueError(f"{argument} must be [batch_size={batch_size}], got shape "
                          f"{lengths.shape}.")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    if not jnp.issubdtype(lengths.dtype, jnp.integer) and \
+            not jnp.issubdtype(lengths.dtype, jnp.floating):
         raise TypeError(f"{argument} must be integers, got {lengths.dtype}.")
-    if isinstance(lengths, jax.core.Tracer):
-        return lengths
-    known = np.asarray(lengths)
-    if known.size and (known.min() < 0 or known.max() > most):
-        raise ValueError(f"{argument} must be 0 to {most}, got {known.tolist()}.")
-    return lengths
+    if not isinstance(lengths, jax.core.Tracer):
+        known = np.asarray(lengths)
+        if known.size and (known.min() < 0 or known.max() > most
+                           or (known != np.round(known)).any()):
+            raise ValueError(f"{argument} must be whole numbers from 0 to {most}, got "
+                             f"[{', '.join(f'{n:g}' for n in known.tolist())}].")
+    return lengths.astype(jnp.int32)
 
 
 def _check_label_values(labels: jax.Array, label_length: jax.Array, num_classes: int,
@@ -247,10 +249,10 @@ def ctc_loss_v2(labels: Any, logits: Any, label_length: Any, logit_length: Any,
         ValueError: For mismatched shapes, a blank index outside the
             classes, float16 out of float32 logits, or (where their values
             are known, outside a compiled program) labels outside the
-            classes or equal to the blank, or lengths outside 0 to the labels'
-            (the steps').
-        TypeError: For a blank index that is not an int, or labels or lengths
-            that are not integers.
+            classes or equal to the blank, or lengths that are not whole
+            numbers from 0 to the labels' (the steps').
+        TypeError: For a blank index that is not an int, labels that are not
+            integers, or lengths that are not numbers.
 
     Example:
 
@@ -371,7 +373,8 @@ def ctc_beam_search_decoder_with_log_probs(
             `beam_width`, a blank index outside the classes, or
             `input_lengths` not `[batch_size]` or (where known) outside 0 to
             `max_time`.
-        TypeError: For a blank index or lengths that are not ints.
+        TypeError: For a blank index that is not an int, or lengths that are
+            not numbers.
 
     Example:
 
