@@ -10,8 +10,7 @@ execution that completed.
 - `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
   NaN carried in from its operands, the data's say, through a ReLU's max);
 - `div0`: a floating point division of a finite, non-zero number by zero
-  (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included,
-  and a function's pole (log(0), log1p(-1), atanh(1), lgamma(0));
+  (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included;
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
   float32, or 1e5 cast to float16, say; a division by zero is `div0`'s).
 
@@ -105,19 +104,21 @@ _OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
                 lax.integer_pow_p, lax.cosh_p, lax.sinh_p, lax.reduce_sum_p, lax.reduce_prod_p,
                 lax.cumsum_p, lax.cumprod_p, lax.square_p, lax.convert_element_type_p,
                 lax.reduce_precision_p, lax.reduce_window_sum_p, lax.scatter_add_p,
-                lax.scatter_mul_p, lax.select_and_scatter_add_p, lax.psum_p, lax.lgamma_p,
+                lax.scatter_mul_p, lax.select_and_scatter_add_p, lax.psum_p,
                 lax.reduce_window_p, lax.reduce_p, ad_util.add_jaxvals_p)
 
 # The operations that pass a NaN of their operands on and that checkify's own
 # NaN check (`checkify.nan_checks`, which covers those that can make one) leaves
 # out: with them, a NaN in the data is caught at the first operation whose result
 # holds it, a ReLU's or a max pooling's say. Moving values (a reshape, a slice, a
-# gather) is not an operation on them.
+# gather) is not an operation on them, nor is a cast: JAX casts a NaN constant of
+# its own to the data's type and selects it away (`jnp.var`), and a NaN of the data
+# reaches the next arithmetic operation through it.
 _CARRYING_NAN = (lax.max_p, lax.min_p, lax.abs_p, lax.neg_p, lax.sign_p, lax.clamp_p,
                  lax.round_p, lax.floor_p, lax.ceil_p, lax.exp2_p, lax.square_p,
                  lax.nextafter_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_window_max_p,
-                 lax.reduce_window_min_p, lax.reduce_precision_p, lax.convert_element_type_p,
-                 lax.select_n_p, lax.sort_p, lax.top_k_p, lax.pmax_p, lax.pmin_p,
+                 lax.reduce_window_min_p, lax.reduce_precision_p, lax.select_n_p, lax.sort_p,
+                 lax.top_k_p, lax.pmax_p, lax.pmin_p,
                  lax.scatter_add_p, lax.scatter_mul_p, lax.select_and_scatter_add_p,
                  lax.select_and_gather_add_p, lax.polygamma_p, lax.zeta_p,
                  ad_util.add_jaxvals_p)
@@ -267,7 +268,10 @@ def _extend_rule(primitive, error_type: type, raised: Callable) -> None:
 def _checked_rule(rule: Callable, primitive, error_type: type, raised: Callable) -> Callable:
     def checked_rule(error, enabled_errors, *operands, **params):
         error, out = rule(error, enabled_errors, *operands, **params)
-        if error_type in enabled_errors:
+        # Of constants only (a literal NaN that JAX casts, then selects away), the
+        # result is folded when the program compiles: no operation runs to raise.
+        if error_type in enabled_errors and any(isinstance(x, jax.core.Tracer)
+                                                for x in operands):
             error = checkify_rules.assert_func(
                 error, raised(primitive, operands, params, out),
                 error_type(checkify_rules.get_traceback(), primitive.name))
@@ -288,23 +292,16 @@ def _without(rule: Callable, error_name: str) -> Callable:
     return _checked_rule(_without(inner, error_name), primitive, error_type, raised)
 
 
-def _at_non_positive_integer(operands: tuple, params: dict) -> jax.Array:
-    return (operands[0] <= 0) & (operands[0] == jnp.floor(operands[0]))
-
-
 # IEEE 754's division by zero: an exact infinity from finite operands, per
-# operation; the poles of functions are its too (log(0), atanh(1): IEEE 754 9.2).
+# operation. A function's pole (log(0) = -inf) is not a division: code computes
+# it and selects it away (`where(x > 0, log(x), 0)`, `xlogy`), and it stays
+# untrapped, as its infinity is no overflow either.
 _DIVIDING = {
     lax.div_p: lambda operands, params: ((operands[1] == 0) & (operands[0] != 0)
                                          & jnp.isfinite(operands[0])),
     lax.integer_pow_p: lambda operands, params: (operands[0] == 0) & (params["y"] < 0),
     lax.pow_p: lambda operands, params: (operands[0] == 0) & (operands[1] < 0),
     lax.rsqrt_p: lambda operands, params: operands[0] == 0,
-    lax.log_p: lambda operands, params: operands[0] == 0,
-    lax.log1p_p: lambda operands, params: operands[0] == -1,
-    lax.atanh_p: lambda operands, params: jnp.abs(operands[0]) == 1,
-    lax.erf_inv_p: lambda operands, params: jnp.abs(operands[0]) == 1,
-    lax.lgamma_p: _at_non_positive_integer,
 }
 
 
@@ -328,10 +325,8 @@ def _made_infinity(primitive, operands: tuple, params: dict, out: Any) -> jax.Ar
 
 
 def _holds_nan(primitive, operands: tuple, params: dict, out: Any) -> jax.Array:
-    """Whether a floating point result holds a NaN (a cast to its own dtype is no operation)."""
+    """Whether a floating point result holds a NaN."""
     results = [leaf for leaf in jax.tree_util.tree_leaves(out) if _is_float(leaf)]
-    if primitive is lax.convert_element_type_p and operands[0].dtype == out.dtype:
-        results = []
     if not results:
         return jnp.bool_(False)
     return jnp.any(jnp.stack([jnp.isnan(leaf).any() for leaf in results]))
