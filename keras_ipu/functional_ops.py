@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from keras_ipu.device import loop_state, program_outfeeds, queues
+from keras_ipu.device import feed_reads, loop_state, program_outfeeds, queues
 
 # The compiled functions an outlined function keeps, one per distinct trace.
 _KEPT_TRACES = 32
@@ -123,14 +123,16 @@ def _pure_trace(function: Callable, args: tuple) -> tuple[Any, Any] | None:
         return function(*a)
 
     outer = stateless_scope.get_stateless_scope()
-    with _enqueues_set_aside() as enqueued:
+    with _enqueues_set_aside() as enqueued, feed_reads.reads_undoable() as undo_reads:
         if outer is None:
             with stateless_scope.StatelessScope(initialize_variables=False) as own:
                 closed, shapes = jax.make_jaxpr(fresh, return_shape=True)(*args)
             stateful = bool(own.state_mapping) or bool(own.losses)
         else:
             closed, shapes, stateful = _traced_in_scope(fresh, args, outer)
-    stateful = stateful or enqueued()
+        stateful = stateful or enqueued()
+        if stateful:  # traced again, inlined: its loops read their infeeds there
+            undo_reads()
     return None if stateful else (closed, jax.tree_util.tree_structure(shapes))
 
 

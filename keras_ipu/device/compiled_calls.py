@@ -36,7 +36,6 @@ computation is part of that program and runs once, unreplicated.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,6 +51,7 @@ from keras_ipu.device import (
     closures,
     collectives,
     elements,
+    feed_reads,
     floating_point,
     interrupts,
     program_outfeeds,
@@ -60,10 +60,6 @@ from keras_ipu.device import (
     system,
 )
 from keras_ipu.device.replicate import REPLICA_AXIS, Replicas
-
-# Trace-time context, not global state: the infeed inputs of the `call_compiled` program
-# being traced.
-_FEEDS: contextvars.ContextVar = contextvars.ContextVar("feeds", default=None)
 
 
 def in_compiled_program() -> bool:
@@ -94,7 +90,7 @@ def infeed_inputs() -> Any:
     >>> feeds = infeed_inputs()
     >>> data = feeds.take(infeed, 10) if feeds is not None else None
     """
-    return _FEEDS.get()
+    return feed_reads.current()
 
 
 def without_operations(result: Any) -> Any:
@@ -256,101 +252,6 @@ class _ArraySlot:
 _ARRAY = _ArraySlot()
 
 
-class _MissingFeed(Exception):
-    """A loop being traced reads an infeed the program does not take yet."""
-
-    def __init__(self, plan: list):
-        super().__init__("a loop reads an infeed the program does not take yet")
-        self.plan = plan
-
-
-class _MadeInTrace(Exception):
-    """A loop being traced reads an infeed its function made: the program is of one trace."""
-
-
-_STAGED_AND_STREAMED = (
-    "An infeed is read by an ipu.loops.while_loop and by an ipu.loops.repeat of one "
-    "program: the repeat's elements are taken before the program runs and the while_loop's "
-    "as it runs, so they would be read out of program order. Read it in loops of one kind, "
-    "or give each loop an infeed of its own.")
-
-
-class _FeedReads:
-    """The infeed reads of a program being traced: staged (`take`) or streamed (`stream`)."""
-
-    # Whether the trace is abstract (the replicas not known yet: the probe).
-    abstract = False
-
-    def __init__(self, plan: list):
-        self.plan = plan
-        self.streamed: list = []  # the queues while loops read as they run
-
-    def stream(self, queue: queues.IPUInfeedQueue) -> None:
-        """Records a while loop reading `queue` element by element as the program runs.
-
-        Raises:
-            ValueError: When a loop of the program stages elements of `queue`.
-        """
-        if any(queue is planned for planned, _ in self.plan):
-            raise ValueError(_STAGED_AND_STREAMED)
-        self.streamed.append(queue)
-
-    def _check_staged(self, queue: queues.IPUInfeedQueue) -> None:
-        if any(queue is streamed for streamed in self.streamed):
-            raise ValueError(_STAGED_AND_STREAMED)
-
-
-class _FeedInputs(_FeedReads):
-    """The infeed data of a program being traced: its inputs, in the order its loops read them."""
-
-    def __init__(self, plan: list, data: list):
-        super().__init__(plan)
-        self.data, self.read = data, 0
-
-    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
-        self._check_staged(queue)
-        if queues.made_in_this_trace(queue):
-            raise _MadeInTrace()
-        index = self.read
-        if index < len(self.plan) and self.plan[index] == (queue, count):
-            self.read += 1
-            return self.data[index]
-        raise _MissingFeed([*self.plan[:index], (queue, count)])
-
-
-class _EmptyFeed(Exception):
-    """A loop being traced abstractly reads an infeed with no element left to shape its data."""
-
-
-class _FeedProbe(_FeedReads):
-    """Infeed data for an abstract trace: zeros shaped as the queues' next elements.
-
-    Records the reads (the program's plan); nothing is taken from the queues.
-    """
-
-    abstract = True
-
-    def __init__(self):
-        super().__init__([])
-        self.made_infeed = False  # a loop reads an infeed the function makes
-
-    def take(self, queue: queues.IPUInfeedQueue, count: int) -> Any:
-        self._check_staged(queue)
-        if queues.made_in_this_trace(queue):  # new in each trace: not part of the plan
-            self.made_infeed = True
-        else:
-            self.plan.append((queue, count))
-        ahead = queue.peek(1)
-        if not ahead:
-            raise _EmptyFeed()
-
-        def zeros(leaf: Any) -> jax.Array:
-            dtype = jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)
-            return jnp.zeros((count, *np.shape(leaf)), dtype)
-
-        return jax.tree_util.tree_map(zeros, ahead[0])
-
-
 # Shard counts kept per function, for its calls with different fixed and host values.
 _SHARD_COUNTS_KEPT = 16
 
@@ -451,8 +352,10 @@ class _Program:
             raise
 
     def _traced(self, arrays: list, feed_data: list, plan: tuple) -> tuple[Any, list]:
-        reads = _FeedInputs(list(plan), feed_data) if self.feeds_as_inputs else None
+        reads = feed_reads.FeedInputs(list(plan), feed_data) if self.feeds_as_inputs else None
         traced = self._trace(arrays, reads)
+        if reads is not None:
+            reads.check_all_read()  # its elements were taken: a loop it skips may not have them
         self.streams = tuple(reads.streamed) if reads is not None else ()
         return traced
 
@@ -460,13 +363,9 @@ class _Program:
         supplied = iter(arrays)
         leaves = [next(supplied) if leaf is _ARRAY else leaf for leaf in self.fixed]
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        feeds_token = _FEEDS.set(feeds)
-        try:
-            with (queues.recording_made_infeeds(self.unread),
-                  program_outfeeds.collect_program_outfeeds() as outfed):
-                result = self.outputs(self.fn(*args, **kwargs))
-        finally:
-            _FEEDS.reset(feeds_token)
+        with (feed_reads.reading(feeds), queues.recording_made_infeeds(self.unread),
+              program_outfeeds.collect_program_outfeeds() as outfed):
+            result = self.outputs(self.fn(*args, **kwargs))
         self.outfeeds = [queue for queue, _ in outfed]  # this trace's
         return without_operations(result), [values for _, values in outfed]
 
@@ -497,7 +396,7 @@ class _Program:
         if not self.feeds_as_inputs:  # its loops read an infeed it makes
             return self._run_once(arrays, replicas)
         while True:
-            taken = _take_all(self.plan, replicas.count)
+            taken = feed_reads.take_all(self.plan, replicas.count)
             try:
                 feed_data = _placed([_dealt(elements.stacked(t), replicas.count) for t in taken],
                                     replicas, P(None, REPLICA_AXIS))
@@ -509,7 +408,7 @@ class _Program:
                     (result, outfed), error = attachment.run_checked(executable, self.name,
                                                                      arrays, feed_data)
                     if not attachment.runs_programs():  # nothing ran: nothing was taken
-                        _put_back(self.plan, taken)
+                        feed_reads.put_back(self.plan, taken)
                     if streams or any(len(elements) for elements in taken):
                         # It took infeed elements (its while loops, as they run): whether
                         # it ran, and so whether they are gone, is known when it returns,
@@ -517,17 +416,21 @@ class _Program:
                         # runs, and a failure there would lose them).
                         jax.block_until_ready((result, outfed))
                 self._raise_trapped(error, streamed)  # the elements it took go back
-            except _MadeInTrace:
-                _put_back(self.plan, taken)
+            except feed_reads.MadeInTrace:
+                feed_reads.put_back(self.plan, taken)
                 return self._run_once(arrays, replicas)
-            except _MissingFeed as missing:
-                _put_back(self.plan, taken)
+            except feed_reads.MissingFeed as missing:
+                feed_reads.put_back(self.plan, taken)
                 if len(missing.plan) <= len(self.plan):  # an infeed made in each trace
                     return self._run_once(arrays, replicas)
                 self.plan = missing.plan  # trace again, reading that infeed too
                 continue
+            except feed_reads.UnreadFeed as unread:  # these shapes' trace reads fewer
+                feed_reads.put_back(self.plan, taken)
+                self.plan = self.plan[:unread.read]
+                continue
             except BaseException:
-                _put_back(self.plan, taken)
+                feed_reads.put_back(self.plan, taken)
                 raise
             return self._delivered(replicas, result, outfed, outfeeds)
 
@@ -540,7 +443,7 @@ class _Program:
         infeed the function makes itself is new in each trace, so the program
         is then traced for each call.
         """
-        probe = _FeedProbe()
+        probe = feed_reads.FeedProbe()
         complete = True
 
         def traced(arrays: list) -> tuple[Any, list]:
@@ -552,7 +455,7 @@ class _Program:
         with scopes.recording_shards() as shards:
             try:
                 jax.eval_shape(traced, arrays)
-            except _EmptyFeed:
+            except feed_reads.EmptyFeed:
                 complete = False
         if probe.made_infeed:
             self.feeds_as_inputs = False
@@ -642,45 +545,3 @@ def _dealt(data: Any, replicas: int) -> Any:
         return data
     return jax.tree_util.tree_map(
         lambda a: a.reshape((a.shape[0] // replicas, replicas, *a.shape[1:])), data)
-
-
-def _take_all(plan: list, replicas: int = 1) -> list:
-    """Each planned read's elements (R per iteration), taken once every read has them all."""
-    needed: dict = {}
-    for queue, count in plan:
-        elements = count * replicas
-        already = needed.get(queue, 0)
-        left = len(queue.peek(already + elements)) - already
-        if left < elements:
-            raise ValueError(ran_out(left, count, replicas))
-        needed[queue] = already + elements
-    return [queue.take(count * replicas) for queue, count in plan]
-
-
-def ran_out(left: int, iterations: int, replicas: int = 1) -> str:
-    """The message of an infeed with too few elements for a loop.
-
-    Args:
-        left: The elements the infeed has left.
-        iterations: The loop's iterations.
-        replicas: The replicas running the loop, each taking its own elements.
-
-    Returns:
-        The message, with the counts.
-
-    Example:
-
-    >>> print(ran_out(6, 4, 2))  # doctest: +NORMALIZE_WHITESPACE
-    The infeed ran out: 6 elements left for a loop of 4 iterations on 2 replicas, which
-    takes 8 (iteration k of replica r takes element k * 2 + r).
-    """
-    if replicas == 1:
-        return f"The infeed ran out: {left} elements left for a loop of {iterations} iterations."
-    return (f"The infeed ran out: {left} elements left for a loop of {iterations} iterations "
-            f"on {replicas} replicas, which takes {iterations * replicas} (iteration k of "
-            f"replica r takes element k * {replicas} + r).")
-
-
-def _put_back(plan: list, taken: list) -> None:
-    for (queue, _), taken_elements in reversed(list(zip(plan, taken))):
-        queue.put_back(taken_elements)

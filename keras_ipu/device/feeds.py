@@ -47,6 +47,7 @@ from keras_ipu.device import (
     collectives,
     compiled_calls,
     elements,
+    feed_reads,
     integers,
     loop_state,
     program_outfeeds,
@@ -169,15 +170,16 @@ def repeat(n: int, body: Callable, inputs: Any = None,
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
     if n == 0:
         return _unpacked(carried)
-    feeds, taken, data = compiled_calls.infeed_inputs(), None, None
+    feeds, taken, data = feed_reads.current(), None, None
     if infeed_queue is not None and feeds is not None:  # inside `call_compiled`: its inputs
         data = feeds.take(infeed_queue, n)
     elif infeed_queue is not None:  # eager, or in another trace: the elements as constants
         replicas = collectives.replica_count()  # in a replicated program: dealt to each
         if replicas > 1 and len(infeed_queue.peek(n * replicas)) < n * replicas:
-            raise ValueError(compiled_calls.ran_out(len(infeed_queue.peek(n * replicas)), n,
+            raise ValueError(feed_reads.ran_out(len(infeed_queue.peek(n * replicas)), n,
                                                     replicas))
         taken = infeed_queue.take(n * replicas)
+        feed_reads.taken_in_trace(infeed_queue, taken)
         try:
             data = _own_elements(elements.stacked(taken), replicas)
         except BaseException:  # elements of another shape: they stay in the queue
@@ -227,7 +229,7 @@ def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]
     are not staged as a `repeat`'s are: each iteration takes the next one, as
     an IPU's infeed stream does, and a loop that stops early leaves the rest.
     """
-    reads = compiled_calls.infeed_inputs()
+    reads = feed_reads.current()
     abstract = reads is not None and reads.abstract  # the probe acts as every IPU's replica
     if collectives.replica_count() > 1 and not abstract:
         raise ValueError(
