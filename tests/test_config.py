@@ -24,6 +24,7 @@ from keras_ipu.config import (
     MergeRemoteBuffersBehaviour,
     SchedulingAlgorithm,
     SelectionOrder,
+    StochasticRoundingBehaviour,
     VerificationOptions,
     attributes,
     flags,
@@ -52,7 +53,9 @@ SPEC = {
     "floating_point_behaviour.inv": ("bool", False),
     "floating_point_behaviour.div0": ("bool", False),
     "floating_point_behaviour.oflo": ("bool", False),
-    "floating_point_behaviour.esr": ("bool", False),
+    # SDK 3 also takes a StochasticRoundingBehaviour.
+    "floating_point_behaviour.esr": (
+        "typing.Union[bool, keras_ipu.config.enums.StochasticRoundingBehaviour]", False),
     "floating_point_behaviour.nanoo": ("bool", False),
     "floating_point_behaviour.set_all": ("bool", False),
     "io_tiles.num_io_tiles": ("int", 0),
@@ -87,6 +90,14 @@ SPEC = {
     "scheduling.algorithm": ("SchedulingAlgorithm", SchedulingAlgorithm.CHOOSE_BEST),
     "scheduling.maximum_scheduler_lookahead_depth": ("int", 5),
     "scheduling.maximum_scheduler_search_space_size": ("int", 64),
+    # SDK 3's additions, which ported code sets (before: AttributeError).
+    "experimental.enable_prng_stability": ("bool", False),
+    "optimizations.maximum_reduce_many_buffer_size": ("int", 0),
+    "optimizations.maximum_all_gather_buffer_size": ("int", 0),
+    "optimizations.enable_dynamic_slice_replacement": ("bool", True),
+    "optimizations.math.fast": ("bool", False),
+    "optimizations.math.dot_strength": ("bool", True),
+    "slices.poplar_options": ("dict", {}),
 }
 CATEGORIES = {
     "convolutions",
@@ -100,8 +111,10 @@ CATEGORIES = {
     "norms",
     "norms.experimental",
     "optimizations",
+    "optimizations.math",
     "pooling",
     "scheduling",
+    "slices",
 }
 
 
@@ -169,6 +182,7 @@ def test_enums_have_the_specified_members():
             "SHORTEST_PATH",
         ],
         SelectionOrder: ["AUTO", "ZIGZAG", "SNAKE", "HOOF"],
+        StochasticRoundingBehaviour: ["OFF", "ON", "REPLICA_IDENTICAL_ONLY"],
     }
     for kind, names in members.items():
         assert issubclass(kind, enum.Enum)
@@ -1066,3 +1080,40 @@ def test_poplar_options_are_keyed_by_option_name():
             config.from_dict({name: {1: "2"}})
     config.matmuls.poplar_options = {"availableMemoryProportion": "0.2"}
     assert IPUConfig.from_json(config.to_json()) == config
+
+
+def test_sdk3_stochastic_rounding_behaviour_is_taken_and_round_trips():
+    config = IPUConfig()
+    config.floating_point_behaviour.esr = StochasticRoundingBehaviour.REPLICA_IDENTICAL_ONLY
+    assert config.to_dict()["floating_point_behaviour"]["esr"] == "REPLICA_IDENTICAL_ONLY"
+    assert IPUConfig.from_dict(config.to_dict()) == config
+    assert IPUConfig.from_dict({"floating_point_behaviour": {"esr": 1}}).floating_point_behaviour \
+        .esr is StochasticRoundingBehaviour.ON
+    assert StochasticRoundingBehaviour.from_bool(True) is StochasticRoundingBehaviour.ON
+    config.floating_point_behaviour.esr = True  # the seeds' bool still
+    assert config.floating_point_behaviour.esr is True
+
+
+def test_numpy_bools_and_keys_that_are_no_names():
+    # Before: "must be of type bool, got np.True_ of type bool"; Python's setattr error.
+    config = IPUConfig()
+    config.allow_recompute = np.bool_(True)
+    assert config.allow_recompute is True
+    assert IPUConfig.from_dict({"floating_point_behaviour": {"inv": np.bool_(True)}}) \
+        .floating_point_behaviour.inv is True
+    with pytest.raises(TypeError, match=r"attribute names are strings, got 1 at the top "
+                                        r"level\. Valid names: allow_recompute"):
+        IPUConfig.from_dict({1: 2})
+    with pytest.raises(TypeError, match=r"got None in 'ipu_model'\. Valid names: "
+                                        r"compile_ipu_code, tiles_per_ipu, version\."):
+        IPUConfig.from_dict({"ipu_model": {None: 3}})
+
+
+def test_the_ipus_of_all_devices_together_are_at_most_a_pod1024():
+    # Before: [1024, 1024] configured 2048 IPUs.
+    config = IPUConfig()
+    config.auto_select_ipus = [512, 512]
+    with pytest.raises(ValueError, match=r"must ask for at most 1024 IPUs in all .*got "
+                                         r"\[1024, 1024\]"):
+        config.auto_select_ipus = [1024, 1024]
+    assert config.auto_select_ipus == [512, 512]

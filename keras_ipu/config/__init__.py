@@ -20,6 +20,7 @@ from keras_ipu.config.enums import (
     MergeRemoteBuffersBehaviour,
     SchedulingAlgorithm,
     SelectionOrder,
+    StochasticRoundingBehaviour,
     VerificationOptions,
 )
 from keras_ipu.config.schema import IPUConfig
@@ -38,6 +39,7 @@ __all__ = [
     "MergeRemoteBuffersBehaviour",
     "SchedulingAlgorithm",
     "SelectionOrder",
+    "StochasticRoundingBehaviour",
     "VerificationOptions",
     "configure_ipu_system",
     "get_ipu_config",

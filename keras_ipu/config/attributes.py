@@ -187,7 +187,7 @@ def _entries(value: Any) -> tuple:
 # Leaf types for which isinstance says too much or too little: bool is an int
 # subclass, and a float option should take an int such as 1.
 _SCALAR_TYPES: dict[type, Callable[[Any], bool]] = {
-    bool: lambda v: isinstance(v, bool),
+    bool: lambda v: isinstance(v, (bool, np.bool_)),
     int: lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
     float: lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
 }
@@ -645,7 +645,11 @@ class _Scope:
                 f"Values for {prefix or type(config).__name__!r} must be a mapping, got {values!r}."
             )
         for name, value in values.items():
-            if isinstance(name, str) and "." in name:  # the reference's flat form
+            if not isinstance(name, str):  # no attribute's name: say what the names are
+                where = f"in {prefix!r}" if prefix else "at the top level"
+                raise TypeError(f"{type(config).__name__} attribute names are strings, got "
+                                f"{name!r} {where}. Valid names: {', '.join(node.names)}.")
+            if "." in name:  # the reference's flat form
                 head, rest = name.split(".", 1)
                 if isinstance(node.member(head), Category):
                     getattr(self, head)._update({rest: value})
@@ -654,9 +658,10 @@ class _Scope:
             if isinstance(member, Category) and isinstance(value, Mapping):
                 getattr(self, name)._update(value)
                 continue
-            if isinstance(member, Option) and isinstance(member.type, type):
+            kind = _enum_of(member.type) if isinstance(member, Option) else None
+            if kind is not None:
                 shown = _join(type(config).__name__, _join(prefix, name))
-                value = _from_name(shown, member.type, value)
+                value = _from_name(shown, kind, value)
             setattr(self, name, value)
 
 
@@ -693,6 +698,12 @@ def _nested(config: Config, node: Category, prefix: str) -> dict[str, Any]:
         )
         for member, path in ((m, _join(prefix, m.name)) for m in node.members)
     }
+
+
+def _enum_of(hint: Any) -> type | None:
+    """The enumeration an option's type is, or holds in a union (`bool | SomeEnum`)."""
+    kinds = (hint,) if isinstance(hint, type) else typing.get_args(hint)
+    return next((k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)), None)
 
 
 def _from_name(path: str, kind: type, value: Any) -> Any:

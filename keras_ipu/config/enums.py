@@ -105,6 +105,35 @@ class MergeRemoteBuffersBehaviour(enum.Enum):
     IF_BENEFICIAL = 2
 
 
+class StochasticRoundingBehaviour(enum.Enum):
+    """How stochastic rounding is done (`floating_point_behaviour.esr`, SDK 3).
+
+    * `OFF` disables stochastic rounding.
+    * `ON` enables it.
+    * `REPLICA_IDENTICAL_ONLY` enables it where the computation is the same on
+      every replica.
+
+    `esr` takes a member or a bool (`True` is `ON`). No effect on the device
+    model: JAX rounds to nearest.
+
+    Example:
+
+    ```python
+    config.floating_point_behaviour.esr = StochasticRoundingBehaviour.ON
+    assert StochasticRoundingBehaviour.from_bool(False) is StochasticRoundingBehaviour.OFF
+    ```
+    """
+
+    OFF = 0
+    ON = 1
+    REPLICA_IDENTICAL_ONLY = 2
+
+    @staticmethod
+    def from_bool(value: bool) -> StochasticRoundingBehaviour:
+        """`ON` for a true value, else `OFF`."""
+        return StochasticRoundingBehaviour.ON if value else StochasticRoundingBehaviour.OFF
+
+
 class SchedulingAlgorithm(enum.Enum):
     """Controls the algorithm that the scheduler uses.
 

@@ -1,6 +1,7 @@
 """The IPUConfig schema, as data, and the IPUConfig class it defines.
 
-Every option of the reference's `IPUConfig` (SDK 3.4) is declared here with
+Every option of the reference's `IPUConfig` (the seeds' SDK, and the options
+SDK 3 added that ported code sets) is declared here with
 its type, default and meaning, and with an `effect` note saying what it does
 on keras_ipu's device model. Most options tune the Poplar compiler and have no
 counterpart in JAX: they are accepted and validated so ported code runs, and
@@ -30,6 +31,7 @@ from keras_ipu.config.enums import (
     MergeRemoteBuffersBehaviour,
     SchedulingAlgorithm,
     SelectionOrder,
+    StochasticRoundingBehaviour,
 )
 
 NO_EFFECT = "no effect on the device model (accepted and validated)."
@@ -54,6 +56,12 @@ _AVAILABLE_MEMORY_PROPORTION = mapping_entry(
     "availableMemoryProportion",
     attributes.Check("must be a number in [0, 1] (a float or a string such as '0.6')", _fraction),
 )
+
+
+# The IPUs of all the devices together: the largest IPU system holds 1024.
+_AT_MOST_A_POD1024 = attributes.Check(
+    "must ask for at most 1024 IPUs in all (the largest IPU system, a Bow Pod1024)",
+    lambda value: sum(value) <= 1024 if isinstance(value, (list, tuple)) else True)
 
 
 def _ignored(name, type_, default, doc, checks=()) -> Option:
@@ -177,6 +185,15 @@ _EXPERIMENTAL = Category(
             False,
             "When set to true, HostEmbedding will make use of Poplar remote buffers.",
         ),
+        Option(
+            "enable_prng_stability",
+            bool,
+            False,
+            "Enable the management of random seeds that keeps the weights of replicas from "
+            "diverging under stochastic rounding (SDK 3).",
+            effect="no effect: the device model rounds to nearest, and replicas' weights stay "
+            "bit-identical (their gradients are reduced across replicas).",
+        ),
         _MULTI_REPLICA_DISTRIBUTION,
     ),
 )
@@ -219,7 +236,14 @@ _FLOATING_POINT_BEHAVIOUR = Category(
             "div0", "If True, a floating point divide by zero operation will cause an exception."
         ),
         _floating_point("oflo", "If True, a floating point overflow will cause an exception."),
-        _floating_point("esr", "If True, stochastic rounding will be enabled."),
+        Option(
+            "esr",
+            Union[bool, StochasticRoundingBehaviour],  # noqa: UP007
+            False,
+            "If True, stochastic rounding will be enabled; SDK 3 also takes a "
+            "StochasticRoundingBehaviour (OFF, ON, REPLICA_IDENTICAL_ONLY).",
+            effect=_FLOATING_POINT_NO_EFFECT,
+        ),
         _floating_point("nanoo", "If True, Not-a-Number (NaN) on overflow mode will be enabled."),
         _floating_point(
             "set_all",
@@ -460,7 +484,60 @@ _OPTIMIZATIONS = Category(
             bool,
             False,
             "Enables optimizations which allow arbitrary reassociations and transformations "
-            "of mathematical operations with no accuracy guarantees.",
+            "of mathematical operations with no accuracy guarantees (SDK 3 moved it to "
+            "optimizations.math.fast).",
+        ),
+        # SDK 3's additions, which ported code sets.
+        _buffer_size(
+            "maximum_reduce_many_buffer_size",
+            "The maximum number of bytes that can be waiting before a reduce-many op (reductions "
+            "of several tensors at once) is scheduled.",
+        ),
+        _buffer_size(
+            "maximum_all_gather_buffer_size",
+            "The maximum number of bytes that can be waiting before an all-gather op is "
+            "scheduled.",
+        ),
+        _ignored(
+            "enable_dynamic_slice_replacement",
+            bool,
+            True,
+            "If True (default), dynamic slices and updates are replaced by multi-slices and "
+            "multi-updates, which Poplar can plan for parallelism and memory.",
+        ),
+        Category(
+            "math",
+            "Sub-category containing configuration options for the simplification of "
+            "algebraic expressions (SDK 3).",
+            (
+                _ignored(
+                    "fast",
+                    bool,
+                    False,
+                    "Enables optimizations which allow arbitrary reassociations and "
+                    "transformations of mathematical operations with no accuracy guarantees.",
+                ),
+                _ignored(
+                    "dot_strength",
+                    bool,
+                    True,
+                    "If True (default), a dot product whose operands have only batch and "
+                    "contracting dimensions is computed as an elementwise multiplication.",
+                ),
+            ),
+        ),
+    ),
+)
+
+_SLICES = Category(
+    "slices",
+    "Sub-category containing configuration options that affect slices of embeddings (SDK 3).",
+    (
+        _poplar_options(
+            "Set the PopLibs slice options for the session: a dictionary of valid PopLibs "
+            "slice options (see embedding::plan in the PopLibs API reference), applied to "
+            "the multi-slices and multi-updates embeddings make.",
+            (_AVAILABLE_MEMORY_PROPORTION,),
         ),
     ),
 )
@@ -572,7 +649,7 @@ IPU_CONFIG_SCHEMA = Category(
             "default means not set.",
             effect="the number of virtual IPUs of each device; every virtual IPU is mapped "
             "onto one JAX device. At most 1024 a device, the largest IPU system (a Bow Pod1024).",
-            checks=(each(between(1, 1024)),),
+            checks=(each(between(1, 1024)), _AT_MOST_A_POD1024),
         ),
         Option(
             "select_ipus",
@@ -598,6 +675,7 @@ IPU_CONFIG_SCHEMA = Category(
         _OPTIMIZATIONS,
         _POOLING,
         _SCHEDULING,
+        _SLICES,
     ),
 )
 
