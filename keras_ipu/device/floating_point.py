@@ -8,16 +8,17 @@ at it before the results are kept, so the state stays that of the last
 execution that completed.
 
 - `inv`: an operation's result holds a NaN (0/0, inf - inf, sqrt(-1), or a
-  NaN carried in from its operands, the data's say, through a ReLU's max);
+  NaN carried in from its operands, the data's say, by an arithmetic
+  operation; IEEE 754's comparisons of a quiet NaN raise nothing, so a max,
+  a min, an absolute value or a select passes it on);
 - `div0`: a floating point division of a finite, non-zero number by zero
   (IEEE 754: 0/0 is `inv`'s), a reciprocal (square root) of zero included;
 - `oflo`: an operation of finite operands made an infinity (exp(100.0) in
   float32, or 1e5 cast to float16, say; a division by zero is `div0`'s).
 
-checkify checks NaNs only where an operation can make one, not overflows, and
-its division check flags 0/0 too: importing this module adds a NaN rule to the
-operations that pass a NaN on, an overflow rule and an IEEE division-by-zero
-rule to checkify's (process-wide) rule table. They check only when a checkified
+checkify checks NaNs, not overflows, and its division check flags 0/0 too:
+importing this module adds an overflow rule and an IEEE division-by-zero rule
+to checkify's (process-wide) rule table. They check only when a checkified
 function asks for this module's errors, so other uses of checkify are
 unchanged.
 
@@ -106,24 +107,6 @@ _OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
                 lax.reduce_precision_p, lax.reduce_window_sum_p, lax.scatter_add_p,
                 lax.scatter_mul_p, lax.select_and_scatter_add_p, lax.psum_p,
                 lax.reduce_window_p, lax.reduce_p, ad_util.add_jaxvals_p)
-
-# The operations that pass a NaN of their operands on and that checkify's own
-# NaN check (`checkify.nan_checks`, which covers those that can make one) leaves
-# out: with them, a NaN in the data is caught at the first operation whose result
-# holds it, a ReLU's or a max pooling's say. Moving values (a reshape, a slice, a
-# gather) is not an operation on them, nor is a cast: JAX casts a NaN constant of
-# its own to the data's type and selects it away (`jnp.var`), and a NaN of the data
-# reaches the next arithmetic operation through it.
-_CARRYING_NAN = (lax.max_p, lax.min_p, lax.abs_p, lax.neg_p, lax.sign_p, lax.clamp_p,
-                 lax.round_p, lax.floor_p, lax.ceil_p, lax.exp2_p, lax.square_p,
-                 lax.nextafter_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_window_max_p,
-                 lax.reduce_window_min_p, lax.reduce_precision_p, lax.select_n_p, lax.sort_p,
-                 lax.top_k_p, lax.pmax_p, lax.pmin_p,
-                 lax.scatter_add_p, lax.scatter_mul_p, lax.select_and_scatter_add_p,
-                 lax.select_and_gather_add_p, lax.polygamma_p, lax.zeta_p,
-                 ad_util.add_jaxvals_p)
-
-
 
 def _library_folders() -> tuple[str, ...]:
     """The folders of the array libraries' own frames, left out of where an exception
@@ -245,8 +228,6 @@ def _where(exception: Any) -> str:
 
 def _add_rules() -> None:
     """Adds the overflow and division checks to the rules of their operations."""
-    for primitive in _CARRYING_NAN:
-        _extend_rule(primitive, checkify_rules.NaNError, _holds_nan)
     for primitive in _OVERFLOWING:
         _extend_rule(primitive, _OverflowError, _made_infinity)
     for primitive in _DIVIDING:
@@ -322,14 +303,6 @@ def _made_infinity(primitive, operands: tuple, params: dict, out: Any) -> jax.Ar
     if primitive in _DIVIDING:  # a division by zero is div0's
         finite.append(~jnp.any(_DIVIDING[primitive](operands, params)))
     return infinite & jnp.all(jnp.stack(finite)) if finite else infinite
-
-
-def _holds_nan(primitive, operands: tuple, params: dict, out: Any) -> jax.Array:
-    """Whether a floating point result holds a NaN."""
-    results = [leaf for leaf in jax.tree_util.tree_leaves(out) if _is_float(leaf)]
-    if not results:
-        return jnp.bool_(False)
-    return jnp.any(jnp.stack([jnp.isnan(leaf).any() for leaf in results]))
 
 
 def _is_float(x: Any) -> bool:
