@@ -81,9 +81,12 @@ def test_errors_name_the_steps_argument_and_the_data_of_their_call(strategy):
     x, y = data_for("sequential", samples=64)  # 8 batches of 8
     for call in (lambda: model.evaluate(x, y, batch_size=8, steps=12, verbose=0),
                  lambda: model.predict(x, batch_size=8, steps=12, verbose=0)):
-        with pytest.raises(ValueError, match=r"or choose `steps` dividing 8\."):
+        with pytest.raises(ValueError, match=r"or choose `steps` a multiple of 4 "
+                                             r"\(`steps_per_execution` 4\) that divides 8 "
+                                             r"\(4 or 8\)\."):
             call()
-    with pytest.raises(ValueError, match=r"or choose `steps_per_epoch` dividing 8\."):
+    with pytest.raises(ValueError, match=r"or choose `steps_per_epoch` a multiple of 4 .* "
+                                         r"that divides 8 \(4 or 8\)\."):
         model.fit(x, y, batch_size=8, steps_per_epoch=12, verbose=0)
     val_x, val_y = data_for("sequential", samples=40, seed=1)  # 5 batches
     before = [w.copy() for w in model.get_weights()]

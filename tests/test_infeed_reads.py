@@ -103,3 +103,28 @@ def test_an_infeed_too_short_for_the_programs_loops_together_says_so(replicas):
         else:
             ipu.ipu_strategy.IPUStrategy().run(net)
     assert len(infeed.peek(100)) == 4 * replicas
+
+
+def test_a_trapped_run_of_a_program_traced_per_call_keeps_its_elements():
+    # A loop of x.shape[0] iterations: a new row count reads differently, and the program
+    # is traced for each call, its loops taking their elements as constants. Before: a
+    # run the floating point traps stopped lost them (the kept program's put them back).
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.floating_point_behaviour.inv = True
+    config.configure_ipu_system()
+    infeed, _ = _queues()
+
+    def net(x):
+        total = ipu.loops.repeat(x.shape[0], lambda t, e: t + e, [np.float32(0)], infeed)
+        return (x ** 0.5).sum() + total  # the square root of a negative number traps
+
+    with ipu.scopes.ipu_scope("/device:IPU:0"):
+        ipu.ipu_compiler.compile(net, [np.ones(2, np.float32)])
+        assert _left(infeed)[0] == 2
+        for _ in range(2):
+            with pytest.raises(ipu.errors.IPUFloatingPointError):
+                ipu.ipu_compiler.compile(net, [-np.ones(3, np.float32)])
+            assert _left(infeed)[0] == 2
+        assert float(ipu.ipu_compiler.compile(net, [np.ones(3, np.float32)])[0]) == 3 + 2 + 3 + 4
+        assert _left(infeed)[0] == 5

@@ -293,10 +293,16 @@ def test_steps_that_the_replicas_round_down_are_named_in_the_remedy(strategy):
     on_ipu.compile(**compile_args("sequential", 1))
     x, y = data_for("sequential", samples=40)  # 10 batches of 4
     with pytest.warns(UserWarning, match=r"`steps_per_epoch` \(5\) is being evenly distributed"):
-        with pytest.raises(ValueError, match=r"choose `steps_per_epoch` a multiple of the 2 "
-                                             r"replicas that divides 10 \(2 or 10; 5 runs 4 "
+        with pytest.raises(ValueError, match=r"choose `steps_per_epoch` a multiple of 2 \(2 "
+                                             r"replicas\) that divides 10 \(2 or 10; 5 runs 4 "
                                              r"batches an epoch on 2 replicas\)\.$"):
             on_ipu.fit(x, y, batch_size=4, steps_per_epoch=5, epochs=3, verbose=0)
+    # Whole executions of every replica: 2 x 2 steps (before: 2 was named, and refused).
+    on_ipu.compile(**compile_args("sequential", 2))
+    x, y = data_for("sequential", samples=48)  # 12 batches of 4
+    with pytest.raises(ValueError, match=r"a multiple of 4 \(2 replicas x `steps_per_execution`"
+                                         r" 2\) that divides 12 \(4 or 12; 9 runs 8"):
+        on_ipu.fit(x, y, batch_size=4, steps_per_epoch=9, epochs=2, verbose=0)
 
 
 def test_too_little_data_for_all_replicas(strategy):

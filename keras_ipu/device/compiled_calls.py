@@ -489,10 +489,19 @@ class _Program:
         function = jax.jit(self._function(replicas, checked), static_argnums=2)
         if not checked:
             return self._delivered(replicas, *function(arrays, [], ())[0], self.outfeeds)
-        executable = _checked(function.trace(arrays, [], ()).lower().compile(), replicas,
-                              self.name)
-        (result, outfed), error = attachment.run_checked(executable, self.name, arrays, [])
-        self._raise_trapped(error)
+        # Its loops take their elements as they are traced: back they go should it not run.
+        with feed_reads.reads_undoable() as undo_reads:
+            try:
+                executable = _checked(function.trace(arrays, [], ()).lower().compile(),
+                                      replicas, self.name)
+                (result, outfed), error = attachment.run_checked(executable, self.name,
+                                                                 arrays, [])
+                self._raise_trapped(error)
+            except BaseException:
+                undo_reads()
+                raise
+            if not attachment.runs_programs():  # nothing ran: nothing was taken
+                undo_reads()
         return self._delivered(replicas, result, outfed, self.outfeeds)
 
     @staticmethod

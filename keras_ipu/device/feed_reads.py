@@ -216,6 +216,9 @@ def reads_undoable() -> Iterator[Callable[[], bool]]:
         yield undo
     finally:
         _TAKEN.reset(token)
+        outer = _TAKEN.get()
+        if outer is not None:  # kept here: an enclosing block may still undo them
+            outer.extend(taken)
 
 
 def take_all(plan: list, replicas: int = 1) -> list:

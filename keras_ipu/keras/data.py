@@ -187,15 +187,20 @@ def plan_before_reading(x: Any, steps: int | None, steps_per_execution: int, epo
     return plan_steps(None, steps, steps_per_execution, epochs, replicas, role, warn=False)
 
 
-def _dividing(num_batches: int, steps: int, replicas: int) -> str:
-    """The remedy's choice of steps: dividing the data, a multiple of the replicas."""
-    if replicas == 1:
+def _dividing(num_batches: int, steps: int, replicas: int, steps_per_execution: int) -> str:
+    """The remedy's choice of steps: dividing the data, whole executions of every replica."""
+    unit = replicas * steps_per_execution
+    if unit == 1:
         return f"dividing {num_batches}"
-    choices = [n for n in range(replicas, num_batches + 1, replicas) if num_batches % n == 0]
-    named = " or ".join(map(str, choices)) or f"none: give a multiple of {replicas} batches"
+    choices = [n for n in range(unit, num_batches + 1, unit) if num_batches % n == 0]
+    lower = ", or a smaller `steps_per_execution`" if steps_per_execution > 1 else ""
+    named = " or ".join(map(str, choices)) or f"none: give a multiple of {unit} batches{lower}"
+    reasons = ([f"{replicas} replicas"] if replicas > 1 else []) + (
+        [f"`steps_per_execution` {steps_per_execution}"] if steps_per_execution > 1 else [])
     ran = (f"; {steps} runs {steps - steps % replicas} batches an epoch on {replicas} "
            f"replicas" if steps % replicas else "")
-    return f"a multiple of the {replicas} replicas that divides {num_batches} ({named}{ran})"
+    return (f"a multiple of {unit} ({' x '.join(reasons)}) that divides {num_batches} "
+            f"({named}{ran})")
 
 
 def plan_steps(
@@ -261,7 +266,7 @@ def plan_steps(
             f"Your input does not have enough data. Make sure that your dataset "
             f"or generator can generate at least {consumed * epochs} batches "
             f"(currently it can only generate {num_batches} batches), or choose "
-            f"`{steps_argument}` {_dividing(num_batches, steps, replicas)}."
+            f"`{steps_argument}` {_dividing(num_batches, steps, replicas, steps_per_execution)}."
         )
     to_this_replica = " to this replica" if replicas > 1 else ""
     if steps_per_execution > per_replica:
