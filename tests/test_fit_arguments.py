@@ -387,6 +387,31 @@ def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(stra
     assert calls == [1]  # the first execution's hook, then the next execution refused
 
 
+@pytest.mark.parametrize("start", [False, True])
+def test_asynchronous_callbacks_switched_mid_fit_stop_it_as_any_option(strategy, start):
+    # Before: switched on at an epoch's end it was ignored (the run's program streams no
+    # steps), switched off it took effect: now both stop the run, as any option setter.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    on_ipu.set_asynchronous_callbacks(start)
+    x, y = data_for("sequential", samples=32)
+    ends = []
+
+    def toggle(epoch, logs):
+        ends.append(epoch)
+        on_ipu.set_asynchronous_callbacks(not start)
+
+    with pytest.raises(RuntimeError, match="compiled again \\(or an IPU option of it set\\)"):
+        on_ipu.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                   callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=toggle)])
+    assert ends == [0]
+    on_ipu.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # the new setting
+    from keras_ipu.keras import run
+
+    kept = run.program_for(on_ipu, "fit")
+    on_ipu.set_asynchronous_callbacks(not start)  # the same value again: the program is kept
+    assert kept is not None and run.program_for(on_ipu, "fit") is kept
+
+
 class _Forwarding:
     """A callback wrapper (as tracking libraries make) forwarding every attribute."""
 

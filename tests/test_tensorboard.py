@@ -49,6 +49,12 @@ def test_event_files_hold_the_epoch_logs_and_each_ipus_memory(pipelined, strateg
     np.testing.assert_allclose(_values(train, "epoch_loss"), history["loss"], rtol=1e-6)
     np.testing.assert_allclose(_values(train, "epoch_mae"), history["mae"], rtol=1e-6)
     np.testing.assert_allclose(_values(validation, "epoch_loss"), history["val_loss"], rtol=1e-6)
+    # Each validation's results at the optimizer's step, as Keras' TensorBoard writes them
+    # (before: never written).
+    written = validation.Scalars("evaluation_mae_vs_iterations")
+    np.testing.assert_allclose([e.value for e in written], history["val_mae"], rtol=1e-6)
+    steps = 4 if pipelined else 16  # weight updates an epoch
+    assert [e.step for e in written] == [steps, 2 * steps, 3 * steps]
     np.testing.assert_allclose(_values(train, "epoch_learning_rate"), [0.05] * 3, rtol=1e-6)
     assert len(_values(train, "epoch_steps_per_second")) == 3
     # Batch logs once per execution (4 per epoch), as the callbacks get them, each at its

@@ -31,7 +31,9 @@ class TensorBoard(Callback):
     Scalars (per epoch: `epoch_<metric>`, with `val_` metrics in the
     `validation` run; per batch with `update_freq`: `batch_<metric>`, every
     step with asynchronous callbacks; with `set_replication_options("LIST")`
-    one per replica, `epoch_<metric>/replica_<i>`), the learning rate, weight histograms
+    one per replica, `epoch_<metric>/replica_<i>`; each evaluation's results,
+    `evaluation_<metric>_vs_iterations` at the optimizer's step, in the
+    `validation` run), the learning rate, weight histograms
     (`histogram_freq`), kernels as images (`write_images`), the model summary
     as text (`write_graph`: there is no TensorFlow graph), and the IPUs of the
     execution report: `ipu/memory_bytes/ipu_<i>`,
@@ -149,6 +151,18 @@ class TensorBoard(Callback):
             self._write_weights(train, epoch)
         for writer in self._writers.values():
             writer.flush()
+
+    def on_test_end(self, logs=None):
+        # An evaluation's results (fit's validation, or `evaluate`'s), at the optimizer's
+        # step, as Keras' TensorBoard writes them.
+        iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
+        if iterations is None:
+            return
+        writer = self._writer("validation")
+        step = int(np.asarray(iterations))
+        for name, value in _scalars(logs, _per_replica(self.model)).items():
+            writer.add_scalar(f"evaluation_{name}_vs_iterations", value, step)
+        writer.flush()
 
     def on_train_end(self, logs=None):
         for writer in self._writers.values():

@@ -230,9 +230,11 @@ class ExtensionBase:
         >>> model.set_asynchronous_callbacks(True)
         >>> model.fit(x, y, batch_size=4, callbacks=[my_per_batch_callback])
         """
-        options.set_options(
-            self, options.asynchronous_callbacks_option(options.options_of(self), asynchronous)
-        )
+        before = options.options_of(self)
+        new = options.asynchronous_callbacks_option(before, asynchronous)
+        options.set_options(self, new)
+        if new != before:  # a program streams its steps or not: as any option, not mid-run
+            run.forget_programs(self)
 
     def set_infeed_queue_options(self, **kwargs):
         """Sets the options of the infeed that moves the data to the IPUs.
