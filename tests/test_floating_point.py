@@ -302,6 +302,20 @@ def test_a_reciprocal_of_zero_is_div0s_not_oflos(operation):
         assert (error.get() is not None) == trapped, (name, error.get())
 
 
+def test_a_captured_keras_variable_is_no_constant_to_the_traps():
+    # Captured by the function, its value lives on the device, as an IPU's variable: the
+    # operations on it alone are checked (a first form skipped them as constants').
+    _configure(1, "oflo", "div0")
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        big, zero = keras.Variable(np.full(3, 1e38, "float32")), keras.Variable(np.zeros(3))
+    x = np.ones(3, "float32")
+    for fn, names in ((lambda x: big * 10.0 + x, "overflow in primitive: mul"),
+                      (lambda x: 1.0 / zero + x, "division by zero in primitive: div")):
+        with pytest.raises(IPUFloatingPointError, match=names):
+            strategy.run(fn, args=(x,))
+
+
 def test_the_traps_survive_a_reload_of_their_module():
     # Before: the reloaded module's errors were never checked (the rules held the old ones).
     import importlib

@@ -128,3 +128,20 @@ def test_a_trapped_run_of_a_program_traced_per_call_keeps_its_elements():
             assert _left(infeed)[0] == 2
         assert float(ipu.ipu_compiler.compile(net, [np.ones(3, np.float32)])[0]) == 3 + 2 + 3 + 4
         assert _left(infeed)[0] == 5
+
+
+def test_a_per_call_program_whose_loop_fails_to_trace_puts_each_element_back_once():
+    # Before: the failing loop put its elements back, and the program's undo again.
+    configure(1)
+    user, _ = _queues(6)
+
+    def program():
+        own = ipu.ipu_infeed_queue.IPUInfeedQueue([np.float32(100)] * 2)  # traced per call
+        a = ipu.loops.repeat(2, lambda t, x: t + x, [np.float32(0)], own)
+        b = ipu.loops.repeat(2, lambda t, x: t + x, [a], user)
+        return ipu.loops.repeat(2, lambda t, x: (t + x, t), [b], user)  # 2 values for 1
+
+    with pytest.raises(ValueError, match="returned 2 values for 1"):
+        with ipu.scopes.ipu_scope("/device:IPU:0"):
+            ipu.ipu_compiler.compile(program)
+    assert _left(user) == [0, 1, 2, 3, 4, 5]

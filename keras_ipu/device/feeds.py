@@ -179,7 +179,6 @@ def repeat(n: int, body: Callable, inputs: Any = None,
             raise ValueError(feed_reads.ran_out(len(infeed_queue.peek(n * replicas)), n,
                                                     replicas))
         taken = infeed_queue.take(n * replicas)
-        feed_reads.taken_in_trace(infeed_queue, taken)
         try:
             data = _own_elements(elements.stacked(taken), replicas)
         except BaseException:  # elements of another shape: they stay in the queue
@@ -206,6 +205,8 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         if taken is not None:  # the loop did not run: its elements stay in the queue
             infeed_queue.put_back(taken)
         raise
+    if taken is not None:  # traced: an enclosing trace may yet undo it (`reads_undoable`)
+        feed_reads.taken_in_trace(infeed_queue, taken)
     for (queue, block), values in zip(layout, outfed):
         if block:  # [n, inner iterations, ...] -> one value per inner iteration, in order
             values = jax.tree_util.tree_map(lambda a: a.reshape((-1, *a.shape[2:])), values)

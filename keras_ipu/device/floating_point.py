@@ -250,9 +250,9 @@ def _checked_rule(rule: Callable, primitive, error_type: type, raised: Callable)
     def checked_rule(error, enabled_errors, *operands, **params):
         error, out = rule(error, enabled_errors, *operands, **params)
         # Of constants only (a literal NaN that JAX casts, then selects away), the
-        # result is folded when the program compiles: no operation runs to raise.
-        if error_type in enabled_errors and any(isinstance(x, jax.core.Tracer)
-                                                for x in operands):
+        # result is folded when the program compiles: no operation runs to raise. A
+        # JAX array the program captured (a Keras variable) is on the device: it counts.
+        if error_type in enabled_errors and any(isinstance(x, jax.Array) for x in operands):
             error = checkify_rules.assert_func(
                 error, raised(primitive, operands, params, out),
                 error_type(checkify_rules.get_traceback(), primitive.name))
