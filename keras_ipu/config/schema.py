@@ -28,13 +28,12 @@ from keras_ipu.config.attributes import (
 )
 from keras_ipu.config.enums import (
     DeviceConnectionType,
-    MergeRemoteBuffersBehaviour,
     SchedulingAlgorithm,
     SelectionOrder,
     StochasticRoundingBehaviour,
 )
+from keras_ipu.config.optimizations import OPTIMIZATIONS, ignored
 
-NO_EFFECT = "no effect on the device model (accepted and validated)."
 IPU_VERSIONS = ("ipu1", "ipu2", "ipu21")
 
 # The type the reference gives both IPU selection options.
@@ -64,17 +63,13 @@ _AT_MOST_A_POD1024 = attributes.Check(
     lambda value: sum(value) <= 1024 if isinstance(value, (list, tuple)) else True)
 
 
-def _ignored(name, type_, default, doc, checks=()) -> Option:
-    return Option(name, type_, default, doc, effect=NO_EFFECT, checks=checks)
-
-
 # Poplar takes its options by name: a key that is not a string could not be one.
 _NAMED = attributes.Check("must have option names (strings) as keys",
                           lambda options: all(isinstance(key, str) for key in options))
 
 
 def _poplar_options(doc: str, checks=()) -> Option:
-    return _ignored("poplar_options", dict, {}, doc, (_NAMED, *checks))
+    return ignored("poplar_options", dict, {}, doc, (_NAMED, *checks))
 
 
 _CONVOLUTIONS = Category(
@@ -120,7 +115,7 @@ _DEVICE_CONNECTION = Category(
             "the connection type.",
             checks=(one_of("", *IPU_VERSIONS),),
         ),
-        _ignored(
+        ignored(
             "enable_remote_buffers",
             bool,
             False,
@@ -171,7 +166,7 @@ _EXPERIMENTAL = Category(
     "Sub-category containing experimental configuration options that may be changed or "
     "removed with short or no notice.",
     (
-        _ignored(
+        ignored(
             "always_rearrange_copies_on_the_host",
             bool,
             False,
@@ -179,7 +174,7 @@ _EXPERIMENTAL = Category(
             "device and on the host; if so it is rearranged on the device by default. When "
             "enabled, the rearrangement is performed on the host at the expense of latency.",
         ),
-        _ignored(
+        ignored(
             "enable_remote_buffer_embedding",
             bool,
             False,
@@ -262,13 +257,13 @@ _IO_TILES = Category(
                       "flops of the other tiles (the memory check and the estimated cycles "
                       "count those); it must leave at least one tile",
                checks=(at_least(0),)),
-        _ignored(
+        ignored(
             "place_ops_on_io_tiles",
             bool,
             False,
             "Whether to place TensorFlow I/O operations on the I/O tiles.",
         ),
-        _ignored(
+        ignored(
             "available_memory_proportion",
             float,
             0.9,
@@ -288,7 +283,7 @@ _IPU_MODEL = Category(
     "(TF_POPLAR_FLAGS=--use_ipu_model); keras_ipu always runs its device model, so they "
     "always apply.",
     (
-        _ignored(
+        ignored(
             "compile_ipu_code", bool, True, "Whether or not to compile IPU code for modelling."
         ),
         Option(
@@ -318,7 +313,7 @@ _MATMULS = Category(
     "matmuls",
     "Sub-category containing configuration options that affect matmuls.",
     (
-        _ignored(
+        ignored(
             "clear_pass_type",
             bool,
             False,
@@ -343,7 +338,7 @@ _NORMS = Category(
     "to all normalisation operations (Fused Batch Norm, IPU Specific Group Norm, IPU "
     "Specific Layer Norm and IPU Specific Instance Norm).",
     (
-        _ignored(
+        ignored(
             "use_stable_statistics",
             bool,
             False,
@@ -384,151 +379,6 @@ _NORMS = Category(
 )
 
 
-def _buffer_size(name: str, doc: str, default: int = 0) -> Option:
-    return _ignored(name, int, default, doc, (at_least(0),))
-
-
-_OPTIMIZATIONS = Category(
-    "optimizations",
-    "Sub-category containing configuration options that control a variety of optimizations "
-    "made when lowering the TensorFlow graph to Poplar.",
-    (
-        _ignored(
-            "prefetch_data_streams",
-            bool,
-            True,
-            "If True (default), prefetching of data for data streams on the host will be "
-            "overlapped with execution on the IPU.",
-        ),
-        _ignored(
-            "combine_embedding_lookups",
-            bool,
-            False,
-            "If True, fuse embedding lookups which are on the same tensor. This might "
-            "improve performance but increase memory usage.",
-        ),
-        _ignored(
-            "combine_matmuls",
-            bool,
-            False,
-            "If True, fuse matmul operations if they share the same weights or the same input.",
-        ),
-        _ignored(
-            "enable_graph_outlining",
-            bool,
-            True,
-            "If True (default), operations in the graph which are the same but with different "
-            "input tensors may be outlined: the same code is re-used to execute them, saving "
-            "program memory at the cost of exchanging their inputs.",
-        ),
-        _ignored(
-            "merge_infeed_io_copies",
-            bool,
-            False,
-            "If True, merge the streamed host to device input copies into one larger copy. "
-            "This may reduce the time to copy data from the host, at the expense of "
-            "increasing the live tensor memory on the device.",
-        ),
-        _buffer_size(
-            "maximum_cross_replica_sum_buffer_size",
-            "The maximum number of bytes that can be waiting before a cross replica sum op is "
-            "scheduled. 0 (default) means that they are scheduled immediately.",
-        ),
-        _buffer_size(
-            "maximum_reduce_scatter_buffer_size",
-            "The maximum number of bytes that can be waiting before a reduce scatter op is "
-            "scheduled.",
-        ),
-        _buffer_size(
-            "maximum_inter_ipu_copies_buffer_size",
-            "The maximum number of bytes that can be waiting before an inter IPU copy between "
-            "IPUs is scheduled.",
-        ),
-        _buffer_size(
-            "maximum_send_recv_cluster_size",
-            "The maximum number of bytes that can be waiting before a cluster of send/recv "
-            "instructions to/from the host is scheduled.",
-        ),
-        _buffer_size(
-            "minimum_remote_tensor_size",
-            "The minimum size (in bytes) a tensor must be in order to be considered for being "
-            "stored in remote memory.",
-            default=128,
-        ),
-        _ignored(
-            "merge_remote_buffers",
-            MergeRemoteBuffersBehaviour,
-            MergeRemoteBuffersBehaviour.IF_BENEFICIAL,
-            "Whether to merge compatible remote buffers. Merging of remote buffers can allow "
-            "for more code re-use if the only difference between computations are the remote "
-            "buffers being accessed. Must be a MergeRemoteBuffersBehaviour.",
-        ),
-        _ignored(
-            "enable_gather_simplifier",
-            bool,
-            True,
-            "If True (default), more aggressive optimizations will be done on embedding lookups.",
-        ),
-        _buffer_size(
-            "triangular_solve_expander_block_size",
-            "Defines the block size for the triangular solver expander. A value of 0 "
-            "(default) selects an implementation defined default.",
-        ),
-        _buffer_size(
-            "cholesky_block_size",
-            "Defines the block size for the Cholesky factoriser. A value of 0 (default) "
-            "selects an implementation defined default.",
-        ),
-        _ignored(
-            "enable_fast_math",
-            bool,
-            False,
-            "Enables optimizations which allow arbitrary reassociations and transformations "
-            "of mathematical operations with no accuracy guarantees (SDK 3 moved it to "
-            "optimizations.math.fast).",
-        ),
-        # SDK 3's additions, which ported code sets.
-        _buffer_size(
-            "maximum_reduce_many_buffer_size",
-            "The maximum number of bytes that can be waiting before a reduce-many op (reductions "
-            "of several tensors at once) is scheduled.",
-        ),
-        _buffer_size(
-            "maximum_all_gather_buffer_size",
-            "The maximum number of bytes that can be waiting before an all-gather op is "
-            "scheduled.",
-        ),
-        _ignored(
-            "enable_dynamic_slice_replacement",
-            bool,
-            True,
-            "If True (default), dynamic slices and updates are replaced by multi-slices and "
-            "multi-updates, which Poplar can plan for parallelism and memory.",
-        ),
-        Category(
-            "math",
-            "Sub-category containing configuration options for the simplification of "
-            "algebraic expressions (SDK 3).",
-            (
-                _ignored(
-                    "fast",
-                    bool,
-                    False,
-                    "Enables optimizations which allow arbitrary reassociations and "
-                    "transformations of mathematical operations with no accuracy guarantees.",
-                ),
-                _ignored(
-                    "dot_strength",
-                    bool,
-                    True,
-                    "If True (default), a dot product whose operands have only batch and "
-                    "contracting dimensions is computed as an elementwise multiplication.",
-                ),
-            ),
-        ),
-    ),
-)
-
 _SLICES = Category(
     "slices",
     "Sub-category containing configuration options that affect slices of embeddings (SDK 3).",
@@ -559,7 +409,7 @@ _SCHEDULING = Category(
     "Sub-category containing configuration options that affect the scheduling of "
     "operations in the graph during compilation.",
     (
-        _ignored(
+        ignored(
             "algorithm",
             SchedulingAlgorithm,
             SchedulingAlgorithm.CHOOSE_BEST,
@@ -569,7 +419,7 @@ _SCHEDULING = Category(
         ),
         # A depth or search space of 0 would leave LOOK_AHEAD nothing to
         # search, so both must be at least 1.
-        _ignored(
+        ignored(
             "maximum_scheduler_lookahead_depth",
             int,
             5,
@@ -578,7 +428,7 @@ _SCHEDULING = Category(
             "SchedulingAlgorithm.LOOK_AHEAD.",
             (at_least(1),),
         ),
-        _ignored(
+        ignored(
             "maximum_scheduler_search_space_size",
             int,
             64,
@@ -614,14 +464,14 @@ IPU_CONFIG_SCHEMA = Category(
             "ZIGZAG keep the natural order; SNAKE (0, 1, 3, 2, 4, 5, 7, 6, ...) and HOOF "
             "(0, 2, 4, ..., 5, 3, 1) generalise the reference's 16-IPU orders to any count.",
         ),
-        _ignored(
+        ignored(
             "serialization_output_folder",
             str,
             "",
             "Specifies the directory in which serialized Poplar executables will be saved. The "
             'default ("") disables executable serialization.',
         ),
-        _ignored(
+        ignored(
             "compilation_poplar_options",
             dict,
             {},
@@ -629,7 +479,7 @@ IPU_CONFIG_SCHEMA = Category(
             "Poplar compilation flags (see the Engine class in the Poplar API reference).",
             checks=(_NAMED,),
         ),
-        _ignored(
+        ignored(
             "gcl_poplar_options",
             dict,
             {},
@@ -672,7 +522,7 @@ IPU_CONFIG_SCHEMA = Category(
         _IPU_MODEL,
         _MATMULS,
         _NORMS,
-        _OPTIMIZATIONS,
+        OPTIMIZATIONS,
         _POOLING,
         _SCHEDULING,
         _SLICES,

@@ -552,11 +552,8 @@ class ExecutionProgram:
         # IPUs that share a device run batched in its program: each gets its share.
         sharing = self.replicas.ipus_per_device
         memory = accounting.memory_use(
-            compiled,
-            state_bytes=accounting.tree_bytes(state) // count,
-            io_bytes=execution_io // (compiled_steps * count),
-            ipus_per_device=sharing,
-        )
+            compiled, state_bytes=accounting.tree_bytes(state) // count,
+            io_bytes=execution_io // (compiled_steps * count), ipus_per_device=sharing)
         # An IPU keeps 16-bit values in 16 bits, and streams its outfeed out; XLA:CPU does not.
         memory = precision.held_in_16_bits(memory, traced.traced.jaxpr, self.device.platform)
         memory = accounting.without_streamed_outfeed(

@@ -203,15 +203,8 @@ def _dividing(num_batches: int, steps: int, replicas: int, steps_per_execution: 
             f"({named}{ran})")
 
 
-def plan_steps(
-    num_batches: int | None,
-    steps: int | None,
-    steps_per_execution: int,
-    epochs: int,
-    replicas: int = 1,
-    role: str = "fit",
-    warn: bool = True,
-) -> FeedPlan:
+def plan_steps(num_batches: int | None, steps: int | None, steps_per_execution: int,
+               epochs: int, replicas: int = 1, role: str = "fit", warn: bool = True) -> FeedPlan:
     """Applies the step rules to the size of the data (`warn`: its warnings too).
 
     Raises:
@@ -256,12 +249,8 @@ def plan_steps(
     # When epochs continue through the data, an epoch that begins inside a
     # pass must end inside it: the device cannot run the part-execution a
     # shortfall would leave. (Without `steps`, each epoch is a new pass.)
-    if (
-        continues
-        and num_batches is not None
-        and (consumed > num_batches or num_batches % consumed)
-        and consumed * epochs > num_batches
-    ):
+    if (continues and num_batches is not None and consumed * epochs > num_batches
+            and (consumed > num_batches or num_batches % consumed)):
         raise ValueError(
             f"Your input does not have enough data. Make sure that your dataset "
             f"or generator can generate at least {consumed * epochs} batches "

@@ -210,9 +210,8 @@ class ExtensionBase:
         (or predictions) out of the on-device loop as it runs, and the batch
         callbacks and the progress bar get every step, in step order, on a
         host thread of their own (`keras_ipu-callbacks`), while the device
-        goes on. With replication each step
-        is reported once per replica (logs reduced as
-        `set_replication_options` says; with `"NONE"` each replica's own).
+        goes on. With replication each step is reported once per replica
+        (logs reduced as `set_replication_options` says; `"NONE"`: each replica's own).
         A pipelined model streams its micro-batches once per weight update
         when training, and with the execution when evaluating or predicting.
         With `False` (the default) callbacks run once per execution with its
@@ -230,10 +229,9 @@ class ExtensionBase:
         >>> model.set_asynchronous_callbacks(True)
         >>> model.fit(x, y, batch_size=4, callbacks=[my_per_batch_callback])
         """
-        before = options.options_of(self)
-        new = options.asynchronous_callbacks_option(before, asynchronous)
-        options.set_options(self, new)
-        if new != before:  # a program streams its steps or not: as any option, not mid-run
+        new = options.asynchronous_callbacks_option(options.options_of(self), asynchronous)
+        if new != options.options_of(self):  # a program streams its steps or not: not mid-run
+            options.set_options(self, new)
             run.forget_programs(self)
 
     def set_infeed_queue_options(self, **kwargs):
