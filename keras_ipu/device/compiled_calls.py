@@ -76,23 +76,6 @@ def in_compiled_program() -> bool:
     return program_outfeeds.program_outfeeds() is not None
 
 
-def infeed_inputs() -> Any:
-    """The infeed data of the program being traced, for its loops to read.
-
-    Returns:
-        An object whose `take(queue, iterations)` gives the loop's elements
-        stacked on a leading axis (this replica's, in a replicated
-        program), or `None` when the loops take their elements themselves
-        (eagerly, or in a program traced for one call).
-
-    Example:
-
-    >>> feeds = infeed_inputs()
-    >>> data = feeds.take(infeed, 10) if feeds is not None else None
-    """
-    return feed_reads.current()
-
-
 def without_operations(result: Any) -> Any:
     """`result` with the operations it holds (outfeed markers) as `None`.
 

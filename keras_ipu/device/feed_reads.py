@@ -15,7 +15,7 @@ Example:
 ```python
 taken = take_all(plan, replicas)
 with reading(FeedInputs(plan, data)):
-    traced = fn()        # each loop's `infeed_inputs().take(queue, n)` gets its data
+    traced = fn()        # each loop's `current().take(queue, n)` gets its data
 ```
 """
 
@@ -164,14 +164,32 @@ class FeedProbe(FeedReads):
 
 
 def current() -> FeedReads | None:
-    """The reads of the program being traced here, or `None` (eagerly, or in a program
-    traced for one call, whose loops take their elements themselves)."""
+    """The reads of the program being traced here.
+
+    Returns:
+        Its `FeedReads`, or `None` (eagerly, or in a program traced for one
+        call, whose loops take their elements themselves).
+
+    Example:
+
+    >>> reads = current()
+    >>> data = reads.take(infeed, 10) if reads is not None else None
+    """
     return _READS.get()
 
 
 @contextlib.contextmanager
 def reading(reads: FeedReads | None) -> Iterator[None]:
-    """Makes `reads` the program's reads while its function is traced in the block."""
+    """Makes `reads` the program's reads while its function is traced in the block.
+
+    Args:
+        reads: The program's reads, or `None` (its loops take their own).
+
+    Example:
+
+    >>> with reading(FeedInputs(plan, data)):
+    ...     traced = fn()
+    """
     token = _READS.set(reads)
     try:
         yield
@@ -180,7 +198,16 @@ def reading(reads: FeedReads | None) -> Iterator[None]:
 
 
 def taken_in_trace(queue: queues.IPUInfeedQueue, taken: list) -> None:
-    """Records elements a loop being traced took from `queue` itself (as constants)."""
+    """Records elements a loop traced in a `reads_undoable` block took from `queue` itself.
+
+    Args:
+        queue: The loop's infeed.
+        taken: The elements it took (constants of the trace), in order.
+
+    Example:
+
+    >>> taken_in_trace(infeed, infeed.take(4))   # after the loop traced
+    """
     record = _TAKEN.get()
     if record is not None:
         record.append((queue, taken))
@@ -224,8 +251,19 @@ def reads_undoable() -> Iterator[Callable[[], bool]]:
 def take_all(plan: list, replicas: int = 1) -> list:
     """Each planned read's elements (R per iteration), taken once every read has them all.
 
+    Args:
+        plan: The program's `(queue, iterations)` reads, in order.
+        replicas: The replicas, each taking its own element per iteration.
+
+    Returns:
+        Per read, its elements in order.
+
     Raises:
         ValueError: When a queue has too few for its reads (nothing is taken).
+
+    Example:
+
+    >>> taken = take_all([(infeed, 4)], replicas=2)   # 8 elements
     """
     needed: dict = {}
     for queue, count in plan:
@@ -268,6 +306,15 @@ def ran_out(left: int, iterations: int, replicas: int = 1, before: int = 0) -> s
 
 
 def put_back(plan: list, taken: list) -> None:
-    """Returns `take_all`'s elements to their queues (the program did not run)."""
+    """Returns `take_all`'s elements to their queues (the program did not run).
+
+    Args:
+        plan: The plan they were taken for.
+        taken: What `take_all` returned.
+
+    Example:
+
+    >>> put_back(plan, take_all(plan))   # the queues are as they were
+    """
     for (queue, _), taken_elements in reversed(list(zip(plan, taken))):
         queue.put_back(taken_elements)

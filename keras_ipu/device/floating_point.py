@@ -108,6 +108,7 @@ _OVERFLOWING = (lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.dot_general_p,
                 lax.scatter_mul_p, lax.select_and_scatter_add_p, lax.psum_p,
                 lax.reduce_window_p, lax.reduce_p, ad_util.add_jaxvals_p)
 
+
 def _library_folders() -> tuple[str, ...]:
     """The folders of the array libraries' own frames, left out of where an exception
     happened: JAX's, keras_ipu's, and Keras' backend and ops (a layer's `call` stays)."""
