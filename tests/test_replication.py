@@ -122,6 +122,28 @@ def test_fit_history_follows_the_reduction(strategy):
     assert history.history["loss"] == [pytest.approx(2.5)]
 
 
+def test_the_reduction_set_by_a_callback_mid_fit_stops_it_as_any_option(strategy):
+    # Before: the run went on with its old reduction to its end, silently (the program
+    # reduces the replicas' logs), and the new one held from the next fit.
+    configure(2)
+    with strategy.scope():
+        model = _zero_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mae", steps_per_execution=2)
+    x, y = np.zeros((8, 1), "float32"), np.arange(1, 9, dtype="float32")[:, None]
+    calls = []
+
+    def set_reduction(batch, logs):
+        calls.append(batch)
+        model.set_replication_options("SUM")
+
+    with pytest.raises(RuntimeError, match="compiled again \\(or an IPU option of it set\\)"):
+        model.fit(x, y, batch_size=1, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=set_reduction)])
+    assert calls == [1]  # the first execution's hook, then the next execution refused
+    history = model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert history.history["loss"] == [pytest.approx(4.0 + 5.0)]  # replicas' means summed
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_vector_metric_is_reduced_over_the_replicas_not_its_own_axis(pipelined, strategy):
     # F1Score(average=None) logs one value per class: MEAN and SUM keep the vector

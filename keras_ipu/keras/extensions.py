@@ -200,8 +200,8 @@ class ExtensionBase:
 
         >>> model.set_replication_options("mean")
         """
-        method = replicated_metric_reduction_method
-        options.set_options(self, options.replication_options(options.options_of(self), method))
+        method = replicated_metric_reduction_method  # in the programs' key: not mid-run
+        run.change_options(self, options.replication_options(options.options_of(self), method))
 
     def set_asynchronous_callbacks(self, asynchronous=False):
         """Sets whether batch callbacks run for every step while the device runs.
@@ -229,10 +229,8 @@ class ExtensionBase:
         >>> model.set_asynchronous_callbacks(True)
         >>> model.fit(x, y, batch_size=4, callbacks=[my_per_batch_callback])
         """
-        new = options.asynchronous_callbacks_option(options.options_of(self), asynchronous)
-        if new != options.options_of(self):  # a program streams its steps or not: not mid-run
-            options.set_options(self, new)
-            run.forget_programs(self)
+        current = options.options_of(self)  # a program streams its steps or not: not mid-run
+        run.change_options(self, options.asynchronous_callbacks_option(current, asynchronous))
 
     def set_infeed_queue_options(self, **kwargs):
         """Sets the options of the infeed that moves the data to the IPUs.

@@ -14,7 +14,7 @@ from typing import Any
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import context
+from keras_ipu.keras import context, options
 
 MODES = ("fit", "evaluate", "predict")
 
@@ -160,3 +160,16 @@ def forget_programs(model: Any) -> None:
     True
     """
     context.state_of(model).programs.clear()
+
+
+def change_options(model: Any, new: options.IPUOptions) -> None:
+    """Sets a model's IPU options, dropping its programs only when they change (a run in
+    progress then stops at its next execution boundary: `programs.RECOMPILED`).
+
+    Example:
+
+    >>> change_options(model, options.replication_options(options.options_of(model), "sum"))
+    """
+    if new != options.options_of(model):
+        options.set_options(model, new)
+        forget_programs(model)
