@@ -1,8 +1,12 @@
-"""What crosses a pipeline stage boundary: each sample's tensors as float32 rows, with their masks.
+"""What crosses a pipeline stage boundary: each sample's tensors as rows, with their masks.
 
-A stage sends the next a bundle `[batch + 1, width]` (`PipelinedModel.bundle_shape`):
+A stage sends the next a bundle `[batch + 1, width]` (`PipelinedModel.bundle`):
 row `i < batch` holds sample `i`'s tensors flattened, each followed by the
 Keras mask it carries; these functions write and read one tensor's part.
+The last row carries the additional losses of the stages so far
+(`carry_loss`). A bundle is float32, or the 16-bit float type of every
+tensor it carries (a mixed precision model's activations), as an IPU sends
+them (`bundle_dtype`).
 How many values a tensor takes is its `Sample`: the per-sample shapes of its
 values and mask, from the graph, or for an axis the graph leaves `None`
 (a sequence's length) from the inputs the program is built for
@@ -20,6 +24,7 @@ value, offset = receive(bundle[:-1], offset, tensor, sample)  # the receiver's t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -99,7 +104,92 @@ def symbolic_mask(tensor):
     return masking.get_keras_mask(tensor)
 
 
-def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
+def bundle_dtype(dtypes) -> np.dtype:
+    """The type of a bundle carrying tensors of `dtypes`: float32, or their 16-bit float type.
+
+    A bundle of 16-bit values halves what crosses the boundary, and the
+    activations' gradients are computed in that type in plain Keras too. It
+    needs every tensor in that one type (bool values and masks are exact in
+    it); anything else crosses as float32 (32-bit integers as their bits).
+
+    Example:
+
+    >>> bundle_dtype(["float16", "bool"]), bundle_dtype(["float16", "int32"])
+    (dtype('float16'), dtype('float32'))
+    """
+    kinds = {jnp.dtype(dtype) for dtype in dtypes} - {jnp.dtype(bool)}
+    if len(kinds) == 1 and kinds <= {jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)}:
+        return kinds.pop()
+    return jnp.dtype(jnp.float32)
+
+
+# A 16-bit bundle carries the float32 loss's bits as 8-bit whole numbers, exact in
+# float16 and bfloat16 (its bits as two 16-bit values could be NaN patterns, which
+# XLA:CPU may rewrite), then a zero that carries its gradient.
+_LOSS_BYTES = (24, 16, 8, 0)
+LOSS_WIDTH = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.float16): len(_LOSS_BYTES) + 1,
+              jnp.dtype(jnp.bfloat16): len(_LOSS_BYTES) + 1}
+
+
+@jax.custom_jvp
+def _gradient_only(x):
+    """Zero, whose derivative is `x`'s: the loss's gradient crosses a 16-bit bundle with it."""
+    return jnp.zeros_like(x)
+
+
+@_gradient_only.defjvp
+def _gradient_only_jvp(primals, tangents):
+    return jnp.zeros_like(primals[0]), tangents[0]
+
+
+def carry_loss(loss, width: int, dtype) -> Any:
+    """The bundle's last row: the additional loss so far, exactly, with its gradient.
+
+    A float32 bundle holds it in its first value. A 16-bit one holds its
+    float32 bits as four bytes, each a whole number (rounding the loss to 16
+    bits would change the logged loss), and then a zero that carries its
+    gradient.
+
+    Args:
+        loss: The float32 scalar.
+        width: The bundle's width (at least `LOSS_WIDTH[dtype]`).
+        dtype: The bundle's type.
+
+    Returns:
+        `[1, width]` of `dtype`; `carried_loss` reads it back.
+
+    Example:
+
+    >>> carried_loss(carry_loss(jnp.float32(0.1), 8, jnp.float16))
+    Array(0.1, dtype=float32)
+    """
+    row = jnp.zeros((1, width), dtype)
+    if jnp.dtype(dtype) == jnp.float32:
+        return row.at[0, 0].set(loss)
+    bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(loss), jnp.uint32)
+    parts = [(bits >> shift) & 0xFF for shift in _LOSS_BYTES] + [_gradient_only(loss)]
+    return row.at[0, :len(parts)].set(jnp.stack([part.astype(dtype) for part in parts]))
+
+
+def carried_loss(bundle) -> Any:
+    """The additional loss a bundle's last row carries (see `carry_loss`), float32.
+
+    Example:
+
+    >>> carried_loss(jnp.zeros((5, 8)))
+    Array(0., dtype=float32)
+    """
+    if bundle.dtype == jnp.float32:
+        return bundle[-1, 0]
+    parts = jax.lax.stop_gradient(bundle[-1, :len(_LOSS_BYTES)]).astype(jnp.uint32)
+    bits = functools.reduce(jnp.bitwise_or, [parts[i] << shift
+                                             for i, shift in enumerate(_LOSS_BYTES)])
+    gradient = bundle[-1, len(_LOSS_BYTES)].astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) + gradient
+
+
+def send(value, batch: int, tensor, stage: int, sample: Sample,
+         dtype=jnp.float32) -> list:
     """A tensor's bundle rows, then its mask's where the graph's tensor has one.
 
     Keras layers find a mask on the tensor itself (a `Dense` passes it on, a
@@ -111,17 +201,18 @@ def send(value, batch: int, tensor, stage: int, sample: Sample) -> list:
         tensor: The graph's tensor.
         stage: The sending stage (for errors).
         sample: The tensor's `Sample` for this program's inputs.
+        dtype: The bundle's type (`bundle_dtype`).
 
     Returns:
-        The `[batch, values]` float32 parts: the tensor's, then its mask's.
+        The `[batch, values]` parts of `dtype`: the tensor's, then its mask's.
 
     Raises:
         ValueError: As `to_bundle`.
     """
-    parts = [to_bundle(value, batch, tensor, stage, sample.dtype or tensor.dtype)]
+    parts = [to_bundle(value, batch, tensor, stage, sample.dtype or tensor.dtype, dtype)]
     if symbolic_mask(tensor) is not None:
         sent = carried_mask(value, batch, sample.mask)
-        parts.append(jnp.reshape(sent, (batch, -1)).astype(jnp.float32))
+        parts.append(jnp.reshape(sent, (batch, -1)).astype(dtype))
     return parts
 
 
@@ -137,13 +228,14 @@ def carried_mask(value, batch: int, shape) -> Any:
     return jnp.ones((batch, *shape), bool) if mask is None else mask
 
 
-def to_bundle(value, batch: int, tensor, stage: int, dtype=None):
-    """A tensor a stage sends on, as `[batch, values]` float32 rows of the bundle.
+def to_bundle(value, batch: int, tensor, stage: int, dtype=None, bundle=jnp.float32):
+    """A tensor a stage sends on, as `[batch, values]` rows of a bundle of type `bundle`.
 
-    32-bit integers travel as their bits (a float32 cast would round those
-    above 2**24); narrower types are exact in float32. A tensor goes in
-    `dtype` (its `Sample`'s: the type the layers give it), as the receiving
-    stage reads it.
+    In a float32 bundle 32-bit integers travel as their bits (a float32 cast
+    would round those above 2**24); narrower types are exact in float32. A
+    16-bit bundle carries only its own type and bools (`bundle_dtype`). A
+    tensor goes in `dtype` (its `Sample`'s: the type the layers give it), as
+    the receiving stage reads it.
 
     Raises:
         ValueError: For a tensor without the batch as its first axis.
@@ -152,7 +244,7 @@ def to_bundle(value, batch: int, tensor, stage: int, dtype=None):
     flat = value.reshape(batch, -1).astype(dtype or tensor.dtype)
     if _sent_as_bits(flat.dtype):
         return jax.lax.bitcast_convert_type(flat, jnp.float32)
-    return flat.astype(jnp.float32)
+    return flat.astype(bundle)
 
 
 def check_batched(shape: tuple, batch: int, tensor, stage: int) -> None:

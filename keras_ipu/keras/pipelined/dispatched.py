@@ -233,7 +233,7 @@ class DispatchedFit:
                  for part in TRAINING_STATE_PARTS}
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype),
                                        batches)
-        bundle = jax.ShapeDtypeStruct(self.p.bundle_shape(batch[0]), jnp.float32)
+        bundle = self.p.bundle(batch[0])
         acc = jax.eval_shape(lambda: self.stages.grads.zeros(self.accumulators))
         return local, batch, bundle, jax.ShapeDtypeStruct((), jnp.int32), acc
 
@@ -329,7 +329,7 @@ class DispatchedFit:
 
             ops = each(compiled)
             return DispatchedExecutable(
-                run=_Runner(self, ops, bundle.shape).run,
+                run=_Runner(self, ops, bundle).run,
                 memory=self._memory(each(memory), local, batch, last[1][2]),
                 compiler=(f"stage ops: {step_options.describe()}; "
                           f"optimizer steps: {update_options.describe()}"),
@@ -369,11 +369,11 @@ class DispatchedFit:
 class _Runner:
     """Dispatches one execution's ops in table order (see `DispatchedFit`)."""
 
-    def __init__(self, fit: DispatchedFit, ops: _Ops, bundle_shape: tuple[int, int]):
+    def __init__(self, fit: DispatchedFit, ops: _Ops, bundle: jax.ShapeDtypeStruct):
         self.fit, self.ops = fit, ops
         self.mapping, self.devices = fit.p.device_mapping, fit.devices
         # Stage 0's input: no additional losses come before it (never donated).
-        self.first_input = jax.device_put(np.zeros(bundle_shape, np.float32),
+        self.first_input = jax.device_put(np.zeros(bundle.shape, bundle.dtype),
                                           self.devices[self.mapping[0]])
         self.ticks = [[op for op in tick if op is not None] for tick in fit.table.ticks]
         self.js = [[jax.device_put(np.int32(j), device) for j in range(fit.micro)]

@@ -158,26 +158,25 @@ class PipelinedModel:
                                                                   self.training)
         return self._traced_samples[signature]
 
-    def bundle_shape(self, x) -> tuple[int, int]:
-        """The shape of what a stage sends the next: `[batch + 1, width]`.
+    def bundle(self, x) -> jax.ShapeDtypeStruct:
+        """What a stage sends the next: `[batch + 1, width]` of `boundary.bundle_dtype`.
 
         Row `i < batch` is sample `i`'s tensors, flattened and padded to the
-        widest boundary's; the last row carries (in its first value) the
-        additional losses (regularizers, `add_loss`) of the stages so far to
-        the last stage's loss. A row, not a column: the samples stay one
-        contiguous block.
+        widest boundary's; the last row carries the additional losses
+        (regularizers, `add_loss`) of the stages so far to the last stage's
+        loss (`boundary.carry_loss`). A row, not a column: the samples stay
+        one contiguous block.
 
         Args:
             x: One micro-batch of the model inputs (arrays, tracers or shape
                 structs), the batch first.
-
-        Returns:
-            `(batch + 1, width)`.
         """
         found = self.samples(x)
+        sent = [k for keys in self.bundle_out[:-1] for k in keys]
+        dtype = boundary.bundle_dtype([found[k].dtype or self.plan.tensors[k].dtype for k in sent])
         width = max([sum(found[k].width for k in keys) for keys in self.plan.live_after[:-1]]
-                    + [1])
-        return tree.flatten(x)[0].shape[0] + 1, width
+                    + [boundary.LOSS_WIDTH[dtype]])
+        return jax.ShapeDtypeStruct((tree.flatten(x)[0].shape[0] + 1, width), dtype)
 
     def _place_variables(self, training: bool) -> None:
         model = self.model
@@ -517,7 +516,7 @@ class StageRunner:
 
         Returns:
             `(bundle out, new non-trainable dict, outputs, additional loss)`:
-            the bundle (`bundle_shape`) for every stage but the last, the
+            the bundle (`bundle`) for every stage but the last, the
             model's outputs for the last; the additional loss (regularizers,
             `add_loss`, activity regularizers) of the stages so far, which
             the bundle's last row carries on.
@@ -545,18 +544,18 @@ class StageRunner:
             for key, value in zip(call.output_keys, tree.flatten(outputs)):
                 env[key] = value
         ntv = xor_seed_words(ntv, seeds, mask)
-        extra_loss = bundle[-1, 0] + sum(
+        extra_loss = boundary.carried_loss(bundle) + sum(
             (jnp.sum(loss).astype(jnp.float32) for loss in losses), jnp.zeros((), jnp.float32))
         if s == p.num_stages - 1:
             outputs = tree.pack_sequence_as(plan.outputs_struct,
                                             [env[k] for k in plan.output_keys])
             return None, ntv, outputs, extra_loss
-        batch, width = bundle.shape[0] - 1, bundle.shape[1]  # the bundle_shape of x
+        (batch, width), dtype = (bundle.shape[0] - 1, bundle.shape[1]), bundle.dtype  # x's
         flat = [part for k in p.bundle_out[s]
-                for part in boundary.send(env[k], batch, plan.tensors[k], s, found[k])]
+                for part in boundary.send(env[k], batch, plan.tensors[k], s, found[k], dtype)]
         out = jnp.concatenate(flat, axis=1)
         out = jnp.pad(out, ((0, 0), (0, width - out.shape[1])))
-        carried = jnp.zeros((1, width), jnp.float32).at[0, 0].set(extra_loss)
+        carried = boundary.carry_loss(extra_loss, width, dtype)
         return jnp.concatenate([out, carried], axis=0), ntv, None, extra_loss
 
     def _call_layer(self, layer, tv, ntv, args, kwargs):
@@ -640,8 +639,8 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
         trainable = local["trainable_variables"]
         non_trainable = local["non_trainable_variables"]
         metrics = local.get("metrics_variables", {})
-        bundle_shape = p.bundle_shape(micro_batch_at(data, 0)[0])
-        fwd = jnp.zeros((stages, micro, *bundle_shape), jnp.float32)
+        bundle = p.bundle(micro_batch_at(data, 0)[0])
+        fwd = jnp.zeros((stages, micro, *bundle.shape), bundle.dtype)
         out_shape = jax.eval_shape(
             lambda: last(trainable, non_trainable, metrics, fwd[0, 0], micro_batch_at(data, 0)))[0]
         outputs = jax.tree_util.tree_map(
@@ -656,7 +655,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
                                                           fwd[s, j], batch)
                     outputs = jax.tree_util.tree_map(lambda b, v: b.at[j].set(v), outputs,
                                                       result)
-                    message = jnp.zeros(bundle_shape, jnp.float32)
+                    message = jnp.zeros(bundle.shape, bundle.dtype)
                 else:
                     message, non_trainable, _, _ = runner.run(s, trainable, non_trainable,
                                                            fwd[s, j], batch[0], False)
@@ -664,7 +663,7 @@ def build_inference_program(pipelined: PipelinedModel, state: PipelineState,
             return op
 
         def idle(c, j):
-            return c, jnp.zeros(bundle_shape, jnp.float32)
+            return c, jnp.zeros(bundle.shape, bundle.dtype)
 
         branches = [idle] + [forward(s) for s in range(stages)]
 

@@ -334,7 +334,7 @@ def _pipeline_cost(pipe, state, table, layout, mode: str, options: IPUOptions):
         micro = layout.micro_batch(batches)
         x = micro[0]
         batch = jax.tree_util.tree_leaves(x)[0].shape[0]
-        bundle = jax.ShapeDtypeStruct(pipe.bundle_shape(x), jnp.float32)
+        bundle = pipe.bundle(x)
         forward, backward, forward_flops, backward_flops = [], [], [], []
         for s in range(pipe.num_stages):
             ipu = pipe.device_mapping[s]
@@ -505,15 +505,15 @@ def _non_trainable_bytes(pipe, stage: int) -> int:
 def _stashed_bytes(pipe, stage: int, x, recompute: bool, keep_checkpoints: bool = False) -> int:
     """Bytes per sample a stage keeps for its backward pass, each tensor in its dtype.
 
-    With recomputation only its input (the tensors it receives, as float32,
-    or the model inputs for the first stage), and its `RecomputationCheckpoint`
+    With recomputation only its input (the tensors it receives, in the bundle's
+    type, or the model inputs for the first stage), and its `RecomputationCheckpoint`
     layers' outputs when it keeps checkpoints (per op it also keeps the
     non-trainable values it ran with, `_non_trainable_bytes`); without, also every activation
     its layer calls produce (16-bit ones in 16 bits, under a mixed precision
     policy).
     """
-    # What a stage receives travels as float32 (the bundle between stages).
-    kept = (_tensor_bytes(pipe, x, pipe.bundle_in[stage], itemsize=4) if stage
+    # What a stage receives travels in the bundle's type.
+    kept = (_tensor_bytes(pipe, x, pipe.bundle_in[stage], pipe.bundle(x).dtype.itemsize) if stage
             else _input_bytes(x))
     calls = pipe.plan.stages[stage]
     if recompute:

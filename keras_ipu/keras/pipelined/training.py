@@ -296,7 +296,7 @@ class _ShapeTrace:
 
     Attributes:
         me: This IPU's index on the mesh (traced).
-        bundle_shape: The shape of a message between stages.
+        bundle: The shape and type of a message between stages.
         layouts: Per stage, the layout of what its forward ops stash (the
             pullback's residuals, or, recomputing, the non-trainable values).
         lengths: Per dtype, the length of a stash row.
@@ -304,7 +304,7 @@ class _ShapeTrace:
     """
 
     me: Any
-    bundle_shape: tuple[int, int]
+    bundle: jax.ShapeDtypeStruct
     layouts: list[FlatLayout]
     lengths: dict[str, int]
     logs_shape: Any
@@ -312,7 +312,7 @@ class _ShapeTrace:
     # Zeros are made inside each branch: a value from outside would be
     # copied into the conditional's result instead of just written.
     def zero_message(self):
-        return jnp.zeros(self.bundle_shape, jnp.float32)
+        return jnp.zeros(self.bundle.shape, self.bundle.dtype)
 
     def zero_residual(self) -> dict:
         return {d: jnp.zeros((n,), d) for d, n in self.lengths.items()}
@@ -430,7 +430,7 @@ class _FitProgram:
         local = jax.tree_util.tree_map(lambda a: a[0, 0], packed)
         batches = jax.tree_util.tree_map(lambda a: a[:, 0], batches)
         trace = self._trace(local, batches)
-        inbox = jnp.zeros((self.plan.inbox_rows, *trace.bundle_shape), jnp.float32)
+        inbox = jnp.zeros((self.plan.inbox_rows, *trace.bundle.shape), trace.bundle.dtype)
         stash = {d: jnp.zeros((self.rows, n), d) for d, n in trace.lengths.items()}
         carry = tuple(local[part] for part in TRAINING_STATE_PARTS) + (stash, inbox)
         carry, logs = jax.lax.scan(functools.partial(self._update, trace), carry, batches)
@@ -441,7 +441,8 @@ class _FitProgram:
     def _trace(self, local, batches) -> _ShapeTrace:
         """Shapes and stash layouts, from tracing each stage once (nothing runs)."""
         first = micro_batch_at(batches, 0)
-        bundle = jnp.zeros(self.pipelined.bundle_shape(micro_batch_at(first, 0)[0]), jnp.float32)
+        spec = self.pipelined.bundle(micro_batch_at(first, 0)[0])
+        bundle = jnp.zeros(spec.shape, spec.dtype)
         ops = _Ops(self, None, first, self._weights(local["trainable_variables"]))
         args = (local["non_trainable_variables"], local["metrics_variables"], bundle, 0)
         # Recomputing, a forward op stashes the stage's non-trainable values, else the
@@ -455,7 +456,7 @@ class _FitProgram:
             f, weights, _, _ = ops.stage(self.last, *args)
             return f(weights, bundle)[1][1]
 
-        return _ShapeTrace(self.state.mesh.axis_index(IPU_AXIS), bundle.shape, layouts,
+        return _ShapeTrace(self.state.mesh.axis_index(IPU_AXIS), spec, layouts,
                       padded_lengths(layouts) if layouts else {},
                       jax.eval_shape(last_stage_logs))
 
