@@ -60,6 +60,12 @@ def _dispatch(argv: list[str]) -> int:
     module, function = _COMMANDS[argv[0]]
     if argv[0] == "run" and _launches(argv[1:]):
         module, function = "keras_ipu.distributed.launcher", "main"
+    elif argv[0] == "run" and (stray := _launcher_options(argv[1:])):
+        given = ", ".join(a for a in stray if a != "--") or "a script after --"
+        print(f"error: {given}: `keras-ipu run` starts instances of a script only with "
+              f"--num-instances N (`keras-ipu run --num-instances 2 --num-replicas 4 -- "
+              f"train.py`); without it, it runs an export (--dir DIR).", file=sys.stderr)
+        return 2
     else:  # a tool of one process, even when a job's instance starts it
         from keras_ipu.distributed import runtime
 
@@ -71,6 +77,17 @@ def _launches(args: list[str]) -> bool:
     """Whether `run ARGS` starts instances of a script rather than running an export."""
     options = args[: args.index("--")] if "--" in args else args
     return any(a == "--num-instances" or a.startswith("--num-instances=") for a in options)
+
+
+def _launcher_options(args: list[str]) -> list[str]:
+    """The launcher's own options (and `--`) among `run ARGS` that start no instances."""
+    options = args[: args.index("--") + 1] if "--" in args else args
+    return [a.split("=")[0] for a in options
+            if a == "--" or a.split("=")[0] in _LAUNCHER_OPTIONS]
+
+
+# Options only the launcher takes; the export runner's are spelt with underscores.
+_LAUNCHER_OPTIONS = ("--num-replicas", "--ipus-per-replica", "--coordinator")
 
 
 def _usage() -> str:

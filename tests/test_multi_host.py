@@ -167,6 +167,14 @@ def test_cli_run_dispatches_on_num_instances(capsys):
     assert not cli._launches(["--", "train.py", "--num-instances", "2"])
     assert cli.main(["run", "--num-instances", "2", "--num-replicas", "3", "x.py"]) == 2
     assert "multiple of --num-instances" in capsys.readouterr().err
+    # Launcher options without --num-instances: before, the export runner's usage (--dir).
+    for args in (["--num-replicas", "2", "x.py"], ["--coordinator=h:1", "--", "x.py"]):
+        assert cli.main(["run", *args]) == 2
+        assert capsys.readouterr().err.startswith(
+            f"error: {args[0].split('=')[0]}: `keras-ipu run` starts instances of a script "
+            f"only with --num-instances N")
+    assert cli.main(["run", "--", "x.py"]) == 2
+    assert "error: a script after --: " in capsys.readouterr().err
 
 
 def test_the_launcher_splits_its_options_from_the_script_and_its_own():
@@ -479,13 +487,44 @@ def test_instances_with_different_programs_are_told_what_differs():
         "options": "instance 0 has 'option gradient_accumulation_steps_per_replica: 1' "
                    "where instance 1 has 'option gradient_accumulation_steps_per_replica: 2'",
         "dtype": "instance 0 has 'batch input 0: int32[4, 6]' where instance 1 has "
-                 "'batch input 0: float32[4, 6]'"}
+                 "'batch input 0: float32[4, 6]'",
+        "loss": "instance 0 has \"loss: 'mse'\" where instance 1 has \"loss: 'mae'\"",
+        "calls": "The call differs between the 2 instances, so their collectives would not "
+                 "match and the job would abort: instance 0 has '`fit`' where instance 1 has "
+                 "'`evaluate`'"}
     for index in (0, 1):
         out = lines_of(done.stdout, index)
         for case, difference in expected.items():
-            assert (f"{case} raised: `" in out and difference in out
-                    and "their collectives would not match" in out), out
+            assert (f"{case} raised: " in out and difference in out
+                    and "their collectives would not match" in out), (case, out)
         assert "prefetch ran without an error" in out, out
+        assert ("host embedding raised: Host embedding 'table' is trained on its host, and "
+                "each of the 2 instances") in out, out
+
+
+def test_an_instance_raising_outside_the_launcher_ends_at_once_and_the_others_follow():
+    # Before: the raising instance waited in JAX's shutdown barrier, the other in a
+    # collective for it: both hung 300 s, then aborted (SIGABRT), its status lost.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**fresh_process_env(), "KERAS_IPU_COORDINATOR": f"127.0.0.1:{port}",
+           "KERAS_IPU_NUM_INSTANCES": "2", "KERAS_IPU_HEARTBEAT_TIMEOUT": "5"}
+    started = time.monotonic()
+    instances = [subprocess.Popen([sys.executable, "failing_job.py", "exception"],
+                                  env={**env, "KERAS_IPU_INSTANCE_INDEX": str(i)}, cwd=JOBS,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in (0, 1)]
+    try:
+        outputs = [instance.communicate(timeout=120) for instance in instances]
+    finally:
+        for instance in instances:
+            instance.kill()
+    elapsed = time.monotonic() - started
+    assert instances[1].returncode == 1, outputs[1]
+    assert "RuntimeError: instance 1 gives up" in outputs[1][1]
+    assert instances[0].returncode != 0 and "unreachable" not in outputs[0][0], outputs[0]
+    assert elapsed < 90, elapsed  # not the shutdown barrier's 300 s
 
 
 def keras_predict(strategy, predictions, x, mine):

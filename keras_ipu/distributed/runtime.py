@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -209,7 +210,33 @@ def initialize() -> bool:
             "computation, e.g. at the top of the script."
         ) from error
     _LOG.info("Instance %d of %d joined the job.", jax.process_index(), jax.process_count())
+    if jax.process_count() > 1:
+        _end_at_once_when_uncaught()
     return jax.process_count() > 1
+
+
+def _end_at_once_when_uncaught() -> None:
+    """An exception that ends this instance's script ends the process at once.
+
+    Python's exit would run JAX's shutdown barrier, which waits for every
+    instance, while the others wait in a collective for this one: the job
+    would hang for the barrier's timeout (minutes), then abort. Ended at once,
+    the instance is a dead one to the others, which stop at the heartbeat.
+    `keras-ipu run` ends its instances so itself (`instance_main`); this
+    serves jobs started otherwise (a cluster's launcher, variables set by hand).
+    """
+    from keras_ipu.distributed import instance_main
+
+    previous = sys.excepthook
+
+    def end_at_once(kind, error, trace):
+        previous(kind, error, trace)  # the traceback, as Python prints it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(instance_main.exit_status(error))
+
+    sys.excepthook = end_at_once
 
 
 def instance_index() -> int:

@@ -214,6 +214,12 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
         return
     from jax.experimental import multihost_utils
 
+    from keras_ipu.distributed import runtime
+
+    # First a digest of the same size for every call: the plans' differ by mode.
+    runtime.check_described_alike(
+        [f"`{mode}`"], "The call", "Every instance must call `fit`, `evaluate` and `predict` "
+        "in the same order (in a callback too).")
     mine = np.array([[p.steps * p.replicas, p.steps // p.steps_per_execution,
                       p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()]
                     + [[*epochs, replicas.count]], np.int64)
@@ -386,6 +392,9 @@ def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch
         lines += [f"{part}[{i}]: {v.dtype}{list(v.shape)}" for i, v in enumerate(variables)]
     lines += [f"option {field.name}: {_described(getattr(options, field.name))}"
               for field in dataclasses.fields(options) if field.name not in _HOST_ONLY_OPTIONS]
+    if "optimizer_variables" in parts:  # what training computes, beyond the variables
+        lines.append(f"loss: {_described(model.loss)}")
+        lines.append(f"optimizer: {_described(model.optimizer)}")
     if placement.plan is not None:
         lines.append(f"pipeline stages of {[len(s) for s in placement.plan.stages]} layers")
     runtime.check_described_alike(
@@ -399,14 +408,23 @@ _HOST_ONLY_OPTIONS = frozenset({"infeed_kwargs"})
 
 
 def _described(value: Any) -> str:
-    """An option's value as every process writes it (objects by type, not address)."""
+    """A value as every process writes it: objects by type, not address; Keras objects (a
+    loss, an optimizer) with their config, less the names that count what a process made
+    (`adam_2`); functions by name."""
     if isinstance(value, (bool, int, float, str, type(None), enum.Enum)):
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_described(v) for v in value) + "]"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k!r}: {_described(v)}" for k, v in sorted(
-            value.items(), key=lambda item: str(item[0]))) + "}"
+            value.items(), key=lambda item: str(item[0])) if k != "name") + "}"
+    if callable(getattr(value, "get_config", None)):
+        try:
+            return f"{type(value).__name__}{_described(value.get_config())}"
+        except Exception:  # a config that cannot be made says less, alike in every process
+            pass
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     return type(value).__name__
 
 

@@ -462,6 +462,10 @@ class HostEmbedding:
             and gives the embedding; leaving it waits for running programs'
             updates and ends the registration.
 
+        Raises:
+            RuntimeError: On entering, for a trained embedding in a job of
+                several instances (each would train a table of its own).
+
         Example:
 
         >>> with embedding.register():
@@ -510,6 +514,13 @@ class _Registration:
 
     def __enter__(self) -> HostEmbedding:
         e = self._embedding
+        if e._slot_vars and jax.process_count() > 1:
+            raise RuntimeError(
+                f"Host embedding {e._name!r} is trained on its host, and each of the "
+                f"{jax.process_count()} instances of this job holds a table of its own: each "
+                f"would train only on its own replicas' gradients, and the tables would drift "
+                f"apart. Train it in one instance (its replicas share the table), or look it "
+                f"up without training it (optimizer_spec=None).")
         e._optimizer_spec.create_register_instruction(e._table, e._slot_vars, e._name)
         return e
 

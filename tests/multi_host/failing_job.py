@@ -1,7 +1,9 @@
 """An instance that fails after the first collective: instance 1 exits with status 3.
 
 `failing_job.py`: it dies (`os._exit`); `failing_job.py raise`: it raises
-`SystemExit(3)`, so Python's exit handlers would run (JAX's shutdown barrier).
+`SystemExit(3)`, so Python's exit handlers would run (JAX's shutdown barrier);
+`failing_job.py exception`: it raises a `RuntimeError` (status 1), in a job started
+without the launcher.
 """
 
 import os
@@ -22,6 +24,8 @@ if i == 1:
     say("dying")
     if sys.argv[1:] == ["raise"]:
         raise SystemExit(3)
+    if sys.argv[1:] == ["exception"]:
+        raise RuntimeError("instance 1 gives up")
     os._exit(3)
 time.sleep(1)
 ipu.distributed.allreduce(np.float32(1))

@@ -57,11 +57,11 @@ if sys.argv[2:] == ["uneven"]:
 if sys.argv[2:] == ["programs"]:
     x, y = instance_data(index)
 
-    def model_of(width=8, accumulation=None):
+    def model_of(width=8, accumulation=None, loss="mse"):
         with strategy.scope():
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(width),
                                       keras.layers.Dense(3)])
-            model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+            model.compile(optimizer="sgd", loss=loss, steps_per_execution=4)
             if accumulation:
                 model.set_gradient_accumulation_options(
                     gradient_accumulation_steps_per_replica=accumulation)
@@ -78,11 +78,21 @@ if sys.argv[2:] == ["programs"]:
              "dtype": lambda: model_of().predict(x.astype("float32" if index else "int32"),
                                                  batch_size=BATCH, verbose=0),
              # The host's own prefetching may differ: it changes no program.
-             "prefetch": lambda: prefetching(2 + index).fit(x, y, batch_size=BATCH, verbose=0)}
+             "prefetch": lambda: prefetching(2 + index).fit(x, y, batch_size=BATCH, verbose=0),
+             # Before: trained on a blend of both losses, silently.
+             "loss": lambda: model_of(loss=("mse", "mae")[index]).fit(x, y, batch_size=BATCH,
+                                                                     verbose=0),
+             # Before: the job aborted in gloo (the calls gather plans of other sizes).
+             "calls": lambda: (model_of().fit if index == 0 else model_of().evaluate)(
+                 x, y, batch_size=BATCH, verbose=0),
+             # Before: each instance trained a table of its own.
+             "host embedding": lambda: ipu.embedding_ops.create_host_embedding(
+                 "table", [4, 2], np.float32, optimizer_spec=(
+                     ipu.embedding_ops.HostEmbeddingOptimizerSpec(0.1))).register().__enter__()}
     for case, call in cases.items():
         try:
             call()
-        except ValueError as error:
+        except (ValueError, RuntimeError) as error:
             say(case, "raised:", error)
         else:
             say(case, "ran without an error")
