@@ -280,6 +280,17 @@ def test_a_damaged_export_is_one_line_and_status_2(export_dir, tmp_path, capsys)
             assert cli.main([command, "--dir", str(copy)]) == 2
             error = capsys.readouterr().err
             assert message in error and len(error.splitlines()) == 1, error
+    # Before: a traceback (TypeError, status 1), or "invalid literal for int()".
+    for ipus in (None, "abc", [2], 0):
+        copy = tmp_path / f"ipus_{ipus!r}"
+        shutil.copytree(export_dir, copy)
+        metadata = json.loads((copy / "metadata.json").read_text())
+        (copy / "metadata.json").write_text(json.dumps({**metadata, "num_ipus": ipus}))
+        for command in ("show", "run"):
+            assert cli.main([command, "--dir", str(copy)]) == 2
+            error = capsys.readouterr().err
+            assert (f"holds a damaged keras_ipu export: its metadata.json gives num_ipus "
+                    f"{ipus!r}, not a whole number") in error and len(error.splitlines()) == 1
     copy = tmp_path / "no_platforms"
     shutil.copytree(export_dir, copy)
     metadata = json.loads((copy / "metadata.json").read_text())

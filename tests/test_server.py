@@ -537,6 +537,24 @@ def test_an_export_with_an_input_without_the_batch_dimension_is_not_served(tmp_p
         asyncio.run(server.serve(runtime, "e", "127.0.0.1", 0, 2.0))
 
 
+def test_an_export_with_a_complex_output_is_not_served_and_runs_in_the_runtime(tmp_path):
+    # Before: served, and every request got aiohttp's plain-text 500 (complex is no JSON).
+    from keras_ipu.serving import server
+
+    configure(1)
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=2,
+                                           postprocessing_step=jax.numpy.fft.fft)
+    assert server.outputs_json_cannot_hold(runtime) == ["output_0 (complex64)"]
+    with pytest.raises(ValueError, match=r"outputs \['output_0 \(complex64\)'\] are complex, "
+                                         r"which JSON has no numbers for"):
+        asyncio.run(server.serve(runtime, "e", "127.0.0.1", 0, 2.0))
+    x = np.arange(8, dtype="float32").reshape(2, 4)
+    np.testing.assert_allclose(runtime(x), np.fft.fft(model.predict(x, batch_size=2, verbose=0)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_an_ipv6_address_is_announced_in_brackets(pixels):
     import socket
 
@@ -561,6 +579,32 @@ def test_an_ipv6_address_is_announced_in_brackets(pixels):
     # Before: "http://::1:PORT/...", which URL parsers read as host ":".
     assert re.fullmatch(r"keras-ipu serve: model 'm' at http://\[::1\]:\d+/v1/models/m",
                         announced[0])
+
+
+def test_the_announced_address_works_as_printed_for_a_name_with_a_space(pixels):
+    # Before: "http://127.0.0.1:PORT/v1/models/my model", which urllib refuses.
+    import urllib.request
+
+    from keras_ipu.serving.server import serve
+
+    announced, answers = [], []
+
+    async def announce_ask_stop():
+        task = asyncio.ensure_future(serve(pixels, "my model", "127.0.0.1", 0, 2.0,
+                                           announced.append))
+        while not announced and not task.done():
+            await asyncio.sleep(0.01)
+        url = announced[0].split(" at ")[1]
+        with await asyncio.get_running_loop().run_in_executor(
+                None, urllib.request.urlopen, url) as reply:
+            answers.append((reply.status, json.loads(reply.read())))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(announce_ask_stop())
+    assert announced[0].endswith("/v1/models/my%20model")
+    assert answers[0][0] == 200 and answers[0][1]["model_version_status"][0]["state"] == "AVAILABLE"
 
 
 class _EchoRuntime:

@@ -393,7 +393,12 @@ def load(export_dir: str) -> ServingRuntime:
     >>> predict = keras_ipu.serving.load("my_export")
     >>> predict(np.ones((1, 4), "float32"), np.ones((1, 4), "float32"))
     """
-    _request_cpu_devices(int(_read_metadata(export_dir).get("num_ipus", 1)))
+    ipus = _read_metadata(export_dir).get("num_ipus", 1)
+    if isinstance(ipus, bool) or not isinstance(ipus, int) or ipus < 1:
+        raise ValueError(f"{export_dir!r} holds a damaged keras_ipu export: its "
+                         f"{METADATA_FILE} gives num_ipus {ipus!r}, not a whole number of "
+                         f"IPUs (1 or more); export it again.")
+    _request_cpu_devices(ipus)
     return ServingRuntime(export_dir)
 
 

@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import time
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -172,6 +173,18 @@ def unbatched_inputs(runtime: ServingRuntime) -> list[str]:
     """
     return [e["name"] for e in runtime.inputs
             if not e["shape"] or e["shape"][0] != runtime.batch_size]
+
+
+def outputs_json_cannot_hold(runtime: ServingRuntime) -> list[str]:
+    """The outputs whose values JSON has no numbers for (complex ones), with their dtypes.
+
+    Example:
+
+    >>> outputs_json_cannot_hold(load("spectrum"))   # a postprocessing step's FFT
+    ['output_0 (complex64)']
+    """
+    return [f"{e['name']} ({e['dtype']})" for e in runtime.outputs
+            if np.dtype(e["dtype"]).kind == "c"]
 
 
 def unbatched_outputs(runtime: ServingRuntime) -> list[str]:
@@ -558,13 +571,16 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
     """Serves until cancelled (Ctrl-C); announces the address it listens on.
 
     Raises:
-        ValueError: For an export with an input that has no batch dimension.
+        ValueError: For an export with an input that has no batch dimension, or an
+            output JSON cannot hold.
     """
-    unbatched = unbatched_inputs(runtime)
-    if unbatched:
+    unbatched, complex_outputs = unbatched_inputs(runtime), outputs_json_cannot_hold(runtime)
+    if unbatched or complex_outputs:
+        what = (f"inputs {unbatched} have no batch dimension: the server batches requests by "
+                f"rows" if unbatched else
+                f"outputs {complex_outputs} are complex, which JSON has no numbers for")
         raise ValueError(
-            f"The export's inputs {unbatched} have no batch dimension: the server batches "
-            f"requests by rows, so it cannot serve this export. Run it with the serving "
+            f"The export's {what}, so it cannot serve this export. Run it with the serving "
             f"runtime (keras_ipu.serving.load) or `keras-ipu run`.")
     web = _aiohttp_web()
     warm_up(runtime)
@@ -577,8 +593,9 @@ async def serve(runtime: ServingRuntime, model_name: str, host: str, port: int,
     bound_host, bound_port = runner.addresses[0][:2]
     if ":" in bound_host:  # an IPv6 address, bracketed in a URL
         bound_host = f"[{bound_host}]"
+    # Quoted: the announced address works as printed (a space in the name: %20).
     announce(f"keras-ipu serve: model {model_name!r} at "
-             f"http://{bound_host}:{bound_port}/v1/models/{model_name}")
+             f"http://{bound_host}:{bound_port}/v1/models/{urllib.parse.quote(model_name)}")
     try:
         await asyncio.Event().wait()
     finally:
