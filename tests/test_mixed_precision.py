@@ -194,6 +194,39 @@ def test_16_bit_messages_carry_masks_and_regularization_as_plain_keras(policy, f
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=ATOL[policy] / 10)
 
 
+@pytest.mark.parametrize("form", ["scan", "host"])
+@with_policies(["mixed_float16"])
+def test_a_loss_scale_past_float16s_range_reaches_an_early_stages_regularizer(policy, form,
+                                                                            monkeypatch):
+    # The first stage's L2 term's gradient crosses back scaled by the loss scale: before, in
+    # float16 it overflowed from 2**16 on, and the updates were skipped (4 of 8 here).
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(8, activation="tanh",
+                                                  kernel_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(3)])
+
+    plain = make()
+    with ipu.ipu_strategy.IPUStrategy().scope():
+        on_ipu = make()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 6)).astype("float32"), 0.1 * rng.normal(size=(64, 3))
+    for model, steps in ((plain, 1), (on_ipu, 4)):
+        # Small loss weights: the activations' gradients stay far from overflowing.
+        model.compile(optimizer=_sgd(0.01, {"dynamic_growth_steps": 1}), loss="mse",
+                      loss_weights=1e-3, steps_per_execution=steps)
+    on_ipu.set_pipeline_stage_assignment([0, 1])
+    on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=GA,
+                                  gradient_accumulation_reduction_method="mean")
+    _fit(plain, x, y, MICRO * GA), _fit(on_ipu, x, y, MICRO)
+    assert float(plain.optimizer.dynamic_scale) == 2.0**23  # grown at each of 8 updates
+    _assert_same_training(plain, on_ipu, 1e-6)
+
+
 # --------------------------------------------------------------------------- non-finite gradients
 
 
@@ -360,8 +393,15 @@ def test_a_16_bit_bundle_carries_the_additional_loss_exactly_with_its_gradient(d
     assert rows.dtype == jnp.dtype(dtype) and rows.shape == (len(losses), 1, 6)
     carried = jax.jit(jax.vmap(boundary.carried_loss))(rows)
     np.testing.assert_array_equal(np.asarray(carried).view(np.uint32), losses.view(np.uint32))
-    gradient = jax.grad(lambda v: 2 * boundary.carried_loss(boundary.carry_loss(3 * v, 6, dtype)))
-    assert float(gradient(jnp.float32(5.0))) == 6.0
+    # The gradient crosses back exactly too: a loss scale past float16's range (before, the
+    # carrier overflowed and the update was skipped), a factor bfloat16 rounds (1e4: 9,984).
+    def carried(v, scale):
+        bundle = jnp.concatenate([jnp.ones((3, 6), dtype), boundary.carry_loss(3 * v, 6, dtype)])
+        return boundary.carried_loss(bundle) * scale
+
+    for scale in (2.0**16, 2.0**24, 1e4, 0.1):
+        assert float(jax.grad(carried)(jnp.float32(5.0), jnp.float32(scale))) == (
+            np.float32(3) * np.float32(scale))
     assert boundary.bundle_dtype([dtype, "bool"]) == jnp.dtype(dtype)
     assert boundary.bundle_dtype([dtype, "int32"]) == jnp.float32  # int32 crosses as bits
     assert boundary.bundle_dtype(["float16", "bfloat16"]) == jnp.float32

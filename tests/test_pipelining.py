@@ -1569,6 +1569,44 @@ def test_a_mask_on_a_tensor_crosses_stages_with_it(form, strategy, monkeypatch):
     assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
 
 
+class _Unchanged(keras.layers.Layer):
+    """Returns its input: the graph drops its mask (no `supports_masking`), the value not."""
+
+    def call(self, x):
+        return x
+
+
+@pytest.mark.parametrize("form", ["scan", "host"])
+def test_a_mask_the_value_keeps_past_the_graph_crosses_stages_and_the_export(form, strategy,
+                                                                            monkeypatch, tmp_path):
+    # Before: sent only where the graph's tensor had a mask, so the LSTM in the next stage
+    # (and in the export's) ran over the padding: plain Keras' model without the mask.
+    monkeypatch.setenv("KERAS_IPU_FLAGS", f"--execution_loop={form}")
+    configure(2)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((7,), dtype="int32"), keras.layers.Embedding(20, 8, mask_zero=True),
+            _Unchanged(), keras.layers.LSTM(6), keras.layers.Dense(3)])
+
+    plain = make()
+    with strategy.scope():
+        model = make()
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])  # the unchanged tensor crosses
+    _compile_twins(plain, model, accumulation=4, steps_per_execution=4, learning_rate=0.1)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(1, 20, size=(16, 7)).astype("int32"), rng.normal(size=(16, 3))
+    x[:, 4:] = 0
+    np.testing.assert_allclose(model.predict(x, batch_size=4, verbose=0),
+                               plain.predict(x, batch_size=4, verbose=0), atol=1e-6)
+    runtime = model.export_for_ipu_serving(tmp_path / "e", batch_size=4)
+    np.testing.assert_allclose(runtime(x[:4]), plain.predict(x[:4], verbose=0), atol=1e-6)
+    plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), model.get_weights(), atol=1e-6)
+
+
 def _open_axis_model(kind: str):
     """A model whose tensor crossing stages 0 | 1 has an axis the graph leaves `None`."""
     keras.utils.set_random_seed(3)

@@ -41,12 +41,13 @@ def stage_programs(model: Any, plan: Any, input_specs: Sequence[jax.ShapeDtypeSt
     batch = input_specs[0].shape[0]
     programs = []
     forwarded: list[jax.ShapeDtypeStruct] = []  # what the stage before sends, as it runs
+    masked: list[Any] = []  # the keys of its tensors that carry a mask, found as it traced
     for stage in range(plan.num_stages):
         variables = _stage_variables(plan, stage)
         weights = [np.asarray(v.numpy()) for v in variables]
         carried = plan.live_after[stage - 1] if stage else ()
-        run = _stage_function(plan, stage, variables, carried, preprocessing_step,
-                              postprocessing_step, flatten_outputs)
+        run, masked = _stage_function(plan, stage, variables, carried, masked,
+                                      preprocessing_step, postprocessing_step, flatten_outputs)
         program = exported(run, platforms, [jax.ShapeDtypeStruct(w.shape, w.dtype)
                                             for w in weights], forwarded, list(input_specs))
         programs.append((program, weights))
@@ -129,10 +130,14 @@ def preprocessed(preprocessing_step: Callable, inputs: Sequence[Any], structure:
 
 
 def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
-                    preprocessing_step, postprocessing_step, flatten_outputs):
+                    masks_in: Sequence[Any], preprocessing_step, postprocessing_step,
+                    flatten_outputs):
+    """The stage's function, and the list its trace fills with the keys of the tensors it
+    sends with a mask: those whose value carries one, as Keras layers find it at run time
+    (a layer returning its input unchanged keeps the input's, which Keras' graph drops)."""
     last = stage == plan.num_stages - 1
     forwarded = plan.output_keys if last else plan.live_after[stage]
-    masks_in, masks_out = _masked(plan, carried), [] if last else _masked(plan, forwarded)
+    masks_out: list[Any] = []
 
     def run(weights, carried_values, inputs):
         if preprocessing_step is not None:
@@ -151,19 +156,24 @@ def _stage_function(plan, stage: int, variables: list, carried: Sequence[Any],
             result = flatten_outputs(outputs if postprocessing_step is None
                                      else postprocessed(postprocessing_step, outputs))
         # The masks Keras layers find on the forwarded tensors cross with them, after them.
+        masks_out[:] = [] if last else [key for key in forwarded
+                                        if _carries_mask(values[key], plan.tensors[key])]
         return tuple(result) + tuple(_mask_of(values[key], plan.tensors[key])
                                      for key in masks_out)
 
-    return run
+    return run, masks_out
 
 
-def _masked(plan, keys: Sequence[Any]) -> list:
-    """Of `keys`, those whose graph tensor carries a Keras mask (an `Embedding`'s, say)."""
-    return [key for key in keys if boundary.symbolic_mask(plan.tensors[key]) is not None]
+def _carries_mask(value, tensor) -> bool:
+    return (masking.get_keras_mask(value) is not None
+            or boundary.symbolic_mask(tensor) is not None)
 
 
 def _mask_of(value, tensor):
     """The value's mask, or all True where nothing was masked."""
+    mask = masking.get_keras_mask(value)
+    if mask is not None:
+        return mask
     return boundary.carried_mask(value, value.shape[0], boundary.symbolic_mask(tensor).shape[1:])
 
 

@@ -85,7 +85,7 @@ def receive(rows, offset: int, tensor, sample: Sample) -> tuple:
     value = from_bundle(rows[:, offset:offset + sample.values].reshape((-1, *sample.shape)),
                         sample.dtype or tensor.dtype)
     offset += sample.values
-    if symbolic_mask(tensor) is not None:  # the mask Keras layers find on the tensor, as sent
+    if sample.mask is not None:  # the mask Keras layers find on the tensor, as sent
         size = int(np.prod(sample.mask))
         sent = rows[:, offset:offset + size].reshape((-1, *sample.mask))
         masking.set_keras_mask(value, jax.lax.stop_gradient(sent) > 0.5)
@@ -125,21 +125,59 @@ def bundle_dtype(dtypes) -> np.dtype:
 
 # A 16-bit bundle carries the float32 loss's bits as 8-bit whole numbers, exact in
 # float16 and bfloat16 (its bits as two 16-bit values could be NaN patterns, which
-# XLA:CPU may rewrite), then a zero that carries its gradient.
+# XLA:CPU may rewrite); the loss's gradient comes back in the same form.
 _LOSS_BYTES = (24, 16, 8, 0)
-LOSS_WIDTH = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.float16): len(_LOSS_BYTES) + 1,
-              jnp.dtype(jnp.bfloat16): len(_LOSS_BYTES) + 1}
+LOSS_WIDTH = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.float16): len(_LOSS_BYTES),
+              jnp.dtype(jnp.bfloat16): len(_LOSS_BYTES)}
 
 
-@jax.custom_jvp
-def _gradient_only(x):
-    """Zero, whose derivative is `x`'s: the loss's gradient crosses a 16-bit bundle with it."""
-    return jnp.zeros_like(x)
+def _as_bytes(value, width: int, dtype) -> Any:
+    """`[width]` of `dtype`: a float32 scalar's bits as whole numbers 0-255, then zeros."""
+    bits = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
+    parts = jnp.stack([(bits >> shift) & 0xFF for shift in _LOSS_BYTES]).astype(dtype)
+    return jnp.zeros((width,), dtype).at[:len(_LOSS_BYTES)].set(parts)
 
 
-@_gradient_only.defjvp
-def _gradient_only_jvp(primals, tangents):
-    return jnp.zeros_like(primals[0]), tangents[0]
+def _from_bytes(row) -> Any:
+    """The float32 scalar `_as_bytes` wrote in `row`."""
+    parts = row[:len(_LOSS_BYTES)].astype(jnp.uint32)
+    bits = functools.reduce(jnp.bitwise_or, [parts[i] << shift
+                                             for i, shift in enumerate(_LOSS_BYTES)])
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# The gradient crosses back as bytes too: a loss scale (2**16 and more) is past float16's
+# largest value, and bfloat16 would round a `loss_scale_factor` of 1e4 to 9,984.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _sent_loss(loss, width: int, dtype) -> Any:
+    return _as_bytes(loss, width, dtype)
+
+
+def _sent_loss_forward(loss, width, dtype):
+    return _as_bytes(loss, width, dtype), None
+
+
+def _sent_loss_backward(width, dtype, _, row_gradient):
+    return (_from_bytes(row_gradient),)
+
+
+_sent_loss.defvjp(_sent_loss_forward, _sent_loss_backward)
+
+
+@jax.custom_vjp
+def _received_loss(row) -> Any:
+    return _from_bytes(row)
+
+
+def _received_loss_forward(row):
+    return _from_bytes(row), jnp.zeros((0,), row.dtype)
+
+
+def _received_loss_backward(empty, gradient):
+    return (_as_bytes(gradient, LOSS_WIDTH[empty.dtype], empty.dtype),)
+
+
+_received_loss.defvjp(_received_loss_forward, _received_loss_backward)
 
 
 def carry_loss(loss, width: int, dtype) -> Any:
@@ -147,8 +185,8 @@ def carry_loss(loss, width: int, dtype) -> Any:
 
     A float32 bundle holds it in its first value. A 16-bit one holds its
     float32 bits as four bytes, each a whole number (rounding the loss to 16
-    bits would change the logged loss), and then a zero that carries its
-    gradient.
+    bits would change the logged loss), and its gradient crosses back as the
+    same four bytes.
 
     Args:
         loss: The float32 scalar.
@@ -163,12 +201,10 @@ def carry_loss(loss, width: int, dtype) -> Any:
     >>> carried_loss(carry_loss(jnp.float32(0.1), 8, jnp.float16))
     Array(0.1, dtype=float32)
     """
-    row = jnp.zeros((1, width), dtype)
-    if jnp.dtype(dtype) == jnp.float32:
-        return row.at[0, 0].set(loss)
-    bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(loss), jnp.uint32)
-    parts = [(bits >> shift) & 0xFF for shift in _LOSS_BYTES] + [_gradient_only(loss)]
-    return row.at[0, :len(parts)].set(jnp.stack([part.astype(dtype) for part in parts]))
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return jnp.zeros((1, width), dtype).at[0, 0].set(loss)
+    return _sent_loss(loss, width, dtype)[None]
 
 
 def carried_loss(bundle) -> Any:
@@ -181,16 +217,12 @@ def carried_loss(bundle) -> Any:
     """
     if bundle.dtype == jnp.float32:
         return bundle[-1, 0]
-    parts = jax.lax.stop_gradient(bundle[-1, :len(_LOSS_BYTES)]).astype(jnp.uint32)
-    bits = functools.reduce(jnp.bitwise_or, [parts[i] << shift
-                                             for i, shift in enumerate(_LOSS_BYTES)])
-    gradient = bundle[-1, len(_LOSS_BYTES)].astype(jnp.float32)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32) + gradient
+    return _received_loss(bundle[-1, :len(_LOSS_BYTES)])
 
 
 def send(value, batch: int, tensor, stage: int, sample: Sample,
          dtype=jnp.float32) -> list:
-    """A tensor's bundle rows, then its mask's where the graph's tensor has one.
+    """A tensor's bundle rows, then its mask's where it carries one (`sample.mask`).
 
     Keras layers find a mask on the tensor itself (a `Dense` passes it on, a
     `MultiHeadAttention` reads it, the loss masks with it): it crosses with it.
@@ -210,7 +242,7 @@ def send(value, batch: int, tensor, stage: int, sample: Sample,
         ValueError: As `to_bundle`.
     """
     parts = [to_bundle(value, batch, tensor, stage, sample.dtype or tensor.dtype, dtype)]
-    if symbolic_mask(tensor) is not None:
+    if sample.mask is not None:
         sent = carried_mask(value, batch, sample.mask)
         parts.append(jnp.reshape(sent, (batch, -1)).astype(dtype))
     return parts

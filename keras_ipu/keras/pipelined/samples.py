@@ -102,12 +102,15 @@ def _every_tensor(plan, variables, values, flat_inputs, losses: list,
 def _sample(tensor, value, mask) -> Sample:
     """A tensor's `Sample` from its traced value and mask.
 
-    Where the graph's tensor carries a mask the value does not (nothing
-    masked), the mask covers the value's leading axes, as the graph's does.
+    A mask crosses where the value carries one, as Keras layers find it at run
+    time: also where the graph's tensor has none (a layer that returns its
+    input unchanged keeps the input's mask, which Keras' graph drops). Where
+    the graph's tensor carries a mask the value does not (nothing masked), the
+    mask covers the value's leading axes, as the graph's does.
     """
     graph_mask = symbolic_mask(tensor)
     dtype = str(value.dtype)
-    if graph_mask is None:
+    if graph_mask is None and mask is None:
         return Sample(tuple(value.shape[1:]), dtype=dtype)
     shape = mask.shape if mask is not None else value.shape[:len(graph_mask.shape)]
     return Sample(tuple(value.shape[1:]), tuple(shape[1:]), dtype)
