@@ -1,14 +1,13 @@
 """Pipelined execution: a model's stages on their IPUs, following a schedule table.
 
-One execution is one compiled program (`jax.jit` of a `shard_map` over the
-IPUs of a replica, and over the replicas). Each IPU holds only the weights,
-non-trainable state and optimizer state of its stages, packed into flat
-per-dtype vectors (padded to the largest IPU). This module holds the
-set-up (which stage and variable lives where), the packed state, the stage
-runner and the inference program, which walks the schedule table tick by
-tick (`lax.scan`): at each tick every IPU runs the forward op the table
-gives it, then all IPUs exchange the tick's activations. Training is in
-`pipelined.training`; the mesh, codec and data layout in `pipelined.codec`.
+One execution is one compiled program (`jax.jit` of a `shard_map` over the IPUs of a
+replica, and over the replicas). Each IPU holds only the weights, non-trainable state and
+optimizer state of its stages, packed into flat per-dtype vectors (padded to the largest
+IPU). This module holds the set-up (which stage and variable lives where), the packed
+state, the stage runner and the inference program, which walks the schedule table tick by
+tick (`lax.scan`): at each tick every IPU runs the forward op the table gives it, then all
+IPUs exchange the tick's activations. Training is in `pipelined.training`; the mesh, codec
+and data layout in `pipelined.codec`.
 """
 
 from __future__ import annotations
@@ -170,10 +169,13 @@ class PipelinedModel:
         Args:
             x: One micro-batch of the model inputs (arrays, tracers or shape
                 structs), the batch first.
+
+        Returns:
+            The bundle's shape and type.
         """
         found = self.samples(x)
-        sent = [k for keys in self.bundle_out[:-1] for k in keys]
-        dtype = boundary.bundle_dtype([found[k].dtype or self.plan.tensors[k].dtype for k in sent])
+        dtype = boundary.bundle_dtype([found[k].dtype or self.plan.tensors[k].dtype
+                                       for keys in self.bundle_out[:-1] for k in keys])
         width = max([sum(found[k].width for k in keys) for keys in self.plan.live_after[:-1]]
                     + [boundary.LOSS_WIDTH[dtype]])
         return jax.ShapeDtypeStruct((tree.flatten(x)[0].shape[0] + 1, width), dtype)
@@ -551,9 +553,8 @@ class StageRunner:
                                             [env[k] for k in plan.output_keys])
             return None, ntv, outputs, extra_loss
         (batch, width), dtype = (bundle.shape[0] - 1, bundle.shape[1]), bundle.dtype  # x's
-        flat = [part for k in p.bundle_out[s]
-                for part in boundary.send(env[k], batch, plan.tensors[k], s, found[k], dtype)]
-        out = jnp.concatenate(flat, axis=1)
+        out = jnp.concatenate([part for k in p.bundle_out[s] for part in boundary.send(
+            env[k], batch, plan.tensors[k], s, found[k], dtype)], axis=1)
         out = jnp.pad(out, ((0, 0), (0, width - out.shape[1])))
         carried = boundary.carry_loss(extra_loss, width, dtype)
         return jnp.concatenate([out, carried], axis=0), ntv, None, extra_loss
