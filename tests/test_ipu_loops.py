@@ -414,6 +414,22 @@ def test_an_infeed_read_inside_another_loops_body_is_refused():
     assert len(infeed.peek(10)) == 6  # nothing taken
 
 
+def test_data_given_as_the_infeed_queue_itself_is_refused_naming_what_to_wrap():
+    # Before: "unhashable type: 'list'" in compile, "'list' object has no attribute 'take'"
+    # eagerly, "... no attribute 'peek'" from while_loop.
+    data = [np.float32(i) for i in range(3)]
+    message = ("infeed_queue must be an ipu.ipu_infeed_queue.IPUInfeedQueue or None, got "
+               "list: wrap the data, IPUInfeedQueue\\(data\\)")
+    loops = [lambda: ipu.loops.repeat(3, lambda t, e: t + e, [0.0], data),
+             lambda: ipu.loops.while_loop(lambda t: t < 2, lambda t, e: t + e, [0.0], data)]
+    configure(1)
+    for loop in loops:
+        with pytest.raises(TypeError, match=message):
+            loop()
+        with ipu.scopes.ipu_scope("/device:IPU:0"), pytest.raises(TypeError, match=message):
+            ipu.ipu_compiler.compile(loop)
+
+
 def test_a_loop_filling_an_outfeed_inside_a_jit_of_ones_own_says_where_to_run_it():
     outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
 

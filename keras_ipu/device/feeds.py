@@ -149,6 +149,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
+        TypeError: For an `infeed_queue` that is no `IPUInfeedQueue`.
         ValueError: For `n` below 0 or not an integer, an infeed that runs
             out (nothing is taken from it), an infeed read by a loop inside
             another loop's body, a body that returns another number of
@@ -161,6 +162,7 @@ def repeat(n: int, body: Callable, inputs: Any = None,
     Array(10., dtype=float32)
     """
     n = _iterations(n)
+    _check_queue(infeed_queue)
     if infeed_queue is not None and queues.current_enqueues() is not None:
         # Traced once, it would read the same elements at every outer iteration.
         raise ValueError("A loop inside another loop's body cannot read an infeed: it is "
@@ -221,6 +223,14 @@ def _called(body: Callable, carry: tuple, element: Any) -> Any:
     if isinstance(element, dict):
         return body(*carry, **element)
     return body(*carry, *(element if isinstance(element, (tuple, list)) else (element,)))
+
+
+def _check_queue(infeed_queue: Any) -> None:
+    """Refuses an `infeed_queue` that is no `IPUInfeedQueue` (the data itself, say)."""
+    if infeed_queue is not None and not isinstance(infeed_queue, queues.IPUInfeedQueue):
+        raise TypeError(
+            f"infeed_queue must be an ipu.ipu_infeed_queue.IPUInfeedQueue or None, got "
+            f"{type(infeed_queue).__name__}: wrap the data, IPUInfeedQueue(data).")
 
 
 def _streamed(infeed_queue: queues.IPUInfeedQueue) -> Callable[[jax.Array], Any]:
@@ -329,6 +339,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
         The final carried values: one value, a tuple of several, or `None`.
 
     Raises:
+        TypeError: For an `infeed_queue` that is no `IPUInfeedQueue`.
         ValueError: With an `infeed_queue` that is empty when the loop is
             traced, or on a replicated device; an `infeed_queue` that runs out
             while the condition holds (a kept program's included) fails the
@@ -343,6 +354,7 @@ def while_loop(condition: Callable, body: Callable, inputs: Any = None,
     Array(12, dtype=int32)
     """
     limit = _iteration_limit(maximum_iterations)
+    _check_queue(infeed_queue)
     element = None if infeed_queue is None else _streamed(infeed_queue)
     carried = tuple(jax.tree_util.tree_map(jnp.asarray, _as_list(inputs)))
 
