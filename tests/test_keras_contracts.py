@@ -866,3 +866,10 @@ def test_a_variable_made_in_a_stateless_scope_waits_and_takes_a_value_by_initial
     global_state.set_global_attribute("uninitialized_variables", pending)
     variable._initialize(np.array([3.0, 4.0], np.float32))
     np.testing.assert_array_equal(variable.numpy(), [3.0, 4.0])
+
+
+def test_compile_keeps_its_loss_weights_in_compile_config():
+    # keras_ipu.keras.replication compares them across the instances of a job.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", loss_weights=[10.0])
+    assert model._compile_config.config["loss_weights"] == [10.0]

@@ -488,10 +488,15 @@ def test_instances_with_different_programs_are_told_what_differs():
                    "where instance 1 has 'option gradient_accumulation_steps_per_replica: 2'",
         "dtype": "instance 0 has 'batch input 0: int32[4, 6]' where instance 1 has "
                  "'batch input 0: float32[4, 6]'",
-        "loss": "instance 0 has \"loss: 'mse'\" where instance 1 has \"loss: 'mae'\"",
-        "calls": "The call differs between the 2 instances, so their collectives would not "
-                 "match and the job would abort: instance 0 has '`fit`' where instance 1 has "
-                 "'`evaluate`'"}
+        "loss": "instance 0 has \"loss: 'mse', weights None\" where instance 1 has \"loss: "
+                "'mae', weights None\"",
+        "loss weights": "instance 0 has \"loss: 'mse', weights [1.0]\" where instance 1 has "
+                        "\"loss: 'mse', weights [2.0]\"",
+        "calls": "The point the instances' runs are at differs between the 2 instances, so "
+                 "their collectives would not match and the job would abort: instance 0 has "
+                 "'a call of `fit`' where instance 1 has 'a call of `evaluate`'",
+        "callback call": "instance 0 has 'a call of `evaluate`' where instance 1 has '`fit` "
+                         "checking model.stop_training'"}
     for index in (0, 1):
         out = lines_of(done.stdout, index)
         for case, difference in expected.items():

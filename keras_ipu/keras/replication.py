@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -214,12 +215,8 @@ def check_instance_steps(replicas: Replicas, mode: str, plans: dict[str, FeedPla
         return
     from jax.experimental import multihost_utils
 
-    from keras_ipu.distributed import runtime
-
     # First a digest of the same size for every call: the plans' differ by mode.
-    runtime.check_described_alike(
-        [f"`{mode}`"], "The call", "Every instance must call `fit`, `evaluate` and `predict` "
-        "in the same order (in a callback too).")
+    _check_at_one_point(f"a call of `{mode}`")
     mine = np.array([[p.steps * p.replicas, p.steps // p.steps_per_execution,
                       p.steps_per_execution] if p else [0, 0, 0] for p in plans.values()]
                     + [[*epochs, replicas.count]], np.int64)
@@ -283,6 +280,7 @@ def check_instances_agree(replicas: Replicas, mode: str, what: str, mine: Any) -
         return
     from jax.experimental import multihost_utils
 
+    _check_at_one_point(f"`{mode}` checking {what}")
     every = np.asarray(multihost_utils.process_allgather(
         np.atleast_1d(np.asarray(mine, np.int64)), tiled=False))
     if (every == every[0]).all():
@@ -293,6 +291,18 @@ def check_instances_agree(replicas: Replicas, mode: str, what: str, mine: Any) -
         f"job would hang waiting for an instance that stopped. A callback that changes the "
         f"run (EarlyStopping, BackupAndRestore, one setting model.stop_training) must be "
         f"given to every instance, with the same settings.")
+
+
+def _check_at_one_point(point: str) -> None:
+    """Raises the same error in every instance when they are not at the same `point` of the
+    run: one in a call the others do not make (an `evaluate` in one instance's callback)
+    would pair its exchanges with theirs, of other sizes, and abort or hang the job."""
+    from keras_ipu.distributed import runtime
+
+    runtime.check_described_alike(
+        [point], "The point the instances' runs are at",
+        "Every instance must call `fit`, `evaluate` and `predict` in the same order (in a "
+        "callback too) and be given the same callbacks.")
 
 
 def any_instance(replicas: Replicas, mine: bool) -> bool:
@@ -393,7 +403,9 @@ def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch
     lines += [f"option {field.name}: {_described(getattr(options, field.name))}"
               for field in dataclasses.fields(options) if field.name not in _HOST_ONLY_OPTIONS]
     if "optimizer_variables" in parts:  # what training computes, beyond the variables
-        lines.append(f"loss: {_described(model.loss)}")
+        compiled = getattr(getattr(model, "_compile_config", None), "config", {})
+        lines.append(f"loss: {_described(model.loss)}, weights "
+                     f"{_described(compiled.get('loss_weights'))}")
         lines.append(f"optimizer: {_described(model.optimizer)}")
     if placement.plan is not None:
         lines.append(f"pipeline stages of {[len(s) for s in placement.plan.stages]} layers")
@@ -418,6 +430,9 @@ def _described(value: Any) -> str:
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k!r}: {_described(v)}" for k, v in sorted(
             value.items(), key=lambda item: str(item[0])) if k != "name") + "}"
+    if isinstance(value, functools.partial):
+        return (f"partial({_described(value.func)}, {_described(list(value.args))}, "
+                f"{_described(value.keywords)})")
     if callable(getattr(value, "get_config", None)):
         try:
             return f"{type(value).__name__}{_described(value.get_config())}"

@@ -57,15 +57,22 @@ if sys.argv[2:] == ["uneven"]:
 if sys.argv[2:] == ["programs"]:
     x, y = instance_data(index)
 
-    def model_of(width=8, accumulation=None, loss="mse"):
+    def model_of(width=8, accumulation=None, loss="mse", loss_weights=None):
         with strategy.scope():
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(width),
                                       keras.layers.Dense(3)])
-            model.compile(optimizer="sgd", loss=loss, steps_per_execution=4)
+            model.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights,
+                          steps_per_execution=4)
             if accumulation:
                 model.set_gradient_accumulation_options(
                     gradient_accumulation_steps_per_replica=accumulation)
         return model
+
+    def evaluating_in_instance_0():
+        model = model_of()
+        hook = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: index == 0 and (
+            model.evaluate(x, y, batch_size=BATCH, verbose=0)))
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[hook])
 
     def prefetching(depth):
         model = model_of()
@@ -82,9 +89,13 @@ if sys.argv[2:] == ["programs"]:
              # Before: trained on a blend of both losses, silently.
              "loss": lambda: model_of(loss=("mse", "mae")[index]).fit(x, y, batch_size=BATCH,
                                                                      verbose=0),
+             "loss weights": lambda: model_of(loss_weights=[1.0 + index]).fit(
+                 x, y, batch_size=BATCH, verbose=0),
              # Before: the job aborted in gloo (the calls gather plans of other sizes).
              "calls": lambda: (model_of().fit if index == 0 else model_of().evaluate)(
                  x, y, batch_size=BATCH, verbose=0),
+             # Before: a garbage `stop_training` value named, and a hang if caught.
+             "callback call": evaluating_in_instance_0,
              # Before: each instance trained a table of its own.
              "host embedding": lambda: ipu.embedding_ops.create_host_embedding(
                  "table", [4, 2], np.float32, optimizer_spec=(
