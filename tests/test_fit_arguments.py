@@ -387,6 +387,39 @@ def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(stra
     assert calls == [1]  # the first execution's hook, then the next execution refused
 
 
+_SAME_AGAIN = {
+    "accumulation": lambda m: m.set_gradient_accumulation_options(
+        gradient_accumulation_steps_per_replica=2),
+    "pipelining": lambda m: m.set_pipelining_options(gradient_accumulation_steps_per_replica=2),
+    "infeed": lambda m: m.set_infeed_queue_options(prefetch_depth=2),
+    "outfeed": lambda m: m.set_outfeed_queue_options(buffer_depth=2),
+    "replication": lambda m: m.set_replication_options("MEAN"),
+    "asynchronous": lambda m: m.set_asynchronous_callbacks(False),
+}
+
+
+@pytest.mark.parametrize("setter", sorted(_SAME_AGAIN))
+def test_an_option_set_again_to_its_value_mid_fit_lets_the_run_go_on(setter, strategy):
+    # Before: the accumulation, pipelining and feed setters dropped the programs whatever
+    # the value, so a callback setting what was already set stopped the run.
+    from keras_ipu.keras import run
+
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    set_again = _SAME_AGAIN[setter]
+    set_again(on_ipu)
+    x, y = data_for("sequential", samples=32)
+    programs = []
+
+    def again(epoch, logs):
+        programs.append(run.program_for(on_ipu, "fit"))
+        set_again(on_ipu)
+
+    history = on_ipu.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                         callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=again)]).history
+    assert len(history["loss"]) == 3
+    assert programs[0] is not None and all(p is programs[0] for p in programs)
+
+
 @pytest.mark.parametrize("start", [False, True])
 def test_asynchronous_callbacks_switched_mid_fit_stop_it_as_any_option(strategy, start):
     # Before: switched on at an epoch's end it was ignored (the run's program streams no

@@ -127,8 +127,7 @@ class ExtensionBase:
             use_v2_gradient_accumulation_optimizer,
             gradient_accumulation_optimizer_kwargs,
         )
-        options.set_options(self, new)
-        run.forget_programs(self)
+        run.change_options(self, new)
 
     def set_pipelining_options(
         self,
@@ -181,8 +180,7 @@ class ExtensionBase:
             accumulate_outfeed, gradient_accumulation_reduction_method,
             pipelining_kwargs,
         )
-        options.set_options(self, new)
-        run.forget_programs(self)
+        run.change_options(self, new)
 
     def set_replication_options(self, replicated_metric_reduction_method="NONE"):
         """Sets how the loss and metrics of the replicas are returned.
@@ -285,8 +283,7 @@ class ExtensionBase:
         self._set_feed_options(outfeed=kwargs)
 
     def _set_feed_options(self, **feeds):
-        options.set_options(self, options.feed_queue_options(options.options_of(self), **feeds))
-        run.forget_programs(self)
+        run.change_options(self, options.feed_queue_options(options.options_of(self), **feeds))
 
     def export_for_ipu_serving(self, export_dir, batch_size=None, output_names=None,
                                preprocessing_step=None, preprocessing_step_signature=None,
