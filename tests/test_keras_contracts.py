@@ -873,3 +873,15 @@ def test_compile_keeps_its_loss_weights_in_compile_config():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse", loss_weights=[10.0])
     assert model._compile_config.config["loss_weights"] == [10.0]
+
+
+def test_a_loss_class_wraps_its_function_with_arguments_and_reduction():
+    # Instances compare compiled losses as function, arguments and reduction
+    # (replication._loss_described), whichever way the user spelt them.
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    loss = keras.losses.Huber(delta=2.0, reduction="sum")
+    assert isinstance(loss, LossFunctionWrapper)
+    assert loss.fn is keras.losses.huber and loss._fn_kwargs == {"delta": 2.0}
+    assert loss.reduction == "sum"
+    assert keras.losses.get("mse") is keras.losses.mean_squared_error

@@ -488,10 +488,13 @@ def test_instances_with_different_programs_are_told_what_differs():
                    "where instance 1 has 'option gradient_accumulation_steps_per_replica: 2'",
         "dtype": "instance 0 has 'batch input 0: int32[4, 6]' where instance 1 has "
                  "'batch input 0: float32[4, 6]'",
-        "loss": "instance 0 has \"loss: 'mse', weights None\" where instance 1 has \"loss: "
-                "'mae', weights None\"",
-        "loss weights": "instance 0 has \"loss: 'mse', weights [1.0]\" where instance 1 has "
-                        "\"loss: 'mse', weights [2.0]\"",
+        "loss": "instance 0 has \"loss: keras.src.losses.losses.mean_squared_error{} reduced "
+                "by 'sum_over_batch_size', weights None\" where instance 1 has \"loss: "
+                "keras.src.losses.losses.mean_absolute_error{} reduced by "
+                "'sum_over_batch_size', weights None\"",
+        "loss weights": "reduced by 'sum_over_batch_size', weights [1.0]\" where instance 1 "
+                        "has \"loss: keras.src.losses.losses.mean_squared_error{} reduced by "
+                        "'sum_over_batch_size', weights [2.0]\"",
         "calls": "The point the instances' runs are at differs between the 2 instances, so "
                  "their collectives would not match and the job would abort: instance 0 has "
                  "'a call of `fit`' where instance 1 has 'a call of `evaluate`'",
@@ -503,6 +506,7 @@ def test_instances_with_different_programs_are_told_what_differs():
             assert (f"{case} raised: " in out and difference in out
                     and "their collectives would not match" in out), (case, out)
         assert "prefetch ran without an error" in out, out
+        assert "loss spellings ran without an error" in out, out
         assert ("host embedding raised: Host embedding 'table' is trained on its host, and "
                 "each of the 2 instances") in out, out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -404,7 +405,7 @@ def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch
               for field in dataclasses.fields(options) if field.name not in _HOST_ONLY_OPTIONS]
     if "optimizer_variables" in parts:  # what training computes, beyond the variables
         compiled = getattr(getattr(model, "_compile_config", None), "config", {})
-        lines.append(f"loss: {_described(model.loss)}, weights "
+        lines.append(f"loss: {_loss_described(model.loss)}, weights "
                      f"{_described(compiled.get('loss_weights'))}")
         lines.append(f"optimizer: {_described(model.optimizer)}")
     if placement.plan is not None:
@@ -417,6 +418,35 @@ def check_instance_programs(model: Any, mode: str, parts: tuple[str, ...], batch
 
 # Options that only the host reads (the infeed's prefetching): instances may differ in them.
 _HOST_ONLY_OPTIONS = frozenset({"infeed_kwargs"})
+
+
+def _loss_described(loss: Any) -> str:
+    """A compiled loss as Keras resolves it, so that its spellings agree: `"mse"`,
+    `"mean_squared_error"`, `keras.losses.mean_squared_error` and `MeanSquaredError()`
+    are one function, its arguments (defaults filled in) and a reduction."""
+    import keras  # its losses; a process that compiled a model has Keras loaded
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    if isinstance(loss, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_loss_described(v)}" for k, v in sorted(
+            loss.items(), key=lambda item: str(item[0]))) + "}"
+    if isinstance(loss, (list, tuple)):
+        return "[" + ", ".join(_loss_described(v) for v in loss) + "]"
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:  # a name Keras resolves by the data's shapes ("crossentropy")
+            return repr(loss)
+    function, arguments, reduction = loss, {}, "sum_over_batch_size"
+    if isinstance(loss, LossFunctionWrapper):
+        function, arguments, reduction = loss.fn, loss._fn_kwargs, loss.reduction
+    if not inspect.isfunction(function):
+        return _described(loss)
+    defaults = {name: parameter.default for name, parameter in
+                inspect.signature(function).parameters.items()
+                if parameter.default is not parameter.empty}
+    return (f"{_described(function)}{_described({**defaults, **arguments})} "
+            f"reduced by {reduction!r}")
 
 
 def _described(value: Any) -> str:

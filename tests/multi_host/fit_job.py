@@ -89,6 +89,10 @@ if sys.argv[2:] == ["programs"]:
              # Before: trained on a blend of both losses, silently.
              "loss": lambda: model_of(loss=("mse", "mae")[index]).fit(x, y, batch_size=BATCH,
                                                                      verbose=0),
+             # Before: refused, Keras' one loss told apart by how it was spelt.
+             "loss spellings": lambda: model_of(loss=(
+                 "mse", keras.losses.MeanSquaredError(name="mine"))[index]).fit(
+                 x, y, batch_size=BATCH, verbose=0),
              "loss weights": lambda: model_of(loss_weights=[1.0 + index]).fit(
                  x, y, batch_size=BATCH, verbose=0),
              # Before: the job aborted in gloo (the calls gather plans of other sizes).
