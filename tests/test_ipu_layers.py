@@ -415,6 +415,11 @@ def test_the_functional_normalisations_compute_the_seeds_operators(strided):
         normalization_ops.layer_norm(np.ones(4, np.float32))
     with pytest.raises(ValueError, match="takes 'gamma' and 'beta', got \\['scale'\\]"):
         normalization_ops.layer_norm(x, param_initializers={"scale": gamma})
+    # Before: JAX's "Incompatible shapes for broadcasting", or a [5, 8] gamma taken per element.
+    with pytest.raises(ValueError, match="'gamma' must be of shape \\[8\\] .* got shape \\[3\\]"):
+        normalization_ops.group_norm(x, 2, param_initializers={"gamma": gamma[:3]})
+    with pytest.raises(ValueError, match="'beta' must be of shape \\[8\\] .* got shape \\[3, 8\\]"):
+        normalization_ops.layer_norm(x[:, 0], param_initializers={"beta": np.ones((3, 8))})
 
 
 def test_the_seeds_outlined_function_example_runs_with_layer_norm():
@@ -549,6 +554,11 @@ def test_the_embedding_takes_ipu_tensorflows_arguments_in_their_order():
     with pytest.raises(ValueError, match="serialization_factor must be a positive integer "
                                          "dividing input_dim 100, got 3"):
         ipu_layers.Embedding(100, 8, serialization_factor=3)
+    # Before: "must be a positive integer dividing input_dim 100, got np.int64(4)".
+    numpy_factor = ipu_layers.Embedding(100, 8, serialization_factor=np.int64(4))
+    assert numpy_factor.get_config()["serialization_factor"] == 4
+    with pytest.raises(ValueError, match="serialization_factor must be .* got True"):
+        ipu_layers.Embedding(100, 8, serialization_factor=True)
 
 
 def test_the_ipu_embedding_quantizes_as_kerases(strategy):

@@ -56,7 +56,7 @@ import numpy as np
 from keras import ops
 
 from keras_ipu import layer_registration
-from keras_ipu.device import checkpoints
+from keras_ipu.device import checkpoints, integers
 from keras_ipu.keras.group_normalization import (  # noqa: F401 (ipu.keras.layers' names)
     GroupNormalization,
     InstanceNormalization,
@@ -176,10 +176,11 @@ class Embedding(PositionalArguments, keras.layers.Embedding):
                  embeddings_regularizer=None, activity_regularizer=None,
                  embeddings_constraint=None, mask_zero=False, input_length=None,
                  serialization_factor=1, **kwargs):
-        if (isinstance(serialization_factor, bool) or not isinstance(serialization_factor, int)
-                or serialization_factor < 1 or input_dim % serialization_factor):
+        factor = integers.integer_of(serialization_factor)  # a NumPy integer too
+        if factor is None or factor < 1 or input_dim % factor:
             raise ValueError(f"serialization_factor must be a positive integer dividing "
                              f"input_dim {input_dim}, got {serialization_factor!r}.")
+        serialization_factor = factor
         if input_length is not None:
             kwargs["input_length"] = input_length  # Keras' own warning
         super().__init__(input_dim, output_dim, embeddings_initializer=embeddings_initializer,

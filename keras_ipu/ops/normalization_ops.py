@@ -27,6 +27,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import numpy as np
+
 _PARAMETERS = {"gamma": "ones", "beta": "zeros"}
 
 
@@ -63,7 +65,8 @@ def group_norm(inputs: Any, groups: int = 2, channels_axis: int = -1, center: bo
     Raises:
         ValueError: For fewer than 2 dimensions, a channels' axis outside
             them or of unknown size, `groups` that do not divide the
-            channels, or unknown `param_initializers` keys.
+            channels, unknown `param_initializers` keys, or a value of theirs
+            not of shape `[channels]`.
 
     Example:
 
@@ -186,6 +189,9 @@ def _parameters(param_initializers: Any, channels: int, dtype: str, scale: bool,
             values.append(None)
         elif isinstance(source, str) or (callable(source) and not hasattr(source, "shape")):
             values.append(keras.initializers.get(source)((channels,), dtype))
+        elif tuple(np.shape(source)) != (channels,):
+            raise ValueError(f"param_initializers' {name!r} must be of shape [{channels}] "
+                             f"(the channels), got shape {list(np.shape(source))}.")
         else:
             values.append(source)
     return values[0], values[1]
