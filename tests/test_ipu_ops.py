@@ -38,6 +38,10 @@ def test_activations():
     np.testing.assert_allclose(nn_ops.hard_sigmoid(x), np.clip(0.2 * x + 0.5, 0, 1), atol=1e-7)
     with pytest.raises(TypeError, match="floating point input, got int32"):  # before: [0, 0, 1]
         nn_ops.hard_sigmoid(np.array([1, 2, 3], np.int32))
+    for activation in (nn_ops.gelu, nn_ops.swish):  # before: JAX's error, or floats for ints
+        with pytest.raises(TypeError, match=f"{activation.__name__} takes a floating point "
+                                            "input, got int32"):
+            activation(np.array([1, 2, 3], np.int32))
     np.testing.assert_allclose(nn_ops.swish(x), x / (1 + np.exp(-x)), rtol=1e-6)
     exact = 0.5 * x * (1 + np.vectorize(__import__("math").erf)(x / np.sqrt(2)))
     np.testing.assert_allclose(nn_ops.gelu(x, approximate=False), exact, atol=1e-6)
@@ -242,6 +246,8 @@ def test_normalise_image_pads_to_four_channels(dtype, out_dtype):
         with pytest.raises(ValueError, match=rf"{bad} must be a \[3\] array .*got shape "
                                              rf"\{shape[:-1]}\)"):
             image_ops.normalise_image(image, offsets, scales)
+    with pytest.raises(TypeError, match="scale must be a number, got None"):  # before: JAX's
+        image_ops.normalise_image(image, [0] * 3, [1] * 3, scale=None)
 
 
 def test_dropout_seeds_computed_in_the_program_match_fixed_pairs_and_rates_are_checked():

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def normalise_image(image: Any, channel_offsets: Any, channel_scales: Any, scale: float = 1,
@@ -35,6 +36,7 @@ def normalise_image(image: Any, channel_offsets: Any, channel_scales: Any, scale
     Raises:
         ValueError: For an image that does not have 3 channels, or another
             dtype; for offsets or scales that are not 3 values.
+        TypeError: For a `scale` that is not a number.
 
     Example:
 
@@ -54,6 +56,8 @@ def normalise_image(image: Any, channel_offsets: Any, channel_scales: Any, scale
         if values.shape != (3,):  # one value would apply to every channel unasked
             raise ValueError(f"normalise_image's {argument} must be a [3] array (one value "
                              f"per channel), got shape {values.shape}.")
+    if isinstance(scale, (str, bool)) or scale is None or np.ndim(scale):
+        raise TypeError(f"normalise_image's scale must be a number, got {scale!r}.")
     normalised = (image.astype(out_dtype) * jnp.asarray(scale, out_dtype) - offsets) * scales
     return jnp.pad(normalised, [(0, 0)] * (image.ndim - 1) + [(0, 1)])
 

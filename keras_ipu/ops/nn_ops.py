@@ -34,12 +34,15 @@ def gelu(x: Any, approximate: bool = True, name: str | None = None) -> jax.Array
     Returns:
         An array of the input's shape and type.
 
+    Raises:
+        TypeError: For an input that is not floating point.
+
     Example:
 
     >>> gelu(jnp.array([0.0, 1.0]))
     Array([0.      , 0.841192], dtype=float32)
     """
-    return jax.nn.gelu(x, approximate=approximate)
+    return jax.nn.gelu(_floating(x, "gelu"), approximate=approximate)
 
 
 def hard_sigmoid(x: Any, name: str | None = None) -> jax.Array:
@@ -61,9 +64,7 @@ def hard_sigmoid(x: Any, name: str | None = None) -> jax.Array:
     >>> hard_sigmoid(jnp.array([-3.0, 0.0, 1.0]))
     Array([0. , 0.5, 0.7], dtype=float32)
     """
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"hard_sigmoid takes a floating point input, got {x.dtype}.")
+    x = _floating(x, "hard_sigmoid")
     return jnp.clip(x * 0.2 + 0.5, 0, 1).astype(x.dtype)
 
 
@@ -77,12 +78,23 @@ def swish(x: Any, name: str | None = None) -> jax.Array:
     Returns:
         An array of the input's shape and type.
 
+    Raises:
+        TypeError: For an input that is not floating point.
+
     Example:
 
     >>> swish(jnp.array([0.0]))
     Array([0.], dtype=float32)
     """
-    return jax.nn.swish(x)
+    return jax.nn.swish(_floating(x, "swish"))
+
+
+def _floating(x: Any, activation: str) -> jax.Array:
+    """`x` as an array, refused unless floating point (as the IPU's activation ops)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{activation} takes a floating point input, got {x.dtype}.")
+    return x
 
 
 def multi_conv(func: Callable | None = None,
