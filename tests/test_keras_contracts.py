@@ -883,5 +883,6 @@ def test_a_loss_class_wraps_its_function_with_arguments_and_reduction():
     loss = keras.losses.Huber(delta=2.0, reduction="sum")
     assert isinstance(loss, LossFunctionWrapper)
     assert loss.fn is keras.losses.huber and loss._fn_kwargs == {"delta": 2.0}
-    assert loss.reduction == "sum"
+    assert loss.reduction == "sum" and loss.dtype == "float32"
+    assert type(loss).call is LossFunctionWrapper.call  # a subclass may override it
     assert keras.losses.get("mse") is keras.losses.mean_squared_error

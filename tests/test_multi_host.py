@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 
@@ -476,6 +477,26 @@ def test_instances_configured_with_different_ipus_are_told_so():
                 ) in lines_of(done.stdout, index)
 
 
+def test_instances_describe_a_loss_as_keras_computes_it():
+    from keras_ipu.keras.replication import _loss_described
+
+    class DoubledMSE(keras.losses.MeanSquaredError):
+        def call(self, y_true, y_pred):
+            return 2 * super().call(y_true, y_pred)
+
+    spellings = ["mse", "mean_squared_error", keras.losses.mean_squared_error,
+                 keras.losses.MeanSquaredError(name="mine")]
+    assert len({_loss_described(loss) for loss in spellings}) == 1
+    assert _loss_described("sparse_categorical_crossentropy") == _loss_described(
+        keras.losses.SparseCategoricalCrossentropy())
+    # Before: a subclass with its own `call`, or another dtype, was described as "mse".
+    for other in (DoubledMSE(), keras.losses.MeanSquaredError(dtype="bfloat16"),
+                  keras.losses.MeanSquaredError(reduction="sum"),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True)):
+        assert _loss_described(other) not in (_loss_described("mse"), _loss_described(
+            "sparse_categorical_crossentropy")), other
+
+
 def test_instances_with_different_programs_are_told_what_differs():
     # Before: the job aborted in gloo ("collective mismatch", status 134), naming nothing.
     done = launch("--num-instances", "2", "--num-replicas", "4", "--", "fit_job.py", "unused",
@@ -489,12 +510,12 @@ def test_instances_with_different_programs_are_told_what_differs():
         "dtype": "instance 0 has 'batch input 0: int32[4, 6]' where instance 1 has "
                  "'batch input 0: float32[4, 6]'",
         "loss": "instance 0 has \"loss: keras.src.losses.losses.mean_squared_error{} reduced "
-                "by 'sum_over_batch_size', weights None\" where instance 1 has \"loss: "
-                "keras.src.losses.losses.mean_absolute_error{} reduced by "
-                "'sum_over_batch_size', weights None\"",
-        "loss weights": "reduced by 'sum_over_batch_size', weights [1.0]\" where instance 1 "
-                        "has \"loss: keras.src.losses.losses.mean_squared_error{} reduced by "
-                        "'sum_over_batch_size', weights [2.0]\"",
+                "by 'sum_over_batch_size' in float32, weights None\" where instance 1 has "
+                "\"loss: keras.src.losses.losses.mean_absolute_error{} reduced by "
+                "'sum_over_batch_size' in float32, weights None\"",
+        "loss weights": "reduced by 'sum_over_batch_size' in float32, weights [1.0]\" where "
+                        "instance 1 has \"loss: keras.src.losses.losses.mean_squared_error{} "
+                        "reduced by 'sum_over_batch_size' in float32, weights [2.0]\"",
         "calls": "The point the instances' runs are at differs between the 2 instances, so "
                  "their collectives would not match and the job would abort: instance 0 has "
                  "'a call of `fit`' where instance 1 has 'a call of `evaluate`'",

@@ -437,16 +437,19 @@ def _loss_described(loss: Any) -> str:
             loss = keras.losses.get(loss)
         except ValueError:  # a name Keras resolves by the data's shapes ("crossentropy")
             return repr(loss)
-    function, arguments, reduction = loss, {}, "sum_over_batch_size"
-    if isinstance(loss, LossFunctionWrapper):
-        function, arguments, reduction = loss.fn, loss._fn_kwargs, loss.reduction
+    function, arguments = loss, {}
+    reduction, dtype = "sum_over_batch_size", keras.backend.floatx()  # a function's wrapper's
+    # A wrapper whose `call` is its own (a user's subclass) computes something else.
+    if isinstance(loss, LossFunctionWrapper) and type(loss).call is LossFunctionWrapper.call:
+        function, arguments = loss.fn, loss._fn_kwargs
+        reduction, dtype = loss.reduction, loss.dtype
     if not inspect.isfunction(function):
         return _described(loss)
     defaults = {name: parameter.default for name, parameter in
                 inspect.signature(function).parameters.items()
                 if parameter.default is not parameter.empty}
     return (f"{_described(function)}{_described({**defaults, **arguments})} "
-            f"reduced by {reduction!r}")
+            f"reduced by {reduction!r} in {dtype}")
 
 
 def _described(value: Any) -> str:
