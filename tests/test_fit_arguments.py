@@ -398,6 +398,18 @@ _SAME_AGAIN = {
 }
 
 
+def test_an_option_holding_an_array_can_be_set_again(strategy):
+    # Before: NumPy's "truth value of an array ... is ambiguous" comparing the options.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    for _ in range(2):
+        on_ipu.set_pipelining_options(2, offload_weights=np.array([True, False]))
+    from keras_ipu.keras import options
+
+    kept = options.options_of(on_ipu)
+    assert kept.pipelining_gradient_accumulation_steps_per_replica == 2
+    assert kept.pipelining_kwargs["offload_weights"].tolist() == [True, False]
+
+
 @pytest.mark.parametrize("setter", sorted(_SAME_AGAIN))
 def test_an_option_set_again_to_its_value_mid_fit_lets_the_run_go_on(setter, strategy):
     # Before: the accumulation, pipelining and feed setters dropped the programs whatever

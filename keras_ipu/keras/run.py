@@ -170,6 +170,10 @@ def change_options(model: Any, new: options.IPUOptions) -> None:
 
     >>> change_options(model, options.replication_options(options.options_of(model), "sum"))
     """
-    if new != options.options_of(model):
+    try:
+        changed = bool(new != options.options_of(model))
+    except (ValueError, TypeError):  # an array among the values (an accepted kwarg's): changed
+        changed = True
+    if changed:
         options.set_options(model, new)
         forget_programs(model)
