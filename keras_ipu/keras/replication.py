@@ -423,7 +423,7 @@ _HOST_ONLY_OPTIONS = frozenset({"infeed_kwargs"})
 def _loss_described(loss: Any) -> str:
     """A compiled loss as Keras resolves it, so that its spellings agree: `"mse"`,
     `"mean_squared_error"`, `keras.losses.mean_squared_error` and `MeanSquaredError()`
-    are one function, its arguments (defaults filled in) and a reduction."""
+    are one function, its arguments (defaults filled in), a reduction and a dtype."""
     import keras  # its losses; a process that compiled a model has Keras loaded
     from keras.src.losses.losses import LossFunctionWrapper
 
