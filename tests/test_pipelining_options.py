@@ -175,6 +175,15 @@ def test_the_references_none_defaults_and_numpy_dtypes_are_taken(strategy):
     assert options.options_of(model).pipelined_accumulator_dtype == "float16"  # kept
     for dtype in (None, "float16", np.float32, jnp.bfloat16, lambda tensor: np.float32):
         model.set_pipelining_options(accumulate_outfeed_dtype=dtype)  # as the reference reads it
+    # One value spelt two ways is one option (set again mid-fit, it does not stop the run).
+    stage = ipu.pipelining_ops.PipelineStageOptions()
+    spelt = [dict(accumulate_outfeed_dtype=dtype, forward_propagation_stages_poplar_options=s)
+             for dtype, s in ((np.float16, [stage]), ("float16", (stage,)))]
+    kept = []
+    for kwargs in spelt:
+        model.set_pipelining_options(**kwargs)
+        kept.append(options.options_of(model))
+    assert kept[0] == kept[1]
 
 
 def test_a_pipelines_accumulator_dtype_is_its_own_option(strategy):

@@ -393,7 +393,12 @@ def _pipelining_kwargs(kwargs: Any) -> dict[str, Any]:
         kwargs["gradient_accumulation_dtype"] = _accumulator_dtype(
             kwargs["gradient_accumulation_dtype"], "`gradient_accumulation_dtype`")
     _check_stage_poplar_options(kwargs)
-    _check_outfeed_dtype(kwargs.get("accumulate_outfeed_dtype"))
+    # Stored in one form, so that setting an equal value again changes nothing (`run.py`).
+    for name in STAGE_POPLAR_OPTIONS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = tuple(kwargs[name])
+    if "accumulate_outfeed_dtype" in kwargs:
+        kwargs["accumulate_outfeed_dtype"] = _outfeed_dtype(kwargs["accumulate_outfeed_dtype"])
     return kwargs
 
 
@@ -420,13 +425,13 @@ def _check_recomputation_schedule(kwargs: Mapping[str, Any]) -> None:
             f"those or RecomputationMode.Auto (the schedule's default mode).")
 
 
-def _check_outfeed_dtype(dtype: Any) -> None:
-    """`accumulate_outfeed_dtype`, as the reference reads it: `None`, a dtype, or a
-    per-tensor function (it has no effect here, but a bad value fails there)."""
+def _outfeed_dtype(dtype: Any) -> Any:
+    """`accumulate_outfeed_dtype`, as the reference reads it: `None`, a dtype (kept as its
+    name), or a per-tensor function (it has no effect here, but a bad value fails there)."""
     if dtype is None or (callable(dtype) and not isinstance(dtype, type)):
-        return
+        return dtype
     try:
-        np.dtype(dtype)
+        return np.dtype(dtype).name
     except TypeError:
         raise TypeError(
             f"Invalid `accumulate_outfeed_dtype` in `pipelining_kwargs`: {dtype!r}; expected "
