@@ -370,10 +370,14 @@ def test_a_callback_compiling_the_model_mid_fit_stops_it_with_the_weights_kept(
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
-def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(strategy):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(strategy,
+                                                                           asynchronous):
     # Set through the callback's closure (the model not synced), the run went on with its
-    # old program to the end of the epoch.
-    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    # old program to the end of the epoch. Set by an asynchronous hook, the execution it
+    # ran beside was thrown away (the weights went back one execution).
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    on_ipu.set_asynchronous_callbacks(asynchronous)
     x, y = data_for("sequential", samples=32)
     calls = []
 
@@ -384,7 +388,10 @@ def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(stra
     with pytest.raises(RuntimeError, match="compiled again \\(or an IPU option of it set\\)"):
         on_ipu.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                    callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=set_option)])
-    assert calls == [1]  # the first execution's hook, then the next execution refused
+    # The first execution's hooks (asynchronous ones see every step), then the next refused.
+    assert calls == ([0, 1] if asynchronous else [1])
+    plain.fit(x, y, batch_size=BATCH, steps_per_epoch=2, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
 _SAME_AGAIN = {

@@ -82,6 +82,10 @@ class IPUModelState:
         synced_state: During a run, Keras' state dict the variables last
             received from an execution: what callbacks' writes are told from.
         synced_from: The device state that dict was made from.
+        compilations: How many times `compile()` dropped the model's
+            programs: a run whose count moved (a callback compiled) stops on
+            the state the model had when compiled, where an option setter's
+            stop keeps the execution that ran.
         hooks_wrote_metrics: Whether the hooks of a run's last execution
             changed the metric variables (a reset; not a nested run, which
             syncs its own): its epoch logs are then Keras' metric results.
@@ -110,6 +114,7 @@ class IPUModelState:
     synced_state: Any = None
     synced_from: Any = None
     hooks_wrote_metrics: bool = False
+    compilations: int = 0
     assignment: Any = None
     traced_graph: Any = None
     called_dtypes: tuple[str, ...] | None = None

@@ -67,7 +67,7 @@ class ExtensionBase:
         # A bad `steps_per_execution` is refused here, not at the first fit.
         args, kwargs = fit_checks.compile_arguments(super().compile, args, kwargs)
         self.jax_state_sync()  # called by a callback during a run: the device's state first
-        run.forget_programs(self)
+        run.forget_programs(self, recompiled=True)
         return super().compile(*args, **kwargs)
 
     def set_gradient_accumulation_options(

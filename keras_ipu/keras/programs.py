@@ -22,6 +22,7 @@ from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
 from keras_ipu.keras import (
     batch_norm_groups,
+    context,
     data,
     feed_options,
     pipelined,
@@ -151,6 +152,33 @@ def check_current(model, mode: str) -> None:
     >>> check_current(model, "fit")   # after an execution's asynchronous hooks
     """
     if run_module.entry(model, mode) is None:
+        raise RuntimeError(RECOMPILED)
+
+
+def compilations(model) -> int:
+    """How many times `compile()` has dropped the model's programs (see
+    `check_not_recompiled`)."""
+    return context.state_of(model).compilations
+
+
+def check_not_recompiled(model, compiled_at: int) -> None:
+    """Refuses to keep the state of an execution whose asynchronous hooks called
+    `compile()`: the run stops on the state the model had when compiled. After an
+    option setter the execution's state is kept; `check_current` stops the run at the
+    next execution boundary.
+
+    Args:
+        model: The running model.
+        compiled_at: `compilations(model)` when the run began.
+
+    Raises:
+        RuntimeError: `RECOMPILED`.
+
+    Example:
+
+    >>> check_not_recompiled(model, compiled_at)   # after an execution's asynchronous hooks
+    """
+    if compilations(model) != compiled_at:
         raise RuntimeError(RECOMPILED)
 
 

@@ -150,8 +150,13 @@ def program_for(model: Any, mode: str) -> ExecutionProgram | None:
     return run.program if run is not None else None
 
 
-def forget_programs(model: Any) -> None:
+def forget_programs(model: Any, recompiled: bool = False) -> None:
     """Drops the model's compiled programs (after `compile` or an option change).
+
+    Args:
+        model: The model.
+        recompiled: Whether `compile()` dropped them (a run in progress then
+            stops on the state the model had when compiled).
 
     Example:
 
@@ -159,7 +164,9 @@ def forget_programs(model: Any) -> None:
     >>> program_for(model, "fit") is None
     True
     """
-    context.state_of(model).programs.clear()
+    state = context.state_of(model)
+    state.programs.clear()
+    state.compilations += recompiled
 
 
 def change_options(model: Any, new: options.IPUOptions) -> None:

@@ -408,6 +408,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
     hooks = (CallbackThread(delivery, stream.mute if stream else _ignore,
                            replicated=run.replica_count > 1) if delivery else None)
     context.state_of(model).asynchronous_hooks = hooks is not None
+    compiled_at = programs.compilations(model)
     parts = STATE_PARTS[mode]
     codec = run.codec
     logs: Any = {}
@@ -471,7 +472,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 else:
                     step_callbacks.await_hooks(hooks, ended, outfeed, returned, begin,
                                                run.replica_count)
-                    programs.check_current(model, mode)  # did a hook compile the model?
+                    programs.check_not_recompiled(model, compiled_at)  # did a hook compile?
                     # The device's state is kept once its hooks all ran (a hook that
                     # raises leaves the last execution's); what they assigned lands on it.
                     written = step_callbacks.hook_writes(model, parts)
