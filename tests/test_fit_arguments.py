@@ -12,6 +12,8 @@ import keras
 import numpy as np
 import pytest
 
+from keras_ipu.keras.options import options_of
+
 from conftest import assert_history_close, assert_weights_close
 from models import ArrayBatches, data_for, twin
 
@@ -392,6 +394,19 @@ def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(stra
     assert calls == ([0, 1] if asynchronous else [1])
     plain.fit(x, y, batch_size=BATCH, steps_per_epoch=2, shuffle=False, verbose=0)
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
+def test_an_accumulation_option_set_during_evaluate_lets_it_run_to_the_end(strategy):
+    # Before: evaluate, which ignores accumulation, stopped after its first execution
+    # with the RuntimeError meant for fit.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    hook = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: (
+        on_ipu.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=2)))
+    evaluated = on_ipu.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[hook])
+    np.testing.assert_allclose(evaluated, plain.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               rtol=1e-6)
+    assert options_of(on_ipu).gradient_accumulation_steps_per_replica == 2
 
 
 _SAME_AGAIN = {

@@ -171,16 +171,32 @@ def forget_programs(model: Any, recompiled: bool = False) -> None:
 
 def change_options(model: Any, new: options.IPUOptions) -> None:
     """Sets a model's IPU options, dropping its programs only when they change (a run in
-    progress then stops at its next execution boundary: `programs.RECOMPILED`).
+    progress then stops at its next execution boundary: `programs.RECOMPILED`); only
+    `fit`'s when only the accumulation options change, which the other modes ignore.
 
     Example:
 
     >>> change_options(model, options.replication_options(options.options_of(model), "sum"))
     """
-    try:
-        changed = bool(new != options.options_of(model))
-    except (ValueError, TypeError):  # an array among the values (an accepted kwarg's): changed
-        changed = True
-    if changed:
-        options.set_options(model, new)
+    old = options.options_of(model)
+    changed = {field.name for field in dataclasses.fields(new)
+               if _differ(getattr(new, field.name), getattr(old, field.name))}
+    if not changed:
+        return
+    options.set_options(model, new)
+    if changed <= _FIT_ONLY_OPTIONS:  # `evaluate` and `predict` ignore accumulation
+        context.state_of(model).programs.pop("fit", None)
+    else:
         forget_programs(model)
+
+
+_FIT_ONLY_OPTIONS = frozenset({
+    "gradient_accumulation_steps_per_replica", "gradient_accumulation_reduction_method",
+    "gradient_accumulation_optimizer_kwargs", "use_v2_gradient_accumulation_optimizer"})
+
+
+def _differ(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except (ValueError, TypeError):  # an array among the values (an accepted kwarg's)
+        return True
