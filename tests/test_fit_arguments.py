@@ -454,6 +454,52 @@ def test_an_option_set_again_to_its_value_mid_fit_lets_the_run_go_on(setter, str
     assert programs[0] is not None and all(p is programs[0] for p in programs)
 
 
+_EQUAL_IN_MEANING = {
+    # (set before fit, set again mid-fit): what the programs read is the same.
+    "prefetch_default": (lambda m: m.set_infeed_queue_options(),
+                         lambda m: m.set_infeed_queue_options(prefetch_depth=2)),
+    "buffer_none": (lambda m: m.set_outfeed_queue_options(),
+                    lambda m: m.set_outfeed_queue_options(buffer_depth=None)),
+    "feed_name": (lambda m: m.set_infeed_queue_options(prefetch_depth=3),
+                  lambda m: m.set_infeed_queue_options(prefetch_depth=3, feed_name="a")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EQUAL_IN_MEANING))
+def test_a_feed_option_equal_in_meaning_mid_fit_lets_the_run_go_on(case, strategy):
+    # Before: a depth left out against its default spelt out (or a key without effect)
+    # counted as a change and stopped the run with a RuntimeError.
+    from keras_ipu.keras import options, run
+
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    first, again = _EQUAL_IN_MEANING[case]
+    first(on_ipu)
+    x, y = data_for("sequential", samples=32)
+    programs = []
+
+    def set_again(epoch, logs):
+        programs.append(run.program_for(on_ipu, "fit"))
+        again(on_ipu)
+
+    history = on_ipu.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                         callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=set_again)])
+    assert len(history.history["loss"]) == 3
+    assert programs[0] is not None and all(p is programs[0] for p in programs)
+    kept = options.options_of(on_ipu)  # stored as given, for saving
+    assert {**kept.infeed_kwargs, **kept.outfeed_kwargs} == {
+        "prefetch_default": {"prefetch_depth": 2}, "buffer_none": {"buffer_depth": None},
+        "feed_name": {"prefetch_depth": 3, "feed_name": "a"}}[case]
+
+
+def test_a_feed_depth_changed_mid_fit_still_stops_the_run(strategy):
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    hook = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: on_ipu.set_infeed_queue_options(prefetch_depth=3))
+    with pytest.raises(RuntimeError, match="compiled again \\(or an IPU option of it set\\)"):
+        on_ipu.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[hook])
+
+
 @pytest.mark.parametrize("start", [False, True])
 def test_asynchronous_callbacks_switched_mid_fit_stop_it_as_any_option(strategy, start):
     # Before: switched on at an epoch's end it was ignored (the run's program streams no

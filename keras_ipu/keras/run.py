@@ -14,7 +14,7 @@ from typing import Any
 from keras_ipu.device import system as ipu_system
 from keras_ipu.device.program import ExecutionProgram
 from keras_ipu.device.replicate import Replicas
-from keras_ipu.keras import context, options
+from keras_ipu.keras import context, feed_options, options
 
 MODES = ("fit", "evaluate", "predict")
 
@@ -170,20 +170,21 @@ def forget_programs(model: Any, recompiled: bool = False) -> None:
 
 
 def change_options(model: Any, new: options.IPUOptions) -> None:
-    """Sets a model's IPU options, dropping its programs only when they change (a run in
-    progress then stops at its next execution boundary: `programs.RECOMPILED`); only
-    `fit`'s when only the accumulation options change, which the other modes ignore.
+    """Sets a model's IPU options, dropping its programs only when what they read changes
+    (a run in progress then stops at its next execution boundary: `programs.RECOMPILED`);
+    only `fit`'s when only the accumulation options change, which the other modes ignore.
 
     Example:
 
     >>> change_options(model, options.replication_options(options.options_of(model), "sum"))
     """
     old = options.options_of(model)
+    options.set_options(model, new)  # kept as given, also when only the spelling changed
     changed = {field.name for field in dataclasses.fields(new)
-               if _differ(getattr(new, field.name), getattr(old, field.name))}
+               if _differ(_read(field.name, getattr(new, field.name)),
+                          _read(field.name, getattr(old, field.name)))}
     if not changed:
         return
-    options.set_options(model, new)
     if changed <= _FIT_ONLY_OPTIONS:  # `evaluate` and `predict` ignore accumulation
         context.state_of(model).programs.pop("fit", None)
     else:
@@ -193,6 +194,19 @@ def change_options(model: Any, new: options.IPUOptions) -> None:
 _FIT_ONLY_OPTIONS = frozenset({
     "gradient_accumulation_steps_per_replica", "gradient_accumulation_reduction_method",
     "gradient_accumulation_optimizer_kwargs", "use_v2_gradient_accumulation_optimizer"})
+
+
+# What the programs read of an option, where that is less than its value: the feed
+# options' depths (a depth left out is its default; the other keys have no effect).
+_READ_BY_PROGRAMS: dict[str, Callable[[Any], Any]] = {
+    "infeed_kwargs": feed_options.prefetch_depth,
+    "outfeed_kwargs": feed_options.buffer_depth,
+}
+
+
+def _read(name: str, value: Any) -> Any:
+    read = _READ_BY_PROGRAMS.get(name)
+    return value if read is None else read(value)
 
 
 def _differ(a: Any, b: Any) -> bool:
