@@ -250,6 +250,66 @@ def test_another_models_run_from_an_asynchronous_hook_runs_unless_the_run_is_rep
     assert _callback_threads() == []
 
 
+def test_train_on_batch_from_the_models_own_asynchronous_hook_is_refused(strategy):
+    # Before: its step landed after the running execution, over that execution's steps
+    # (SGD: 7 iterations where plain Keras counts 9).
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd")
+    model.set_asynchronous_callbacks(True)
+    with pytest.raises(RuntimeError, match=r"model.train_on_batch\(\) was called from an "
+                                           r"asynchronous batch hook of the model's own run"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: (
+                      model.train_on_batch(x[:BATCH], y[:BATCH])))])
+    assert _callback_threads() == []
+    assert int(model.optimizer.iterations) == 0  # no execution's hooks all ran
+
+
+def _autoencoder():
+    inputs = keras.Input((6,))
+    code = keras.layers.Dense(3, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(6)(code)), keras.Model(inputs, code)
+
+
+class PredictEncoderInHook(keras.callbacks.Callback):
+    """Predicts with a sub-model sharing the running model's layers, each execution."""
+
+    def __init__(self, encoder, x, method):
+        super().__init__()
+        self.encoder, self.x, self.method, self.predicted = encoder, x, method, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch % SPE == SPE - 1:
+            self.model.get_weights()  # synced, as plain Keras' hook reads them
+            self.predicted.append(
+                self.encoder.predict_on_batch(self.x) if self.method == "predict_on_batch"
+                else self.encoder.predict(self.x, batch_size=BATCH, verbose=0))
+
+
+@pytest.mark.parametrize("method", ["predict", "predict_on_batch"])
+def test_a_sub_model_sharing_the_layers_predicts_from_an_asynchronous_hook(method, strategy):
+    # Before: its program consumed the arrays it shares with the running model's synced
+    # state: "Array has been deleted", and the run's training lost.
+    x, _ = data_for("sequential", samples=BATCHES * BATCH)
+    keras.utils.set_random_seed(0)
+    plain, plain_encoder = _autoencoder()
+    with strategy.scope():
+        on_ipu, encoder = _autoencoder()
+    on_ipu.set_weights(plain.get_weights())
+    for model in (plain, on_ipu):
+        model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=SPE)
+    on_ipu.set_asynchronous_callbacks(True)
+    hooks = [PredictEncoderInHook(plain_encoder, x[:BATCH], method),
+             PredictEncoderInHook(encoder, x[:BATCH], method)]
+    for model, hook in zip((plain, on_ipu), hooks):
+        model.fit(x, x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[hook])
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-5)
+    # An asynchronous hook reads the weights one execution back (the docs' rule).
+    assert len(hooks[1].predicted) == BATCHES // SPE
+    for expected, predicted in zip(hooks[0].predicted[:-1], hooks[1].predicted[1:]):
+        np.testing.assert_allclose(predicted, expected, atol=1e-5)
+
+
 class ReadWeights(keras.callbacks.Callback):
     """Reads the model's weights in the first batch hook of each mode (a state sync)."""
 

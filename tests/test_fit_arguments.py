@@ -321,10 +321,16 @@ class _Freezes(keras.callbacks.Callback):
         self.model.layers[0].trainable = False  # at the first call
 
 
-@pytest.mark.parametrize("hook", ["on_train_begin", "on_epoch_end", "on_train_batch_end"])
-def test_a_callback_freezing_a_layer_mid_fit_stops_it_with_the_weights_kept(hook, strategy):
-    # Before: JAX's pytree mismatch (plain Keras fails too, and loses the model).
+@pytest.mark.parametrize("hook, asynchronous", [
+    ("on_train_begin", False), ("on_epoch_end", False), ("on_train_batch_end", False),
+    ("on_train_batch_end", True)])
+def test_a_callback_freezing_a_layer_mid_fit_stops_it_with_the_weights_kept(
+        hook, asynchronous, strategy):
+    # Before: JAX's pytree mismatch (plain Keras fails too, and loses the model); from an
+    # asynchronous hook, Keras' "shape of the target variable" error, the weights back
+    # at the start.
     plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    on_ipu.set_asynchronous_callbacks(asynchronous)
     x, y = data_for("sequential", samples=32)
     with pytest.raises(ValueError, match="The model's variables changed during the run"):
         on_ipu.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
@@ -372,6 +378,20 @@ def test_a_callback_compiling_the_model_mid_fit_stops_it_with_the_weights_kept(
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
+def test_a_callback_compiling_the_model_at_the_last_batch_stops_fit_at_its_end(strategy):
+    # Before (as plain Keras): "Cannot get result() since the metric has not yet been
+    # built" from the epoch's logs, with no next execution to stop at.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, y = data_for("sequential", samples=32)
+    last = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
+        batch == 3 and on_ipu.compile(keras.optimizers.Adam(0.01), "mae")))
+    with pytest.raises(RuntimeError, match="The model was compiled again .* while it runs"):
+        on_ipu.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                   callbacks=[last])
+    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(strategy,
                                                                            asynchronous):
@@ -407,6 +427,31 @@ def test_an_accumulation_option_set_during_evaluate_lets_it_run_to_the_end(strat
     np.testing.assert_allclose(evaluated, plain.evaluate(x, y, batch_size=BATCH, verbose=0),
                                rtol=1e-6)
     assert options_of(on_ipu).gradient_accumulation_steps_per_replica == 2
+
+
+def test_the_pipelines_accumulation_set_during_evaluate_lets_it_run_to_the_end(strategy):
+    # Before: only set_gradient_accumulation_options counted as fit's alone; a
+    # pipeline's, which its inference ignores too, stopped evaluate after one execution.
+    from conftest import configure
+    from models import two_stage_mlp
+
+    configure(2)
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    plain.build((None, 6))
+    with strategy.scope():
+        on_ipu = two_stage_mlp()
+    on_ipu.set_weights(plain.get_weights())
+    for model in (plain, on_ipu):
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    x, y = data_for("sequential", samples=32)
+    hook = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: (
+        on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=8)))
+    evaluated = on_ipu.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[hook])
+    np.testing.assert_allclose(evaluated, plain.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               rtol=1e-5)
+    assert options_of(on_ipu).pipelining_gradient_accumulation_steps_per_replica == 8
 
 
 _SAME_AGAIN = {

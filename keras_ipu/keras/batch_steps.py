@@ -24,7 +24,7 @@ from keras_ipu.device import system as ipu_system
 from keras_ipu.device.attachment import CheckedFunction
 from keras_ipu.distributed import runtime
 from keras_ipu.errors import IPUFloatingPointError, IPUNotAttachedError, IPUOutOfMemoryError
-from keras_ipu.keras import context
+from keras_ipu.keras import context, step_callbacks
 
 
 class _Step(NamedTuple):
@@ -57,6 +57,9 @@ def on_this_instance(method: str, originals: dict[str, Callable]) -> Callable:
     def on_ipus(model, *args, **kwargs):
         if method != "predict_on_batch":  # a step of the job's weights: one instance's only
             runtime.check_one_instance(f"`{method}`")
+        if method == "train_on_batch" and context.state_of(model).asynchronous_hooks:
+            # Its step would land behind the running execution, over its steps.
+            step_callbacks.check_not_in_async_hooks(model, method)
         synced = getattr(model, "_jax_state_synced", True)
         with context.model_scope(model):
             install(model, method)
@@ -111,8 +114,9 @@ class _OneBatch:
 
     def __call__(self, state: Any, iterator: Any) -> tuple[Any, Any]:
         # As Keras' jit does, the step consumes the state it is given; not in an
-        # asynchronous hook, whose writes are told from the state it was synced to.
-        donate = not self._model_state.asynchronous_hooks
+        # asynchronous hook (of this model's run or of one sharing its layers), whose
+        # writes are told from the state it was synced to.
+        donate = not (self._model_state.asynchronous_hooks or step_callbacks.on_hooks_thread())
         return self.checked(state, next(iterator), donate=donate)
 
 

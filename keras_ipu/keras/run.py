@@ -193,7 +193,9 @@ def change_options(model: Any, new: options.IPUOptions) -> None:
 
 _FIT_ONLY_OPTIONS = frozenset({
     "gradient_accumulation_steps_per_replica", "gradient_accumulation_reduction_method",
-    "gradient_accumulation_optimizer_kwargs", "use_v2_gradient_accumulation_optimizer"})
+    "gradient_accumulation_optimizer_kwargs", "use_v2_gradient_accumulation_optimizer",
+    # A pipeline's inference passes `steps_per_execution` micro-batches.
+    "pipelining_gradient_accumulation_steps_per_replica"})
 
 
 # What the programs read of an option, where that is less than its value: the feed

@@ -394,7 +394,8 @@ def only_read(model: Any, state: Any, parts: tuple[str, ...]) -> bool:
     return True
 
 
-def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
+def hook_writes(model: Any, parts: tuple[str, ...],
+                variables: dict[str, tuple] | None = None) -> list[tuple[Any, Any]]:
     """The `(variable, value)`s the hooks of an execution assigned, to land after it.
 
     The hooks ran while the device ran the next execution, on the state they
@@ -406,6 +407,8 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
     Args:
         model: The running model.
         parts: The state parts of the run's mode.
+        variables: Each part's variables the state was gathered from
+            (`state_variables`); the model's own by default.
 
     Returns:
         The assigned variables and their values, in state order.
@@ -422,7 +425,8 @@ def hook_writes(model: Any, parts: tuple[str, ...]) -> list[tuple[Any, Any]]:
         return []  # no hook read the model: none wrote it through Keras
     written = []
     for part in parts:
-        for variable, value in zip(_variables(model, part), synced.get(part) or ()):
+        of_part = variables[part] if variables else _variables(model, part)
+        for variable, value in zip(of_part, synced.get(part) or ()):
             if not _same_value(variable.value, value):
                 written.append((variable, variable.value))
     return written
@@ -445,7 +449,7 @@ def check_not_in_async_hooks(model: Any, mode: str) -> None:
 
     >>> check_not_in_async_hooks(model, "evaluate")   # from the main thread: fine
     """
-    if threading.current_thread().name != _THREAD_NAME:
+    if not on_hooks_thread():
         return
     if context.state_of(model).asynchronous_hooks:
         whose = "the model's own run"
@@ -458,6 +462,55 @@ def check_not_in_async_hooks(model: Any, mode: str) -> None:
         f"runs while the device runs the next execution. Call it from `on_epoch_end`, use "
         f"`predict_on_batch`/`test_on_batch`, or turn asynchronous callbacks off "
         f"(`model.set_asynchronous_callbacks(False)`).")
+
+def on_hooks_thread() -> bool:
+    """Whether the caller is an asynchronous batch hook (of any model's run).
+
+    A run started there must not consume the arrays it gathers: they may be
+    the running model's synced state (a sub-model sharing its layers), from
+    which that run tells what its hooks assigned.
+
+    Example:
+
+    >>> on_hooks_thread()   # from the main thread
+    False
+    """
+    return threading.current_thread().name == _THREAD_NAME
+
+
+def unshared(gathered: Any, donated: bool) -> Any:
+    """The state a run gathered from its variables, copied where the run would consume
+    arrays it may share with the run whose asynchronous hook it runs in (see
+    `on_hooks_thread`)."""
+    return jax.tree_util.tree_map(jax.numpy.copy, gathered) if (
+        donated and on_hooks_thread()) else gathered
+
+
+def state_variables(model: Any, parts: tuple[str, ...]) -> dict[str, tuple]:
+    """Each state part's variables, as a run gathers its state from them.
+
+    Example:
+
+    >>> state_variables(model, ("trainable_variables",))["trainable_variables"][0].path
+    'dense/kernel'
+    """
+    return {part: tuple(_variables(model, part)) for part in parts}
+
+
+def variables_moved(model: Any, variables: dict[str, tuple]) -> bool:
+    """Whether the model's state parts hold other variables than `variables` (a callback
+    froze or unfroze a layer since the state was gathered)."""
+    return any(len(now := _variables(model, part)) != len(of_part)
+               or any(a is not b for a, b in zip(now, of_part))
+               for part, of_part in variables.items())
+
+
+def assign_state(variables: dict[str, tuple], keras_state: dict[str, Any]) -> None:
+    """Assigns a state in Keras' form to the variables it was gathered from."""
+    for part, of_part in variables.items():
+        for variable, value in zip(of_part, keras_state.get(part) or ()):
+            variable.assign(value)
+
 
 def _variables(model: Any, part: str) -> list:
     """The model's variables of a state part (`"trainable_variables"`, ...), in state order."""
@@ -472,6 +525,7 @@ def _same_value(now: Any, synced: Any) -> bool:
             and np.array_equal(np.asarray(now), np.asarray(synced), equal_nan=True))
 
 
-__all__ = ["CallbackThread", "StepDelivery", "await_hooks", "check_not_in_async_hooks",
-           "has_batch_hooks", "hook_writes", "only_read", "returned_chunk", "split_steps",
-           "step_delivery", "submit_streamed"]
+__all__ = ["CallbackThread", "StepDelivery", "assign_state", "await_hooks",
+           "check_not_in_async_hooks", "has_batch_hooks", "hook_writes", "on_hooks_thread",
+           "only_read", "returned_chunk", "split_steps", "state_variables", "step_delivery",
+           "submit_streamed", "unshared", "variables_moved"]

@@ -441,8 +441,11 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     if state is not None:
                         programs.check_unchanged(model, mode)
                     with interrupts.deferred():
-                        state = replication.resumed_state(codec, parts, model._get_jax_state(
-                            **dict.fromkeys(parts, True), purge_model_variables=True), state)
+                        variables = step_callbacks.state_variables(model, parts)
+                        state = replication.resumed_state(codec, parts, step_callbacks.unshared(
+                            model._get_jax_state(**dict.fromkeys(parts, True),
+                                                 purge_model_variables=True),
+                            run.program.donates_state), state)
                         model._jax_state_synced = False
                         # The variables are purged: until the execution's own
                         # state comes back, this is the model's (a hook reading the
@@ -475,9 +478,13 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     programs.check_not_recompiled(model, compiled_at)  # did a hook compile?
                     # The device's state is kept once its hooks all ran (a hook that
                     # raises leaves the last execution's); what they assigned lands on it.
-                    written = step_callbacks.hook_writes(model, parts)
+                    written = step_callbacks.hook_writes(model, parts, variables)
                     model._jax_state_synced = False
                     _keep_state(model, new_state, codec)
+                    if step_callbacks.variables_moved(model, variables):
+                        # A hook froze a layer: the execution is kept, in the variables it
+                        # ran on; the next one is refused (`check_unchanged`), as when synced.
+                        sync_pending_state(model, variables)
                     _land(model, written)
                 state = new_state
                 stop = bool(getattr(model, stop_flag, False))
@@ -488,6 +495,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     break
             else:  # every execution taken: the pass ends (not after a stop or an error)
                 feed.end_pass()
+            # A hook of the last execution compiled the model: its metrics are new, unbuilt.
+            programs.check_not_recompiled(model, compiled_at)
     except BaseException:
         if hooks is not None:
             hooks.cancel()  # a Ctrl-C (or an error) delivers no more steps
@@ -570,9 +579,10 @@ def _keep_state(model, state, codec) -> None:
     context.state_of(model).pending_state = (state, codec)
 
 
-def sync_pending_state(model) -> None:
+def sync_pending_state(model, variables=None) -> None:
     """Hands the latest device state to Keras' state sync (replica 0's weights,
-    the last replica's metrics, so `get_metrics_result` agrees with `NONE`)."""
+    the last replica's metrics, so `get_metrics_result` agrees with `NONE`); with
+    `variables` (of each state part, those the run gathered), assigns it to them."""
     model_state = context.state_of(model)
     if model_state.pending_state is None:
         return
@@ -580,6 +590,9 @@ def sync_pending_state(model) -> None:
     model._jax_state = model_state.synced_state = codec.to_keras(state)
     model_state.synced_from = state
     model_state.pending_state = None  # only now: the state is Keras' to sync
+    if variables is not None:
+        step_callbacks.assign_state(variables, model._jax_state)
+        model._jax_state_synced = True
 
 
 def _sync(model) -> None:
