@@ -10,6 +10,7 @@ import inspect
 
 import keras
 import numpy as np
+import pytest
 from keras.src.backend.jax.trainer import JAXTrainer
 
 
@@ -828,6 +829,17 @@ def test_model_checkpoint_decides_each_save_in_should_save_model(tmp_path):
         model.fit(x, x[:, :1], verbose=0, callbacks=[kind(str(path), monitor="loss",
                                                           save_best_only=True)])
         assert path.exists() == saved
+
+
+def test_model_checkpoint_names_its_file_by_formatting_the_logs_into_filepath():
+    # keras_ipu.keras.fit_checks refuses, with LIST-reduced logs (arrays), a file name
+    # with a format spec for a log value: Keras formats `filepath` with the logs, in
+    # `_get_file_path`, and NumPy refuses a spec for an array.
+    checkpoint = keras.callbacks.ModelCheckpoint("m-{epoch:02d}-{loss:.2f}.keras")
+    assert checkpoint.filepath == "m-{epoch:02d}-{loss:.2f}.keras"
+    assert checkpoint._get_file_path(0, None, {"loss": 0.5}) == "m-01-0.50.keras"
+    with pytest.raises(TypeError, match="unsupported format string"):
+        checkpoint._get_file_path(0, None, {"loss": np.array([0.5, 0.25])})
 
 
 def test_a_layers_added_losses_are_cleared_at_each_of_the_models_own_calls_of_it():

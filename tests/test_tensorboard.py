@@ -140,6 +140,17 @@ def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_s
                                          r".*`save_best_only=False`"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[best])
 
+    # Before: NumPy's "unsupported format string passed to numpy.ndarray.__format__"
+    # after the first epoch, naming the file.
+    named = keras.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch:02d}-{loss:.3f}.keras"))
+    with pytest.raises(ValueError, match=r"ModelCheckpoint's file name formats a log value "
+                                         r"as one number \(\{loss:\.3f\}\)"):
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[named])
+    assert not list(tmp_path.glob("m-*"))
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "m-{epoch:02d}-{loss}.keras"))])  # no format spec: the array's text
+    assert len(list(tmp_path.glob("m-01-*.keras"))) == 1
+
     class MeanCheckpoint(keras.callbacks.ModelCheckpoint):  # reduces the values itself
         def _should_save_model(self, epoch, batch, logs, filepath):
             return super()._should_save_model(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import string
 from typing import Any
 
 import keras
@@ -194,7 +195,8 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
             the logs with their methods), which would fail at their first
             comparison with NumPy's "truth value of an array" error; or
             `ModelCheckpoint(save_best_only=True)`, which would save every
-            epoch's model as the best.
+            epoch's model as the best, or one whose file name formats a log value
+            with a format spec (`{val_loss:.3f}`), which NumPy refuses for an array.
 
     Example:
 
@@ -205,8 +207,10 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
         return
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         base = next((kind for kind in _SCALAR_MONITORS if isinstance(callback, kind)), None)
-        if base is keras.callbacks.ModelCheckpoint and not callback.save_best_only:
-            continue  # it compares nothing
+        if base is keras.callbacks.ModelCheckpoint:
+            _check_checkpoint_path(callback, replicas.count)
+            if not callback.save_best_only:
+                continue  # it compares nothing
         if base is not None and all(
                 getattr(type(callback), method, None) is getattr(base, method, None)
                 for method in _SCALAR_MONITORS[base]):
@@ -217,6 +221,23 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
                 f"`set_replication_options('LIST')` makes every log value an array of the "
                 f"{replicas.count} replicas' values. Use the MEAN, SUM or NONE reduction "
                 f"with this callback{hint}, or leave the callback out.")
+
+
+def _check_checkpoint_path(checkpoint, replicas: int) -> None:
+    """Refuses a `ModelCheckpoint` file name that formats a LIST-reduced log value as a
+    number (`{val_loss:.3f}`): NumPy refuses a format spec for an array."""
+    if type(checkpoint)._get_file_path is not keras.callbacks.ModelCheckpoint._get_file_path:
+        return  # a subclass names its files itself
+    # Keras gives the epoch and the batch as numbers; every other field is a log value.
+    formatted = [f"{{{name}:{spec}}}" for _, name, spec, _ in
+                 string.Formatter().parse(str(getattr(checkpoint, "filepath", "")))
+                 if name and spec and name not in ("epoch", "batch")]
+    if formatted:
+        raise ValueError(
+            f"ModelCheckpoint's file name formats a log value as one number "
+            f"({', '.join(formatted)}), but `set_replication_options('LIST')` makes every "
+            f"log value an array of the {replicas} replicas' values. Use the MEAN, SUM or "
+            f"NONE reduction with this callback, or a file name without a format spec.")
 
 
 def check_train_step(model, options: IPUOptions, replicas: Replicas, plan=None) -> None:
