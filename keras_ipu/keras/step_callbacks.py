@@ -463,6 +463,7 @@ def check_not_in_async_hooks(model: Any, mode: str) -> None:
         f"`predict_on_batch`/`test_on_batch`, or turn asynchronous callbacks off "
         f"(`model.set_asynchronous_callbacks(False)`).")
 
+
 def on_hooks_thread() -> bool:
     """Whether the caller is an asynchronous batch hook (of any model's run).
 
@@ -480,8 +481,19 @@ def on_hooks_thread() -> bool:
 
 def unshared(gathered: Any, donated: bool) -> Any:
     """The state a run gathered from its variables, copied where the run would consume
-    arrays it may share with the run whose asynchronous hook it runs in (see
-    `on_hooks_thread`)."""
+    arrays it may share with the run whose asynchronous hook it runs in.
+
+    Args:
+        gathered: The state, as `model._get_jax_state` gives it.
+        donated: Whether the run's program consumes the state it is given.
+
+    Returns:
+        `gathered`, or a copy of it on the hooks thread when `donated`.
+
+    Example:
+
+    >>> unshared(model._get_jax_state(trainable_variables=True), donated=True)
+    """
     return jax.tree_util.tree_map(jax.numpy.copy, gathered) if (
         donated and on_hooks_thread()) else gathered
 
@@ -499,14 +511,37 @@ def state_variables(model: Any, parts: tuple[str, ...]) -> dict[str, tuple]:
 
 def variables_moved(model: Any, variables: dict[str, tuple]) -> bool:
     """Whether the model's state parts hold other variables than `variables` (a callback
-    froze or unfroze a layer since the state was gathered)."""
+    froze or unfroze a layer since the state was gathered).
+
+    Args:
+        model: The running model.
+        variables: Each part's variables, from `state_variables`.
+
+    Returns:
+        `True` when a part's variables differ, by identity or in number.
+
+    Example:
+
+    >>> variables_moved(model, state_variables(model, ("trainable_variables",)))
+    False
+    """
     return any(len(now := _variables(model, part)) != len(of_part)
                or any(a is not b for a, b in zip(now, of_part))
                for part, of_part in variables.items())
 
 
 def assign_state(variables: dict[str, tuple], keras_state: dict[str, Any]) -> None:
-    """Assigns a state in Keras' form to the variables it was gathered from."""
+    """Assigns a state in Keras' form to the variables it was gathered from (which a
+    frozen layer has since moved to another part of the model's).
+
+    Args:
+        variables: Each part's variables, from `state_variables`.
+        keras_state: Each part's values, in the same order (`codec.to_keras`).
+
+    Example:
+
+    >>> assign_state(variables, codec.to_keras(state))
+    """
     for part, of_part in variables.items():
         for variable, value in zip(of_part, keras_state.get(part) or ()):
             variable.assign(value)
