@@ -392,6 +392,19 @@ def test_a_callback_compiling_the_model_at_the_last_batch_stops_fit_at_its_end(s
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
+def test_a_callback_compiling_the_model_at_the_last_predict_batch_gets_the_predictions(
+        strategy):
+    # predict reads no metrics: its results stand, as in plain Keras.
+    plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    x, _ = data_for("sequential", samples=32)
+    results = []
+    for model in (plain, on_ipu):
+        last = keras.callbacks.LambdaCallback(on_predict_batch_end=lambda batch, logs, m=model: (
+            batch == 3 and m.compile(keras.optimizers.Adam(0.01), "mae")))
+        results.append(model.predict(x, batch_size=BATCH, verbose=0, callbacks=[last]))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_an_option_set_by_a_callback_mid_fit_stops_it_at_the_next_execution(strategy,
                                                                            asynchronous):

@@ -211,6 +211,9 @@ def test_a_module_runs_in_every_instance_and_bad_launches_say_why():
                           (["--num-instances", "2", "--coordinatr", "h:1", "x.py"],
                            "unknown option --coordinatr (the launcher's: --num-instances"),
                           (["--num-instances", "2", "missing.py"], "no script 'missing.py'"),
+                          # Before: accepted; 100,000 instances were started one by one.
+                          (["--num-instances", "1025", "x.py"],
+                           "--num-instances must be from 1 to 1024"),
                           (["module_job.py", "--num-instances", "2"],
                            "give the launcher's options (--num-instances, ...) before the "
                            "script")):
@@ -634,6 +637,27 @@ def _running(pid: int) -> bool:
             return "\tZ" not in next(line for line in status if line.startswith("State:"))
     except FileNotFoundError:
         return False
+
+
+def test_an_interrupted_launcher_starts_no_more_instances(monkeypatch):
+    # Before: it went on starting instances after SIGTERM (which those never got), and
+    # stopped them only when the grace period ran out.
+    started = []
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        if len(started) == 3:
+            signal.raise_signal(signal.SIGTERM)  # to the launcher, as `timeout` sends it
+        return started[-1]
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    job = launcher.Job(sleeper, 20, "127.0.0.1:1", output=sys.stdout, errors=sys.stdout)
+    begun = time.monotonic()
+    assert job.run() == 128 + signal.SIGTERM
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
+    assert time.monotonic() - begun < launcher.INTERRUPT_GRACE_SECONDS
 
 
 @pytest.mark.parametrize("signum, job", [(signal.SIGINT, []), (signal.SIGTERM, ["join"])],

@@ -147,9 +147,14 @@ def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_s
                                          r"as one number \(\{loss:\.3f\}\)"):
         model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[named])
     assert not list(tmp_path.glob("m-*"))
-    model.fit(x, y, batch_size=4, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(
-        str(tmp_path / "m-{epoch:02d}-{loss}.keras"))])  # no format spec: the array's text
-    assert len(list(tmp_path.glob("m-01-*.keras"))) == 1
+    # Fields that format numbers: an element, a conversion, a scheduler's learning rate.
+    # (The first form refused them all.)
+    names = ("m-{epoch:02d}-{loss}", "a-{loss[0]:.3f}", "s-{loss!s:.6}", "r-{learning_rate:.3f}")
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.01), *(
+            keras.callbacks.ModelCheckpoint(str(tmp_path / f"{name}.keras")) for name in names)])
+    assert sorted(path.name[:2] for path in tmp_path.glob("*.keras")) == ["a-", "m-", "r-", "s-"]
+    assert (tmp_path / "r-0.010.keras").exists()
 
     class MeanCheckpoint(keras.callbacks.ModelCheckpoint):  # reduces the values itself
         def _should_save_model(self, epoch, batch, logs, filepath):

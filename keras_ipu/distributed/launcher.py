@@ -38,6 +38,8 @@ from keras_ipu.distributed import runtime
 STOP_GRACE_SECONDS = 5.0
 # After Ctrl-C, instances get this long to exit before they are killed.
 INTERRUPT_GRACE_SECONDS = 10.0
+# Every instance has an IPU at least; the largest IPU system, a Bow Pod1024, has 1024.
+MAX_INSTANCES = 1024
 # What every instance runs: the script, ending at once when it fails.
 INSTANCE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "instance_main.py")
 
@@ -191,9 +193,10 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(options)
     if not command or command == ["-m"]:
         parser.error("give the script to run: SCRIPT [ARGS...] or -m MODULE [ARGS...]")
-    if args.num_instances < 1:
-        print(f"error: --num-instances must be at least 1, got {args.num_instances}",
-              file=sys.stderr)
+    if not 1 <= args.num_instances <= MAX_INSTANCES:
+        print(f"error: --num-instances must be from 1 to {MAX_INSTANCES} (an instance has "
+              f"an IPU at least, and the largest IPU system {MAX_INSTANCES}), got "
+              f"{args.num_instances}", file=sys.stderr)
         return 2
     if args.ipus_per_replica is not None and args.ipus_per_replica < 1:
         print(f"error: --ipus-per-replica must be at least 1, got {args.ipus_per_replica}",
@@ -313,9 +316,11 @@ class Job:
             self._print(index, line, target)
         stream.close()
 
-    def _start(self) -> list[threading.Thread]:
+    def _start(self, interrupted: list[int]) -> list[threading.Thread]:
         threads = []
         for index in range(self.num_instances):
+            if interrupted or self._reader_gone.is_set():
+                break  # the forwarded signal would miss the instances started after it
             env = instance_environment(index, self.num_instances, self.coordinator,
                                        self.num_replicas, self.ipus_per_replica)
             # Own sessions: a terminal's Ctrl-C reaches the launcher only,
@@ -326,6 +331,8 @@ class Job:
                 self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, errors="replace", start_new_session=True)
             self._processes.append(process)
+            if interrupted:  # the signal came as it started: the forward missed it
+                _signal_session(process, interrupted[0])
             for stream, target in ((process.stdout, self.output), (process.stderr, self.errors)):
                 thread = threading.Thread(target=self._pump, args=(index, stream, target),
                                           daemon=True)
@@ -372,7 +379,7 @@ class Job:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 previous[signum] = signal.signal(signum, forward)
         try:
-            threads = self._start()
+            threads = self._start(interrupted)
             status = self._wait(interrupted)
             self._end_sessions()
             for thread in threads:

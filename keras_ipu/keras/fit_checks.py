@@ -223,15 +223,21 @@ def check_callbacks(callbacks: Any, options: IPUOptions, replicas: Replicas) -> 
                 f"with this callback{hint}, or leave the callback out.")
 
 
+_SCALAR_LOG_KEYS = ("epoch", "batch", "learning_rate")
+
+
 def _check_checkpoint_path(checkpoint, replicas: int) -> None:
     """Refuses a `ModelCheckpoint` file name that formats a LIST-reduced log value as a
     number (`{val_loss:.3f}`): NumPy refuses a format spec for an array."""
     if type(checkpoint)._get_file_path is not keras.callbacks.ModelCheckpoint._get_file_path:
         return  # a subclass names its files itself
-    # Keras gives the epoch and the batch as numbers; every other field is a log value.
-    formatted = [f"{{{name}:{spec}}}" for _, name, spec, _ in
+    # A field taken as it is (not `{loss[0]:...}`, `{loss!s:...}`) with a format spec, of
+    # a value the model logs: not the epoch or batch numbers, nor a learning rate that a
+    # scheduler adds.
+    formatted = [f"{{{name}:{spec}}}" for _, name, spec, conversion in
                  string.Formatter().parse(str(getattr(checkpoint, "filepath", "")))
-                 if name and spec and name not in ("epoch", "batch")]
+                 if name and spec and not conversion and name.isidentifier()
+                 and name not in _SCALAR_LOG_KEYS]
     if formatted:
         raise ValueError(
             f"ModelCheckpoint's file name formats a log value as one number "

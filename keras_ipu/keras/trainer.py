@@ -495,8 +495,10 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                     break
             else:  # every execution taken: the pass ends (not after a stop or an error)
                 feed.end_pass()
-            # A hook of the last execution compiled the model: its metrics are new, unbuilt.
-            programs.check_not_recompiled(model, compiled_at)
+            if mode != "predict":  # which reads no metrics
+                # A hook of the last execution compiled the model: its metrics are new,
+                # unbuilt (Keras' epoch logs fail; evaluate's loss would read 0).
+                programs.check_not_recompiled(model, compiled_at)
     except BaseException:
         if hooks is not None:
             hooks.cancel()  # a Ctrl-C (or an error) delivers no more steps
