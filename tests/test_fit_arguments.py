@@ -494,21 +494,25 @@ def test_an_option_holding_an_array_can_be_set_again(strategy):
 def test_an_option_set_again_to_its_value_mid_fit_lets_the_run_go_on(setter, strategy):
     # Before: the accumulation, pipelining and feed setters dropped the programs whatever
     # the value, so a callback setting what was already set stopped the run.
+    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    _SAME_AGAIN[setter](on_ipu)
+    _fit_setting_at_each_epoch(on_ipu, _SAME_AGAIN[setter])
+
+
+def _fit_setting_at_each_epoch(model, set_option) -> None:
+    """Fits 3 epochs, `set_option(model)` at each epoch's end: all run, on one program."""
     from keras_ipu.keras import run
 
-    _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
-    set_again = _SAME_AGAIN[setter]
-    set_again(on_ipu)
     x, y = data_for("sequential", samples=32)
     programs = []
 
-    def again(epoch, logs):
-        programs.append(run.program_for(on_ipu, "fit"))
-        set_again(on_ipu)
+    def set_again(epoch, logs):
+        programs.append(run.program_for(model, "fit"))
+        set_option(model)
 
-    history = on_ipu.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
-                         callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=again)]).history
-    assert len(history["loss"]) == 3
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=set_again)])
+    assert len(history.history["loss"]) == 3
     assert programs[0] is not None and all(p is programs[0] for p in programs)
 
 
@@ -527,22 +531,12 @@ _EQUAL_IN_MEANING = {
 def test_a_feed_option_equal_in_meaning_mid_fit_lets_the_run_go_on(case, strategy):
     # Before: a depth left out against its default spelt out (or a key without effect)
     # counted as a change and stopped the run with a RuntimeError.
-    from keras_ipu.keras import options, run
+    from keras_ipu.keras import options
 
     _, on_ipu = twin("sequential", strategy, steps_per_execution=2)
     first, again = _EQUAL_IN_MEANING[case]
     first(on_ipu)
-    x, y = data_for("sequential", samples=32)
-    programs = []
-
-    def set_again(epoch, logs):
-        programs.append(run.program_for(on_ipu, "fit"))
-        again(on_ipu)
-
-    history = on_ipu.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
-                         callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=set_again)])
-    assert len(history.history["loss"]) == 3
-    assert programs[0] is not None and all(p is programs[0] for p in programs)
+    _fit_setting_at_each_epoch(on_ipu, again)
     kept = options.options_of(on_ipu)  # stored as given, for saving
     assert {**kept.infeed_kwargs, **kept.outfeed_kwargs} == {
         "prefetch_default": {"prefetch_depth": 2}, "buffer_none": {"buffer_depth": None},
