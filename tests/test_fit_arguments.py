@@ -433,13 +433,19 @@ def test_an_accumulation_option_set_during_evaluate_lets_it_run_to_the_end(strat
     # Before: evaluate, which ignores accumulation, stopped after its first execution
     # with the RuntimeError meant for fit.
     plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    _evaluate_setting_at_each_batch(plain, on_ipu, lambda model: (
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=2)))
+    assert options_of(on_ipu).gradient_accumulation_steps_per_replica == 2
+
+
+def _evaluate_setting_at_each_batch(plain, on_ipu, set_option) -> None:
+    """`on_ipu.evaluate`, `set_option(on_ipu)` in each batch hook, equals `plain`'s."""
     x, y = data_for("sequential", samples=32)
     hook = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: (
-        on_ipu.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=2)))
+        set_option(on_ipu)))
     evaluated = on_ipu.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[hook])
     np.testing.assert_allclose(evaluated, plain.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               rtol=1e-6)
-    assert options_of(on_ipu).gradient_accumulation_steps_per_replica == 2
+                               rtol=1e-5)
 
 
 def test_the_pipelines_accumulation_set_during_evaluate_lets_it_run_to_the_end(strategy):
@@ -458,12 +464,8 @@ def test_the_pipelines_accumulation_set_during_evaluate_lets_it_run_to_the_end(s
     for model in (plain, on_ipu):
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
     on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
-    x, y = data_for("sequential", samples=32)
-    hook = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: (
-        on_ipu.set_pipelining_options(gradient_accumulation_steps_per_replica=8)))
-    evaluated = on_ipu.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[hook])
-    np.testing.assert_allclose(evaluated, plain.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               rtol=1e-5)
+    _evaluate_setting_at_each_batch(plain, on_ipu, lambda model: (
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=8)))
     assert options_of(on_ipu).pipelining_gradient_accumulation_steps_per_replica == 8
 
 
