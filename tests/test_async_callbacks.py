@@ -281,6 +281,59 @@ def test_the_metrics_a_hooks_test_on_batch_leaves_are_the_epochs_logs(strategy):
     np.testing.assert_allclose(history["loss"], [r[0] for r in last_of_epoch], rtol=1e-6)
 
 
+class AboveThreshold(keras.metrics.Metric):
+    """The fraction of predictions above a threshold a callback moves (kept by resets)."""
+
+    def __init__(self, name="above"):
+        super().__init__(name=name)
+        self.threshold = self.add_variable((), initializer="zeros", name="threshold")
+        self.hits = self.add_variable((), initializer="zeros", name="hits")
+        self.seen = self.add_variable((), initializer="zeros", name="seen")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        above = keras.ops.cast(y_pred > self.threshold, "float32")
+        self.hits.assign_add(keras.ops.sum(above))
+        self.seen.assign_add(keras.ops.cast(keras.ops.size(above), "float32"))
+
+    def result(self):
+        return self.hits / keras.ops.maximum(self.seen, 1.0)
+
+    def reset_state(self):
+        self.hits.assign(0.0)
+        self.seen.assign(0.0)
+
+
+class RaiseThreshold(keras.callbacks.Callback):
+    """Raises the threshold of an `AboveThreshold` at the end of each epoch's 2nd execution."""
+
+    def __init__(self, metric):
+        super().__init__()
+        self.metric = metric
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2 * SPE - 1:
+            self.model.get_weights()  # the variables synced, as Keras' hooks need them
+            self.metric.threshold.assign(self.metric.threshold + 0.1)
+
+
+def test_a_metric_variable_a_hook_assigns_lands_alone(strategy):
+    # The metric's other variables keep what the running execution added, as with
+    # synchronous hooks (a first form landed them all, an execution's counts lost).
+    x, y = data_for("sequential", samples=BATCHES * BATCH)
+    logs = {}
+    for asynchronous in (False, True):
+        above = AboveThreshold()
+        _, model = twin("sequential", strategy, steps_per_execution=SPE, optimizer="sgd",
+                        metrics=[above])
+        model.set_asynchronous_callbacks(asynchronous)
+        logs[asynchronous] = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                       verbose=0, callbacks=[RaiseThreshold(above)]).history
+    assert logs[True].keys() == logs[False].keys()
+    for key in logs[False]:
+        np.testing.assert_allclose(logs[True][key], logs[False][key], rtol=1e-6)
+    assert 0 < logs[True]["above"][1] < logs[True]["above"][0] < 1  # the threshold moved
+
+
 def _autoencoder():
     inputs = keras.Input((6,))
     code = keras.layers.Dense(3, activation="tanh")(inputs)

@@ -392,10 +392,12 @@ def test_a_callback_compiling_the_model_at_the_last_batch_stops_fit_at_its_end(s
     assert_weights_close(plain.get_weights(), on_ipu.get_weights(), atol=1e-6)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_callback_compiling_the_model_at_the_last_predict_batch_gets_the_predictions(
-        strategy):
+        asynchronous, strategy):
     # predict reads no metrics: its results stand, as in plain Keras.
     plain, on_ipu = twin("sequential", strategy, steps_per_execution=2)
+    on_ipu.set_asynchronous_callbacks(asynchronous)
     x, _ = data_for("sequential", samples=32)
     results = []
     for model in (plain, on_ipu):

@@ -842,20 +842,6 @@ def test_model_checkpoint_names_its_file_by_formatting_the_logs_into_filepath():
         checkpoint._get_file_path(0, None, {"loss": np.array([0.5, 0.25])})
 
 
-def test_the_compiled_metrics_container_lists_its_metrics_and_holds_their_variables():
-    # keras_ipu.keras.step_callbacks lands a metric's variables together after an
-    # asynchronous hook: it finds each metric in `model.metrics` through the container's
-    # `metrics`, whose variables are those metrics' own.
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
-    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
-    container = next(m for m in model.metrics if m.name == "compile_metrics")
-    assert [m.name for m in container.metrics] == ["mae", "mse"]
-    assert [id(v) for m in container.metrics for v in m.variables] == [
-        id(v) for v in container.variables]
-    assert not hasattr(keras.metrics.Mean(), "metrics")
-
-
 def test_a_layers_added_losses_are_cleared_at_each_of_the_models_own_calls_of_it():
     # keras_ipu.keras.stages.plan.counted_losses counts a pipelined model's added losses so:
     # each call of a layer from the model itself (stateless_call runs `call`) starts anew;

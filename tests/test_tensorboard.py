@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -142,10 +143,11 @@ def test_the_list_reduction_writes_each_replicas_scalars_and_refuses_best_only_s
 
     # Before: NumPy's "unsupported format string passed to numpy.ndarray.__format__"
     # after the first epoch, naming the file.
-    named = keras.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch:02d}-{loss:.3f}.keras"))
-    with pytest.raises(ValueError, match=r"ModelCheckpoint's file name formats a log value "
-                                         r"as one number \(\{loss:\.3f\}\)"):
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[named])
+    for field in ("loss:.3f", "top-err:.2f"):  # a metric's name need not be an identifier
+        named = keras.callbacks.ModelCheckpoint(str(tmp_path / f"m-{{epoch}}-{{{field}}}.keras"))
+        with pytest.raises(ValueError, match=r"ModelCheckpoint's file name formats a log "
+                                             rf"value as one number \({{{re.escape(field)}}}\)"):
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[named])
     assert not list(tmp_path.glob("m-*"))
     # Fields that format numbers: an element, a conversion, a scheduler's learning rate.
     # (The first form refused them all.)

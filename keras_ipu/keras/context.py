@@ -86,6 +86,9 @@ class IPUModelState:
             programs: a run whose count moved (a callback compiled) stops on
             the state the model had when compiled, where an option setter's
             stop keeps the execution that ran.
+        hooks_replaced_metrics: Whether an asynchronous hook ran the
+            model's own `test_on_batch` (which resets the metrics first):
+            its metric state lands whole after the running execution.
         hooks_wrote_metrics: Whether the hooks of a run's last execution
             changed the metric variables (a reset; not a nested run, which
             syncs its own): its epoch logs are then Keras' metric results.
@@ -113,6 +116,7 @@ class IPUModelState:
     asynchronous_hooks: bool = False
     synced_state: Any = None
     synced_from: Any = None
+    hooks_replaced_metrics: bool = False
     hooks_wrote_metrics: bool = False
     compilations: int = 0
     assignment: Any = None

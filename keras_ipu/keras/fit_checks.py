@@ -236,7 +236,7 @@ def _check_checkpoint_path(checkpoint, replicas: int) -> None:
     # scheduler adds.
     formatted = [f"{{{name}:{spec}}}" for _, name, spec, conversion in
                  string.Formatter().parse(str(getattr(checkpoint, "filepath", "")))
-                 if name and spec and not conversion and name.isidentifier()
+                 if name and spec and not conversion and not {"[", "."} & set(name)
                  and name not in _SCALAR_LOG_KEYS]
     if formatted:
         raise ValueError(

@@ -402,9 +402,10 @@ def hook_writes(model: Any, parts: tuple[str, ...],
     synced (the previous execution's): a learning rate or weights a hook set
     is applied once that execution ends, as an assignment the reference queues
     behind the running program. A variable counts as assigned when its value
-    is no longer the one the sync gave it; a metric's variables land together
-    (`test_on_batch` resets the metrics and adds one batch: a count it leaves
-    as it was must not keep the running execution's over the hook's total).
+    is no longer the one the sync gave it. After the model's own
+    `test_on_batch` (`IPUModelState.hooks_replaced_metrics`, taken here) every
+    metric variable lands: it reset the metrics and added one batch, and a
+    count it left as it was must not keep the running execution's.
 
     Args:
         model: The running model.
@@ -422,21 +423,18 @@ def hook_writes(model: Any, parts: tuple[str, ...],
     """
     # The execution's state as the sync gave it (a hook's `train_on_batch` replaces
     # Keras' `_jax_state` with its own step's).
-    synced = context.state_of(model).synced_state
+    model_state = context.state_of(model)
+    synced = model_state.synced_state
+    replaced, model_state.hooks_replaced_metrics = model_state.hooks_replaced_metrics, False
     if not model._jax_state_synced or not synced:
         return []  # no hook read the model: none wrote it through Keras
     written = []
     for part in parts:
         of_part = variables[part] if variables else _variables(model, part)
         for variable, value in zip(of_part, synced.get(part) or ()):
-            if not _same_value(variable.value, value):
+            if (replaced and part == "metrics_variables") or not _same_value(
+                    variable.value, value):
                 written.append((variable, variable.value))
-    if "metrics_variables" in parts and written:
-        assigned = {id(variable) for variable, _ in written}
-        for metric in _metrics_of(model):
-            if any(id(variable) in assigned for variable in metric.variables):
-                written += [(variable, variable.value) for variable in metric.variables
-                            if id(variable) not in assigned]
     return written
 
 
@@ -553,15 +551,6 @@ def assign_state(variables: dict[str, tuple], keras_state: dict[str, Any]) -> No
     for part, of_part in variables.items():
         for variable, value in zip(of_part, keras_state.get(part) or ()):
             variable.assign(value)
-
-
-def _metrics_of(model: Any) -> list:
-    """The model's metrics, those Keras' compiled metrics container holds one by one."""
-    metrics = []
-    for metric in model.metrics:
-        inner = getattr(metric, "metrics", None)  # `CompileMetrics`: its metrics
-        metrics += list(inner) if isinstance(inner, list | tuple) and inner else [metric]
-    return metrics
 
 
 def _variables(model: Any, part: str) -> list:

@@ -475,7 +475,8 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
                 else:
                     step_callbacks.await_hooks(hooks, ended, outfeed, returned, begin,
                                                run.replica_count)
-                    programs.check_not_recompiled(model, compiled_at)  # did a hook compile?
+                    if mode != "predict":  # which keeps no state (`check_current` stops it)
+                        programs.check_not_recompiled(model, compiled_at)  # a hook compiled?
                     # The device's state is kept once its hooks all ran (a hook that
                     # raises leaves the last execution's); what they assigned lands on it.
                     written = step_callbacks.hook_writes(model, parts, variables)
@@ -511,7 +512,7 @@ def _run_epoch(model, run: Run, feed, mode, callbacks, collect=None, infeed=None
         if hooks is not None:
             hooks.close()
         model_state = context.state_of(model)
-        model_state.asynchronous_hooks = False
+        model_state.asynchronous_hooks = model_state.hooks_replaced_metrics = False
         model_state.hooks_wrote_metrics = bool(
             step_callbacks.hook_writes(model, ("metrics_variables",)))
         model_state.synced_state = model_state.synced_from = None
