@@ -1000,6 +1000,19 @@ def test_elements_of_another_shape_are_named_and_left_in_the_queue():
     assert len(infeed.peek(3)) == 2
 
 
+@pytest.mark.parametrize("second, described", [
+    ((np.ones(4), np.ones(4)), r"\(array \(4,\), array \(4,\)\) where the first is array "
+                               r"\(4,\)"),
+    ({"a": np.ones(4)}, r"\{'a': array \(4,\)\} where the first is array \(4,\)")])
+def test_elements_of_another_structure_are_named_and_left_in_the_queue(second, described):
+    # Before: a tuple after an array was taken for one stacked array ("differ in shape ...
+    # Is the last batch partial?"), a dict after a tuple gave JAX's pytree error.
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue([np.ones(4, np.float32), second])
+    with pytest.raises(ValueError, match=rf"The infeed's element 1 is {described}"):
+        ipu.loops.repeat(2, lambda v, x: v + 1.0, [0.0], infeed)
+    assert len(infeed.peek(3)) == 2
+
+
 def test_the_infeed_benchmark_times_the_queues_own_elements_in_order():
     infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(np.float32(i) for i in range(10))
     assert infeed.number_of_tuple_elements == 1  # looks at element 0
