@@ -32,6 +32,7 @@ from keras_ipu.config.legacy_tuning import (
 )
 from keras_ipu.config.system import configure_ipu_system
 from keras_ipu.device import system as ipu_system
+from keras_ipu.keras.options import checked_flag
 from keras_ipu.keras.report import execution_report, weight_placement
 
 
@@ -60,6 +61,8 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
     Raises:
         ValueError: For a seed that is not an integer in [0, 2**64), or a
             device the configured system does not have.
+        TypeError: For an `experimental_identical_replicas` that is not a
+            bool (the string `"False"`, say).
         RuntimeError: When no IPU system is configured.
 
     Example:
@@ -73,11 +76,12 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_device: str = "
         raise ValueError(
             f"The seed must be an integer in [0, 2**64), got {seed!r} of type "
             f"{type(seed).__name__}.")
+    identical = checked_flag("experimental_identical_replicas", experimental_identical_replicas)
     ipu_system.require().ipus_of_device(device)  # raises for a device it does not have
     seed = int(seed)
     # Keras (and NumPy's global generator) take 32-bit seeds, the IPU's are 64-bit.
     keras.utils.set_random_seed(seed if seed < 2**32 else (seed ^ (seed >> 32)) & 0xFFFFFFFF)
-    ipu_system.update_options(identical_replicas=bool(experimental_identical_replicas))
+    ipu_system.update_options(identical_replicas=identical)
 
 
 def running_on_ipu_model() -> bool:

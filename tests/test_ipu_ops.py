@@ -116,6 +116,15 @@ def test_dropout_with_a_seed_pair_repeats():
             rand_ops.dropout(x, rate=0.25, noise_shape=bad, seed=[3, 4])
 
 
+def test_dropout_without_a_seed_inside_a_compiled_program_says_what_to_pass():
+    # Before: Keras' "[JAX RNG] ... seeded random ops", naming neither rand_ops nor seed.
+    x = np.ones((8, 8), np.float32)
+    assert np.asarray(rand_ops.dropout(x, rate=0.5)).shape == (8, 8)  # eagerly: it draws
+    with pytest.raises(ValueError, match="rand_ops.dropout without a seed cannot draw inside "
+                                         "a compiled program .* pass seed="):
+        jax.jit(lambda a: rand_ops.dropout(a, rate=0.5))(x)
+
+
 class _ReplicaAware(keras.layers.Layer):
     """Outputs its input, the replica's index, and the sum of the input over replicas."""
 

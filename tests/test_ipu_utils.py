@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_ipu as ipu
+from keras_ipu.device import system as ipu_system
 from keras_ipu.utils import SyntheticDataCategory
 
 from conftest import configure
@@ -41,6 +42,11 @@ def test_reset_ipu_seed_checks_the_seed_and_the_device():
     with pytest.raises(ValueError, match="IPU:1"):
         ipu.utils.reset_ipu_seed(1, device="/device:IPU:1")
     ipu.utils.reset_ipu_seed(1, device="/device:IPU:0", experimental_identical_replicas=True)
+    # Before: the string "False" turned identical replicas on.
+    with pytest.raises(TypeError, match="`experimental_identical_replicas` must be a bool, "
+                                        "got 'False'"):
+        ipu.utils.reset_ipu_seed(1, experimental_identical_replicas="False")
+    assert ipu_system.require().option("identical_replicas") is True  # left as it was
 
 
 def test_reset_ipu_seed_takes_numpy_and_64_bit_seeds():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -37,9 +38,9 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
         The input with some elements zeroed.
 
     Raises:
-        ValueError: For a malformed `seed`, a `rate` outside [0, 1), or a
-            `noise_shape` of another length than `x`'s shape or an entry
-            neither 1 nor `x`'s.
+        ValueError: For a malformed `seed`, no seed inside a compiled program,
+            a `rate` outside [0, 1), or a `noise_shape` of another length than
+            `x`'s shape or an entry neither 1 nor `x`'s.
 
     Example:
 
@@ -53,6 +54,14 @@ def dropout(x: Any, rate: float = 0.5, noise_shape: Any = None, seed: Any = None
                          f"number in [0, 1); got {rate!r}.")
 
     _check_noise_shape(noise_shape, tuple(keras.ops.shape(x)))
+    if seed is None and isinstance(x, jax.core.Tracer):
+        # Keras draws an unseeded mask from its global generator, which a trace cannot
+        # advance (its error names neither this function nor its seed).
+        raise ValueError(
+            "rand_ops.dropout without a seed cannot draw inside a compiled program (a step "
+            "of fit, strategy.run, a loop): pass seed= a keras.random.SeedGenerator made "
+            "with the layer that calls it (a new mask each step), or a seed pair (the same "
+            "mask at each call), or use keras_ipu.keras.layers.Dropout.")
     from keras_ipu.keras.layers import keras_seed
 
     return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=keras_seed(seed))
