@@ -202,6 +202,15 @@ def test_windows_and_what_the_count_does_not_model():
     grads = cost.count_lowered(jax.jit(jax.grad(lambda x: jnp.sum(pool(x)))).lower(
         jnp.ones((2, 8, 8, 3))))
     assert grads.flops > count.flops and grads.uncounted == frozenset()
+    # Window taps on padding are no work: 3x3 SAME max pooling of 8x8 compares 484 taps
+    # of input elements less one per output (before: 8 per output, 512).
+    same = cost.count_lowered(jax.jit(lambda x: lax.reduce_window(
+        x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")).lower(jnp.ones((1, 8, 8, 1))))
+    assert same.flops == 22 * 22 - 64
+    # A cumulative sum (a window over the whole axis) adds each element to the prefix
+    # before it: 1,023 additions a row (before: 1,024 x 1,023, padding included).
+    for scan in (lambda x: jnp.cumsum(x, axis=1), lambda x: lax.cummax(x, axis=1, reverse=True)):
+        assert cost.count_lowered(jax.jit(scan).lower(jnp.ones((4, 1024)))).flops == 4 * 1023
     # A platform's kernel (LAPACK here, cuSOLVER on GPUs) is named, not guessed.
     solver = cost.count_lowered(jax.jit(jnp.linalg.cholesky).lower(jnp.eye(4)))
     assert any(note.startswith("custom_call @") for note in solver.uncounted)

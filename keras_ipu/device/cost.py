@@ -27,7 +27,9 @@ What is counted
   `rsqrt`, `power`, `erf`, ...): one per output element, separately, as
   XLA's cost analysis does.
 * Reductions (`reduce`, `reduce_window`, `select_and_scatter`, `scatter`,
-  `sort`): their region's float ops once per application.
+  `sort`): their region's float ops once per application. A window's taps
+  on padding apply nothing; a window over a whole axis padded on one side
+  (JAX's `cumsum`, `cummax`, ...) is a scan: one application per element.
 * Bytes: each op that computes or copies reads its operands and writes its
   results (`bytes_accessed`). Poplar lays out tensors as views, so reshapes,
   transposes, broadcasts, slices, concatenations, reversals and pads move
@@ -262,6 +264,31 @@ def _valid_taps(size: int, kernel: int, out: int, stride: int, low: int,
     return int(valid.sum())
 
 
+def _window_applications(line: str, shape: tuple[int, ...], out: tuple[int, ...]) -> float:
+    """How many times a `reduce_window` applies its region: per output, its window's taps
+    on input elements (not padding) less one. A window over a whole axis padded on one
+    side, stride 1, is a cumulative sum (`cumsum`, `cummax`, ...): each output combines
+    the one before it with one element, as a scan computes it."""
+    rank = len(shape)
+    if not rank or len(out) != rank:
+        return 0.0
+    window = stablehlo.int_list(line, "window_dimensions") or [1] * rank
+    strides = stablehlo.int_list(line, "window_strides") or [1] * rank
+    base = stablehlo.int_list(line, "base_dilations") or [1] * rank
+    dilations = stablehlo.int_list(line, "window_dilations") or [1] * rank
+    pad = re.search(r"padding = dense<\[(.*?)\]>", line)
+    edges = [tuple(map(int, p)) for p in re.findall(r"\[(-?\d+),\s*(-?\d+)\]",
+                                                    f"[{pad.group(1)}]")] if pad else []
+    edges = edges if len(edges) == rank else [(0, 0)] * rank
+    taps = 1
+    for d in range(rank):
+        scan = (window[d] == shape[d] == out[d] > 1 and strides[d] == base[d] == dilations[d]
+                == 1 and sorted(edges[d]) == [0, shape[d] - 1])
+        taps *= (2 * shape[d] - 1 if scan else _valid_taps(
+            shape[d], window[d], out[d], strides[d], edges[d][0], base[d], dilations[d]))
+    return float(max(taps - math.prod(out), 0))
+
+
 _ELEMENTWISE = frozenset("""
     add subtract multiply divide remainder maximum minimum negate abs sign floor ceil
     round_nearest_even round_nearest_afz compare select clamp and or xor not is_finite
@@ -414,7 +441,8 @@ class _Counter:
         if kind == "reduce":
             applications = max(first - out, 0)
         elif kind == "reduce_window":
-            applications = out * max(window - 1, 0)
+            applications = _window_applications(op.line, operands[0].shape if operands else (),
+                                                results[0].shape if results else ())
         elif kind == "select_and_scatter":  # select over each window, then scatter-add
             source = operands[1].elements if len(operands) > 1 else 0
             select = self.block(op.regions[0], True, scope) if len(op.regions) > 1 else per
