@@ -282,6 +282,46 @@ def test_all_to_all_takes_negative_dimensions_and_refuses_others():
             all_to_all_op.all_to_all(x[0], bad, 0, 1)
 
 
+def test_a_group_on_one_replica_is_named_with_the_sizes_it_takes():
+    # Before: "must be a positive integer ...; got 2" (2 is one), the replicas unsaid.
+    configure(1)
+    with pytest.raises(ValueError, match=r"divides the 1 replica \(the program is not "
+                                         r"replicated: configure more IPUs\).*got 2\. Valid "
+                                         r"sizes: 1\."):
+        ipu.ipu_strategy.IPUStrategy().run(
+            lambda x: cross_replica_ops.cross_replica_sum(x, 2), [np.ones(3, np.float32)])
+
+
+class _Exchange(keras.layers.Layer):
+    def __init__(self, concat_dimension=0):
+        super().__init__()
+        self.concat_dimension = concat_dimension
+
+    def call(self, x):
+        return all_to_all_op.all_to_all(x, 0, self.concat_dimension, 2)
+
+
+def test_all_to_all_over_the_batch_builds_without_a_batch_size():
+    # Before: the build split a dimension of unknown size ("array split does not result in
+    # an equal division"); with a batch size it built and ran.
+    configure(2)
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    predicted = []
+    for batch_size in (None, 4):
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            inputs = keras.Input((3,), batch_size=batch_size)
+            model = keras.Model(inputs, _Exchange()(inputs))
+        predicted.append(model.predict(x, batch_size=4, verbose=0))
+    np.testing.assert_array_equal(predicted[0], predicted[1])
+    # Replica 0's batch is rows 0, 2, 4, 6 and replica 1's rows 1, 3, 5, 7 (dealt in turn):
+    # each keeps its first two rows and takes the other's.
+    assert not np.array_equal(predicted[0], x)
+    with pytest.raises(ValueError, match=r"all_to_all cannot split dimension 0 of .* whose "
+                                         r"size is unknown"):
+        with ipu.ipu_strategy.IPUStrategy().scope():
+            _Exchange(concat_dimension=1)(keras.Input((4,)))
+
+
 class _Gathering(keras.layers.Layer):
     """Each replica's rows with its group's: all_gather, all_to_all, reduce_scatter, sums."""
 

@@ -148,7 +148,7 @@ def group_of(group_size: int | None) -> tuple[int, jax.Array]:
     count = replica_count()
     size = count if group_size is None else checked_group_size(group_size)
     if count % size:
-        raise ReplicaGroupError(_group_message(group_size, count))
+        raise ReplicaGroupError(_group_message(group_size, count, known=True))
     return size, replica_index() % size
 
 
@@ -178,14 +178,17 @@ def checked_group_size(group_size: Any) -> int | None:
     return size
 
 
-def _group_message(group_size: Any, count: int) -> str:
-    if count == 1:  # outside a replicated program (a Keras build): the replicas are unknown
+def _group_message(group_size: Any, count: int, known: bool = False) -> str:
+    """Why `group_size` cannot group `count` replicas (`known`: the program runs on them;
+    otherwise one may be a Keras build, outside a replicated program)."""
+    if count == 1 and not known:
         return (f"A replica group size must be a positive integer (or None, for one group "
                 f"of all replicas); got {group_size!r}.")
     valid = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
-    return (f"A replica group size must be a positive integer that divides the {count} "
-            f"replicas (or None, for one group of all); got {group_size!r}. Valid sizes: "
-            f"{valid}.")
+    replicas = ("1 replica (the program is not replicated: configure more IPUs)"
+                if count == 1 else f"{count} replicas")
+    return (f"A replica group size must be a positive integer that divides the {replicas} "
+            f"(or None, for one group of all); got {group_size!r}. Valid sizes: {valid}.")
 
 
 def all_gather(value: jax.Array, group_size: int | None = None) -> jax.Array:

@@ -267,18 +267,25 @@ def check_accumulation(model, plan, options: IPUOptions, pipeline_plan=None) -> 
     else:
         accumulation = options.gradient_accumulation_steps
     kind = "pipelined model" if pipeline_plan is not None else "model"
-    if plan.steps_per_execution % accumulation:
+    # The value compile() was given too, as the reference checks it (where the data is
+    # shorter, the run's is truncated to the data's batches).
+    for steps in dict.fromkeys((model.steps_per_execution, plan.steps_per_execution)):
+        _check_divisible(kind, steps, accumulation)
+    return accumulation
+
+
+def _check_divisible(kind: str, steps: int, accumulation: int) -> None:
+    if steps % accumulation:
         raise RuntimeError(
             f"The {kind} has been configured to use gradient accumulation for training, "
             f"however the current `steps_per_execution` value (set to "
-            f"{plan.steps_per_execution}) is not divisible by "
+            f"{steps}) is not divisible by "
             f"`gradient_accumulation_steps_per_replica` ({accumulation}). You need to "
             f"adjust either `steps_per_execution` or "
             f"`gradient_accumulation_steps_per_replica` to make sure that "
             f"`steps_per_execution` is divisible by "
             f"`gradient_accumulation_steps_per_replica`."
         )
-    return accumulation
 
 
 def log_plan(model, feed, accumulation: int) -> None:

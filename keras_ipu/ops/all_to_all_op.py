@@ -81,7 +81,15 @@ def all_to_all(x: Any, split_dimension: int, concat_dimension: int, replication_
         raise ValueError(f"all_to_all's replication_factor must be a positive int (replicas per "
                          f"group), got {replication_factor!r}.")
     replication_factor = factor
-    if x.shape[split] % replication_factor:
+    size = x.shape[split]
+    if not isinstance(size, (int, np.integer)):  # a Keras build's unknown batch size
+        if split == concat and symbolic.in_keras_symbolic_build():
+            return x  # blocks exchanged along one axis keep its shape: all the build needs
+        raise ValueError(f"all_to_all cannot split dimension {split_dimension} of {x.shape}, "
+                         f"whose size is unknown, into {replication_factor} blocks: give the "
+                         f"model's inputs a batch size (keras.Input(..., batch_size=...)), or "
+                         f"concatenate along the dimension it splits.")
+    if size % replication_factor:
         raise ValueError(f"replication_factor {replication_factor} must divide dimension "
                          f"{split_dimension} of {x.shape}.")
     return symbolic.collective(_exchanged, replication_factor, x, split, concat,
