@@ -286,8 +286,9 @@ def test_a_group_on_one_replica_is_named_with_the_sizes_it_takes():
     # Before: "must be a positive integer ...; got 2" (2 is one), the replicas unsaid.
     configure(1)
     with pytest.raises(ValueError, match=r"divides the 1 replica \(the program is not "
-                                         r"replicated: configure more IPUs\).*got 2\. Valid "
-                                         r"sizes: 1\."):
+                                         r"replicated: replicas run `strategy.run` or a step "
+                                         r"of a model made in an `IPUStrategy` scope.*got 2\. "
+                                         r"Valid sizes: 1\."):
         ipu.ipu_strategy.IPUStrategy().run(
             lambda x: cross_replica_ops.cross_replica_sum(x, 2), [np.ones(3, np.float32)])
 

@@ -185,8 +185,9 @@ def _group_message(group_size: Any, count: int, known: bool = False) -> str:
         return (f"A replica group size must be a positive integer (or None, for one group "
                 f"of all replicas); got {group_size!r}.")
     valid = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
-    replicas = ("1 replica (the program is not replicated: configure more IPUs)"
-                if count == 1 else f"{count} replicas")
+    replicas = ("1 replica (the program is not replicated: replicas run `strategy.run` or "
+                "a step of a model made in an `IPUStrategy` scope, on a system of more IPUs "
+                "than one replica takes)" if count == 1 else f"{count} replicas")
     return (f"A replica group size must be a positive integer that divides the {replicas} "
             f"(or None, for one group of all); got {group_size!r}. Valid sizes: {valid}.")
 
