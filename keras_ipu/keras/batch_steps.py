@@ -58,12 +58,11 @@ def on_this_instance(method: str, originals: dict[str, Callable]) -> Callable:
         if method != "predict_on_batch":  # a step of the job's weights: one instance's only
             runtime.check_one_instance(f"`{method}`")
         model_state = context.state_of(model)
-        if method == "train_on_batch" and model_state.asynchronous_hooks:
-            # Its step would land behind the running execution, over its steps.
-            step_callbacks.check_not_in_async_hooks(model, method)
-        if (method == "test_on_batch" and model_state.asynchronous_hooks
-                and step_callbacks.on_hooks_thread()):
-            model_state.hooks_replaced_metrics = True  # see `step_callbacks.hook_writes`
+        if model_state.asynchronous_hooks and step_callbacks.on_hooks_thread():
+            if method == "train_on_batch":  # would land behind the running execution's steps
+                step_callbacks.check_not_in_async_hooks(model, method)
+            elif method == "test_on_batch":  # see `step_callbacks.hook_writes`
+                model_state.hooks_replaced_metrics = True
         synced = getattr(model, "_jax_state_synced", True)
         with context.model_scope(model):
             install(model, method)
